@@ -1,0 +1,45 @@
+"""flexmask: cheap, composable, safe FlexAttention masks.
+
+Compose a mask from pieces with ``&``, ``|`` and ``~``; build its BlockMask from structure
+(no Q×KV evaluation).
+
+Example:
+    >>> import flexmask
+    >>> mask = flexmask.causal() & flexmask.document([3, 2])
+    >>> bm = flexmask.create_block_mask(mask, 1, 1, 5, 5, device="cpu")
+    >>> bm.kv_num_blocks.tolist()
+    [[[1]]]
+"""
+
+from flexmask.builder import create_block_mask
+from flexmask.mask import And, Mask, Not, Or
+from flexmask.pieces import (
+    causal,
+    document,
+    empty,
+    from_mask_mod,
+    full,
+    padding,
+    prefix,
+    sliding_window,
+    tree,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "And",
+    "Mask",
+    "Not",
+    "Or",
+    "causal",
+    "create_block_mask",
+    "document",
+    "empty",
+    "from_mask_mod",
+    "full",
+    "padding",
+    "prefix",
+    "sliding_window",
+    "tree",
+]

@@ -1,0 +1,222 @@
+"""From a mask expression to a torch BlockMask, without evaluating the whole Q×KV grid.
+
+The one data path: validate → classify every tile from structure (``Mask._classify``) →
+evaluate the mask only on tiles left undecided → write torch's BlockMask tensors in the
+order torch's own ``create_block_mask`` writes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+from flexmask._validate import check_int
+from flexmask.blocks import CODE_DTYPE, EMPTY, FULL, PARTIAL, UNDECIDED, BlockGrid
+from flexmask.mask import Mask, MaskMod
+
+# Undecided tiles are evaluated this many elements at a time (1 Mi bools per intermediate).
+REFINE_CHUNK_ELEMENTS = 1 << 20
+
+
+class Classified(NamedTuple):
+    """Final tile codes (EMPTY / PARTIAL / FULL) and how many tiles needed evaluation."""
+
+    codes: Tensor
+    """(R, Hh, nq, nkv) int8, R = B if the mask depends on the row else 1; Hh likewise."""
+    refined: int
+    """Tiles the structure left undecided and the mask_mod was evaluated on."""
+
+
+def default_device() -> torch.device:
+    """torch's default for create_block_mask: the current accelerator, else the CPU."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        current = accelerator.current_accelerator()
+        return torch.device(current) if current is not None else torch.device("cpu")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def block_sizes(BLOCK_SIZE: Any) -> tuple[int, int]:
+    """(q_block, kv_block) from an int or a pair, validated."""
+    if isinstance(BLOCK_SIZE, (tuple, list)):
+        if len(BLOCK_SIZE) != 2:
+            raise ValueError(f"BLOCK_SIZE must be an int or a (Q, KV) pair, got {BLOCK_SIZE!r}")
+        q_block = check_int(BLOCK_SIZE[0], "BLOCK_SIZE[0]", minimum=1)
+        kv_block = check_int(BLOCK_SIZE[1], "BLOCK_SIZE[1]", minimum=1)
+        return q_block, kv_block
+    size = check_int(BLOCK_SIZE, "BLOCK_SIZE", minimum=1)
+    return size, size
+
+
+def make_grid(
+    mask: Mask,
+    B: Any,
+    H: Any,
+    Q_LEN: Any,
+    KV_LEN: Any,
+    device: torch.device | str | None,
+    BLOCK_SIZE: Any,
+) -> BlockGrid:
+    """Validates the build arguments against the mask and lays out its tiles."""
+    batch = 1 if B is None else check_int(B, "B", minimum=1)
+    heads = 1 if H is None else check_int(H, "H", minimum=1)
+    q_len = check_int(Q_LEN, "Q_LEN", minimum=1)
+    kv_len = check_int(KV_LEN, "KV_LEN", minimum=1)
+    q_block, kv_block = block_sizes(BLOCK_SIZE)
+    if device is None:
+        device = mask.device or default_device()
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be a torch device or its name, got {device!r}") from err
+    if mask.rows is not None and B is None:
+        batch = mask.rows
+    grid = BlockGrid.make(batch, heads, q_len, kv_len, q_block, kv_block, device)
+    mask._check(grid)
+    return grid
+
+
+def classify_blocks(mask: Mask, grid: BlockGrid) -> Classified:
+    """Every tile's final code: structure first, the mask_mod only on undecided tiles."""
+    rows = grid.batch if mask.batch_dependent else 1
+    heads = grid.heads if mask.head_dependent else 1
+    shape = (rows, heads, grid.num_q_blocks, grid.num_kv_blocks)
+    codes = mask._classify(grid).expand(shape)
+    undecided = (codes == UNDECIDED).nonzero()
+    if undecided.numel():
+        codes = codes.contiguous()
+        evaluate = mask._lower(grid.length, grid.device).evaluate
+        _refine(codes, undecided, evaluate, grid)
+    # torch pads the last tiles with masked elements: a tile past either end is never FULL.
+    codes = torch.where((codes == FULL) & ~grid.complete(), PARTIAL, codes).to(CODE_DTYPE)
+    return Classified(codes, undecided.shape[0])
+
+
+def _refine(codes: Tensor, tiles: Tensor, evaluate: MaskMod, grid: BlockGrid) -> None:
+    """Evaluates the mask on the given tiles only and writes their exact codes in place."""
+    dev = grid.device
+    q_offsets = torch.arange(grid.q_block, device=dev).view(1, -1, 1)
+    kv_offsets = torch.arange(grid.kv_block, device=dev).view(1, 1, -1)
+    per_chunk = max(1, REFINE_CHUNK_ELEMENTS // (grid.q_block * grid.kv_block))
+    for chunk in torch.split(tiles, per_chunk):
+        row, head, qb, kvb = chunk.unbind(1)
+        q_idx = (qb * grid.q_block).view(-1, 1, 1) + q_offsets
+        kv_idx = (kvb * grid.kv_block).view(-1, 1, 1) + kv_offsets
+        in_range = (q_idx < grid.q_len) & (kv_idx < grid.kv_len)
+        # Clamped so lookups sized to the sequence are never indexed past it.
+        attends = evaluate(
+            row.view(-1, 1, 1),
+            head.view(-1, 1, 1),
+            q_idx.clamp(max=grid.q_len - 1),
+            kv_idx.clamp(max=grid.kv_len - 1),
+        )
+        attends = attends.expand(in_range.shape) & in_range
+        some = attends.flatten(1).any(1)
+        every = (attends | ~in_range).flatten(1).all(1)
+        code = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(CODE_DTYPE)
+        codes[row, head, qb, kvb] = code
+
+
+def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """(num_blocks, indices) of a 0/1 grid, byte-identical to torch's stable argsort order:
+    the set columns ascending, then the unset ones ascending. A cumsum ranks each column and
+    one scatter writes it — O(columns), no sort."""
+    ones = blocks.to(torch.int32)
+    count = ones.sum(-1, dtype=torch.int32)
+    ones_before = ones.cumsum(-1, dtype=torch.int32) - ones
+    col = torch.arange(ones.shape[-1], dtype=torch.int32, device=ones.device).expand_as(ones)
+    rank = torch.where(blocks, ones_before, count.unsqueeze(-1) + col - ones_before)
+    indices = torch.empty_like(col).scatter_(-1, rank.long(), col)
+    return count, indices
+
+
+def to_block_mask(
+    codes: Tensor, grid: BlockGrid, mask_mod: MaskMod | None
+) -> BlockMask:
+    """Writes torch's BlockMask from final tile codes, broadcasting rows/heads by views."""
+    partial = codes == PARTIAL
+    full = codes == FULL
+    shape_kv = (grid.batch, grid.heads, grid.num_q_blocks)
+    shape_q = (grid.batch, grid.heads, grid.num_kv_blocks)
+
+    def expand(pair: tuple[Tensor, Tensor], shape: tuple[int, int, int]):
+        count, indices = pair
+        return count.expand(shape), indices.expand(*shape, indices.shape[-1])
+
+    kv_num, kv_idx = expand(_ordered(partial), shape_kv)
+    full_kv_num, full_kv_idx = expand(_ordered(full), shape_kv)
+    q_num, q_idx = expand(_ordered(partial.transpose(-2, -1)), shape_q)
+    full_q_num, full_q_idx = expand(_ordered(full.transpose(-2, -1)), shape_q)
+    return BlockMask(
+        seq_lengths=(grid.q_len, grid.kv_len),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_kv_num,
+        full_kv_indices=full_kv_idx,
+        q_num_blocks=q_num,
+        q_indices=q_idx,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx,
+        BLOCK_SIZE=(grid.q_block, grid.kv_block),
+        mask_mod=mask_mod,
+    )
+
+
+def build(mask: Mask, grid: BlockGrid) -> BlockMask:
+    """Builds the BlockMask of a validated mask on a validated grid."""
+    classified = classify_blocks(mask, grid)
+    mask_mod = mask._lower(grid.length, grid.device).mask_mod
+    return to_block_mask(classified.codes, grid, mask_mod)
+
+
+def create_block_mask(
+    mask: Mask | MaskMod,
+    B: int | None = None,
+    H: int | None = None,
+    Q_LEN: int = 128,
+    KV_LEN: int = 128,
+    device: torch.device | str | None = None,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
+) -> BlockMask:
+    """Drop-in for ``torch.nn.attention.flex_attention.create_block_mask``, built from structure.
+
+    For a flexmask expression the result equals torch's ``create_block_mask(mask.mask_mod, ...)``
+    tensor for tensor — the same kv blocks per row and the same full/partial split — but tiles
+    are classified from each piece's data and the mask is evaluated only on tiles the
+    structure leaves undecided. A mask that does not depend on the batch row (or head) is
+    built once and broadcast as a view. A plain mask_mod callable is passed to torch.
+
+    Args:
+        mask: a flexmask expression, or any mask_mod (forwarded to torch unchanged).
+        B: batch size (None: 1, or the row count of per-row data).
+        H: number of heads (None: 1).
+        Q_LEN: query length. KV_LEN: key/value length. Neither needs to be a block multiple.
+        device: where to build (None: the device of the mask's tensors, else torch's default).
+        BLOCK_SIZE: tile size, an int or a (Q, KV) pair.
+
+    Returns:
+        A ``torch.nn.attention.flex_attention.BlockMask`` whose ``mask_mod`` captures only
+        lookups sized by the sequence length.
+
+    Example:
+        >>> import flexmask
+        >>> mask = flexmask.causal() & flexmask.document([300, 200])
+        >>> bm = flexmask.create_block_mask(mask, 1, 1, 512, 512, device="cpu")
+        >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
+        ([[[1, 1, 2, 2]]], [[[0, 1, 0, 1]]])
+    """
+    if not isinstance(mask, Mask):
+        if callable(mask):
+            return torch_create_block_mask(
+                mask, B, H, Q_LEN, KV_LEN, device=device or default_device(),
+                BLOCK_SIZE=BLOCK_SIZE,
+            )
+        raise TypeError(
+            f"mask must be a flexmask Mask or a mask_mod callable, got {type(mask).__name__}"
+        )
+    grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+    return build(mask, grid)

@@ -1,0 +1,69 @@
+"""What every piece shares: its content key, per-row data bookkeeping and the row check."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flexmask.blocks import BlockGrid
+from flexmask.mask import Mask
+
+
+class Piece(Mask):
+    """A leaf of the mask algebra. Subclasses set ``_key``, ``_rows``, ``_device``, ``_natural``."""
+
+    __slots__ = ("_key", "_rows", "_device", "_natural")
+    _arg = "the mask's data"
+
+    def __init__(
+        self,
+        key: tuple,
+        rows: int | None = None,
+        device: torch.device | None = None,
+        natural: int = 0,
+    ) -> None:
+        self._key = key
+        self._rows = rows
+        self._device = device
+        self._natural = natural
+
+    @property
+    def key(self) -> tuple:
+        return self._key
+
+    @property
+    def rows(self) -> int | None:
+        return self._rows
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    @property
+    def natural_length(self) -> int:
+        return self._natural
+
+    def _check(self, grid: BlockGrid) -> None:
+        if self._rows is not None and self._rows != grid.batch:
+            raise ValueError(
+                f"{self._arg} is given for {self._rows} batch rows but B={grid.batch}: pass one "
+                f"value per row, or a single value shared by every row"
+            )
+        if self._device is not None and _device_key(self._device) != _device_key(grid.device):
+            raise ValueError(
+                f"{self._arg} lives on {self._device} but the mask is built on {grid.device}: "
+                f"pass device={str(self._device)!r} or move the input to {grid.device}"
+            )
+
+
+def _device_key(device: torch.device) -> tuple[str, int]:
+    device = torch.device(device)
+    index = device.index
+    if index is None and device.type != "cpu":
+        index = torch.accelerator.current_device_index() if hasattr(torch, "accelerator") else 0
+    return device.type, index or 0
+
+
+def per_row_view(values: Tensor, per_row: bool, device: torch.device) -> Tensor:
+    """(R, 1, 1, 1) view of per-row values for block classification."""
+    return values.to(device).view(-1, 1, 1, 1) if per_row else values.to(device).view(1, 1, 1, 1)

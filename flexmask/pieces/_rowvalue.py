@@ -1,0 +1,55 @@
+"""Pieces parametrised by one integer per batch row (or one for all rows)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flexmask._validate import scalar_or_rows, source_device
+from flexmask.blocks import BlockGrid
+from flexmask.pieces._base import Piece, per_row_view
+
+
+class RowValuePiece(Piece):
+    """Holds ``values``: int64 of shape (R,) with ``per_row``, else shape (1,)."""
+
+    __slots__ = ("values", "per_row")
+    _kind = ""
+    _limit_by_length = True  # a value larger than the sequence is a caller's mistake
+
+    def __init__(self, value: Any, name: str, minimum: int = 1) -> None:
+        values, per_row = scalar_or_rows(value, name, minimum=minimum)
+        self.values = values
+        self.per_row = per_row
+        natural = int(values.max()) if self._limit_by_length else 0
+        key_data = tuple(values.tolist()) if per_row else int(values[0])
+        super().__init__(
+            (self._kind, key_data),
+            rows=values.numel() if per_row else None,
+            device=source_device(value),
+            natural=natural,
+        )
+
+    def _check(self, grid: BlockGrid) -> None:
+        super()._check(grid)
+        if self._limit_by_length and int(self.values.max()) > grid.length:
+            raise ValueError(
+                f"{self._arg} must be at most the sequence length max(Q_LEN, KV_LEN)="
+                f"{grid.length}, got {int(self.values.max())}"
+            )
+
+    def _row_values(self, grid: BlockGrid) -> Tensor:
+        """(R, 1, 1, 1) values on the grid's device, for block classification."""
+        return per_row_view(self.values, self.per_row, grid.device)
+
+    def _captured(self, device: torch.device) -> Tensor:
+        """What the mask_mod captures: 0-d (shared) or (R,) (per row); never a Python int,
+        so new values of the same shape do not recompile."""
+        values = self.values.to(device)
+        return values if self.per_row else values[0]
+
+    def __repr__(self) -> str:
+        data = self.values.tolist() if self.per_row else int(self.values[0])
+        return f"{self._kind}({data})"

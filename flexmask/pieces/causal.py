@@ -1,0 +1,56 @@
+"""Causal attention: a query attends to itself and every earlier key."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flexmask.blocks import BlockGrid, codes_from
+from flexmask.mask import Lowered
+from flexmask.pieces._base import Piece
+
+
+class Causal(Piece):
+    """``kv_idx <= q_idx``.
+
+    ::
+
+        ■ ⬚ ⬚ ⬚
+        ■ ■ ⬚ ⬚
+        ■ ■ ■ ⬚
+        ■ ■ ■ ■
+    """
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(("causal",))
+
+    def _classify(self, grid: BlockGrid) -> Tensor:
+        return codes_from(grid.kv_first <= grid.q_last, grid.kv_last <= grid.q_first)
+
+    def _lower(self, length: int, device: torch.device) -> Lowered:
+        def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return q_idx >= kv_idx
+
+        return Lowered(causal, causal)
+
+    def __repr__(self) -> str:
+        return "causal()"
+
+
+def causal() -> Causal:
+    """Causal attention: ``kv_idx <= q_idx`` (absolute positions from 0).
+
+    Returns:
+        The causal mask, a value: ``causal() == causal()``.
+
+    Example:
+        >>> import flexmask
+        >>> print(flexmask.causal().show(4))
+        ■ ⬚ ⬚ ⬚
+        ■ ■ ⬚ ⬚
+        ■ ■ ■ ⬚
+        ■ ■ ■ ■
+    """
+    return Causal()

@@ -1,0 +1,93 @@
+"""The two constant masks: attend everywhere, attend nowhere."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flexmask.blocks import EMPTY, FULL, BlockGrid, constant_codes
+from flexmask.mask import Lowered
+from flexmask.pieces._base import Piece
+
+
+class Full(Piece):
+    """Every query attends every key.
+
+    ::
+
+        ■ ■ ■
+        ■ ■ ■
+        ■ ■ ■
+    """
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(("full",))
+
+    def _classify(self, grid: BlockGrid) -> Tensor:
+        return constant_codes(FULL, grid.device)
+
+    def _lower(self, length: int, device: torch.device) -> Lowered:
+        def full_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (q_idx >= 0) & (kv_idx >= 0)
+
+        return Lowered(full_mask, full_mask)
+
+    def __repr__(self) -> str:
+        return "full()"
+
+
+class Empty(Piece):
+    """No query attends any key (every output row is zero).
+
+    ::
+
+        ⬚ ⬚ ⬚
+        ⬚ ⬚ ⬚
+        ⬚ ⬚ ⬚
+    """
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(("empty",))
+
+    def _classify(self, grid: BlockGrid) -> Tensor:
+        return constant_codes(EMPTY, grid.device)
+
+    def _lower(self, length: int, device: torch.device) -> Lowered:
+        def empty_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (q_idx < 0) & (kv_idx < 0)
+
+        return Lowered(empty_mask, empty_mask)
+
+    def __repr__(self) -> str:
+        return "empty()"
+
+
+def full() -> Full:
+    """Attend everywhere (bidirectional attention); the identity of ``&``.
+
+    Example:
+        >>> import flexmask
+        >>> print(flexmask.full().show(2))
+        ■ ■
+        ■ ■
+        >>> (flexmask.full() & flexmask.causal()).to_dense(1, 1, 3, 3).equal(
+        ...     flexmask.causal().to_dense(1, 1, 3, 3))
+        True
+    """
+    return Full()
+
+
+def empty() -> Empty:
+    """Attend nowhere; the identity of ``|``.
+
+    Example:
+        >>> import flexmask
+        >>> print(flexmask.empty().show(2))
+        ⬚ ⬚
+        ⬚ ⬚
+    """
+    return Empty()

@@ -1,0 +1,163 @@
+"""Documents packed back to back: a query attends only within its own document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flexmask._validate import digest, int_vector, is_nested, source_device
+from flexmask.blocks import BlockGrid, codes_from
+from flexmask.mask import Lowered
+from flexmask.pieces._base import Piece
+
+
+class Document(Piece):
+    """q and kv lie in the same document; positions past ``sum(seq_lens)`` are in none.
+
+    ::
+
+        seq_lens=[2, 3]:  ■ ■ ⬚ ⬚ ⬚
+                          ■ ■ ⬚ ⬚ ⬚
+                          ⬚ ⬚ ■ ■ ■
+                          ⬚ ⬚ ■ ■ ■
+                          ⬚ ⬚ ■ ■ ■
+    """
+
+    __slots__ = ("seq_lens", "per_row")
+    _arg = "seq_lens"
+
+    def __init__(self, seq_lens: Any) -> None:
+        per_row = is_nested(seq_lens)
+        rows_in = list(seq_lens) if per_row else [seq_lens]
+        self.seq_lens = [
+            _check_lens(r, f"seq_lens[{i}]" if per_row else "seq_lens")
+            for i, r in enumerate(rows_in)
+        ]
+        self.per_row = per_row
+        natural = max(int(r.sum()) for r in self.seq_lens)
+        if per_row:
+            key_data: tuple = ("rows", digest(*self.seq_lens))
+        else:
+            key_data = tuple(self.seq_lens[0].tolist())
+        super().__init__(
+            ("document", key_data),
+            rows=len(self.seq_lens) if per_row else None,
+            device=source_device(seq_lens),
+            natural=natural,
+        )
+
+    def _check(self, grid: BlockGrid) -> None:
+        super()._check(grid)
+        for i, lens in enumerate(self.seq_lens):
+            total = int(lens.sum())
+            if total > grid.length:
+                where = f"seq_lens[{i}]" if self.per_row else "seq_lens"
+                raise ValueError(
+                    f"sum({where})={total} is larger than the sequence length "
+                    f"max(Q_LEN, KV_LEN)={grid.length}: documents must fit in the sequence"
+                )
+
+    def _classify(self, grid: BlockGrid) -> Tensor:
+        device = grid.device
+        num_docs = torch.tensor([len(r) for r in self.seq_lens], device=device)
+        ends = torch.nn.utils.rnn.pad_sequence(
+            [r.cumsum(0) for r in self.seq_lens],
+            batch_first=True,
+            padding_value=torch.iinfo(torch.int64).max,
+        ).to(device)
+        # Document of a token: the first document whose end lies after it. Only tile edges are
+        # looked up (4 x blocks), never every token. Tokens past the data get id num_docs.
+        edges = torch.cat(
+            [grid.q_first.flatten(), grid.q_last.flatten(), grid.kv_first.flatten(),
+             grid.kv_last.flatten()]
+        )
+        ids = torch.searchsorted(ends, edges.expand(ends.shape[0], -1).contiguous(), right=True)
+        nq, nkv = grid.num_q_blocks, grid.num_kv_blocks
+        q0, q1, k0, k1 = torch.split(ids, [nq, nq, nkv, nkv], dim=1)
+        rows = ids.shape[0]
+        q0, q1 = q0.view(rows, 1, nq, 1), q1.view(rows, 1, nq, 1)
+        k0, k1 = k0.view(rows, 1, 1, nkv), k1.view(rows, 1, 1, nkv)
+        last_doc = (num_docs - 1).view(rows, 1, 1, 1)
+        # Ids are consecutive along the sequence, so the documents in a tile form a range;
+        # the tile attends somewhere iff the q and kv ranges share a real document.
+        nonempty = torch.maximum(q0, k0) <= torch.minimum(torch.minimum(q1, k1), last_doc)
+        full = (q0 == q1) & (k0 == k1) & (q0 == k0) & (q0 <= last_doc)
+        return codes_from(nonempty, full)
+
+    def _lower(self, length: int, device: torch.device) -> Lowered:
+        doc_id = _document_ids(self.seq_lens, length, device)
+        last = length  # index of the trailing sentinel entry (-1: no document)
+        if self.per_row:
+
+            def document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                q_doc = doc_id[b, q_idx.clamp(max=last)]
+                return (q_doc == doc_id[b, kv_idx.clamp(max=last)]) & (q_doc >= 0)
+        else:
+            doc_id_1d = doc_id[0]
+
+            def document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                q_doc = doc_id_1d[q_idx.clamp(max=last)]
+                return (q_doc == doc_id_1d[kv_idx.clamp(max=last)]) & (q_doc >= 0)
+
+        return Lowered(document, document)
+
+    def __repr__(self) -> str:
+        if self.per_row:
+            return f"document(<{len(self.seq_lens)} rows>)"
+        return f"document({self.seq_lens[0].tolist()})"
+
+
+def _check_lens(value: Any, name: str) -> Tensor:
+    lens = int_vector(value, name)
+    if lens.numel() == 0:
+        raise ValueError(f"{name} must list at least one document length, got an empty list")
+    bad = (lens <= 0).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(
+            f"{name}[{i}] must be a positive document length, got {int(lens[i])} "
+            f"(drop empty documents before building the mask)"
+        )
+    return lens
+
+
+def _document_ids(seq_lens: list[Tensor], length: int, device: torch.device) -> Tensor:
+    """(R, length + 1) int32 document id per position; -1 past the documents.
+
+    Sized by the sequence length, not the number of documents, so a compiled kernel sees the
+    same shape for every batch of this length.
+    """
+    doc_id = torch.full((len(seq_lens), length + 1), -1, dtype=torch.int32)
+    for row, lens in enumerate(seq_lens):
+        ids = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), lens)
+        doc_id[row, : ids.numel()] = ids
+    return doc_id.to(device)
+
+
+def document(seq_lens: Any) -> Document:
+    """Documents of the given lengths packed back to back from position 0.
+
+    q attends kv iff both lie in the same document; positions at or beyond ``sum(seq_lens)``
+    belong to no document and attend nowhere. ``causal() & document(seq_lens)`` is the usual
+    packed-sequence mask.
+
+    Args:
+        seq_lens: positive document lengths — one list (or 1-D integer tensor) for every batch
+            row, or a list of lists (or a 2-D tensor) with one list per row.
+
+    Raises:
+        ValueError: an empty list, a length <= 0, or (when built) a sum larger than the sequence.
+        TypeError: non-integer lengths.
+
+    Example:
+        >>> import flexmask
+        >>> print((flexmask.causal() & flexmask.document([2, 3])).show(5))
+        ■ ⬚ ⬚ ⬚ ⬚
+        ■ ■ ⬚ ⬚ ⬚
+        ⬚ ⬚ ■ ⬚ ⬚
+        ⬚ ⬚ ■ ■ ⬚
+        ⬚ ⬚ ■ ■ ■
+    """
+    return Document(seq_lens)

@@ -1,0 +1,66 @@
+"""Padding: each batch row has ``lengths[b]`` real tokens followed by padding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flexmask.blocks import BlockGrid, codes_from
+from flexmask.mask import Lowered
+from flexmask.pieces._rowvalue import RowValuePiece
+
+
+class Padding(RowValuePiece):
+    """``q_idx < lengths[b] and kv_idx < lengths[b]``.
+
+    ::
+
+        length=3: ■ ■ ■ ⬚
+                  ■ ■ ■ ⬚
+                  ■ ■ ■ ⬚
+                  ⬚ ⬚ ⬚ ⬚
+    """
+
+    __slots__ = ()
+    _arg = "lengths"
+    _kind = "padding"
+
+    def _classify(self, grid: BlockGrid) -> Tensor:
+        length = self._row_values(grid)
+        nonempty = (grid.q_first < length) & (grid.kv_first < length)
+        full = (grid.q_last < length) & (grid.kv_last < length)
+        return codes_from(nonempty, full)
+
+    def _lower(self, length: int, device: torch.device) -> Lowered:
+        lengths = self._captured(device)
+        if self.per_row:
+
+            def padding(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                row_len = lengths[b]
+                return (q_idx < row_len) & (kv_idx < row_len)
+        else:
+
+            def padding(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return (q_idx < lengths) & (kv_idx < lengths)
+
+        return Lowered(padding, padding)
+
+
+def padding(lengths: Any) -> Padding:
+    """Mask out padding: tokens at or after ``lengths[b]`` neither attend nor are attended.
+
+    Args:
+        lengths: real length >= 1 (at most the sequence length) of each batch row, or one int
+            for every row.
+
+    Example:
+        >>> import flexmask
+        >>> print((flexmask.causal() & flexmask.padding([3, 2])).show(4, batch=1))
+        ■ ⬚ ⬚ ⬚
+        ■ ■ ⬚ ⬚
+        ⬚ ⬚ ⬚ ⬚
+        ⬚ ⬚ ⬚ ⬚
+    """
+    return Padding(lengths, "lengths")

@@ -1,0 +1,64 @@
+"""A bidirectional prefix: every query sees the first ``length`` keys."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flexmask.blocks import BlockGrid, codes_from
+from flexmask.mask import Lowered
+from flexmask.pieces._rowvalue import RowValuePiece
+
+
+class Prefix(RowValuePiece):
+    """``kv_idx < length[b]``.
+
+    ::
+
+        length=2: ■ ■ ⬚ ⬚
+                  ■ ■ ⬚ ⬚
+                  ■ ■ ⬚ ⬚
+                  ■ ■ ⬚ ⬚
+    """
+
+    __slots__ = ()
+    _arg = "length"
+    _kind = "prefix"
+
+    def _classify(self, grid: BlockGrid) -> Tensor:
+        length = self._row_values(grid)
+        return codes_from(grid.kv_first < length, grid.kv_last < length)
+
+    def _lower(self, length: int, device: torch.device) -> Lowered:
+        prefix_len = self._captured(device)
+        if self.per_row:
+
+            def prefix(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return kv_idx < prefix_len[b]
+        else:
+
+            def prefix(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return kv_idx < prefix_len
+
+        return Lowered(prefix, prefix)
+
+
+def prefix(length: Any) -> Prefix:
+    """Keys before ``length`` are visible to every query: ``kv_idx < length[b]``.
+
+    ``causal() | prefix(n)`` is a prefix-LM: bidirectional over the first n tokens, causal after.
+
+    Args:
+        length: prefix length >= 1 (at most the sequence length), one int or one per batch row.
+
+    Example:
+        >>> import flexmask
+        >>> print((flexmask.causal() | flexmask.prefix(2)).show(4))
+        ■ ■ ⬚ ⬚
+        ■ ■ ⬚ ⬚
+        ■ ■ ■ ⬚
+        ■ ■ ■ ■
+    """
+    return Prefix(length, "length")

@@ -1,0 +1,228 @@
+"""Tree attention: a token attends to itself and its ancestors (shared-prefix packing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flexmask._validate import digest, int_vector, is_nested, source_device
+from flexmask.blocks import EMPTY, UNDECIDED, BlockGrid, codes_from
+from flexmask.mask import Lowered
+from flexmask.pieces._base import Piece
+
+
+class Tree(Piece):
+    """kv is q or an ancestor of q in a token-level tree; positions past the tree are masked.
+
+    ::
+
+        parents=[-1, 0, 1, 0, 3]    (0 → 1 → 2 and 0 → 3 → 4)
+                          ■ ⬚ ⬚ ⬚ ⬚
+                          ■ ■ ⬚ ⬚ ⬚
+                          ■ ■ ■ ⬚ ⬚
+                          ■ ⬚ ⬚ ■ ⬚
+                          ■ ⬚ ⬚ ■ ■
+
+    The ancestor test is two lookups in O(N) memory: with ``rank`` the preorder number of a
+    token and ``end`` one past the last rank of its subtree, kv is an ancestor-or-self of q
+    iff ``rank[kv] <= rank[q] < end[kv]``. When the tokens are laid out in preorder (as
+    ``flexmask.pack_tree`` lays them out) ``rank`` is the position itself and blocks are
+    classified exactly from the per-block extremes of ``end``; other layouts fall back to
+    evaluating the lower-triangle blocks.
+    """
+
+    __slots__ = ("parents", "ranks", "ends", "preorder", "per_row")
+    _arg = "parents"
+
+    def __init__(self, parents: Any) -> None:
+        per_row = is_nested(parents)
+        rows_in = list(parents) if per_row else [parents]
+        self.parents = [
+            _check_parents(p, f"parents[{i}]" if per_row else "parents")
+            for i, p in enumerate(rows_in)
+        ]
+        self.per_row = per_row
+        ranks, ends, preorder = zip(*(_ranks_and_ends(p) for p in self.parents), strict=True)
+        self.ranks, self.ends, self.preorder = list(ranks), list(ends), list(preorder)
+        super().__init__(
+            ("tree", digest(*self.parents), per_row),
+            rows=len(self.parents) if per_row else None,
+            device=source_device(parents),
+            natural=max(p.numel() for p in self.parents),
+        )
+
+    def _check(self, grid: BlockGrid) -> None:
+        super()._check(grid)
+        longest = max(p.numel() for p in self.parents)
+        if longest > grid.length:
+            raise ValueError(
+                f"parents has {longest} tokens, more than the sequence length "
+                f"max(Q_LEN, KV_LEN)={grid.length}"
+            )
+
+    def _lookups(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(R, length + 1) int32 rank and subtree end per position.
+
+        Past the tree, rank = position and end = 0: such a kv is nobody's ancestor and such
+        a q has a rank beyond every subtree, so neither attends.
+        """
+        rows = len(self.parents)
+        rank = torch.arange(length + 1, dtype=torch.int32).repeat(rows, 1)
+        end = torch.zeros(rows, length + 1, dtype=torch.int32)
+        for row in range(rows):
+            n = self.parents[row].numel()
+            rank[row, :n] = self.ranks[row]
+            end[row, :n] = self.ends[row]
+        return rank.to(device), end.to(device)
+
+    def _classify(self, grid: BlockGrid) -> Tensor:
+        device = grid.device
+        rows = len(self.parents)
+        nkv, kv_block = grid.num_kv_blocks, grid.kv_block
+        sizes = torch.tensor([p.numel() for p in self.parents], device=device).view(-1, 1, 1, 1)
+        _, end = self._lookups(grid.length, device)
+        end = end[:, : grid.kv_len].to(torch.int64)
+        pad = nkv * kv_block - grid.kv_len
+        # Per kv block: the largest and smallest subtree end over its in-range tokens.
+        max_end = torch.nn.functional.pad(end, (0, pad), value=0)
+        max_end = max_end.view(rows, nkv, kv_block).amax(-1).view(rows, 1, 1, nkv)
+        min_end = torch.nn.functional.pad(end, (0, pad), value=torch.iinfo(torch.int64).max)
+        min_end = min_end.view(rows, nkv, kv_block).amin(-1).view(rows, 1, 1, nkv)
+        # In preorder, kv attends q iff kv <= q < end[kv]. A tile holding a token on both
+        # sides (inside the tree) contains q == kv; otherwise kv < q for the whole tile and
+        # some q attends iff some end reaches past the tile's first query.
+        overlap_lo = torch.maximum(grid.kv_first, grid.q_first)
+        overlap_hi = torch.minimum(torch.minimum(grid.kv_last, grid.q_last), sizes - 1)
+        nonempty = (grid.kv_first <= grid.q_last) & (
+            (overlap_lo <= overlap_hi) | (max_end > grid.q_first)
+        )
+        full = (grid.kv_last <= grid.q_first) & (min_end > grid.q_last)
+        codes = codes_from(nonempty, full)
+        if all(self.preorder):
+            return codes
+        # Another parent-before-child order: ancestors still come first, so tiles above the
+        # diagonal and tiles past the tree are empty; the rest is left to refinement.
+        empty = (
+            (grid.kv_first > grid.q_last) | (grid.q_first >= sizes) | (grid.kv_first >= sizes)
+        )
+        unordered = torch.where(empty, EMPTY, UNDECIDED).to(codes.dtype)
+        preorder = torch.tensor(self.preorder, device=device).view(-1, 1, 1, 1)
+        return torch.where(preorder, codes, unordered)
+
+    def _lower(self, length: int, device: torch.device) -> Lowered:
+        rank, end = self._lookups(length, device)
+        last = length
+        if self.per_row:
+
+            def tree(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                q_rank = rank[b, q_idx.clamp(max=last)]
+                kv = kv_idx.clamp(max=last)
+                return (rank[b, kv] <= q_rank) & (q_rank < end[b, kv])
+        else:
+            rank_1d, end_1d = rank[0], end[0]
+
+            def tree(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                q_rank = rank_1d[q_idx.clamp(max=last)]
+                kv = kv_idx.clamp(max=last)
+                return (rank_1d[kv] <= q_rank) & (q_rank < end_1d[kv])
+
+        return Lowered(tree, tree)
+
+    def __repr__(self) -> str:
+        if self.per_row:
+            return f"tree(<{len(self.parents)} rows>)"
+        p = self.parents[0]
+        return f"tree({p.tolist()})" if p.numel() <= 16 else f"tree(<{p.numel()} tokens>)"
+
+
+def _check_parents(value: Any, name: str) -> Tensor:
+    parents = int_vector(value, name)
+    n = parents.numel()
+    if n == 0:
+        raise ValueError(f"{name} must hold at least one token, got an empty array")
+    index = torch.arange(n)
+    bad = ((parents >= index) | (parents < -1)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(
+            f"{name}[{i}]={int(parents[i])} is not a valid parent: each token's parent must "
+            f"be an earlier token (0 <= parent < {i}) or -1 for a root"
+        )
+    return parents
+
+
+def _ranks_and_ends(parents: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """Preorder rank and subtree end (exclusive, in rank space) of every token.
+
+    Fast path, vectorised: if the layout is already a preorder, the subtree of v is the run
+    after v up to the first u > v with parents[u] < v; a sparse table of range minima and
+    binary lifting find that u for all v in O(N log N). The layout is a preorder iff every
+    token lies inside its parent's run. Otherwise an O(N) depth-first walk renumbers it.
+    """
+    n = parents.numel()
+    levels = max(1, (n + 1).bit_length())
+    padded = torch.full((n + 1 + (1 << levels),), -2, dtype=torch.int64)
+    padded[:n] = parents
+    table = [padded]
+    for k in range(1, levels):
+        prev = table[-1]
+        half = 1 << (k - 1)
+        table.append(torch.minimum(prev[:-half], prev[half:]))
+    v = torch.arange(n, dtype=torch.int64)
+    pos = v + 1
+    for k in range(levels - 1, -1, -1):
+        stay_inside = table[k][pos] >= v
+        pos = torch.where(stay_inside, pos + (1 << k), pos)
+    end = pos.clamp(max=n)
+    child = parents >= 0
+    if bool((v[child] < end[parents[child]]).all()):
+        return v, end, True
+    return (*_renumber(parents), False)
+
+
+def _renumber(parents: Tensor) -> tuple[Tensor, Tensor]:
+    n = parents.numel()
+    parent_list = parents.tolist()
+    children: list[list[int]] = [[] for _ in range(n)]
+    roots = []
+    for i, p in enumerate(parent_list):
+        (children[p] if p >= 0 else roots).append(i)
+    order: list[int] = []
+    stack = roots[::-1]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children[node]))
+    size = [1] * n
+    for i in range(n - 1, -1, -1):  # parents come before children
+        if parent_list[i] >= 0:
+            size[parent_list[i]] += size[i]
+    rank = torch.empty(n, dtype=torch.int64)
+    rank[torch.tensor(order)] = torch.arange(n)
+    return rank, rank + torch.tensor(size)
+
+
+def tree(parents: Any) -> Tree:
+    """Tree (shared-prefix) attention: kv is q itself or one of q's ancestors.
+
+    Args:
+        parents: token-level parent array: ``parents[i] < i``, or -1 for a root — one array
+            (list or 1-D integer tensor) for every row, or a list with one per batch row.
+            Positions at or beyond ``len(parents)`` are masked.
+
+    Raises:
+        ValueError: an empty array, or a parent that is not an earlier token or -1.
+        TypeError: non-integer parents.
+
+    Example:
+        >>> import flexmask
+        >>> print(flexmask.tree([-1, 0, 1, 0, 3]).show(5))
+        ■ ⬚ ⬚ ⬚ ⬚
+        ■ ■ ⬚ ⬚ ⬚
+        ■ ■ ■ ⬚ ⬚
+        ■ ⬚ ⬚ ■ ⬚
+        ■ ⬚ ⬚ ■ ■
+    """
+    return Tree(parents)
