@@ -35,7 +35,7 @@ def int_vector(value: Any, name: str) -> Tensor:
             raise ValueError(f"{name} must be 1-D, got a tensor of shape {tuple(value.shape)}")
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
-        return value.detach().to("cpu", torch.int64)
+        return value.detach().to("cpu", torch.int64, copy=True)  # the mask owns its data
     if hasattr(value, "__array__") and not isinstance(value, (list, tuple)):
         return int_vector(torch.as_tensor(value), name)
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):

@@ -127,10 +127,17 @@ def block_sparse_attention(
     mask_eval, score_eval = _resolve_mod_evals(plan, chunks, query, mod_eval)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
 
+    # Padded once to whole blocks, so a chunk takes its query rows by slicing and its keys and
+    # values as whole blocks (index_select over (KV_BLOCK * D)-wide rows, whose index_add
+    # backward is far cheaper than one per token).
+    q_rows = _pad_to_blocks(query, plan.q_block)
+    key_blocks = _pad_to_blocks(key, plan.kv_block).reshape(-1, plan.kv_block * plan.head_dim)
+    value_blocks = _pad_to_blocks(value, plan.kv_block).reshape(-1, plan.kv_block * plan.value_dim)
+
     outs: list[Tensor] = []
     lses: list[Tensor] = []
     for chunk in chunks:
-        args = (query, key, value, plan, chunk, mask_eval, score_eval, return_lse)
+        args = (q_rows, key_blocks, value_blocks, plan, chunk, mask_eval, score_eval, return_lse)
         if recompute and needs_grad:
             # Non-reentrant checkpointing: only the arguments are kept; the chunk's scores,
             # probabilities and gathered keys/values are rebuilt when its backward runs.
@@ -189,6 +196,7 @@ class _ChunkIndices(NamedTuple):
     h: Tensor
     q_idx: Tensor  # clamped to Q_LEN - 1
     kv_idx: Tensor  # clamped to KV_LEN - 1; (Bm, Hkv | 1, C, Gi, 1, M, KV_BLOCK)
+    block_idx: Tensor  # kv block of each slot, 0 in unused ones; (Bm, Hkv | 1, C, Gi, M)
     kv_allowed: Tensor  # slot in use and token in range, same shape as kv_idx
 
 
@@ -430,53 +438,58 @@ def _chunk_indices(plan: _Plan, chunk: _Chunk, device: torch.device) -> _ChunkIn
         q_idx=q_tokens.clamp(max=plan.q_len - 1).view(1, 1, stop - start, 1, plan.q_block, 1, 1),
         kv_idx=kv_tokens.clamp(max=plan.kv_len - 1),
         kv_allowed=kv_allowed,
+        block_idx=block_idx,
     )
 
 
+def _pad_to_blocks(tensor: Tensor, block: int) -> Tensor:
+    """Zero-pads dim 2 (the sequence) up to a multiple of ``block``."""
+    missing = -tensor.size(2) % block
+    return torch.nn.functional.pad(tensor, (0, 0, 0, missing)) if missing else tensor
+
+
 def _chunk_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
+    q_rows: Tensor,
+    key_blocks: Tensor,
+    value_blocks: Tensor,
     plan: _Plan,
     chunk: _Chunk,
     mask_eval: str,
     score_eval: str,
     return_lse: bool,
 ) -> tuple[Tensor, ...]:
-    """Attention for the q blocks of one chunk: (out rows,) or (out rows, lse rows)."""
+    """Attention for the q blocks of one chunk: (out rows,) or (out rows, lse rows).
+
+    ``q_rows`` is the query padded to whole q blocks; ``key_blocks``/``value_blocks`` are key
+    and value padded to whole kv blocks and flattened to one row per (batch, kv head, kv block).
+    """
     batch, kv_heads, group, mask_group = plan.batch, plan.kv_heads, plan.group, plan.mask_group
     q_block, kv_block = plan.q_block, plan.kv_block
     num_blocks = chunk.stop - chunk.start
     slots = chunk.partial_slots + chunk.full_slots
-    idx = _chunk_indices(plan, chunk, query.device)
+    idx = _chunk_indices(plan, chunk, q_rows.device)
 
-    # Query rows past Q_LEN are computed on clamped copies and dropped at the end.
-    q_rows = query.index_select(2, idx.q_idx.flatten()).to(plan.working_dtype) * plan.scale
-    q_rows = q_rows.view(batch, kv_heads, group, num_blocks, q_block, plan.head_dim)
-    q_rows = q_rows.permute(0, 1, 3, 2, 4, 5).reshape(
+    device = q_rows.device
+    # Query rows past Q_LEN are padding: computed like the others and dropped at the end.
+    queries = q_rows[:, :, chunk.start * q_block : chunk.stop * q_block]
+    queries = queries.view(batch, kv_heads, group, num_blocks, q_block, plan.head_dim)
+    queries = queries.permute(0, 1, 3, 2, 4, 5).reshape(
         batch, kv_heads, num_blocks, mask_group, -1, plan.head_dim
     )
+    queries = queries.to(plan.working_dtype) * plan.scale
 
-    # Gather through one flat index_select: its backward is an index_add, cheaper on CPU than
-    # the index_put that multi-tensor advanced indexing needs.
-    flat_rows = (
-        (
-            idx.b.view(batch, 1, 1, 1, 1, 1, 1) * kv_heads
-            + torch.arange(kv_heads, device=query.device).view(1, -1, 1, 1, 1, 1, 1)
-        )
-        * plan.kv_len
-        + idx.kv_idx
-    ).flatten()
+    num_kv_blocks = -(-plan.kv_len // kv_block)
+    batch_heads = torch.arange(batch * kv_heads, device=device).view(batch, kv_heads, 1, 1, 1)
+    flat_blocks = (batch_heads * num_kv_blocks + idx.block_idx).flatten()
 
-    def gather(tensor: Tensor) -> Tensor:
-        rows = tensor.reshape(-1, tensor.size(-1)).index_select(0, flat_rows)
-        return rows.to(plan.working_dtype).view(
-            batch, kv_heads, num_blocks, mask_group, slots * kv_block, tensor.size(-1)
-        )
+    def gather(blocks: Tensor, dim: int) -> Tensor:
+        rows = blocks.index_select(0, flat_blocks).to(plan.working_dtype)
+        return rows.view(batch, kv_heads, num_blocks, mask_group, slots * kv_block, dim)
 
-    keys, values = gather(key), gather(value)
+    keys = gather(key_blocks, plan.head_dim)
+    values = gather(value_blocks, plan.value_dim)
     full_shape = (batch, kv_heads, num_blocks, group, q_block, slots, kv_block)
-    scores = (q_rows @ keys.transpose(-1, -2)).view(full_shape)
+    scores = (queries @ keys.transpose(-1, -2)).view(full_shape)
 
     if plan.score_mod is not None:
         scores = _call_mod(
@@ -488,7 +501,9 @@ def _chunk_attention(
         )
         if scores.shape != full_shape:
             scores = scores.expand(full_shape)
-    allowed = idx.kv_allowed
+    # Slot use and the KV_LEN bound first (a small broadcast mask), then mask_mod on the partial
+    # slots only, in place on that slice: no full-size mask is ever concatenated.
+    scores = torch.where(idx.kv_allowed, scores, -math.inf)
     if chunk.partial_slots:
         partial_kv = idx.kv_idx[..., : chunk.partial_slots, :]
         partial_shape = (*full_shape[:-2], chunk.partial_slots, kv_block)
@@ -499,32 +514,30 @@ def _chunk_attention(
             mask_eval,
             "mask_mod",
         )
-        allowed = torch.cat(
-            [
-                allowed[..., : chunk.partial_slots, :].expand(partial_shape)
-                & by_mask_mod.expand(partial_shape),
-                allowed[..., chunk.partial_slots :, :].expand(
-                    *full_shape[:-2], chunk.full_slots, kv_block
-                ),
-            ],
-            dim=-2,
-        )
-    scores = scores.masked_fill(~allowed, -math.inf).reshape(*full_shape[:-2], -1)
+        scores[..., : chunk.partial_slots, :].masked_fill_(~by_mask_mod, -math.inf)
+    scores = scores.view(*full_shape[:-2], -1)
 
     # Rows with nothing allowed (by mask or by a score_mod returning -inf) would make softmax
     # 0/0; zeroing their scores keeps every intermediate finite, so forward and gradient are
-    # exactly 0 there instead of NaN.
+    # exactly 0 there instead of NaN. Checked first: most chunks have none, and the fix costs
+    # two passes over the scores.
     empty_rows = scores.amax(dim=-1, keepdim=True) == -math.inf
-    scores = scores.masked_fill(empty_rows, 0.0)
-    probs = torch.softmax(scores, dim=-1).masked_fill(empty_rows, 0.0)
+    has_empty_rows = bool(empty_rows.any())
+    if has_empty_rows:
+        scores = scores.masked_fill(empty_rows, 0.0)
+    probs = torch.softmax(scores, dim=-1)
+    if has_empty_rows:
+        probs = probs.masked_fill(empty_rows, 0.0)
     out = probs.view(batch, kv_heads, num_blocks, mask_group, -1, slots * kv_block) @ values
     out = out.view(batch, kv_heads, num_blocks, group, q_block, plan.value_dim)
     out = out.permute(0, 1, 3, 2, 4, 5).reshape(batch, plan.q_heads, -1, plan.value_dim)
     valid_rows = min(plan.q_len, chunk.stop * q_block) - chunk.start * q_block
-    out = out[:, :, :valid_rows].to(query.dtype)
+    out = out[:, :, :valid_rows].to(q_rows.dtype)
     if not return_lse:
         return (out,)
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True).masked_fill(empty_rows, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    if has_empty_rows:
+        lse = lse.masked_fill(empty_rows, -math.inf)
     lse = lse.view(batch, kv_heads, num_blocks, group, q_block).permute(0, 1, 3, 2, 4)
     return out, lse.reshape(batch, plan.q_heads, -1)[:, :, :valid_rows]
 

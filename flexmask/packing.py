@@ -84,12 +84,16 @@ def _token_list(seq: Any, index: int) -> list[int]:
             f"{where} is a {type(seq).__name__}; pass token ids (tokenize the text first)"
         )
     if not isinstance(seq, torch.Tensor) and hasattr(seq, "__array__"):
-        seq = torch.as_tensor(seq)  # numpy arrays: one dtype check instead of per-element ones
+        # numpy arrays: one dtype check instead of one per element.
+        try:
+            seq = torch.as_tensor(seq)
+        except (TypeError, RuntimeError) as error:
+            raise TypeError(f"{where} is an array torch cannot read as integers: {error}") from None
     if isinstance(seq, torch.Tensor):
         if seq.dim() != 1:
             raise ValueError(
                 f"{where} is a {seq.dim()}-d tensor of shape {tuple(seq.shape)}; each sequence "
-                "must be 1-d (to pack one sequence, pass [tensor])"
+                "must be 1-d (a 2-d tensor can be passed as sequences itself, one row each)"
             )
         if seq.dtype == torch.bool or seq.dtype.is_floating_point or seq.dtype.is_complex:
             raise TypeError(
@@ -98,10 +102,15 @@ def _token_list(seq: Any, index: int) -> list[int]:
             )
         tokens = seq.tolist()
     elif isinstance(seq, Sequence):
-        tokens = list(seq)
-        # Fast path: plain ints (and not bools, whose type is bool, not int).
-        if not all(type(t) is int for t in tokens):
+        tokens = seq if isinstance(seq, list) else list(seq)  # read only, so no copy needed
+        # Fast path, at C speed: nothing but plain ints (a bool's type is bool, not int).
+        if not set(map(type, tokens)) <= {int}:
             tokens = [_token_value(t, f"{where}[{j}]") for j, t in enumerate(tokens)]
+    elif isinstance(seq, Mapping):
+        raise TypeError(
+            f"{where} is a {type(seq).__name__} with keys {sorted(map(str, seq))}; pass the "
+            "token list itself (e.g. item['input_ids']), or PackingCollator(key='input_ids')"
+        )
     elif isinstance(seq, numbers.Integral) and not isinstance(seq, bool):
         raise TypeError(
             f"{where} is the int {seq!r}; sequences must be a list of sequences, e.g. "
@@ -264,7 +273,8 @@ class PackedBatch:
         """Real tokens / ``(B * max_len)``: the share of the batch that is not padding.
 
         Example:
-            >>> flexmask.packing.pack([[1, 2, 3], [4]], max_len=4).efficiency
+            >>> from flexmask.packing import pack
+            >>> pack([[1, 2, 3], [4]], max_len=4).efficiency
             1.0
         """
         return self.num_tokens / (self.num_rows * self.max_len)
@@ -284,7 +294,8 @@ class PackedBatch:
             ⬚ ⬚ ⬚ ⬚ ⬚ ⬚
 
         Example:
-            >>> batch = flexmask.packing.pack([[1, 2], [3, 4, 5]], max_len=6)
+            >>> from flexmask.packing import pack
+            >>> batch = pack([[1, 2], [3, 4, 5]], max_len=6)
             >>> batch.mask.to_dense(1, 1, 6, 6)[0, 0, 5].any().item()  # padding row
             False
         """
@@ -302,7 +313,8 @@ class PackedBatch:
             ``flexmask.lazy(self.mask, B, num_heads, max_len, max_len, ...)``.
 
         Example:
-            >>> batch = flexmask.packing.pack([[1, 2], [3, 4, 5]], max_len=8)
+            >>> from flexmask.packing import pack
+            >>> batch = pack([[1, 2], [3, 4, 5]], max_len=8)
             >>> handle = batch.lazy(num_heads=2, block_size=4)
             >>> handle.block_mask.shape
             (1, 2, 8, 8)
@@ -327,7 +339,8 @@ class PackedBatch:
             i: index of the input sequence, ``0 <= i < num_sequences``.
 
         Example:
-            >>> batch = flexmask.packing.pack([[7, 8, 9], [5]], max_len=4)
+            >>> from flexmask.packing import pack
+            >>> batch = pack([[7, 8, 9], [5]], max_len=4)
             >>> batch.tokens[batch.sequence_index(0)].tolist()
             [7, 8, 9]
         """
@@ -352,7 +365,8 @@ class PackedBatch:
             sequence are concatenated back together.
 
         Example:
-            >>> batch = flexmask.packing.pack([[1, 2, 3], [4, 5]], max_len=3)
+            >>> from flexmask.packing import pack
+            >>> batch = pack([[1, 2, 3], [4, 5]], max_len=3)
             >>> [t.tolist() for t in batch.unpack(batch.tokens)]
             [[1, 2, 3], [4, 5]]
         """
@@ -382,7 +396,8 @@ class PackedBatch:
         """Moves ``tokens``, ``labels`` and ``position_ids``; the handle keeps its own device.
 
         Example:
-            >>> flexmask.packing.pack([[1, 2]], max_len=2).to("cpu").tokens.device.type
+            >>> from flexmask.packing import pack
+            >>> pack([[1, 2]], max_len=2).to("cpu").tokens.device.type
             'cpu'
         """
         return dataclasses.replace(
@@ -458,7 +473,8 @@ def pack(
             ``policy``/``strategy``, or a sequence longer than ``max_len`` under ``"reject"``.
 
     Example:
-        >>> batch = flexmask.packing.pack([[1, 2, 3], [4, 5], [6]], max_len=4)
+        >>> from flexmask.packing import pack
+        >>> batch = pack([[1, 2, 3], [4, 5], [6]], max_len=4)
         >>> batch.seq_lens
         [[3, 1], [2]]
         >>> batch.tokens.tolist()
@@ -479,13 +495,13 @@ def pack(
 
     # Pieces: (sequence index, chunk start inside the sequence, length), in input order.
     pieces: list[tuple[int, int, int]] = []
-    for i, tokens in enumerate(token_lists):
-        if len(tokens) > max_len and policy == "reject":
+    for i, seq in enumerate(token_lists):
+        if len(seq) > max_len and policy == "reject":
             raise ValueError(
-                f"sequences[{i}] has {len(tokens)} tokens, more than max_len={max_len}; raise "
+                f"sequences[{i}] has {len(seq)} tokens, more than max_len={max_len}; raise "
                 'max_len, shorten the sequence, or pass policy="split" to cut it into chunks'
             )
-        pieces.extend((i, s, min(max_len, len(tokens) - s)) for s in range(0, len(tokens), max_len))
+        pieces.extend((i, s, min(max_len, len(seq) - s)) for s in range(0, len(seq), max_len))
 
     if strategy == "next_fit":
         order = list(range(len(pieces)))
@@ -501,13 +517,14 @@ def pack(
     seq_lens: list[list[int]] = [[] for _ in range(num_rows)]
     fill = [0] * num_rows
     chunk_of_piece: list[Chunk] = [Chunk(0, 0, 0)] * len(pieces)
-    for k, row in zip(order, rows):
+    for k, row in zip(order, rows, strict=True):
         length = pieces[k][2]
         chunk_of_piece[k] = Chunk(row, fill[row], length)
         seq_lens[row].append(length)
         fill[row] += length
     placement: list[list[Chunk]] = [[] for _ in token_lists]
-    for (i, _, _), chunk in zip(pieces, chunk_of_piece):  # pieces are in input/chunk order
+    # pieces are in input order and, within a sequence, in chunk order.
+    for (i, _, _), chunk in zip(pieces, chunk_of_piece, strict=True):
         placement[i].append(chunk)
     dest_start = [c.row * max_len + c.start for c in chunk_of_piece]
 
@@ -594,7 +611,8 @@ class TreePack:
             ■ ⬚ ⬚ ■
 
         Example:
-            >>> tp = flexmask.packing.pack_tree([[1, 2, 3], [1, 4]])
+            >>> from flexmask.packing import pack_tree
+            >>> tp = pack_tree([[1, 2, 3], [1, 4]])
             >>> tp.mask.to_dense(1, 1, 4, 4)[0, 0].int().tolist()
             [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]
         """
@@ -604,7 +622,8 @@ class TreePack:
         """A picklable handle that builds the BlockMask (``B = 1``, ``L x L``) on first use.
 
         Example:
-            >>> tp = flexmask.packing.pack_tree([[1, 2, 3], [1, 4]], pad_to=8)
+            >>> from flexmask.packing import pack_tree
+            >>> tp = pack_tree([[1, 2, 3], [1, 4]], pad_to=8)
             >>> tp.lazy(block_size=4).block_mask.shape
             (1, 1, 8, 8)
         """
@@ -623,7 +642,9 @@ class TreePack:
             i: index of the input sequence, ``0 <= i < num_sequences``.
 
         Example:
-            >>> tp = flexmask.packing.pack_tree([[1, 2, 3], [1, 4]])
+            >>> import torch
+            >>> from flexmask.packing import pack_tree
+            >>> tp = pack_tree([[1, 2, 3], [1, 4]])
             >>> tp.sequence_index(1).tolist()
             [0, 3]
             >>> # log-probs of sequence 1's tokens 1.. from logits of shape (L, V):
@@ -651,7 +672,8 @@ class TreePack:
             appear in every sequence through them.
 
         Example:
-            >>> tp = flexmask.packing.pack_tree([[1, 2, 3], [1, 4], [1, 2]])
+            >>> from flexmask.packing import pack_tree
+            >>> tp = pack_tree([[1, 2, 3], [1, 4], [1, 2]])
             >>> [t.tolist() for t in tp.unpack(tp.tokens)]
             [[1, 2, 3], [1, 4], [1, 2]]
         """
@@ -696,7 +718,8 @@ def pack_tree(
             number of trie nodes.
 
     Example:
-        >>> tp = flexmask.packing.pack_tree([[1, 2, 3], [1, 2, 4], [1, 2]], pad_to=6)
+        >>> from flexmask.packing import pack_tree
+        >>> tp = pack_tree([[1, 2, 3], [1, 2, 4], [1, 2]], pad_to=6)
         >>> tp.tokens.tolist(), tp.parents.tolist(), tp.position_ids.tolist()
         ([1, 2, 3, 4, 0, 0], [-1, 0, 1, 1], [0, 1, 2, 2, 0, 0])
         >>> tp.sequence_index(1).tolist(), tp.saved_tokens
@@ -707,62 +730,139 @@ def pack_tree(
         pad_to = _check_int("pad_to", pad_to, minimum=1)
     token_lists = _token_lists(sequences)
 
-    # Trie in creation order: node n has token node_token[n]; children[n] in first-appearance
-    # order; children[-1] (the last slot) holds the roots.
-    node_token: list[int] = []
-    children: list[list[int]] = [[]]  # index 0 = virtual root; real node n lives at n + 1
-    lookup: dict[tuple[int, int], int] = {}
-    creation_paths: list[list[int]] = []
-    for tokens in token_lists:
-        parent = 0
-        path = []
-        for token in tokens:
-            node = lookup.get((parent, token))
-            if node is None:
-                node_token.append(token)
-                children.append([])
-                node = len(node_token)
-                lookup[(parent, token)] = node
-                children[parent].append(node)
-            path.append(node)
-            parent = node
-        creation_paths.append(path)
+    # A radix trie: each edge holds a run of tokens, so Python work grows with the number of
+    # sequences and branch points while tokens are only sliced and compared (at C speed).
+    root = _Edge([])
+    for seq in token_lists:
+        _insert(root, seq)
+    if pad_to is not None:
+        num_tokens = root.size()
+        if pad_to < num_tokens:
+            raise ValueError(
+                f"pad_to={pad_to} is smaller than the packed tree, which has {num_tokens} "
+                f"tokens; pass pad_to >= {num_tokens} or None"
+            )
 
-    # Iterative preorder (sequences can be far longer than the recursion limit).
-    num_tokens = len(node_token)
-    preorder_pos = [0] * (num_tokens + 1)
-    parents = [0] * num_tokens
-    depths = [0] * num_tokens
-    tokens_out = [0] * num_tokens
-    stack = [(child, -1, 0) for child in reversed(children[0])]
+    # Preorder over edges (iterative: paths can be far deeper than the recursion limit). An
+    # edge's tokens are a chain, so each edge is one contiguous run of the token layout.
+    runs: list[list[int]] = []
+    run_start, run_len, run_parent, run_depth = [], [], [], []
+    stack: list[tuple[_Edge, int, int]] = [
+        (child, -1, 0) for child in reversed(root.children.values())
+    ]
     position = 0
     while stack:
-        node, parent_pos, depth = stack.pop()
-        preorder_pos[node] = position
-        parents[position] = parent_pos
-        depths[position] = depth
-        tokens_out[position] = node_token[node - 1]
-        stack.extend((child, position, depth + 1) for child in reversed(children[node]))
-        position += 1
+        edge, parent_pos, depth = stack.pop()
+        edge.start = position
+        runs.append(edge.tokens)
+        run_start.append(position)
+        run_len.append(len(edge.tokens))
+        run_parent.append(parent_pos)
+        run_depth.append(depth)
+        position += len(edge.tokens)
+        last, below = position - 1, depth + len(edge.tokens)
+        stack.extend((child, last, below) for child in reversed(edge.children.values()))
+    num_tokens = position
+
+    starts = torch.tensor(run_start, dtype=torch.int64)
+    lens = torch.tensor(run_len, dtype=torch.int64)
+    # Inside a run, token k's parent is token k - 1; the run's first token hangs off the last
+    # token of its parent edge. Depth counts up from the run's first depth.
+    parents = torch.arange(-1, num_tokens - 1, dtype=torch.int64)
+    parents[starts] = torch.tensor(run_parent, dtype=torch.int64)
+    shift = torch.tensor(run_depth, dtype=torch.int64) - starts
+    depths = torch.arange(num_tokens) + torch.repeat_interleave(shift, lens, output_size=num_tokens)
+
+    path_starts, path_lens = [], []
+    for seq in token_lists:
+        for edge, take in _walk(root, seq):
+            path_starts.append(edge.start)
+            path_lens.append(take)
+    paths = _ranges(torch.tensor(path_starts), torch.tensor(path_lens))
 
     length = num_tokens if pad_to is None else pad_to
-    if length < num_tokens:
-        raise ValueError(
-            f"pad_to={pad_to} is smaller than the packed tree, which has {num_tokens} tokens; "
-            f"pass pad_to >= {num_tokens} or None"
-        )
-    padding = length - num_tokens
-    offsets = [0, *itertools.accumulate(len(p) for p in creation_paths)]
-    paths = [preorder_pos[node] for path in creation_paths for node in path]
+    tokens = torch.full((length,), pad_id, dtype=torch.int64)
+    tokens[:num_tokens] = torch.tensor(list(itertools.chain.from_iterable(runs)))
+    position_ids = torch.zeros(length, dtype=torch.int64)
+    position_ids[:num_tokens] = depths
+    offsets = [0, *itertools.accumulate(map(len, token_lists))]
     return TreePack(
-        tokens=torch.tensor(tokens_out + [pad_id] * padding, dtype=torch.int64),
-        parents=torch.tensor(parents, dtype=torch.int64),
-        position_ids=torch.tensor(depths + [0] * padding, dtype=torch.int64),
+        tokens=tokens,
+        parents=parents,
+        position_ids=position_ids,
         num_tokens=num_tokens,
         unpacked_tokens=offsets[-1],
-        _paths=torch.tensor(paths, dtype=torch.int64),
+        _paths=paths,
         _path_offsets=offsets,
     )
+
+
+class _Edge:
+    """A radix-trie edge: a run of tokens, then children keyed by their first token.
+
+    Children are a dict, so they stay in insertion (= first-appearance) order.
+    """
+
+    __slots__ = ("tokens", "children", "start")
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.children: dict[int, _Edge] = {}
+        self.start = 0  # position of the first token in the layout, set by pack_tree
+
+    def size(self) -> int:
+        total, stack = 0, [self]
+        while stack:
+            edge = stack.pop()
+            total += len(edge.tokens)
+            stack.extend(edge.children.values())
+        return total
+
+
+def _matching(run: list[int], seq: list[int], at: int) -> int:
+    """How many leading tokens of ``run`` equal ``seq[at:]`` (the first is known to match)."""
+    n = min(len(run), len(seq) - at)
+    if run[:n] == seq[at : at + n]:
+        return n
+    # Binary search on slice equality: run[:lo] matches, the first mismatch is before hi.
+    lo, hi = 1, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if run[lo:mid] == seq[at + lo : at + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _insert(root: _Edge, seq: list[int]) -> None:
+    node, at = root, 0
+    while at < len(seq):
+        child = node.children.get(seq[at])
+        if child is None:
+            node.children[seq[at]] = _Edge(seq[at:])
+            return
+        matched = _matching(child.tokens, seq, at)
+        at += matched
+        if matched < len(child.tokens) and at < len(seq):
+            # Diverges inside the edge: split it in place (keeping its slot, hence its order
+            # among its siblings); the older tail comes before the new branch.
+            tail = _Edge(child.tokens[matched:])
+            tail.children = child.children
+            child.tokens = child.tokens[:matched]
+            child.children = {tail.tokens[0]: tail, seq[at]: _Edge(seq[at:])}
+            return
+        node = child  # whole edge matched, or seq ends inside it (nothing to add)
+
+
+def _walk(root: _Edge, seq: list[int]) -> Iterator[tuple[_Edge, int]]:
+    """The edges on ``seq``'s path in the finished trie, with how many tokens of each it uses."""
+    node, at = root, 0
+    while at < len(seq):
+        node = node.children[seq[at]]
+        take = min(len(node.tokens), len(seq) - at)
+        yield node, take
+        at += take
 
 
 # --------------------------------------------------------------------------------------------
@@ -787,6 +887,7 @@ class PackingCollator:
         policy, pad_id, ignore_index, strategy: passed to :func:`pack`.
 
     Example:
+        >>> from flexmask.packing import PackingCollator
         >>> from torch.utils.data import DataLoader
         >>> data = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
         >>> loader = DataLoader(data, batch_size=4, collate_fn=PackingCollator(max_len=5))
@@ -868,6 +969,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
             :class:`PackingCollator`.
 
     Example:
+        >>> from flexmask.packing import PackedDataset
         >>> data = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11]]
         >>> batches = list(PackedDataset(data, max_len=5, buffer_size=4))
         >>> [b.seq_lens for b in batches]
@@ -892,8 +994,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         super().__init__()
         if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):
             raise TypeError(
-                f"sequences must be an iterable of token sequences, got "
-                f"{type(sequences).__name__}"
+                f"sequences must be an iterable of token sequences, got {type(sequences).__name__}"
             )
         self.sequences = sequences
         self.buffer_size = _check_int("buffer_size", buffer_size, minimum=1)

@@ -16,9 +16,13 @@ from torch.utils.data import DataLoader
 import flexmask
 from flexmask.packing import Chunk, PackedDataset, PackingCollator, pack, pack_tree
 
-HAS_FLEX_ATTENTION = hasattr(flexmask, "flex_attention") and hasattr(flexmask, "lazy")
+# flexmask.lazy and flexmask.flex_attention are written alongside this module; until they land
+# the tests that need them skip (and say why) rather than fail.
+needs_lazy = pytest.mark.skipif(
+    not hasattr(flexmask, "lazy"), reason="flexmask.lazy is not importable yet (core API pending)"
+)
 needs_flex_attention = pytest.mark.skipif(
-    not HAS_FLEX_ATTENTION,
+    not (hasattr(flexmask, "lazy") and hasattr(flexmask, "flex_attention")),
     reason="flexmask.flex_attention / flexmask.lazy are not importable yet (core API pending)",
 )
 
@@ -37,7 +41,7 @@ batches = st.lists(token_lists, min_size=1, max_size=10)
 def reference_rows(seq_lens, rows_tokens, max_len):
     """labels / position_ids for each row, by walking its documents one token at a time."""
     labels, positions = [], []
-    for lens, row in zip(seq_lens, rows_tokens):
+    for lens, row in zip(seq_lens, rows_tokens, strict=True):
         row_labels, row_positions = [IGNORE] * max_len, [0] * max_len
         start = 0
         for n in lens:
@@ -162,7 +166,7 @@ def test_every_token_lands_in_exactly_one_position_and_unpacks(
 
     # Each row's documents are exactly its chunks, back to back from position 0.
     for row, lens in enumerate(batch.seq_lens):
-        chunks = sorted((c for cs in batch.placement for c in cs if c.row == row))
+        chunks = sorted(c for cs in batch.placement for c in cs if c.row == row)
         assert [c.length for c in chunks] == lens
         assert [c.start for c in chunks] == [sum(lens[:d]) for d in range(len(lens))]
     # Every other position is padding.
@@ -187,9 +191,12 @@ def test_labels_and_position_ids_match_a_per_document_walk(sequences, max_len):
 
 
 @settings(max_examples=30, deadline=None)
-@given(sequences=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=12), max_size=6,
-                          min_size=1),
-       max_len=st.integers(1, 20))
+@given(
+    sequences=st.lists(
+        st.lists(st.integers(0, 9), min_size=1, max_size=12), max_size=6, min_size=1
+    ),
+    max_len=st.integers(1, 20),
+)
 def test_mask_to_dense_is_block_diagonal_causal_with_padding_masked(sequences, max_len):
     batch = pack(sequences, max_len)
     dense = batch.mask.to_dense(batch.num_rows, 2, max_len, max_len)
@@ -219,7 +226,7 @@ def test_strategies_match_a_row_scanning_reference(lengths, max_len, strategy):
         order = sorted(pieces, reverse=True)
         rows = reference_fit(order, max_len, best=strategy == "best_fit_decreasing")
     expected = [[] for _ in range(max(rows) + 1)]
-    for n, row in zip(order, rows):
+    for n, row in zip(order, rows, strict=True):
         expected[row].append(n)
     assert batch.seq_lens == expected
 
@@ -283,6 +290,9 @@ def test_unpack_keeps_trailing_dimensions_and_gradients():
         ([torch.tensor([True])], {}, TypeError, r"sequences\[0\] has dtype torch\.bool"),
         ([[1], torch.ones(2, 2, dtype=torch.long)], {}, ValueError, r"sequences\[1\] is a 2-d"),
         (torch.tensor([1, 2]), {}, ValueError, r"sequences is a 1-d tensor"),
+        ([{"input_ids": [1]}], {}, TypeError, r"sequences\[0\] is a dict .*PackingCollator\(key="),
+        ([np.array([1.5])], {}, TypeError, r"sequences\[0\] has dtype torch\.float64"),
+        ([np.array(["a"])], {}, TypeError, r"sequences\[0\] is an array torch cannot read"),
         ([[1, 2**63]], {}, ValueError, r"sequences\[0\] holds the token .* int64"),
         ([[1]], {"max_len": 0}, ValueError, r"max_len must be >= 1, got 0"),
         ([[1]], {"max_len": 2.5}, TypeError, r"max_len must be an int, got 2\.5"),
@@ -323,8 +333,9 @@ def test_unpack_and_sequence_index_reject_bad_arguments():
 @st.composite
 def shared_prefix_batches(draw, vocab=4, max_len=12):
     """Sequences branching off a few stems, plus a prefix of another and a duplicate."""
-    stems = draw(st.lists(st.lists(st.integers(0, vocab - 1), max_size=max_len), min_size=1,
-                          max_size=3))
+    stems = draw(
+        st.lists(st.lists(st.integers(0, vocab - 1), max_size=max_len), min_size=1, max_size=3)
+    )
     sequences = []
     for _ in range(draw(st.integers(1, 5))):
         stem = draw(st.sampled_from(stems))
@@ -366,8 +377,9 @@ def test_pack_tree_paths_depths_parents_and_savings(sequences, extra):
     assert tp.saved_tokens == tp.unpacked_tokens - len(prefixes)
 
     # Preorder: every subtree is the contiguous run starting at its root...
+    ancestors = reference_ancestors(parents, n)
     for v in range(n):
-        descendants = {u for u in range(n) if reference_ancestors(parents, n)[u, v]}
+        descendants = set(ancestors[:, v].nonzero()[:, 0].tolist())
         assert descendants == set(range(v, v + len(descendants)))
     # ...and siblings come in order of first appearance in the input.
     first_seen = {}
@@ -399,7 +411,7 @@ def test_pack_tree_example_prefix_and_duplicate():
         [0, 1, 2],
         [4],
     ]
-    assert (tp.num_tokens, tp.unpacked_tokens, tp.saved_tokens) == (5, 12, 7)
+    assert (tp.num_tokens, tp.unpacked_tokens, tp.saved_tokens) == (5, 11, 6)
 
 
 def test_pack_tree_children_follow_first_appearance_not_creation_order():
@@ -448,18 +460,18 @@ _MODEL = None
 def tiny_model():
     global _MODEL
     if _MODEL is None:
-        from _tiny_model import TinyCausalLM
+        from tests._tiny_model import TinyCausalLM
 
         _MODEL = TinyCausalLM(vocab=8, dim=32, num_heads=2, num_layers=2, seed=0)
     return _MODEL
 
 
 def log_probs_and_grads(model, per_sequence_logits, sequences):
-    from _tiny_model import next_token_log_probs
+    from tests._tiny_model import next_token_log_probs
 
     log_probs = [
         next_token_log_probs(logits, torch.tensor(seq))
-        for logits, seq in zip(per_sequence_logits, sequences)
+        for logits, seq in zip(per_sequence_logits, sequences, strict=True)
     ]
     # Distinct weights, so a log-prob credited to the wrong sequence changes the gradient.
     loss = sum((i + 1) * lp.sum() for i, lp in enumerate(log_probs))
@@ -478,9 +490,7 @@ def test_packed_and_tree_packed_match_one_sequence_at_a_time(sequences, block_si
     model = tiny_model()
     heads = model.num_heads
 
-    alone = [
-        model(torch.tensor([seq]), torch.arange(len(seq))[None], None)[0] for seq in sequences
-    ]
+    alone = [model(torch.tensor([seq]), torch.arange(len(seq))[None], None)[0] for seq in sequences]
     expected_lp, expected_grads = log_probs_and_grads(model, alone, sequences)
 
     # Rows as long as the longest sequence, so nothing is split and several rows are used.
@@ -493,10 +503,10 @@ def test_packed_and_tree_packed_match_one_sequence_at_a_time(sequences, block_si
     tree_lp, tree_grads = log_probs_and_grads(model, tp.unpack(tree_logits[0]), sequences)
 
     for got in (packed_lp, tree_lp):
-        for a, b in zip(got, expected_lp):
+        for a, b in zip(got, expected_lp, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     for got in (packed_grads, tree_grads):
-        for a, b in zip(got, expected_grads):
+        for a, b in zip(got, expected_grads, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
     # labels are the targets the unpacked log-probs were taken of.
@@ -521,7 +531,7 @@ def random_sequences(count, seed, longest=20):
     return [torch.randint(0, 50, (n,), generator=generator).tolist() for n in lengths]
 
 
-@needs_flex_attention
+@needs_lazy
 def test_collator_in_workers_ships_small_unbuilt_handles_built_correctly_in_main():
     data = random_sequences(40, seed=1)
     max_len, heads, block_size = 24, 2, 8
@@ -530,8 +540,9 @@ def test_collator_in_workers_ships_small_unbuilt_handles_built_correctly_in_main
     seen = []
     for batch in loader:
         assert not is_built(batch.handle), "a worker built the BlockMask"
-        tensor_bytes = sum(t.numel() * t.element_size() for t in (batch.tokens, batch.labels,
-                                                                  batch.position_ids))
+        tensor_bytes = sum(
+            t.numel() * t.element_size() for t in (batch.tokens, batch.labels, batch.position_ids)
+        )
         assert len(pickle.dumps(batch.handle)) < 4096
         assert len(pickle.dumps(batch)) < tensor_bytes + 8192
         seen += batch.unpack(batch.tokens)
@@ -544,13 +555,18 @@ def test_collator_in_workers_ships_small_unbuilt_handles_built_correctly_in_main
         assert torch.equal(effective, reference[:, None].expand_as(effective))
         torch_bm = torch_create_block_mask(
             lambda b, h, q, kv, ref=reference: ref[b, q, kv],
-            batch.num_rows, heads, max_len, max_len, device="cpu", BLOCK_SIZE=block_size,
+            batch.num_rows,
+            heads,
+            max_len,
+            max_len,
+            device="cpu",
+            BLOCK_SIZE=block_size,
         )
         assert torch.equal(block_mask.to_dense(), torch_bm.to_dense())
     assert [s.tolist() for s in seen] == data
 
 
-@needs_flex_attention
+@needs_lazy
 def test_collator_takes_mappings_and_validates_at_construction():
     collate = PackingCollator(8, key="input_ids")
     batch = collate([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}])
@@ -567,7 +583,7 @@ def test_collator_takes_mappings_and_validates_at_construction():
         PackingCollator(8, num_heads=1.5)
 
 
-@needs_flex_attention
+@needs_lazy
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_packed_dataset_covers_every_sequence_once(num_workers):
     data = random_sequences(30, seed=2, longest=12)

@@ -59,8 +59,12 @@ class Piece(Mask):
 def _device_key(device: torch.device) -> tuple[str, int]:
     device = torch.device(device)
     index = device.index
-    if index is None and device.type != "cpu":
-        index = torch.accelerator.current_device_index() if hasattr(torch, "accelerator") else 0
+    if index is None and device.type not in ("cpu", "meta"):
+        # "cuda" means the current device: compare it as such, so "cuda" == "cuda:0" there.
+        try:
+            index = torch.accelerator.current_device_index()
+        except (AttributeError, RuntimeError):
+            index = 0
     return device.type, index or 0
 
 

@@ -82,8 +82,9 @@ def from_mask_mod(
         fn: the mask_mod, written for torch's ``create_block_mask``.
         key: a hashable content key: two leaves with equal keys must be the same mask (it is
             what the BlockMask cache is keyed on). Give the data the closure captures, e.g.
-            ``key=("my_doc_mask", tuple(offsets.tolist()))``. May be omitted only for a plain
-            module-level function with no captured data, whose qualified name is the key.
+            ``key=("my_doc_mask", tuple(offsets.tolist()))``. May be omitted only for a
+            module-level function with no captured data (not a lambda or nested function):
+            its module and qualified name are the key.
         batch_dependent: False if ``fn`` never reads ``b``: it is then evaluated for one row
             and broadcast. The default assumes it may, which is always correct.
         head_dependent: False if ``fn`` never reads ``h`` (likewise evaluated once).
@@ -100,10 +101,13 @@ def from_mask_mod(
     if key is None:
         closure = getattr(fn, "__closure__", None)
         has_defaults = bool(getattr(fn, "__defaults__", None))
-        if not hasattr(fn, "__code__") or closure or has_defaults:
+        qualname = getattr(fn, "__qualname__", "<lambda>")
+        anonymous = "<lambda>" in qualname or "<locals>" in qualname
+        if not hasattr(fn, "__code__") or closure or has_defaults or anonymous:
             raise TypeError(
-                f"from_mask_mod({getattr(fn, '__name__', fn)!r}) needs key=...: the function "
-                f"captures data, and a closure's identity is not a content key (caches keyed "
+                f"from_mask_mod({getattr(fn, '__name__', fn)!r}) needs key=...: only a module-level "
+                f"function without captured data names itself; a closure's identity is not a "
+                f"content key (caches keyed "
                 f"on closures never hit, or return stale masks). Pass e.g. "
                 f"key=('name', tuple_of_the_captured_values)."
             )

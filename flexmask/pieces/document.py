@@ -65,7 +65,7 @@ class Document(Piece):
         ends = torch.nn.utils.rnn.pad_sequence(
             [r.cumsum(0) for r in self.seq_lens],
             batch_first=True,
-            padding_value=torch.iinfo(torch.int64).max,
+            padding_value=float(grid.length + 1),  # past every position: never a match
         ).to(device)
         # Document of a token: the first document whose end lies after it. Only tile edges are
         # looked up (4 x blocks), never every token. Tokens past the data get id num_docs.

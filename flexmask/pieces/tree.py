@@ -88,7 +88,7 @@ class Tree(Piece):
         # Per kv block: the largest and smallest subtree end over its in-range tokens.
         max_end = torch.nn.functional.pad(end, (0, pad), value=0)
         max_end = max_end.view(rows, nkv, kv_block).amax(-1).view(rows, 1, 1, nkv)
-        min_end = torch.nn.functional.pad(end, (0, pad), value=torch.iinfo(torch.int64).max)
+        min_end = torch.nn.functional.pad(end, (0, pad), value=grid.length + 1)
         min_end = min_end.view(rows, nkv, kv_block).amin(-1).view(rows, 1, 1, nkv)
         # In preorder, kv attends q iff kv <= q < end[kv]. A tile holding a token on both
         # sides (inside the tree) contains q == kv; otherwise kv < q for the whole tile and

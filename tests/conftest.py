@@ -1,0 +1,12 @@
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "default",
+    deadline=None,
+    max_examples=int(os.environ.get("FLEXMASK_HYPOTHESIS_EXAMPLES", "40")),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+)
+settings.load_profile("default")

@@ -1,0 +1,100 @@
+"""Independent references, written plainly: Python loops over the definitions.
+
+Nothing here imports flexmask. Dense masks are numpy bool arrays (B, H, Q, KV); the block
+oracle is torch's own create_block_mask applied to a lookup into such an array.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+BLOCK_FIELDS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
+
+
+def _grid(q_len: int, kv_len: int):
+    q = np.arange(q_len)[:, None]
+    kv = np.arange(kv_len)[None, :]
+    return q, kv
+
+
+def causal(q_len, kv_len):
+    q, kv = _grid(q_len, kv_len)
+    return kv <= q
+
+
+def sliding_window(size, q_len, kv_len):
+    q, kv = _grid(q_len, kv_len)
+    return np.abs(q - kv) < size
+
+
+def prefix(length, q_len, kv_len):
+    q, kv = _grid(q_len, kv_len)
+    return np.broadcast_to(kv < length, (q_len, kv_len))
+
+
+def padding(length, q_len, kv_len):
+    q, kv = _grid(q_len, kv_len)
+    return (q < length) & (kv < length)
+
+
+def document(seq_lens, q_len, kv_len):
+    doc_of = {}
+    pos = 0
+    for d, n in enumerate(seq_lens):
+        for _ in range(n):
+            doc_of[pos] = d
+            pos += 1
+    out = np.zeros((q_len, kv_len), dtype=bool)
+    for q in range(q_len):
+        for kv in range(kv_len):
+            out[q, kv] = q in doc_of and kv in doc_of and doc_of[q] == doc_of[kv]
+    return out
+
+
+def tree(parents, q_len, kv_len):
+    out = np.zeros((q_len, kv_len), dtype=bool)
+    for q in range(min(q_len, len(parents))):
+        node = q
+        while node != -1:  # walk up: q itself, its parent, ...
+            if node < kv_len:
+                out[q, node] = True
+            node = parents[node]
+    return out
+
+
+def stack(rows: list[np.ndarray], heads: int = 1) -> np.ndarray:
+    """(B, H, Q, KV) from one (Q, KV) array per row."""
+    arr = np.stack([np.asarray(r, dtype=bool) for r in rows])[:, None]
+    return np.repeat(arr, heads, axis=1)
+
+
+def torch_blocks(dense: np.ndarray, block_size) -> object:
+    """torch's create_block_mask on a plain lookup into the dense mask."""
+    table = torch.from_numpy(np.ascontiguousarray(dense))
+    B, H, Q, KV = table.shape
+
+    def lookup(b, h, q_idx, kv_idx):
+        return table[b, h, q_idx, kv_idx]
+
+    return torch_create_block_mask(lookup, B, H, Q, KV, device="cpu", BLOCK_SIZE=block_size)
+
+
+def assert_same_block_mask(ours, reference, context="") -> None:
+    assert ours.seq_lengths == reference.seq_lengths, context
+    assert tuple(ours.BLOCK_SIZE) == tuple(reference.BLOCK_SIZE), context
+    for field in BLOCK_FIELDS:
+        a, b = getattr(ours, field), getattr(reference, field)
+        assert a.shape == b.shape, f"{context} {field}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        assert a.dtype == b.dtype, f"{context} {field}: dtype {a.dtype} != {b.dtype}"
+        assert torch.equal(a, b), f"{context} {field} differs:\n{a}\n!=\n{b}"

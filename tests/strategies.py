@@ -1,0 +1,121 @@
+"""Hypothesis strategies: random mask expressions paired with their plain dense reference."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+import flexmask
+from tests import oracle
+
+
+def _head_stripes(b, h, q_idx, kv_idx):
+    # Depends on the row and the head: a custom leaf the builder cannot classify.
+    return ((q_idx + kv_idx + b + h) % 3) != 0
+
+
+@st.composite
+def random_parents(draw, n: int, preorder: bool | None = None):
+    """A parent array of n tokens; preorder layout or an arbitrary parent-before-child one."""
+    parents = [-1]
+    for i in range(1, n):
+        parents.append(draw(st.integers(-1, i - 1)))
+    if preorder is None:
+        preorder = draw(st.booleans())
+    if not preorder:
+        return parents
+    # Relabel in depth-first preorder (children by index) so the layout is a preorder.
+    children = {i: [] for i in range(n)}
+    roots = []
+    for i, p in enumerate(parents):
+        (children[p] if p >= 0 else roots).append(i)
+    order, stack = [], roots[::-1]
+    while stack:
+        v = stack.pop()
+        order.append(v)
+        stack.extend(reversed(children[v]))
+    new = {old: k for k, old in enumerate(order)}
+    return [-1 if parents[old] < 0 else new[parents[old]] for old in order]
+
+
+@st.composite
+def leaves(draw, batch: int, length: int):
+    """(mask, reference) where reference(q_len, kv_len) -> (B, Q, KV) numpy bool."""
+    kind = draw(
+        st.sampled_from(
+            ["causal", "full", "empty", "window", "prefix", "padding", "document", "tree",
+             "custom"]
+        )
+    )
+    per_row = draw(st.booleans())
+
+    def per_batch(fn_of_row):
+        return lambda q, kv: np.stack([fn_of_row(r, q, kv) for r in range(batch)])
+
+    if kind == "causal":
+        return flexmask.causal(), per_batch(lambda r, q, kv: oracle.causal(q, kv))
+    if kind == "full":
+        return flexmask.full(), per_batch(lambda r, q, kv: np.ones((q, kv), bool))
+    if kind == "empty":
+        return flexmask.empty(), per_batch(lambda r, q, kv: np.zeros((q, kv), bool))
+    if kind in ("window", "prefix", "padding"):
+        hi = length + 3 if kind == "window" else length
+        values = [draw(st.integers(1, hi)) for _ in range(batch if per_row else 1)]
+        ref = {"window": oracle.sliding_window, "prefix": oracle.prefix,
+               "padding": oracle.padding}[kind]
+        make = {"window": flexmask.sliding_window, "prefix": flexmask.prefix,
+                "padding": flexmask.padding}[kind]
+        mask = make(values if per_row else values[0])
+        return mask, per_batch(lambda r, q, kv: ref(values[r if per_row else 0], q, kv))
+    if kind == "document":
+        def lens():
+            total = draw(st.integers(1, length))
+            cuts = sorted(draw(st.sets(st.integers(1, total - 1), max_size=6))) if total > 1 else []
+            edges = [0, *cuts, total]
+            return [b - a for a, b in zip(edges, edges[1:])]
+
+        rows = [lens() for _ in range(batch if per_row else 1)]
+        mask = flexmask.document(rows if per_row else rows[0])
+        return mask, per_batch(lambda r, q, kv: oracle.document(rows[r if per_row else 0], q, kv))
+    if kind == "tree":
+        rows = [
+            draw(random_parents(draw(st.integers(1, length))))
+            for _ in range(batch if per_row else 1)
+        ]
+        mask = flexmask.tree(rows if per_row else rows[0])
+        return mask, per_batch(lambda r, q, kv: oracle.tree(rows[r if per_row else 0], q, kv))
+    # custom: depends on b and h; reference for head 0 is handled by the caller via heads
+    mask = flexmask.from_mask_mod(_head_stripes, key="stripes")
+    return mask, None
+
+
+@st.composite
+def expressions(draw, batch: int, heads: int, length: int, max_leaves: int = 5):
+    """(mask, dense) with dense(q_len, kv_len) -> (B, H, Q, KV) numpy bool."""
+    n = draw(st.integers(1, max_leaves))
+    items = []
+    for _ in range(n):
+        mask, ref = draw(leaves(batch, length))
+        if ref is None:  # the b/h-dependent custom leaf
+
+            def ref4(q, kv):
+                b = np.arange(batch)[:, None, None, None]
+                h = np.arange(heads)[None, :, None, None]
+                qq = np.arange(q)[None, None, :, None]
+                kk = np.arange(kv)[None, None, None, :]
+                return ((qq + kk + b + h) % 3) != 0
+        else:
+
+            def ref4(q, kv, ref=ref):
+                return np.repeat(ref(q, kv)[:, None], heads, axis=1)
+
+        if draw(st.booleans()):
+            mask, ref4 = ~mask, (lambda q, kv, f=ref4: ~f(q, kv))
+        items.append((mask, ref4))
+    mask, ref = items[0]
+    for other, other_ref in items[1:]:
+        if draw(st.booleans()):
+            mask, ref = mask & other, (lambda q, kv, a=ref, b=other_ref: a(q, kv) & b(q, kv))
+        else:
+            mask, ref = mask | other, (lambda q, kv, a=ref, b=other_ref: a(q, kv) | b(q, kv))
+    return mask, ref

@@ -1,0 +1,664 @@
+"""block_sparse_attention against independent oracles.
+
+Oracles, none of which share code with the module under test:
+
+* ``scaled_dot_product_attention`` with a dense bool mask from torch's ``create_mask`` (vmap
+  evaluation of the mask_mod), for outputs and gradients. SDPA's answer for a row with no
+  allowed key is backend-dependent (NaN on the math path, 0 on CPU flash), so the oracle lets
+  such rows attend everywhere and then multiplies them by 0: value 0 and gradient 0, which is
+  what flex defines.
+* torch's ``flex_attention`` forward on CPU (eager), for outputs and the logsumexp.
+* a dense mask assembled block by block with Python loops from a BlockMask's lists, for the
+  tests where block structure and mask_mod disagree (full blocks, unlisted blocks).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as flex_module
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    create_mask,
+    flex_attention,
+)
+
+from flexmask.block_sparse import block_sparse_attention
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+    pytest.mark.filterwarnings("ignore:return_lse is deprecated"),
+]
+
+
+# --- attn-gym style mask_mods: lookups built outside, bodies are indexing and comparisons ----
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def generate_sliding_window(window_size):
+    def sliding_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window_size)
+
+    return sliding_window
+
+
+def generate_prefix_lm(prefix_length):
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix_length) | (q_idx >= kv_idx)
+
+    return prefix_lm
+
+
+def generate_doc_causal(document_id):
+    # document_id has exactly one entry per token: the kernel must clamp padding indices.
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (document_id[q_idx] == document_id[kv_idx]) & (q_idx >= kv_idx)
+
+    return doc_causal
+
+
+def document_ids(lengths):
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+def generate_per_batch_head(kv_lengths, windows):
+    """Batch b sees keys below kv_lengths[b]; head h sees a window of windows[h] around q."""
+
+    def per_batch_head(b, h, q_idx, kv_idx):
+        return (kv_idx < kv_lengths[b]) & ((q_idx - kv_idx).abs() <= windows[h])
+
+    return per_batch_head
+
+
+def generate_with_empty_rows(q_len):
+    # Every 7th query row and a whole stretch of q blocks see nothing.
+    def with_empty_rows(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx % 7 != 3) & ((q_idx < 40) | (q_idx >= 90))
+
+    return with_empty_rows
+
+
+def generate_table(table):
+    def from_table(b, h, q_idx, kv_idx):
+        return table[b, h, q_idx, kv_idx]
+
+    return from_table
+
+
+# --- oracles ---------------------------------------------------------------------------------
+
+
+def sdpa_oracle(q, k, v, mask, scale=None):
+    """SDPA output with flex's convention for empty rows: output 0, gradient 0."""
+    group = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    has_key = mask.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key, scale=scale)
+    return out * has_key
+
+
+def lse_oracle(q, k, mask, scale=None):
+    group = q.size(1) // k.size(1)
+    k = k.repeat_interleave(group, 1)
+    scale = 1 / math.sqrt(q.size(-1)) if scale is None else scale
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, -math.inf)
+    return torch.logsumexp(scores, dim=-1)  # -inf for empty rows
+
+
+def flex_forward(q, k, v, block_mask, **kwargs):
+    """flex_attention's CPU forward, eager (no compile: same math, no per-case compile cost)."""
+    previous = flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
+        return flex_attention(
+            q.detach(), k.detach(), v.detach(), block_mask=block_mask, return_lse=True, **kwargs
+        )
+    finally:
+        flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = previous
+
+
+def dense_from_blocks(block_mask, batch, heads, q_len, kv_len):
+    """The mask a BlockMask means, block by block: listed partial blocks take mask_mod's value
+    there, listed full blocks are all True, unlisted blocks are all False."""
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    by_mask_mod = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len, device="cpu")
+    dense = torch.zeros(batch, heads, q_len, kv_len, dtype=torch.bool)
+    lists = [(block_mask.kv_num_blocks, block_mask.kv_indices, False)]
+    if block_mask.full_kv_num_blocks is not None:
+        lists.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, True))
+    for num, indices, full in lists:
+        for b in range(batch):
+            for h in range(heads):
+                mb, mh = b % num.size(0), h % num.size(1)
+                for i in range(-(-q_len // q_block)):
+                    rows = slice(i * q_block, (i + 1) * q_block)
+                    for j in indices[mb, mh, i, : num[mb, mh, i]].tolist():
+                        cols = slice(j * kv_block, (j + 1) * kv_block)
+                        dense[b, h, rows, cols] = True if full else by_mask_mod[b, h, rows, cols]
+    return dense
+
+
+def random_qkv(batch, q_heads, kv_heads, q_len, kv_len, dtype=torch.float64, head_dim=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=dtype).requires_grad_()
+
+    q = randn(batch, q_heads, q_len, head_dim)
+    k = randn(batch, kv_heads, kv_len, head_dim)
+    v = randn(batch, kv_heads, kv_len, head_dim + 2)  # Dv != D on purpose
+    grad_out = torch.randn(batch, q_heads, q_len, head_dim + 2, generator=generator, dtype=dtype)
+    return q, k, v, grad_out
+
+
+def grads(out, grad_out, inputs):
+    return torch.autograd.grad(out, inputs, grad_out)
+
+
+def assert_matches_oracles(q, k, v, grad_out, block_mask, dense, atol, **kwargs):
+    enable_gqa = q.size(1) != k.size(1)
+    out, lse = block_sparse_attention(
+        q, k, v, block_mask, enable_gqa=enable_gqa, return_lse=True, **kwargs
+    )
+    expected = sdpa_oracle(q, k, v, dense)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=0)
+    for got, want in zip(
+        grads(out, grad_out, (q, k, v)), grads(expected, grad_out, (q, k, v)), strict=True
+    ):
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    torch.testing.assert_close(lse, lse_oracle(q, k, dense), atol=atol, rtol=0)
+    return out, lse
+
+
+# --- named cases ----------------------------------------------------------------------------
+
+# (name, mask_mod factory, B, Hq, Hkv, Q_LEN, KV_LEN, BLOCK_SIZE, mask per batch/head)
+CASES = [
+    ("causal", lambda q, kv: causal, 1, 1, 1, 300, 300, (128, 128), False),
+    ("causal-64x32", lambda q, kv: causal, 2, 2, 2, 129, 129, (64, 32), False),
+    ("causal-len1", lambda q, kv: causal, 1, 2, 2, 1, 1, (128, 128), False),
+    ("causal-q>kv", lambda q, kv: causal, 1, 2, 2, 300, 129, (64, 32), False),
+    ("causal-q<kv", lambda q, kv: causal, 2, 1, 1, 127, 300, (16, 16), False),
+    (
+        "document-gqa",
+        lambda q, kv: generate_doc_causal(document_ids([50, 7, 130, 113])),
+        2,
+        4,
+        2,
+        300,
+        300,
+        (16, 16),
+        False,
+    ),
+    (
+        "document-127",
+        lambda q, kv: generate_doc_causal(document_ids([1, 60, 66])),
+        1,
+        2,
+        2,
+        127,
+        127,
+        (32, 64),
+        False,
+    ),
+    (
+        "sliding-window",
+        lambda q, kv: generate_sliding_window(24),
+        1,
+        2,
+        2,
+        129,
+        129,
+        (16, 16),
+        False,
+    ),
+    ("prefix-lm", lambda q, kv: generate_prefix_lm(37), 2, 1, 1, 129, 129, (64, 32), False),
+    (
+        "per-batch-head-gqa",
+        lambda q, kv: generate_per_batch_head(
+            torch.tensor([300, 170]), torch.tensor([3, 20, 64, 500])
+        ),
+        2,
+        4,
+        2,
+        127,
+        300,
+        (32, 64),
+        True,
+    ),
+    (
+        "per-batch-head",
+        lambda q, kv: generate_per_batch_head(torch.tensor([100, 29]), torch.tensor([0, 9])),
+        2,
+        2,
+        2,
+        129,
+        129,
+        (16, 16),
+        True,
+    ),
+    ("empty-rows", lambda q, kv: generate_with_empty_rows(q), 1, 2, 2, 129, 129, (16, 16), False),
+    (
+        "empty-rows-128",
+        lambda q, kv: generate_with_empty_rows(q),
+        2,
+        1,
+        1,
+        300,
+        300,
+        (128, 128),
+        False,
+    ),
+]
+
+
+def build_case(case, dtype=torch.float64, seed=0):
+    _, factory, batch, q_heads, kv_heads, q_len, kv_len, block_size, per_bh = case
+    mask_mod = factory(q_len, kv_len)
+    block_mask = create_block_mask(
+        mask_mod,
+        batch if per_bh else None,
+        q_heads if per_bh else None,
+        q_len,
+        kv_len,
+        device="cpu",
+        BLOCK_SIZE=block_size,
+    )
+    dense = create_mask(mask_mod, batch, q_heads, q_len, kv_len, device="cpu")
+    q, k, v, grad_out = random_qkv(batch, q_heads, kv_heads, q_len, kv_len, dtype, seed=seed)
+    return block_mask, dense, q, k, v, grad_out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_sdpa_and_flex(case):
+    block_mask, dense, q, k, v, grad_out = build_case(case)
+    out, lse = assert_matches_oracles(q, k, v, grad_out, block_mask, dense, atol=1e-10)
+
+    flex_out, flex_lse = flex_forward(q, k, v, block_mask, enable_gqa=q.size(1) != k.size(1))
+    torch.testing.assert_close(out, flex_out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(lse, flex_lse, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["causal-64x32", "document-gqa", "per-batch-head-gqa"])
+def test_float32(name):
+    case = next(c for c in CASES if c[0] == name)
+    block_mask, dense, q, k, v, grad_out = build_case(case, dtype=torch.float32)
+    out, _ = assert_matches_oracles(q, k, v, grad_out, block_mask, dense, atol=1e-5)
+    assert out.dtype == torch.float32
+
+
+def test_flex_compiled_forward_agrees():
+    """One case through flex's default CPU path (compiled), not only the eager debug path."""
+    case = next(c for c in CASES if c[0] == "document-gqa")
+    block_mask, _, q, k, v, _ = build_case(case)
+    expected = flex_attention(
+        q.detach(), k.detach(), v.detach(), block_mask=block_mask, enable_gqa=True
+    )
+    got = block_sparse_attention(q, k, v, block_mask, enable_gqa=True)
+    torch.testing.assert_close(got, expected, atol=1e-10, rtol=0)
+
+
+def test_empty_rows_are_zero_with_zero_gradient():
+    case = next(c for c in CASES if c[0] == "empty-rows")
+    block_mask, dense, q, k, v, grad_out = build_case(case)
+    out, lse = block_sparse_attention(q, k, v, block_mask, return_lse=True)
+    dq, dk, dv = grads(out, grad_out, (q, k, v))
+    empty = ~dense.any(-1)
+    assert empty.any() and (~empty).any()
+    assert (out[empty] == 0).all()
+    assert torch.isneginf(lse[empty]).all() and torch.isfinite(lse[~empty]).all()
+    assert (dq[empty] == 0).all()
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+
+
+@pytest.mark.parametrize(
+    ("max_chunk_elements", "recompute"),
+    [(1, True), (1, False), (20_000, True), (1 << 22, False)],
+)
+def test_chunking_and_recompute_do_not_change_the_result(recompute, max_chunk_elements):
+    case = next(c for c in CASES if c[0] == "document-gqa")
+    block_mask, dense, q, k, v, grad_out = build_case(case)
+    assert_matches_oracles(
+        q,
+        k,
+        v,
+        grad_out,
+        block_mask,
+        dense,
+        atol=1e-10,
+        recompute=recompute,
+        max_chunk_elements=max_chunk_elements,
+    )
+
+
+def test_mask_broadcast_over_batch_and_heads_equals_per_head_mask():
+    mask_mod = generate_doc_causal(document_ids([40, 89]))
+    q, k, v, _ = random_qkv(2, 3, 3, 129, 129)
+    shared = create_block_mask(mask_mod, None, None, 129, 129, device="cpu", BLOCK_SIZE=32)
+    per_head = create_block_mask(mask_mod, 2, 3, 129, 129, device="cpu", BLOCK_SIZE=32)
+    torch.testing.assert_close(
+        block_sparse_attention(q, k, v, shared), block_sparse_attention(q, k, v, per_head)
+    )
+
+
+def test_partial_blocks_are_masked_by_mask_mod():
+    """With separate_full_blocks=False every block is partial: mask_mod must decide it all."""
+    mask_mod = generate_sliding_window(40)
+    block_mask = create_block_mask(
+        mask_mod, None, None, 129, 129, device="cpu", BLOCK_SIZE=32, separate_full_blocks=False
+    )
+    assert block_mask.full_kv_num_blocks is None
+    q, k, v, grad_out = random_qkv(1, 2, 2, 129, 129)
+    dense = create_mask(mask_mod, 1, 2, 129, 129, device="cpu")
+    assert_matches_oracles(q, k, v, grad_out, block_mask, dense, atol=1e-10)
+
+
+def test_full_blocks_skip_mask_mod():
+    """Blocks declared full are attended entirely, whatever mask_mod says there."""
+    q_len = kv_len = 96
+    block_mask = create_block_mask(causal, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=32)
+    # Move the diagonal (partial) blocks into the full lists: causal's upper triangles inside
+    # them must now be attended.
+    dense_blocks = block_mask.to_dense()[0, 0]
+    diagonal = torch.eye(3, dtype=torch.bool)
+    partial = torch.zeros_like(dense_blocks)
+    full = dense_blocks.bool() | diagonal
+
+    def ordered(blocks):
+        num = blocks.sum(-1).int()[None, None]
+        idx = torch.argsort(blocks.int(), dim=-1, descending=True, stable=True).int()[None, None]
+        return num, idx
+
+    declared = BlockMask.from_kv_blocks(
+        *ordered(partial),
+        *ordered(full),
+        BLOCK_SIZE=32,
+        mask_mod=causal,
+        seq_lengths=(q_len, kv_len),
+    )
+    dense = dense_from_blocks(declared, 1, 2, q_len, kv_len)
+    assert dense[0, 0, 0, 31] and not causal(0, 0, torch.tensor(0), torch.tensor(31))
+    q, k, v, grad_out = random_qkv(1, 2, 2, q_len, kv_len)
+    assert_matches_oracles(q, k, v, grad_out, declared, dense, atol=1e-10)
+
+
+def test_unlisted_blocks_are_skipped_even_where_mask_mod_allows():
+    q_len, kv_len = 70, 90
+    num = torch.tensor([[[1, 0, 2]]], dtype=torch.int32)
+    idx = torch.tensor([[[[2, 0, 0], [0, 0, 0], [0, 1, 0]]]], dtype=torch.int32)
+    block_mask = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=32, seq_lengths=(q_len, kv_len))
+    dense = dense_from_blocks(block_mask, 1, 1, q_len, kv_len)
+    assert not dense[:, :, 32:64].any()  # the middle q block lists nothing
+    q, k, v, grad_out = random_qkv(1, 1, 1, q_len, kv_len)
+    assert_matches_oracles(q, k, v, grad_out, block_mask, dense, atol=1e-10)
+
+
+# --- mods that only work under vmap, and score_mod ------------------------------------------
+
+
+def causal_by_stack(b, h, q_idx, kv_idx):
+    # torch.stack needs equal shapes: fine on vmap's scalars, an error on broadcast indices.
+    return torch.stack([q_idx, kv_idx]).diff(dim=0).squeeze(0) <= 0
+
+
+def test_vmap_only_mask_mod_falls_back_to_vmap():
+    block_mask = create_block_mask(
+        causal_by_stack, None, None, 129, 129, device="cpu", BLOCK_SIZE=32
+    )
+    q, k, v, grad_out = random_qkv(2, 2, 2, 129, 129)
+    dense = create_mask(causal, 2, 2, 129, 129, device="cpu")
+    assert_matches_oracles(q, k, v, grad_out, block_mask, dense, atol=1e-10)
+    with pytest.raises(RuntimeError):
+        block_sparse_attention(q, k, v, block_mask, mod_eval="broadcast")
+
+
+def test_broadcast_and_vmap_evaluation_agree():
+    case = next(c for c in CASES if c[0] == "per-batch-head-gqa")
+    block_mask, _, q, k, v, grad_out = build_case(case)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    results = []
+    for mod_eval in ("broadcast", "vmap"):
+        out = block_sparse_attention(q, k, v, block_mask, alibi, enable_gqa=True, mod_eval=mod_eval)
+        results.append((out, *grads(out, grad_out, (q, k, v))))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def score_mod_oracle(q, k, v, mask, bias):
+    """Plain masked softmax attention with an additive bias, written out densely."""
+    group = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)) + bias
+    scores = scores.masked_fill(~mask, -math.inf)
+    has_key = torch.isfinite(scores).any(-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~has_key, 0), dim=-1) * has_key
+    return probs @ v
+
+
+@pytest.mark.parametrize("mod_eval", ["auto", "vmap"])
+def test_score_mod_matches_flex_and_dense(mod_eval):
+    case = next(c for c in CASES if c[0] == "document-gqa")
+    block_mask, dense, q, k, v, grad_out = build_case(case)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+
+    def alibi_and_drop(score, b, h, q_idx, kv_idx):
+        # Query rows 5 and 6 get -inf everywhere from score_mod: flex returns 0 for them.
+        dropped = (q_idx == 5) | (q_idx == 6)
+        return torch.where(dropped, -math.inf, score - slopes[h] * (q_idx - kv_idx))
+
+    out = block_sparse_attention(
+        q, k, v, block_mask, alibi_and_drop, enable_gqa=True, mod_eval=mod_eval
+    )
+    flex_out, _ = flex_forward(q, k, v, block_mask, score_mod=alibi_and_drop, enable_gqa=True)
+    torch.testing.assert_close(out, flex_out, atol=1e-10, rtol=0)
+
+    pos = torch.arange(300, dtype=torch.float64)
+    bias = -slopes[None, :, None, None] * (pos[:, None] - pos[None, :])
+    bias = bias.expand(2, 4, 300, 300).clone()
+    bias[:, :, 5:7] = -math.inf
+    expected = score_mod_oracle(q, k, v, dense, bias)
+    assert (out[:, :, 5:7] == 0).all()
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
+    for got, want in zip(
+        grads(out, grad_out, (q, k, v)), grads(expected, grad_out, (q, k, v)), strict=True
+    ):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+def test_scale_and_no_grad_and_low_precision():
+    case = next(c for c in CASES if c[0] == "causal-64x32")
+    block_mask, dense, q, k, v, _ = build_case(case)
+    out = block_sparse_attention(q, k, v, block_mask, scale=0.3)
+    expected = sdpa_oracle(q, k, v, dense, scale=0.3)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(block_sparse_attention(q, k, v, block_mask, scale=0.3), out)
+    low = block_sparse_attention(
+        *(t.detach().to(torch.bfloat16) for t in (q, k, v)), block_mask, scale=0.3
+    )
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.double(), expected, atol=5e-2, rtol=0)
+
+
+# --- random cases ---------------------------------------------------------------------------
+
+BLOCK_SIZES = [(16, 16), (32, 64), (64, 32), (128, 128)]
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    q_len=st.integers(1, 300),
+    kv_len=st.integers(1, 300),
+    block_size=st.sampled_from(BLOCK_SIZES),
+    heads=st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 2)]),
+    batch=st.integers(1, 2),
+    density=st.sampled_from([0.02, 0.3, 0.9]),
+    structured=st.booleans(),
+    per_bh=st.booleans(),
+    max_chunk_elements=st.sampled_from([1, 20_000, 1 << 22]),
+    recompute=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_masks_match_sdpa(
+    q_len,
+    kv_len,
+    block_size,
+    heads,
+    batch,
+    density,
+    structured,
+    per_bh,
+    max_chunk_elements,
+    recompute,
+    seed,
+):
+    q_heads, kv_heads = heads
+    generator = torch.Generator().manual_seed(seed)
+    table = torch.rand(batch, q_heads, q_len, kv_len, generator=generator) < density
+    if structured:  # random documents and a window on top, so some blocks come out full
+        doc = torch.randint(0, 3, (max(q_len, kv_len),), generator=generator).cumsum(0)
+        window = int(torch.randint(1, 200, (), generator=generator))
+        pos_q, pos_kv = torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :]
+        table |= (doc[:q_len, None] == doc[None, :kv_len]) & ((pos_q - pos_kv).abs() < window)
+    mask_mod = generate_table(table if per_bh else table[:1, :1].expand_as(table))
+    block_mask = create_block_mask(
+        mask_mod,
+        batch if per_bh else None,
+        q_heads if per_bh else None,
+        q_len,
+        kv_len,
+        device="cpu",
+        BLOCK_SIZE=block_size,
+    )
+    dense = table if per_bh else table[:1, :1].expand_as(table)
+    q, k, v, grad_out = random_qkv(batch, q_heads, kv_heads, q_len, kv_len, seed=seed)
+    assert_matches_oracles(
+        q,
+        k,
+        v,
+        grad_out,
+        block_mask,
+        dense,
+        atol=1e-10,
+        max_chunk_elements=max_chunk_elements,
+        recompute=recompute,
+    )
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+
+def _peak_extra_bytes():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "_memory.py"
+    spec = importlib.util.spec_from_file_location("_flexmask_bench_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.peak_extra_bytes
+
+
+def test_memory_scales_with_active_blocks_not_seq_len_squared():
+    seq_len = 4096
+    block_mask = create_block_mask(
+        generate_sliding_window(64), None, None, seq_len, seq_len, device="cpu", BLOCK_SIZE=64
+    )
+    q, k, v = (torch.randn(1, 1, seq_len, 16, requires_grad=True) for _ in range(3))
+    peak_extra_bytes = _peak_extra_bytes()
+
+    def peak(**kwargs):
+        def forward_backward():
+            block_sparse_attention(q, k, v, block_mask, **kwargs).sum().backward()
+
+        return peak_extra_bytes(forward_backward)[0]
+
+    dense_scores = seq_len * seq_len * 4
+    assert peak() < dense_scores / 8
+    # Small chunks: with recompute only the inputs' gradients and one chunk are ever alive.
+    kept, recomputed = (
+        peak(max_chunk_elements=1 << 16, recompute=recompute) for recompute in (False, True)
+    )
+    assert recomputed < kept
+    assert recomputed < dense_scores / 32, f"peak {recomputed / 2**20:.1f} MiB"
+
+
+# --- validation -----------------------------------------------------------------------------
+
+
+def _valid_inputs():
+    q, k, v, _ = random_qkv(1, 2, 2, 40, 50, dtype=torch.float32)
+    block_mask = create_block_mask(causal, None, None, 40, 50, device="cpu", BLOCK_SIZE=16)
+    return dict(query=q, key=k, value=v, block_mask=block_mask)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda a: a.update(query=a["query"].numpy()), TypeError, "query must be a torch.Tensor"),
+        (lambda a: a.update(key=a["key"][0]), ValueError, "key must be 4-D"),
+        (lambda a: a.update(value=a["value"].int()), TypeError, "value must have a floating"),
+        (lambda a: a.update(key=a["key"].double()), TypeError, "key.dtype must equal"),
+        (lambda a: a.update(key=a["key"][..., :4]), ValueError, "key's head_dim"),
+        (lambda a: a.update(value=a["value"][:, :, :10]), ValueError, "value must have key's"),
+        (lambda a: a.update(key=torch.cat([a["key"]] * 2)), ValueError, "batch size"),
+        (
+            lambda a: a.update(key=a["key"][:, :1], value=a["value"][:, :1]),
+            ValueError,
+            "enable_gqa=True",
+        ),
+        (
+            lambda a: a.update(
+                key=a["key"][:, :1].expand(1, 3, 50, 8),
+                value=a["value"][:, :1].expand(1, 3, 50, 10),
+                enable_gqa=True,
+            ),
+            ValueError,
+            "multiple of",
+        ),
+        (lambda a: a.update(block_mask="causal"), TypeError, "block_mask must be a"),
+        (lambda a: a.update(query=a["query"][:, :, :39]), ValueError, "block_mask was built for"),
+        (lambda a: a.update(score_mod=3), TypeError, "score_mod must be callable"),
+        (lambda a: a.update(scale="0.1"), TypeError, "scale must be a float"),
+        (lambda a: a.update(mod_eval="jit"), ValueError, "mod_eval must be one of"),
+        (lambda a: a.update(max_chunk_elements=0), ValueError, "max_chunk_elements must be >= 1"),
+    ],
+)
+def test_bad_inputs_name_the_argument(change, error, match):
+    arguments = _valid_inputs()
+    change(arguments)
+    with pytest.raises(error, match=match):
+        block_sparse_attention(**arguments)
+
+
+def test_block_mask_with_too_many_heads_is_rejected():
+    arguments = _valid_inputs()
+    arguments["block_mask"] = create_block_mask(causal, 1, 3, 40, 50, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="batch and head dims must be 1 or match"):
+        block_sparse_attention(**arguments)
+
+
+def test_mask_mod_must_return_bool():
+    arguments = _valid_inputs()
+    arguments["block_mask"] = BlockMask.from_kv_blocks(
+        torch.ones(1, 1, 3, dtype=torch.int32),
+        torch.zeros(1, 1, 3, 1, dtype=torch.int32),
+        BLOCK_SIZE=16,
+        mask_mod=lambda b, h, q_idx, kv_idx: q_idx - kv_idx,
+        seq_lengths=(40, 50),
+    )
+    with pytest.raises(TypeError, match="mask_mod must return a bool tensor"):
+        block_sparse_attention(**arguments)
