@@ -17,7 +17,7 @@ How it is laid out, and why:
 * **Recompute by default.** Each chunk runs under non-reentrant activation checkpointing, so
   autograd keeps only the inputs and rebuilds one chunk at a time in the backward: memory is
   ``O(Q_LEN x D)`` plus one chunk, at the cost of a second forward. ``recompute=False`` keeps
-  every chunk's activations instead (``O(Q_LEN x active kv tokens)``), about a third faster.
+  every chunk's activations instead (``O(Q_LEN x active kv tokens)``) and skips that forward.
 * **mask_mod only where it matters.** It is evaluated on the partial blocks only; full blocks are
   taken as all-allowed, exactly as flex's kernels do, and padding past ``Q_LEN``/``KV_LEN`` is
   clamped before the call (so lookups sized to the length are safe) and masked after it.
@@ -292,7 +292,7 @@ def _plan(
     num_q_blocks = -(-q_len // q_block)
     num_kv_blocks = -(-kv_len // kv_block)
 
-    def lists(num: Tensor, idx: Tensor, name: str) -> tuple[Tensor, Tensor, int]:
+    def lists(num: Tensor, idx: Tensor, name: str) -> tuple[Tensor, Tensor, list[int]]:
         if num.dim() != 3 or idx.dim() != 4 or idx.shape[:3] != num.shape:
             raise ValueError(
                 f"block_mask.{name} must be (B, H, q_blocks, max_blocks), got shape "
@@ -330,6 +330,9 @@ def _plan(
             idx = idx.unsqueeze(-2)
         return num, idx, counts
 
+    full_num: Tensor | None = None
+    full_idx: Tensor | None = None
+    full_counts = [0] * num_q_blocks
     partial_num, partial_idx, partial_counts = lists(
         block_mask.kv_num_blocks, block_mask.kv_indices, "kv_indices"
     )
@@ -343,9 +346,6 @@ def _plan(
                 f"dims, got {tuple(block_mask.kv_indices.shape[:2])} and "
                 f"{tuple(block_mask.full_kv_indices.shape[:2])}"
             )
-    else:
-        full_num = full_idx = None
-        full_counts = [0] * num_q_blocks
 
     return _Plan(
         batch=batch,
@@ -431,9 +431,8 @@ def _chunk_indices(plan: _Plan, chunk: _Chunk, device: torch.device) -> _ChunkIn
     kv_allowed = in_use[..., None].unsqueeze(-3) & (kv_tokens < plan.kv_len)
     q_tokens = torch.arange(start * plan.q_block, stop * plan.q_block, device=device)
 
-    ones = (1,) * 7
     return _ChunkIndices(
-        b=torch.arange(plan.batch, device=device).view(-1, *ones[1:]),
+        b=torch.arange(plan.batch, device=device).view(-1, 1, 1, 1, 1, 1, 1),
         h=torch.arange(plan.q_heads, device=device).view(1, plan.kv_heads, 1, plan.group, 1, 1, 1),
         q_idx=q_tokens.clamp(max=plan.q_len - 1).view(1, 1, stop - start, 1, plan.q_block, 1, 1),
         kv_idx=kv_tokens.clamp(max=plan.kv_len - 1),
@@ -501,9 +500,15 @@ def _chunk_attention(
         )
         if scores.shape != full_shape:
             scores = scores.expand(full_shape)
-    # Slot use and the KV_LEN bound first (a small broadcast mask), then mask_mod on the partial
-    # slots only, in place on that slice: no full-size mask is ever concatenated.
-    scores = torch.where(idx.kv_allowed, scores, -math.inf)
+    # Slot use and the KV_LEN bound first (a small broadcast mask; chunks without padding skip
+    # it), then mask_mod on the partial slots only, in place on that slice: no full-size mask
+    # is ever built.
+    if not bool(idx.kv_allowed.all()):
+        scores = torch.where(idx.kv_allowed, scores, -math.inf)
+    elif chunk.partial_slots and plan.score_mod is not None:
+        # score_mod's result may be saved for its backward, or be an expanded view: the
+        # in-place fill below must write into a tensor of our own.
+        scores = scores.clone(memory_format=torch.contiguous_format)
     if chunk.partial_slots:
         partial_kv = idx.kv_idx[..., : chunk.partial_slots, :]
         partial_shape = (*full_shape[:-2], chunk.partial_slots, kv_block)

@@ -27,9 +27,8 @@ def codes_from(nonempty: Tensor, full: Tensor) -> Tensor:
 
     ``full`` must imply ``nonempty``; both broadcast against each other.
     """
-    full, nonempty = torch.broadcast_tensors(full, nonempty)
-    codes = nonempty.to(CODE_DTYPE)  # EMPTY=0 / PARTIAL=1
-    return codes.masked_fill_(full, FULL)
+    # EMPTY=0, PARTIAL=1, FULL=2 is the sum of the two flags (full implies nonempty).
+    return nonempty.view(CODE_DTYPE) + full.view(CODE_DTYPE)
 
 
 def constant_codes(code: int, device: torch.device) -> Tensor:
@@ -37,23 +36,50 @@ def constant_codes(code: int, device: torch.device) -> Tensor:
     return torch.full((1, 1, 1, 1), code, dtype=CODE_DTYPE, device=device)
 
 
+def _table(rule) -> list[int]:
+    return [rule(a, b) for a in range(4) for b in range(4)]
+
+
+def _and_rule(a: int, b: int) -> int:
+    if EMPTY in (a, b):
+        return EMPTY  # EMPTY wins
+    if a == FULL:
+        return b  # FULL is neutral
+    return a if b == FULL else UNDECIDED  # two partial tiles may or may not overlap
+
+
+def _or_rule(a: int, b: int) -> int:
+    if FULL in (a, b):
+        return FULL
+    if a == EMPTY:
+        return b
+    return a if b == EMPTY else UNDECIDED
+
+
+_AND = torch.tensor(_table(_and_rule), dtype=CODE_DTYPE)
+_OR = torch.tensor(_table(_or_rule), dtype=CODE_DTYPE)
+_NOT = torch.tensor([FULL, PARTIAL, EMPTY, UNDECIDED], dtype=CODE_DTYPE)
+
+
+def _lookup(table: Tensor, index: Tensor) -> Tensor:
+    # One gather over the grid instead of a chain of where/eq passes.
+    flat = index.reshape(-1).to(torch.int32)
+    return table.to(index.device).index_select(0, flat).view(index.shape)
+
+
 def and_codes(a: Tensor, b: Tensor) -> Tensor:
     """Block codes of ``a & b``: EMPTY wins, FULL is neutral, PARTIAL & PARTIAL is undecided."""
-    a, b = torch.broadcast_tensors(a, b)
-    out = torch.where(a == FULL, b, torch.where(b == FULL, a, UNDECIDED)).to(CODE_DTYPE)
-    return out.masked_fill_((a == EMPTY) | (b == EMPTY), EMPTY)
+    return _lookup(_AND, a * 4 + b)
 
 
 def or_codes(a: Tensor, b: Tensor) -> Tensor:
     """Block codes of ``a | b``: FULL wins, EMPTY is neutral, PARTIAL | PARTIAL is undecided."""
-    a, b = torch.broadcast_tensors(a, b)
-    out = torch.where(a == EMPTY, b, torch.where(b == EMPTY, a, UNDECIDED)).to(CODE_DTYPE)
-    return out.masked_fill_((a == FULL) | (b == FULL), FULL)
+    return _lookup(_OR, a * 4 + b)
 
 
 def not_codes(a: Tensor) -> Tensor:
     """Block codes of ``~a``: EMPTY and FULL swap, PARTIAL and UNDECIDED stay."""
-    return torch.where(a == EMPTY, FULL, torch.where(a == FULL, EMPTY, a)).to(CODE_DTYPE)
+    return _lookup(_NOT, a)
 
 
 @dataclass(frozen=True)
@@ -122,11 +148,17 @@ class BlockGrid:
         """Lookups are padded to this length: every index a kernel may pass is below it."""
         return max(self.q_len, self.kv_len)
 
-    def complete(self) -> Tensor:
-        """(1, 1, nq, nkv) bool: tiles that lie wholly inside the sequence.
+    def demote_incomplete(self, codes: Tensor) -> Tensor:
+        """FULL → PARTIAL on tiles that run past either end, in place (codes is contiguous).
 
         torch pads the last tiles with masked elements, so only complete tiles can be FULL.
+        Only the last tile row and column can be incomplete, so only they are touched.
         """
-        q_complete = (self.q_first + self.q_block) <= self.q_len
-        kv_complete = (self.kv_first + self.kv_block) <= self.kv_len
-        return q_complete & kv_complete
+        edges = []
+        if self.q_len % self.q_block:
+            edges.append(codes[:, :, -1, :])
+        if self.kv_len % self.kv_block:
+            edges.append(codes[:, :, :, -1])
+        for edge in edges:
+            edge.masked_fill_(edge == FULL, PARTIAL)
+        return codes

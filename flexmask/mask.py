@@ -33,6 +33,20 @@ class Lowered(NamedTuple):
     """The same predicate, callable with broadcasting index tensors of any shape."""
 
 
+class Intervals(NamedTuple):
+    """Per query position, the one kv interval ``[lo, hi]`` it attends (empty when lo > hi).
+
+    Pieces whose rows are single intervals (causal, document, sliding window, prefix,
+    padding) expose them; an ``&`` of such pieces is their intersection. The builder uses them
+    to refine undecided tiles in O(q_block) per tile instead of O(q_block * kv_block).
+    """
+
+    lo: Tensor
+    """(R, length + 1) int64: first kv attended by each q (R = 1 when shared by all rows)."""
+    hi: Tensor
+    """(R, length + 1) int64: last kv attended by each q."""
+
+
 class Mask:
     """Base of every mask expression. Build masks with the piece functions and operators.
 
@@ -90,6 +104,10 @@ class Mask:
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
         raise NotImplementedError
+
+    def _intervals(self, length: int, device: torch.device) -> Intervals | None:
+        """Each q's attended kv as one interval, if the mask has that shape (else None)."""
+        return None
 
     # ----------------------------------------------------------------- operators
     def __and__(self, other: object) -> Mask:
@@ -333,6 +351,15 @@ class And(_Nary):
             return result
 
         return Lowered(and_mask, and_eval)
+
+    def _intervals(self, length: int, device: torch.device) -> Intervals | None:
+        parts = [c._intervals(length, device) for c in self.children]
+        if any(p is None for p in parts):
+            return None
+        lo, hi = parts[0]
+        for part in parts[1:]:
+            lo, hi = torch.maximum(lo, part.lo), torch.minimum(hi, part.hi)
+        return Intervals(lo, hi)
 
 
 class Or(_Nary):

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from flexmask.blocks import BlockGrid, codes_from
-from flexmask.mask import Lowered
+from flexmask.mask import Intervals, Lowered
 from flexmask.pieces._base import Piece
 
 
@@ -34,6 +34,10 @@ class Causal(Piece):
             return q_idx >= kv_idx
 
         return Lowered(causal, causal)
+
+    def _intervals(self, length: int, device: torch.device) -> Intervals:
+        q = torch.arange(length + 1, device=device).view(1, -1)
+        return Intervals(torch.zeros_like(q), q)
 
     def __repr__(self) -> str:
         return "causal()"

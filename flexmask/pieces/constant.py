@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from flexmask.blocks import EMPTY, FULL, BlockGrid, constant_codes
-from flexmask.mask import Lowered
+from flexmask.mask import Intervals, Lowered
 from flexmask.pieces._base import Piece
 
 
@@ -33,6 +33,10 @@ class Full(Piece):
             return (q_idx >= 0) & (kv_idx >= 0)
 
         return Lowered(full_mask, full_mask)
+
+    def _intervals(self, length: int, device: torch.device) -> Intervals:
+        lo = torch.zeros(1, length + 1, dtype=torch.int64, device=device)
+        return Intervals(lo, lo + length)
 
     def __repr__(self) -> str:
         return "full()"
@@ -61,6 +65,10 @@ class Empty(Piece):
             return (q_idx < 0) & (kv_idx < 0)
 
         return Lowered(empty_mask, empty_mask)
+
+    def _intervals(self, length: int, device: torch.device) -> Intervals:
+        hi = torch.zeros(1, length + 1, dtype=torch.int64, device=device)
+        return Intervals(hi + 1, hi)
 
     def __repr__(self) -> str:
         return "empty()"

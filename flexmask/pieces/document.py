@@ -9,7 +9,7 @@ from torch import Tensor
 
 from flexmask._validate import digest, int_vector, is_nested, source_device
 from flexmask.blocks import BlockGrid, codes_from
-from flexmask.mask import Lowered
+from flexmask.mask import Intervals, Lowered
 from flexmask.pieces._base import Piece
 
 
@@ -81,10 +81,16 @@ class Document(Piece):
         k0, k1 = k0.view(rows, 1, 1, nkv), k1.view(rows, 1, 1, nkv)
         last_doc = (num_docs - 1).view(rows, 1, 1, 1)
         # Ids are consecutive along the sequence, so the documents in a tile form a range;
-        # the tile attends somewhere iff the q and kv ranges share a real document.
-        nonempty = torch.maximum(q0, k0) <= torch.minimum(torch.minimum(q1, k1), last_doc)
-        full = (q0 == q1) & (k0 == k1) & (q0 == k0) & (q0 <= last_doc)
-        return codes_from(nonempty, full)
+        # the tile attends somewhere iff the q and kv ranges share a real document: they
+        # overlap, and neither starts past the last document. Folding the per-side tests
+        # into the range ends keeps the work on the full tile grid to three comparisons.
+        q1 = torch.where(q0 <= last_doc, q1, -1)
+        k1 = torch.where(k0 <= last_doc, k1, -1)
+        nonempty = (q0 <= k1) & (k0 <= q1)
+        # Full: one real document covers both sides.
+        q_single = torch.where((q0 == q1) & (q0 <= last_doc), q0, -1)
+        k_single = torch.where(k0 == k1, k0, -2)
+        return codes_from(nonempty, q_single == k_single)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
         doc_id = _document_ids(self.seq_lens, length, device)
@@ -102,6 +108,16 @@ class Document(Piece):
                 return (q_doc == doc_id_1d[kv_idx.clamp(max=last)]) & (q_doc >= 0)
 
         return Lowered(document, document)
+
+    def _intervals(self, length: int, device: torch.device) -> Intervals:
+        lo = torch.ones(len(self.seq_lens), length + 1, dtype=torch.int64)
+        hi = torch.zeros(len(self.seq_lens), length + 1, dtype=torch.int64)
+        for row, lens in enumerate(self.seq_lens):
+            ends = lens.cumsum(0)
+            total = int(ends[-1])
+            lo[row, :total] = torch.repeat_interleave(ends - lens, lens)
+            hi[row, :total] = torch.repeat_interleave(ends - 1, lens)
+        return Intervals(lo.to(device), hi.to(device))
 
     def __repr__(self) -> str:
         if self.per_row:

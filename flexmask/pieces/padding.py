@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from flexmask.blocks import BlockGrid, codes_from
-from flexmask.mask import Lowered
+from flexmask.mask import Intervals, Lowered
 from flexmask.pieces._rowvalue import RowValuePiece
 
 
@@ -46,6 +46,15 @@ class Padding(RowValuePiece):
                 return (q_idx < lengths) & (kv_idx < lengths)
 
         return Lowered(padding, padding)
+
+    def _intervals(self, length: int, device: torch.device) -> Intervals:
+        q = torch.arange(length + 1, device=device).view(1, -1)
+        row_len = self.values.to(device).view(-1, 1)
+        inside = q < row_len
+        # Padding queries attend nothing: the empty interval [1, 0].
+        lo = torch.where(inside, 0, 1)
+        hi = torch.where(inside, row_len - 1, 0)
+        return Intervals(lo, hi)
 
 
 def padding(lengths: Any) -> Padding:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from flexmask.blocks import BlockGrid, codes_from
-from flexmask.mask import Lowered
+from flexmask.mask import Intervals, Lowered
 from flexmask.pieces._rowvalue import RowValuePiece
 
 
@@ -43,6 +43,10 @@ class Prefix(RowValuePiece):
                 return kv_idx < prefix_len
 
         return Lowered(prefix, prefix)
+
+    def _intervals(self, length: int, device: torch.device) -> Intervals:
+        hi = (self.values.to(device) - 1).view(-1, 1).expand(-1, length + 1)
+        return Intervals(torch.zeros_like(hi), hi)
 
 
 def prefix(length: Any) -> Prefix:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from flexmask.blocks import BlockGrid, codes_from
-from flexmask.mask import Lowered
+from flexmask.mask import Intervals, Lowered
 from flexmask.pieces._rowvalue import RowValuePiece
 
 
@@ -49,6 +49,11 @@ class SlidingWindow(RowValuePiece):
                 return (q_idx - kv_idx).abs() < size
 
         return Lowered(sliding_window, sliding_window)
+
+    def _intervals(self, length: int, device: torch.device) -> Intervals:
+        q = torch.arange(length + 1, device=device).view(1, -1)
+        size = self.values.to(device).view(-1, 1)
+        return Intervals(q - size + 1, q + size - 1)
 
 
 def sliding_window(size: Any) -> SlidingWindow:
