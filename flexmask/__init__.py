@@ -11,7 +11,10 @@ Example:
     [[[1]]]
 """
 
+from flexmask.attention import compile_enabled, flex_attention, set_compile
 from flexmask.builder import create_block_mask
+from flexmask.cache import CacheInfo, MaskCache, cache_clear, cache_info, default_cache
+from flexmask.lazy import LazyBlockMask, lazy
 from flexmask.mask import And, Mask, Not, Or
 from flexmask.pieces import (
     causal,
@@ -29,6 +32,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "And",
+    "CacheInfo",
+    "LazyBlockMask",
+    "MaskCache",
+    "cache_clear",
+    "cache_info",
+    "compile_enabled",
+    "default_cache",
+    "flex_attention",
+    "lazy",
+    "set_compile",
     "Mask",
     "Not",
     "Or",

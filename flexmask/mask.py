@@ -92,6 +92,15 @@ class Mask:
         return 0
 
     @property
+    def carries_batch_data(self) -> bool:
+        """True if the mask holds per-batch data (documents, a tree, padding lengths).
+
+        Such masks rarely recur, so a released lazy handle evicts them from the cache;
+        static masks (causal, a fixed window) stay cached to be hit next step.
+        """
+        return False
+
+    @property
     def device(self) -> torch.device | None:
         """Device of the tensors the mask was made from, if any."""
         return None
@@ -310,6 +319,10 @@ class _Nary(Mask):
     def natural_length(self) -> int:
         return max(c.natural_length for c in self.children)
 
+    @property
+    def carries_batch_data(self) -> bool:
+        return any(c.carries_batch_data for c in self.children)
+
     def _check(self, grid: BlockGrid) -> None:
         for child in self.children:
             child._check(grid)
@@ -426,6 +439,10 @@ class Not(Mask):
     @property
     def natural_length(self) -> int:
         return self.child.natural_length
+
+    @property
+    def carries_batch_data(self) -> bool:
+        return self.child.carries_batch_data
 
     def _check(self, grid: BlockGrid) -> None:
         self.child._check(grid)

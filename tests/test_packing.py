@@ -27,7 +27,7 @@ needs_flex_attention = pytest.mark.skipif(
 )
 
 PAD, IGNORE = -1, -7  # distinct from every token the strategies draw, so padding is visible
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 token_lists = st.lists(st.integers(0, 50), min_size=1, max_size=30)
 batches = st.lists(token_lists, min_size=1, max_size=10)
@@ -190,7 +190,7 @@ def test_labels_and_position_ids_match_a_per_document_walk(sequences, max_len):
     assert batch.position_ids.tolist() == positions
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     sequences=st.lists(
         st.lists(st.integers(0, 9), min_size=1, max_size=12), max_size=6, min_size=1
@@ -480,7 +480,7 @@ def log_probs_and_grads(model, per_sequence_logits, sequences):
 
 
 @needs_flex_attention
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sequences=shared_prefix_batches(vocab=8, max_len=10),
     block_size=st.sampled_from([8, 16, 128]),
@@ -549,7 +549,10 @@ def test_collator_in_workers_ships_small_unbuilt_handles_built_correctly_in_main
 
         block_mask = batch.handle.block_mask  # built here, in the main process
         assert is_built(batch.handle)
-        assert tuple(block_mask.shape) == (batch.num_rows, heads, max_len, max_len)
+        # A head-independent mask may be built once and broadcast over heads (H = 1).
+        assert tuple(block_mask.shape) in {
+            (batch.num_rows, h, max_len, max_len) for h in (1, heads)
+        }
         reference = reference_document_mask(batch.seq_lens, max_len)
         effective = effective_dense(block_mask)
         assert torch.equal(effective, reference[:, None].expand_as(effective))
@@ -562,7 +565,8 @@ def test_collator_in_workers_ships_small_unbuilt_handles_built_correctly_in_main
             device="cpu",
             BLOCK_SIZE=block_size,
         )
-        assert torch.equal(block_mask.to_dense(), torch_bm.to_dense())
+        blocks = block_mask.to_dense()
+        assert torch.equal(blocks.expand_as(torch_bm.to_dense()), torch_bm.to_dense())
     assert [s.tolist() for s in seen] == data
 
 

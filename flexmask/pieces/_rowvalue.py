@@ -32,6 +32,10 @@ class RowValuePiece(Piece):
             natural=natural,
         )
 
+    @property
+    def carries_batch_data(self) -> bool:
+        return self.per_row  # one value per row describes this batch; one for all is static
+
     def _check(self, grid: BlockGrid) -> None:
         super()._check(grid)
         if self._limit_by_length and int(self.values.max()) > grid.length:

@@ -26,6 +26,10 @@ class Document(Piece):
     """
 
     __slots__ = ("seq_lens", "per_row")
+
+    @property
+    def carries_batch_data(self) -> bool:
+        return True
     _arg = "seq_lens"
 
     def __init__(self, seq_lens: Any) -> None:

@@ -24,6 +24,10 @@ class Padding(RowValuePiece):
     """
 
     __slots__ = ()
+
+    @property
+    def carries_batch_data(self) -> bool:
+        return True
     _arg = "lengths"
     _kind = "padding"
 

@@ -34,6 +34,10 @@ class Tree(Piece):
     """
 
     __slots__ = ("parents", "ranks", "ends", "preorder", "per_row")
+
+    @property
+    def carries_batch_data(self) -> bool:
+        return True
     _arg = "parents"
 
     def __init__(self, parents: Any) -> None:

@@ -1,0 +1,142 @@
+"""The kernel call: flex_attention with a handle, a BlockMask or a mask expression.
+
+On a device whose flex_attention kernel has a backward, torch's kernel runs — compiled once
+per process (static shapes: one graph per sequence length and mask kind) unless compilation
+is turned off. On the CPU, where torch has no backward, a call that needs gradients runs the
+differentiable block-sparse path driven by the same BlockMask.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
+
+from flexmask.block_sparse import block_sparse_attention
+from flexmask.cache import default_cache
+from flexmask.lazy import LazyBlockMask
+from flexmask.mask import Mask
+
+ENV_COMPILE = "FLEXMASK_COMPILE"
+
+_compiled: Callable[..., Any] | None = None
+_compiled_lock = threading.Lock()
+_compile_default: bool | None = None
+
+
+def set_compile(enabled: bool | None) -> None:
+    """Turns compilation of torch's flex_attention on or off for this process.
+
+    None returns to the default, read from FLEXMASK_COMPILE (``0``/``false``/``off`` turns
+    it off; on otherwise).
+    """
+    global _compile_default
+    _compile_default = None if enabled is None else bool(enabled)
+
+
+def compile_enabled() -> bool:
+    """Whether flexmask.flex_attention compiles torch's kernel by default."""
+    if _compile_default is not None:
+        return _compile_default
+    raw = os.environ.get(ENV_COMPILE, "1").strip().lower()
+    if raw in ("0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on", ""):
+        return True
+    raise ValueError(f"environment variable {ENV_COMPILE}={raw!r} must be 1/0, true/false or on/off")
+
+
+def compiled_flex_attention() -> Callable[..., Any]:
+    """torch's flex_attention compiled once for the process, with static shapes.
+
+    Static because, measured with torch 2.13 on CPU, automatic dynamic shapes kick in on the
+    second sequence length and the CPU kernel then failed to build; bucket sequence lengths
+    (e.g. pack to a few fixed ``max_len``) so each length compiles once.
+    """
+    global _compiled
+    with _compiled_lock:
+        if _compiled is None:
+            _compiled = torch.compile(torch_flex_attention, dynamic=False)
+        return _compiled
+
+
+def resolve_block_mask(
+    block_mask: LazyBlockMask | BlockMask | Mask | None, query: Tensor, key: Tensor
+) -> BlockMask | None:
+    """A BlockMask from whatever the caller passed (shapes of a Mask come from q and k)."""
+    if block_mask is None or isinstance(block_mask, BlockMask):
+        return block_mask
+    if isinstance(block_mask, LazyBlockMask):
+        return block_mask.block_mask
+    if isinstance(block_mask, Mask):
+        return default_cache().get(
+            block_mask, query.shape[0], query.shape[1], query.shape[-2], key.shape[-2],
+            query.device,
+        )
+    raise TypeError(
+        "block_mask must be a flexmask handle (flexmask.lazy), a torch BlockMask, a flexmask "
+        f"Mask or None, got {type(block_mask).__name__}"
+    )
+
+
+def flex_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    block_mask: LazyBlockMask | BlockMask | Mask | None = None,
+    score_mod: Callable[..., Tensor] | None = None,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    compile: bool | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """FlexAttention with a lazy handle, a BlockMask or a mask expression.
+
+    Args:
+        query: (B, Hq, Q_LEN, D). key, value: (B, Hkv, KV_LEN, D).
+        block_mask: a ``flexmask.lazy`` handle (built on first use, shared by every layer
+            that passes it), a torch BlockMask, a flexmask Mask (built through the
+            process-wide cache for the shapes of ``query`` and ``key``), or None.
+        score_mod: as for torch's flex_attention.
+        scale, enable_gqa: as for torch's flex_attention.
+        compile: compile torch's kernel (once per process); None follows ``set_compile`` /
+            FLEXMASK_COMPILE.
+        **kwargs: passed to torch's flex_attention (e.g. ``kernel_options``).
+
+    Returns:
+        The attention output, (B, Hq, Q_LEN, Dv).
+
+    Example:
+        >>> import flexmask, torch
+        >>> q = k = v = torch.randn(1, 2, 300, 16)
+        >>> mask = flexmask.causal() & flexmask.document([100, 200])
+        >>> out = flexmask.flex_attention(q, k, v, block_mask=mask, compile=False)
+        >>> ref = torch.nn.functional.scaled_dot_product_attention(
+        ...     q, k, v, attn_mask=mask.to_dense(1, 1, 300, 300))
+        >>> torch.allclose(out, ref, atol=1e-5)
+        True
+    """
+    resolved = resolve_block_mask(block_mask, query, key)
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value)
+    )
+    if needs_grad and query.device.type == "cpu":
+        if kwargs:
+            raise TypeError(
+                f"on the CPU with gradients flexmask runs its block-sparse path, which takes "
+                f"no extra flex_attention options; got {sorted(kwargs)}"
+            )
+        return block_sparse_attention(
+            query, key, value, resolved, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa
+        )
+    use_compile = compile_enabled() if compile is None else compile
+    fn = compiled_flex_attention() if use_compile else torch_flex_attention
+    return fn(query, key, value, score_mod=score_mod, block_mask=resolved, scale=scale,
+              enable_gqa=enable_gqa, **kwargs)

@@ -1,0 +1,275 @@
+"""A keyed LRU cache of BlockMasks, bounded by entries and by bytes (cachetools).
+
+The key is the build's shape signature — (B, H, Q_LEN, KV_LEN, BLOCK_SIZE, device), with B and
+H reduced to 1 where the mask does not depend on them — plus the mask's content key. Never a
+tensor's identity, ``data_ptr`` or a closure: equal masks from different Python objects hit,
+masks that differ in one document length miss.
+
+The lock guards the cache dictionary only, never a build: two threads missing the same key
+both build, the first to insert wins and both return that one object.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import Any, NamedTuple
+
+import cachetools
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexmask.builder import build, make_grid
+from flexmask.mask import Mask
+
+ENV_SIZE = "FLEXMASK_CACHE_SIZE"
+ENV_BYTES = "FLEXMASK_CACHE_BYTES"
+DEFAULT_SIZE = 32
+
+
+class CacheInfo(NamedTuple):
+    """Statistics of a MaskCache."""
+
+    hits: int
+    misses: int
+    evictions: int
+    entries: int
+    bytes: int
+    maxsize: int
+    maxbytes: int | None
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+
+def block_mask_nbytes(block_mask: BlockMask) -> int:
+    """Bytes held by a BlockMask's tensors, each storage counted once (views share one)."""
+    seen: dict[int, int] = {}
+    for name in BlockMask._TENSOR_ATTRS if hasattr(BlockMask, "_TENSOR_ATTRS") else ():
+        tensor = getattr(block_mask, name, None)
+        if isinstance(tensor, torch.Tensor):
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class _LRU(cachetools.LRUCache):
+    """cachetools' LRU bounded by bytes (its size) and by a count of entries.
+
+    Every eviction goes through ``popitem``, which counts it.
+    """
+
+    def __init__(self, maxentries: int, maxbytes: int | None) -> None:
+        super().__init__(maxsize=math.inf if maxbytes is None else maxbytes,
+                         getsizeof=block_mask_nbytes)
+        self.maxentries = maxentries
+        self.evictions = 0
+
+    def __setitem__(self, key: Any, value: BlockMask) -> None:
+        super().__setitem__(key, value)
+        while len(self) > self.maxentries:
+            self.popitem()
+
+    def popitem(self) -> tuple[Any, BlockMask]:
+        item = super().popitem()
+        self.evictions += 1
+        return item
+
+
+class MaskCache:
+    """An LRU cache of BlockMasks keyed by shape signature and mask content.
+
+    Args:
+        maxsize: most entries held; 0 disables caching (every call builds).
+        maxbytes: most bytes of BlockMask tensors held (None: no byte bound). A BlockMask
+            larger than this on its own is returned but not cached.
+
+    Example:
+        >>> import flexmask
+        >>> cache = flexmask.MaskCache(maxsize=8)
+        >>> a = cache.get(flexmask.causal() & flexmask.document([100, 156]), 1, 1, 256, 256, "cpu")
+        >>> b = cache.get(flexmask.document([100, 156]) & flexmask.causal(), 1, 1, 256, 256, "cpu")
+        >>> a is b, cache.info().hits, cache.info().misses
+        (True, 1, 1)
+    """
+
+    def __init__(self, maxsize: int = DEFAULT_SIZE, maxbytes: int | None = None) -> None:
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
+            raise ValueError(f"maxsize must be an int >= 0 (0 disables caching), got {maxsize!r}")
+        if maxbytes is not None and (
+            isinstance(maxbytes, bool) or not isinstance(maxbytes, int) or maxbytes < 0
+        ):
+            raise ValueError(f"maxbytes must be None or an int >= 0, got {maxbytes!r}")
+        self._lock = threading.Lock()
+        self._data = _LRU(maxsize, maxbytes)
+        self._hits = 0
+        self._misses = 0
+        self.maxsize = maxsize
+        self.maxbytes = maxbytes
+
+    @staticmethod
+    def key(
+        mask: Mask,
+        B: int | None,
+        H: int | None,
+        Q_LEN: int,
+        KV_LEN: int,
+        device: torch.device | str | None = None,
+        BLOCK_SIZE: int | tuple[int, int] = 128,
+    ) -> tuple:
+        """The cache key of a build, after validating its arguments against the mask."""
+        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+        return _key(mask, grid)
+
+    def get(
+        self,
+        mask: Mask,
+        B: int | None = None,
+        H: int | None = None,
+        Q_LEN: int = 128,
+        KV_LEN: int = 128,
+        device: torch.device | str | None = None,
+        BLOCK_SIZE: int | tuple[int, int] = 128,
+    ) -> BlockMask:
+        """The BlockMask of ``mask`` for this shape: cached, or built and cached.
+
+        The result has batch (head) dimension 1 when the mask does not depend on the row
+        (head); flex_attention broadcasts it. A hit returns the very object cached.
+        """
+        if not isinstance(mask, Mask):
+            raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
+        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+        reduced = grid_for_key(mask, grid)
+        key = _key(mask, grid)
+        with self._lock:
+            found = self._data.get(key)
+            if found is not None:
+                self._hits += 1
+                return found
+            self._misses += 1
+        block_mask = build(mask, reduced)  # outside the lock: builds run concurrently
+        if self.maxsize == 0:
+            return block_mask
+        with self._lock:
+            existing = self._data.get(key)
+            if existing is not None:  # another thread built it meanwhile: share one object
+                return existing
+            try:
+                self._data[key] = block_mask
+            except ValueError:  # larger than maxbytes on its own: serve it uncached
+                pass
+        return block_mask
+
+    def discard(self, key: tuple) -> bool:
+        """Drops one entry by key; True if it was cached."""
+        with self._lock:
+            return self._data.pop(key, None) is not None
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._data
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._data)
+
+    def info(self) -> CacheInfo:
+        """Hits, misses, evictions, entries and bytes held."""
+        with self._lock:
+            return CacheInfo(
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._data.evictions,
+                entries=len(self._data),
+                bytes=int(self._data.currsize),
+                maxsize=self.maxsize,
+                maxbytes=self.maxbytes,
+            )
+
+    def clear(self) -> None:
+        """Drops every entry and resets the statistics."""
+        with self._lock:
+            self._data.clear()
+            self._data.evictions = 0
+            self._hits = self._misses = 0
+
+
+def grid_for_key(mask: Mask, grid):
+    """The grid actually built: B and H reduced to 1 where the mask ignores them."""
+    from flexmask.blocks import BlockGrid
+
+    batch = grid.batch if mask.batch_dependent else 1
+    heads = grid.heads if mask.head_dependent else 1
+    if (batch, heads) == (grid.batch, grid.heads):
+        return grid
+    return BlockGrid.make(batch, heads, grid.q_len, grid.kv_len, grid.q_block, grid.kv_block,
+                          grid.device)
+
+
+def _key(mask: Mask, grid) -> tuple:
+    batch = grid.batch if mask.batch_dependent else 1
+    heads = grid.heads if mask.head_dependent else 1
+    device = torch.device(grid.device)
+    return (batch, heads, grid.q_len, grid.kv_len, (grid.q_block, grid.kv_block),
+            (device.type, device.index), mask.key)
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    text = raw.strip().lower()
+    scale = 1
+    for suffix, factor in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30)):
+        if name == ENV_BYTES and text.endswith(suffix):
+            text, scale = text[:-1], factor
+    try:
+        value = int(text) * scale
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not a whole number "
+            f"(expected e.g. {name}=32" + (", 512M or 2G)" if name == ENV_BYTES else ")")
+        ) from None
+    if value < 0:
+        raise ValueError(f"environment variable {name}={raw!r} must be >= 0")
+    return value
+
+
+_default: MaskCache | None = None
+_default_lock = threading.Lock()
+
+
+def default_cache() -> MaskCache:
+    """The process-wide cache, sized from FLEXMASK_CACHE_SIZE / FLEXMASK_CACHE_BYTES.
+
+    Read once, on first use. FLEXMASK_CACHE_SIZE=0 disables caching.
+    """
+    global _default
+    with _default_lock:
+        if _default is None:
+            size = _env_int(ENV_SIZE, DEFAULT_SIZE)
+            assert size is not None
+            _default = MaskCache(maxsize=size, maxbytes=_env_int(ENV_BYTES, None))
+        return _default
+
+
+def cache_info() -> CacheInfo:
+    """Statistics of the process-wide cache.
+
+    Example:
+        >>> import flexmask
+        >>> flexmask.cache_clear()
+        >>> _ = flexmask.lazy(flexmask.causal(), 1, 1, 256, 256, "cpu").block_mask
+        >>> info = flexmask.cache_info()
+        >>> info.misses, info.entries
+        (1, 1)
+    """
+    return default_cache().info()
+
+
+def cache_clear() -> None:
+    """Empties the process-wide cache and resets its statistics."""
+    default_cache().clear()

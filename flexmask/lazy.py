@@ -1,0 +1,161 @@
+"""Lazy BlockMask handles: build on first forward use, share across layers, drop after.
+
+A handle holds the mask expression and the shape — O(data), never an S×S tensor — so a
+DataLoader worker can return one and the BlockMask is built in the training process, on the
+training device, just before the forward that needs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexmask.builder import make_grid
+from flexmask.cache import MaskCache, _key, default_cache
+from flexmask.mask import Mask
+
+
+class LazyBlockMask:
+    """A BlockMask to be: built through the cache on first use, dropped on release.
+
+    Example:
+        >>> import flexmask, torch
+        >>> handle = flexmask.lazy(flexmask.causal() & flexmask.document([100, 156]),
+        ...                        1, 1, 256, 256, device="cpu")
+        >>> handle.built
+        False
+        >>> q = k = v = torch.randn(1, 2, 256, 16)
+        >>> with handle:                    # released when the block ends
+        ...     out = flexmask.flex_attention(q, k, v, block_mask=handle, compile=False)
+        ...     handle.built
+        True
+        >>> handle.built
+        False
+    """
+
+    __slots__ = ("mask", "B", "H", "Q_LEN", "KV_LEN", "device", "BLOCK_SIZE", "cache",
+                 "_block_mask", "builds", "__weakref__")
+
+    def __init__(
+        self,
+        mask: Mask,
+        B: int | None,
+        H: int | None,
+        Q_LEN: int,
+        KV_LEN: int,
+        device: torch.device | str | None = None,
+        BLOCK_SIZE: int | tuple[int, int] = 128,
+        cache: MaskCache | None = None,
+    ) -> None:
+        if not isinstance(mask, Mask):
+            raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
+        # Validate now (cheap, no build), so a bad batch fails in the worker that made it.
+        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+        self.mask = mask
+        self.B, self.H = grid.batch, grid.heads
+        self.Q_LEN, self.KV_LEN = grid.q_len, grid.kv_len
+        self.device = None if device is None else torch.device(device)
+        self.BLOCK_SIZE = (grid.q_block, grid.kv_block)
+        self.cache = cache
+        self._block_mask: BlockMask | None = None
+        self.builds = 0
+
+    @property
+    def built(self) -> bool:
+        """True while the handle holds its BlockMask."""
+        return self._block_mask is not None
+
+    @property
+    def block_mask(self) -> BlockMask:
+        """The BlockMask: built (or fetched from the cache) on first use, then held."""
+        if self._block_mask is None:
+            self._block_mask = self._cache().get(
+                self.mask, self.B, self.H, self.Q_LEN, self.KV_LEN, self.device, self.BLOCK_SIZE
+            )
+            self.builds += 1
+        return self._block_mask
+
+    def release(self) -> None:
+        """Drops the BlockMask. Masks carrying per-batch data leave the cache too.
+
+        A backward still pending keeps what it saved: autograd holds its own references.
+        """
+        self._block_mask = None
+        if self.mask.carries_batch_data:
+            cache = self._cache()
+            grid = make_grid(self.mask, self.B, self.H, self.Q_LEN, self.KV_LEN, self.device,
+                             self.BLOCK_SIZE)
+            cache.discard(_key(self.mask, grid))
+
+    def release_after(self, module: torch.nn.Module) -> Any:
+        """Releases this handle when ``module``'s next forward returns (a one-shot hook).
+
+        Returns the hook's removable handle.
+        """
+        hook = None
+
+        def _release(*_: Any) -> None:
+            self.release()
+            hook.remove()
+
+        hook = module.register_forward_hook(_release)
+        return hook
+
+    def _cache(self) -> MaskCache:
+        return self.cache if self.cache is not None else default_cache()
+
+    def __enter__(self) -> LazyBlockMask:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickles the recipe, never the built tensors nor the cache (process-local).
+        state = {name: getattr(self, name) for name in self.__slots__[:7]}
+        state["cache"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self._block_mask = None
+        self.builds = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"LazyBlockMask({self.mask!r}, B={self.B}, H={self.H}, Q_LEN={self.Q_LEN}, "
+            f"KV_LEN={self.KV_LEN}, built={self.built})"
+        )
+
+
+def lazy(
+    mask: Mask,
+    B: int | None = None,
+    H: int | None = None,
+    Q_LEN: int = 128,
+    KV_LEN: int = 128,
+    device: torch.device | str | None = None,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
+    *,
+    cache: MaskCache | None = None,
+) -> LazyBlockMask:
+    """A handle that builds the BlockMask of ``mask`` on first use, through the cache.
+
+    Args:
+        mask: a flexmask expression.
+        B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE: as for ``create_block_mask``. B=None takes
+            the row count of per-row data.
+        cache: the MaskCache to build through (None: the process-wide cache).
+
+    Example:
+        >>> import flexmask
+        >>> h = flexmask.lazy(flexmask.causal(), 1, 1, 512, 512, device="cpu")
+        >>> h.block_mask is h.block_mask    # one build serves every layer
+        True
+        >>> h.builds
+        1
+    """
+    return LazyBlockMask(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, cache)
