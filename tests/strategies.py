@@ -43,8 +43,7 @@ def leaves(draw, batch: int, length: int):
     """(mask, reference) where reference(q_len, kv_len) -> (B, Q, KV) numpy bool."""
     kind = draw(
         st.sampled_from(
-            ["causal", "full", "empty", "window", "prefix", "padding", "document", "tree",
-             "custom"]
+            ["causal", "full", "empty", "window", "prefix", "padding", "document", "tree", "custom"]
         )
     )
     per_row = draw(st.booleans())
@@ -61,13 +60,18 @@ def leaves(draw, batch: int, length: int):
     if kind in ("window", "prefix", "padding"):
         hi = length + 3 if kind == "window" else length
         values = [draw(st.integers(1, hi)) for _ in range(batch if per_row else 1)]
-        ref = {"window": oracle.sliding_window, "prefix": oracle.prefix,
-               "padding": oracle.padding}[kind]
-        make = {"window": flexmask.sliding_window, "prefix": flexmask.prefix,
-                "padding": flexmask.padding}[kind]
+        ref = {"window": oracle.sliding_window, "prefix": oracle.prefix, "padding": oracle.padding}[
+            kind
+        ]
+        make = {
+            "window": flexmask.sliding_window,
+            "prefix": flexmask.prefix,
+            "padding": flexmask.padding,
+        }[kind]
         mask = make(values if per_row else values[0])
         return mask, per_batch(lambda r, q, kv: ref(values[r if per_row else 0], q, kv))
     if kind == "document":
+
         def lens():
             total = draw(st.integers(1, length))
             cuts = sorted(draw(st.sets(st.integers(1, total - 1), max_size=6))) if total > 1 else []

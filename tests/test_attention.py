@@ -23,7 +23,7 @@ def masks(S: int):
         "sliding-window": flexmask.causal() & flexmask.sliding_window(37),
         "prefix-lm": flexmask.causal() | flexmask.prefix(max(1, S // 4)),
         "composed": (flexmask.causal() & flexmask.document(lens) & flexmask.sliding_window(50))
-        | flexmask.prefix(3),
+        | flexmask.prefix(min(3, S)),
         "full": flexmask.full(),
     }
 

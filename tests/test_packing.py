@@ -473,6 +473,8 @@ def log_probs_and_grads(model, per_sequence_logits, sequences):
         next_token_log_probs(logits, torch.tensor(seq))
         for logits, seq in zip(per_sequence_logits, sequences, strict=True)
     ]
+    if model is None:  # computed without gradients
+        return log_probs, None
     # Distinct weights, so a log-prob credited to the wrong sequence changes the gradient.
     loss = sum((i + 1) * lp.sum() for i, lp in enumerate(log_probs))
     grads = torch.autograd.grad(loss, list(model.parameters()))
@@ -502,18 +504,28 @@ def test_packed_and_tree_packed_match_one_sequence_at_a_time(sequences, block_si
     tree_logits = model(tp.tokens[None], tp.position_ids[None], tp.lazy(heads, None, block_size))
     tree_lp, tree_grads = log_probs_and_grads(model, tp.unpack(tree_logits[0]), sequences)
 
-    for got in (packed_lp, tree_lp):
+    # Inference: without gradients flexmask runs torch's own flex_attention kernel instead.
+    with torch.no_grad():
+        eager = model(batch.tokens, batch.position_ids, batch.lazy(heads, block_size=block_size))
+        eager_tree = model(tp.tokens[None], tp.position_ids[None], tp.lazy(heads, None, block_size))
+    eager_lp, _ = log_probs_and_grads(None, batch.unpack(eager), sequences)
+    eager_tree_lp, _ = log_probs_and_grads(None, tp.unpack(eager_tree[0]), sequences)
+
+    for got in (packed_lp, tree_lp, eager_lp, eager_tree_lp):
         for a, b in zip(got, expected_lp, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     for got in (packed_grads, tree_grads):
         for a, b in zip(got, expected_grads, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
-    # labels are the targets the unpacked log-probs were taken of.
-    token_lp = logits.detach().log_softmax(-1)
-    real = batch.labels != -100
-    picked = token_lp.gather(-1, batch.labels.clamp(min=0)[..., None])[..., 0][real]
-    torch.testing.assert_close(picked.sum(), torch.cat(expected_lp).sum(), atol=1e-4, rtol=0)
+    # The packed labels are exactly the targets of those log-probs, position by position.
+    by_label = logits.detach().log_softmax(-1).gather(-1, batch.labels.clamp(min=0)[..., None])
+    assert int((batch.labels != -100).sum()) == sum(len(seq) - 1 for seq in sequences)
+    for i, expected in enumerate(expected_lp):
+        rows, positions = batch.sequence_index(i)
+        torch.testing.assert_close(
+            by_label[rows[:-1], positions[:-1], 0], expected, atol=1e-5, rtol=0
+        )
 
 
 # ------------------------------------------------------------------------------------------
