@@ -16,6 +16,7 @@ from flexmask.builder import create_block_mask
 from flexmask.cache import CacheInfo, MaskCache, cache_clear, cache_info, default_cache
 from flexmask.lazy import LazyBlockMask, lazy
 from flexmask.mask import And, Mask, Not, Or
+from flexmask.packing import PackedBatch, PackedDataset, PackingCollator, TreePack, pack, pack_tree
 from flexmask.pieces import (
     causal,
     document,
@@ -27,6 +28,7 @@ from flexmask.pieces import (
     sliding_window,
     tree,
 )
+from flexmask.plot import plot
 
 __version__ = "0.1.0"
 
@@ -34,6 +36,12 @@ __all__ = [
     "And",
     "CacheInfo",
     "LazyBlockMask",
+    "PackedBatch",
+    "PackedDataset",
+    "PackingCollator",
+    "TreePack",
+    "pack",
+    "pack_tree",
     "MaskCache",
     "cache_clear",
     "cache_info",
@@ -52,6 +60,7 @@ __all__ = [
     "from_mask_mod",
     "full",
     "padding",
+    "plot",
     "prefix",
     "sliding_window",
     "tree",

@@ -2,8 +2,9 @@
 
 On a device whose flex_attention kernel has a backward, torch's kernel runs — compiled once
 per process (static shapes: one graph per sequence length and mask kind) unless compilation
-is turned off. On the CPU, where torch has no backward, a call that needs gradients runs the
-differentiable block-sparse path driven by the same BlockMask.
+is turned off. On the CPU, where torch has no backward, a call that needs gradients — or any
+call with compilation off — runs the differentiable block-sparse path driven by the same
+BlockMask; a compiled no-grad CPU call runs torch's fused kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flexmask.block_sparse import block_sparse_attention
 from flexmask.cache import default_cache
 from flexmask.lazy import LazyBlockMask
 from flexmask.mask import Mask
+from flexmask.pieces import Full
 
 ENV_COMPILE = "FLEXMASK_COMPILE"
 
@@ -85,6 +87,10 @@ def resolve_block_mask(
     )
 
 
+def _full_block_mask(query: Tensor, key: Tensor) -> BlockMask:
+    return default_cache().get(Full(), 1, 1, query.shape[-2], key.shape[-2], query.device)
+
+
 def flex_attention(
     query: Tensor,
     key: Tensor,
@@ -127,16 +133,22 @@ def flex_attention(
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (query, key, value)
     )
-    if needs_grad and query.device.type == "cpu":
+    use_compile = compile_enabled() if compile is None else compile
+    on_cpu = query.device.type == "cpu"
+    # torch has no flex backward on the CPU, and its uncompiled CPU forward materialises the
+    # full score matrix and re-traces the mask for every new BlockMask: the block-sparse path
+    # serves both cases, driven by the same BlockMask.
+    if on_cpu and (needs_grad or not use_compile):
         if kwargs:
             raise TypeError(
-                f"on the CPU with gradients flexmask runs its block-sparse path, which takes "
-                f"no extra flex_attention options; got {sorted(kwargs)}"
+                f"on the CPU flexmask runs its block-sparse path here (gradients needed or "
+                f"compile off), which takes no extra flex_attention options; got {sorted(kwargs)}"
             )
+        if resolved is None:
+            resolved = _full_block_mask(query, key)
         return block_sparse_attention(
             query, key, value, resolved, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa
         )
-    use_compile = compile_enabled() if compile is None else compile
     fn = compiled_flex_attention() if use_compile else torch_flex_attention
     return fn(query, key, value, score_mod=score_mod, block_mask=resolved, scale=scale,
               enable_gqa=enable_gqa, **kwargs)

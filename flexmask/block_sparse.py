@@ -7,20 +7,23 @@ ordinary differentiable ops, so autograd gives gradients for query, key and valu
 
 How it is laid out, and why:
 
-* **Gather, don't materialize.** For each q block, the kv blocks the BlockMask lists (partial
-  first, then full) are gathered into a padded ``(M, KV_BLOCK)`` strip, ``M`` being the largest
-  count among the q blocks processed together; padding slots are masked. Scores therefore cost
-  ``Q_LEN x M x KV_BLOCK``, never ``Q_LEN x KV_LEN``.
-* **Chunks bound the temporaries.** q blocks are grouped greedily, in order, into chunks whose
-  scores and gathered keys/values stay under ``max_chunk_elements``; neighbouring q blocks have
-  similar counts for the usual masks (causal, documents, windows), so padding stays small.
+* **Chunks of q blocks share their kv columns.** Consecutive q blocks are grouped into a chunk;
+  the chunk attends to the union of the kv blocks its q blocks list (its *columns*), and a small
+  per-block map (absent / partial / full) says which (q block, column) pairs count. For causal,
+  document, window and prefix masks that union is a contiguous run of blocks, so keys and values
+  are *sliced*, not gathered: no copies forward, and no scatter-add backward (the slow part of
+  a gather on CPU). Other masks fall back to ``index_select`` over whole kv blocks.
+* **Chunks bound the temporaries and the waste.** A chunk grows while its scores stay under
+  ``max_chunk_elements`` and at least half of its (q block, column) pairs are listed, so the
+  work stays proportional to the listed blocks and memory to one chunk, never ``Q_LEN x KV_LEN``.
 * **Recompute by default.** Each chunk runs under non-reentrant activation checkpointing, so
   autograd keeps only the inputs and rebuilds one chunk at a time in the backward: memory is
   ``O(Q_LEN x D)`` plus one chunk, at the cost of a second forward. ``recompute=False`` keeps
   every chunk's activations instead (``O(Q_LEN x active kv tokens)``) and skips that forward.
-* **mask_mod only where it matters.** It is evaluated on the partial blocks only; full blocks are
-  taken as all-allowed, exactly as flex's kernels do, and padding past ``Q_LEN``/``KV_LEN`` is
-  clamped before the call (so lookups sized to the length are safe) and masked after it.
+* **mask_mod only where it matters.** It is evaluated on the columns that are partial for some
+  q block of the chunk, and applied only to partial pairs; full blocks are taken as
+  all-allowed, exactly as flex's kernels do. Padding past ``Q_LEN``/``KV_LEN`` is clamped
+  before the call (so lookups sized to the length are safe) and masked after it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,13 @@ _MOD_EVALS = ("auto", "broadcast", "vmap")
 # 4 Mi elements: 16 MiB per fp32 score-sized temporary. Softmax and its backward keep a handful
 # alive at once, so one chunk peaks near 100 MiB; smaller chunks add Python overhead per block.
 DEFAULT_MAX_CHUNK_ELEMENTS = 1 << 22
+
+# A chunk stops growing when fewer than this share of its (q block, column) pairs are listed:
+# the union of columns is computed for every q block of the chunk, listed or not.
+_MIN_CHUNK_DENSITY = 0.5
+
+# Block kinds in the per-chunk map.
+_ABSENT, _PARTIAL, _FULL = 0, 1, 2
 
 
 def block_sparse_attention(
@@ -67,6 +77,13 @@ def block_sparse_attention(
     ``block_mask.full_kv_indices[..., :full_kv_num_blocks]`` (no ``mask_mod``) are attended.
     A query row with no allowed key gets output 0 and lse ``-inf``, and zero gradients.
 
+    Note:
+        flex's own CPU forward (the eager math reference) applies ``mask_mod`` to every pair and
+        ignores the block lists, so the two differ for a BlockMask whose lists disagree with
+        its ``mask_mod`` (a block left out, or declared full where ``mask_mod`` refuses some
+        pairs). ``create_block_mask`` never builds such masks. A block listed as both partial
+        and full counts once, as full.
+
     Args:
         query: ``(B, Hq, Q_LEN, D)``, floating point.
         key: ``(B, Hkv, KV_LEN, D)``, same dtype and device as ``query``.
@@ -82,18 +99,18 @@ def block_sparse_attention(
         return_lse: also return the natural-log logsumexp of the masked scores,
             ``(B, Hq, Q_LEN)``, float32 (float64 for float64 inputs), as flex does on CPU.
         mod_eval: how the mods are called. ``"broadcast"`` calls them once with broadcasting
-            index tensors (``b`` shaped ``(B, 1, ...)``, ``h`` ``(1, Hkv, 1, G, 1, ...)``, and so
+            index tensors (``b`` shaped ``(B, 1, ...)``, ``h`` ``(1, Hkv, G, 1, ...)``, and so
             on): the fast path, right for mods made of elementwise ops and indexing, which is all
             flexmask produces. ``"vmap"`` nests ``torch.vmap`` over every index dim so each call
             sees 0-d tensors, like ``create_mask`` does; this is right for any mod flex accepts.
-            ``"auto"`` (default) tries broadcasting once per call, on the first chunk, and
+            ``"auto"`` (default) tries broadcasting once per call, on one chunk, and
             switches to vmap if the mod raises or returns a result that does not broadcast to
             the scores' shape. A mod that *reduces* over its inputs returns a plausible shape
             under broadcasting yet a wrong value, which no check can see: pass ``"vmap"``.
         recompute: rebuild each chunk in the backward instead of keeping its activations
             (activation checkpointing). Keeps memory at ``O(Q_LEN x D)`` plus one chunk.
-        max_chunk_elements: soft bound on the score and gathered key/value elements of one
-            chunk of q blocks; a single q block is never split, so it may exceed it.
+        max_chunk_elements: soft bound on the number of scores one chunk of q blocks holds
+            (``B x Hq x rows x columns``); a single q block is never split, so it may exceed it.
 
     Returns:
         The output ``(B, Hq, Q_LEN, Dv)`` in ``query.dtype``, and with ``return_lse`` the pair
@@ -127,20 +144,21 @@ def block_sparse_attention(
     mask_eval, score_eval = _resolve_mod_evals(plan, chunks, query, mod_eval)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
 
-    # Padded once to whole blocks, so a chunk takes its query rows by slicing and its keys and
-    # values as whole blocks (index_select over (KV_BLOCK * D)-wide rows, whose index_add
-    # backward is far cheaper than one per token).
-    q_rows = _pad_to_blocks(query, plan.q_block)
-    key_blocks = _pad_to_blocks(key, plan.kv_block).reshape(-1, plan.kv_block * plan.head_dim)
-    value_blocks = _pad_to_blocks(value, plan.kv_block).reshape(-1, plan.kv_block * plan.value_dim)
+    # Padded once to whole blocks. The query is split into the chunks' rows in one op, so the
+    # backward assembles its gradient once instead of adding a full-size one per chunk.
+    q_pieces = _pad_to_blocks(query, plan.q_block).split(
+        [(c.stop - c.start) * plan.q_block for c in chunks], dim=2
+    )
+    keys = _pad_to_blocks(key, plan.kv_block)
+    values = _pad_to_blocks(value, plan.kv_block)
 
     outs: list[Tensor] = []
     lses: list[Tensor] = []
-    for chunk in chunks:
-        args = (q_rows, key_blocks, value_blocks, plan, chunk, mask_eval, score_eval, return_lse)
+    for chunk, q_piece in zip(chunks, q_pieces, strict=True):
+        args = (q_piece, keys, values, plan, chunk, mask_eval, score_eval, return_lse)
         if recompute and needs_grad:
-            # Non-reentrant checkpointing: only the arguments are kept; the chunk's scores,
-            # probabilities and gathered keys/values are rebuilt when its backward runs.
+            # Non-reentrant checkpointing: only the arguments are kept; the chunk's scores and
+            # probabilities are rebuilt when its backward runs.
             result = checkpoint(
                 _chunk_attention, *args, use_reentrant=False, preserve_rng_state=False
             )
@@ -157,13 +175,12 @@ def block_sparse_attention(
 
 @dataclass(frozen=True)
 class _Plan:
-    """Validated sizes and the block lists, laid out as (B | 1, Hkv | 1, q block, Gi, slot)."""
+    """Validated sizes and the block-kind map, laid out as (B | 1, Hkv | 1, G | 1, NQ, NKV)."""
 
     batch: int
     q_heads: int
     kv_heads: int
     group: int  # G = Hq // Hkv
-    mask_group: int  # Gi: G when the BlockMask has one row per query head, else 1
     q_len: int
     kv_len: int
     q_block: int
@@ -172,12 +189,9 @@ class _Plan:
     value_dim: int
     scale: float
     working_dtype: torch.dtype
-    partial_num: Tensor  # (Bm, Hm', NQ, Gi), int64
-    partial_idx: Tensor  # (Bm, Hm', NQ, Gi, Lp), int64
-    full_num: Tensor | None
-    full_idx: Tensor | None
-    partial_counts: list[int]  # per q block, the most partial blocks over batch and heads
-    full_counts: list[int]
+    kinds: Tensor  # int8 _ABSENT / _PARTIAL / _FULL per (batch, head, q block, kv block)
+    listed: Tensor  # (NQ, NKV) bool on the CPU: listed for some batch and head
+    partial: Tensor  # (NQ, NKV) bool on the CPU: partial for some batch and head
     mask_mod: Callable[..., Tensor]
     score_mod: Callable[..., Tensor] | None
 
@@ -185,19 +199,22 @@ class _Plan:
 class _Chunk(NamedTuple):
     start: int  # first q block
     stop: int  # one past the last q block
-    partial_slots: int  # Mp: slots for partial kv blocks, padded to the chunk's max
-    full_slots: int  # Mf
+    columns: Tensor  # kv blocks attended by some q block of the chunk, ascending, on the CPU
+    first_column: int | None  # set when ``columns`` is a contiguous run: slice, don't gather
+    partial_columns: tuple[int, int] | None  # positions in ``columns`` spanning partial blocks
 
 
 class _ChunkIndices(NamedTuple):
-    """Index tensors of one chunk, broadcastable to (B, Hkv, C, G, Q_BLOCK, M, KV_BLOCK)."""
+    """Index tensors of one chunk, broadcastable to (B, Hkv, G, C, Q_BLOCK, U, KV_BLOCK)."""
 
     b: Tensor
     h: Tensor
     q_idx: Tensor  # clamped to Q_LEN - 1
-    kv_idx: Tensor  # clamped to KV_LEN - 1; (Bm, Hkv | 1, C, Gi, 1, M, KV_BLOCK)
-    block_idx: Tensor  # kv block of each slot, 0 in unused ones; (Bm, Hkv | 1, C, Gi, M)
-    kv_allowed: Tensor  # slot in use and token in range, same shape as kv_idx
+    kv_idx: Tensor  # clamped to KV_LEN - 1
+    allowed: (
+        Tensor  # listed block and token below KV_LEN: (B | 1, Hkv | 1, G | 1, C, 1, U, KV_BLOCK)
+    )
+    kinds: Tensor  # (B | 1, Hkv | 1, G | 1, C, 1, U, 1)
 
 
 def _plan(
@@ -292,7 +309,14 @@ def _plan(
     num_q_blocks = -(-q_len // q_block)
     num_kv_blocks = -(-kv_len // kv_block)
 
-    def lists(num: Tensor, idx: Tensor, name: str) -> tuple[Tensor, Tensor, list[int]]:
+    batch_dims: set[tuple[int, int]] = set()
+    kinds: Tensor | None = None
+    lists = [(block_mask.kv_num_blocks, block_mask.kv_indices, "kv_indices", _PARTIAL)]
+    if block_mask.full_kv_num_blocks is not None and block_mask.full_kv_indices is not None:
+        lists.append(
+            (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, "full_kv_indices", _FULL)
+        )
+    for num, idx, name, kind in lists:
         if num.dim() != 3 or idx.dim() != 4 or idx.shape[:3] != num.shape:
             raise ValueError(
                 f"block_mask.{name} must be (B, H, q_blocks, max_blocks), got shape "
@@ -304,6 +328,7 @@ def _plan(
                 f"block_mask's batch and head dims must be 1 or match query's ({batch}, "
                 f"{q_heads}), got ({mask_batch}, {mask_heads})"
             )
+        batch_dims.add((mask_batch, mask_heads))
         if mask_rows < num_q_blocks:
             raise ValueError(
                 f"block_mask.{name} has {mask_rows} q blocks but Q_LEN={q_len} needs "
@@ -314,45 +339,45 @@ def _plan(
         if int(num.min()) < 0 or int(num.max()) > slots:
             raise ValueError(f"block_mask's counts for {name} must lie in [0, {slots}]")
         in_use = torch.arange(slots, device=idx.device) < num[..., None]
-        # Slots past the count hold leftovers; pointing them at block 0 keeps gathers in range.
-        idx = torch.where(in_use, idx, 0)
-        if int(idx.min()) < 0 or int(idx.max()) >= num_kv_blocks:
+        if bool((in_use & ((idx < 0) | (idx >= num_kv_blocks))).any()):
             raise ValueError(
                 f"block_mask.{name} points outside the {num_kv_blocks} kv blocks of KV_LEN={kv_len}"
             )
-        counts = num.amax(dim=(0, 1)).tolist()
-        # Heads split as (Hkv, Gi) so a per-query-head mask lines up with grouped kv heads.
-        if mask_heads == q_heads:
-            num = num.view(mask_batch, kv_heads, group, -1).transpose(2, 3)
-            idx = idx.view(mask_batch, kv_heads, group, num_q_blocks, slots).transpose(2, 3)
-        else:
-            num = num.unsqueeze(-1)
-            idx = idx.unsqueeze(-2)
-        return num, idx, counts
-
-    full_num: Tensor | None = None
-    full_idx: Tensor | None = None
-    full_counts = [0] * num_q_blocks
-    partial_num, partial_idx, partial_counts = lists(
-        block_mask.kv_num_blocks, block_mask.kv_indices, "kv_indices"
-    )
-    if block_mask.full_kv_num_blocks is not None and block_mask.full_kv_indices is not None:
-        full_num, full_idx, full_counts = lists(
-            block_mask.full_kv_num_blocks, block_mask.full_kv_indices, "full_kv_indices"
-        )
-        if full_num.shape[:2] != partial_num.shape[:2]:
-            raise ValueError(
-                "block_mask's kv_indices and full_kv_indices must have the same batch and head "
-                f"dims, got {tuple(block_mask.kv_indices.shape[:2])} and "
-                f"{tuple(block_mask.full_kv_indices.shape[:2])}"
+        # Slots past the count hold leftovers: send them to a spare column, dropped below.
+        idx = torch.where(in_use, idx, num_kv_blocks)
+        if kinds is None:
+            kinds = torch.zeros(
+                mask_batch,
+                mask_heads,
+                num_q_blocks,
+                num_kv_blocks + 1,
+                dtype=torch.int8,
+                device=idx.device,
             )
+        if idx.size(-1):
+            # Full after partial, so a block listed in both counts once, as full.
+            kinds.scatter_(-1, idx, kind)
+    if len(batch_dims) != 1:
+        raise ValueError(
+            "block_mask's kv_indices and full_kv_indices must have the same batch and head dims, "
+            f"got {sorted(batch_dims)}"
+        )
+    assert kinds is not None  # the partial lists always exist
+    kinds = kinds[..., :num_kv_blocks]
+    listed = (kinds != _ABSENT).flatten(0, 1).any(dim=0).cpu()
+    partial = (kinds == _PARTIAL).flatten(0, 1).any(dim=0).cpu()
+    # Heads split as (Hkv, G) so a per-query-head map lines up with grouped kv heads.
+    mask_batch, mask_heads = kinds.shape[:2]
+    if mask_heads == q_heads:
+        kinds = kinds.view(mask_batch, kv_heads, group, num_q_blocks, num_kv_blocks)
+    else:
+        kinds = kinds.view(mask_batch, 1, 1, num_q_blocks, num_kv_blocks)
 
     return _Plan(
         batch=batch,
         q_heads=q_heads,
         kv_heads=kv_heads,
         group=group,
-        mask_group=partial_num.size(-1),
         q_len=q_len,
         kv_len=kv_len,
         q_block=q_block,
@@ -361,83 +386,71 @@ def _plan(
         value_dim=value.size(-1),
         scale=float(scale),
         working_dtype=torch.float64 if query.dtype == torch.float64 else torch.float32,
-        partial_num=partial_num,
-        partial_idx=partial_idx,
-        full_num=full_num,
-        full_idx=full_idx,
-        partial_counts=partial_counts,
-        full_counts=full_counts,
+        kinds=kinds,
+        listed=listed,
+        partial=partial,
         mask_mod=block_mask.mask_mod,
         score_mod=score_mod,
     )
 
 
 def _chunks(plan: _Plan, max_elements: int) -> list[_Chunk]:
-    """Groups consecutive q blocks while one chunk's scores and gathered k/v fit the budget."""
+    """Groups consecutive q blocks while the chunk fits the budget and stays dense enough."""
+    num_q_blocks = plan.listed.size(0)
+    counts = plan.listed.sum(dim=-1).tolist()
 
-    def cost(q_blocks: int, slots: int) -> int:
-        kv_tokens = max(slots, 1) * plan.kv_block
-        scores = plan.batch * plan.q_heads * q_blocks * plan.q_block * kv_tokens
-        gathered = (
-            plan.batch
-            * plan.kv_heads
-            * q_blocks
-            * plan.mask_group
-            * kv_tokens
-            * (plan.head_dim + plan.value_dim)
-        )
-        return scores + gathered
+    def cost(q_blocks: int, columns: int) -> int:
+        return plan.batch * plan.q_heads * q_blocks * plan.q_block * columns * plan.kv_block
 
     chunks: list[_Chunk] = []
     start = 0
-    num_q_blocks = len(plan.partial_counts)
     while start < num_q_blocks:
-        stop, partial, full = start + 1, plan.partial_counts[start], plan.full_counts[start]
+        stop, union, listed = start + 1, plan.listed[start], counts[start]
         while stop < num_q_blocks:
-            grown_partial = max(partial, plan.partial_counts[stop])
-            grown_full = max(full, plan.full_counts[stop])
-            if cost(stop + 1 - start, grown_partial + grown_full) > max_elements:
+            grown = union | plan.listed[stop]
+            width = int(grown.sum())
+            q_blocks = stop + 1 - start
+            if cost(q_blocks, width) > max_elements or (
+                listed + counts[stop] < _MIN_CHUNK_DENSITY * q_blocks * width
+            ):
                 break
-            stop, partial, full = stop + 1, grown_partial, grown_full
-        if partial + full == 0:
-            partial = 1  # an all-padding slot keeps shapes non-empty; it is masked out
-        chunks.append(_Chunk(start, stop, partial, full))
+            stop, union, listed = stop + 1, grown, listed + counts[stop]
+        columns = union.nonzero().flatten()
+        if columns.numel() == 0:
+            columns = torch.zeros(1, dtype=torch.long)  # nothing listed: one absent column
+        first, last = int(columns[0]), int(columns[-1])
+        contiguous = last - first + 1 == columns.numel()
+        partial = plan.partial[start:stop, columns].any(dim=0).nonzero().flatten()
+        chunks.append(
+            _Chunk(
+                start=start,
+                stop=stop,
+                columns=columns,
+                first_column=first if contiguous else None,
+                partial_columns=(int(partial[0]), int(partial[-1]) + 1)
+                if partial.numel()
+                else None,
+            )
+        )
         start = stop
     return chunks
 
 
 def _chunk_indices(plan: _Plan, chunk: _Chunk, device: torch.device) -> _ChunkIndices:
-    start, stop, partial_slots, full_slots = chunk
-    slot_range = torch.arange(max(partial_slots, full_slots), device=device)
-
-    def slots(num: Tensor, idx: Tensor, count: int) -> tuple[Tensor, Tensor]:
-        num = num[:, :, start:stop]
-        idx = idx[:, :, start:stop, :, :count]
-        if idx.size(-1) < count:  # fewer stored slots than the padded count: pad with block 0
-            idx = torch.nn.functional.pad(idx, (0, count - idx.size(-1)))
-        return idx, slot_range[:count] < num[..., None]
-
-    block_idx, in_use = slots(plan.partial_num, plan.partial_idx, partial_slots)
-    if full_slots:
-        assert plan.full_num is not None and plan.full_idx is not None  # full_counts > 0
-        full_block_idx, full_in_use = slots(plan.full_num, plan.full_idx, full_slots)
-        block_idx = torch.cat([block_idx, full_block_idx], dim=-1)
-        in_use = torch.cat([in_use, full_in_use], dim=-1)
-
-    # (Bm, Hkv | 1, C, Gi, M) -> tokens (Bm, Hkv | 1, C, Gi, 1, M, KV_BLOCK)
-    kv_tokens = (
-        block_idx[..., None] * plan.kv_block + torch.arange(plan.kv_block, device=device)
-    ).unsqueeze(-3)
-    kv_allowed = in_use[..., None].unsqueeze(-3) & (kv_tokens < plan.kv_len)
-    q_tokens = torch.arange(start * plan.q_block, stop * plan.q_block, device=device)
-
+    columns = chunk.columns.to(device)
+    num_blocks, num_columns = chunk.stop - chunk.start, columns.numel()
+    kinds = plan.kinds[..., chunk.start : chunk.stop, :].index_select(-1, columns)
+    kinds = kinds.unsqueeze(-2).unsqueeze(-1)  # (B | 1, Hkv | 1, G | 1, C, 1, U, 1)
+    kv_tokens = columns[:, None] * plan.kv_block + torch.arange(plan.kv_block, device=device)
+    kv_tokens = kv_tokens.view(1, 1, 1, 1, 1, num_columns, plan.kv_block)
+    q_tokens = torch.arange(chunk.start * plan.q_block, chunk.stop * plan.q_block, device=device)
     return _ChunkIndices(
         b=torch.arange(plan.batch, device=device).view(-1, 1, 1, 1, 1, 1, 1),
-        h=torch.arange(plan.q_heads, device=device).view(1, plan.kv_heads, 1, plan.group, 1, 1, 1),
-        q_idx=q_tokens.clamp(max=plan.q_len - 1).view(1, 1, stop - start, 1, plan.q_block, 1, 1),
+        h=torch.arange(plan.q_heads, device=device).view(1, plan.kv_heads, plan.group, 1, 1, 1, 1),
+        q_idx=q_tokens.clamp(max=plan.q_len - 1).view(1, 1, 1, num_blocks, plan.q_block, 1, 1),
         kv_idx=kv_tokens.clamp(max=plan.kv_len - 1),
-        kv_allowed=kv_allowed,
-        block_idx=block_idx,
+        allowed=(kinds != _ABSENT) & (kv_tokens < plan.kv_len),
+        kinds=kinds,
     )
 
 
@@ -448,9 +461,9 @@ def _pad_to_blocks(tensor: Tensor, block: int) -> Tensor:
 
 
 def _chunk_attention(
-    q_rows: Tensor,
-    key_blocks: Tensor,
-    value_blocks: Tensor,
+    q_piece: Tensor,
+    keys: Tensor,
+    values: Tensor,
     plan: _Plan,
     chunk: _Chunk,
     mask_eval: str,
@@ -459,37 +472,34 @@ def _chunk_attention(
 ) -> tuple[Tensor, ...]:
     """Attention for the q blocks of one chunk: (out rows,) or (out rows, lse rows).
 
-    ``q_rows`` is the query padded to whole q blocks; ``key_blocks``/``value_blocks`` are key
-    and value padded to whole kv blocks and flattened to one row per (batch, kv head, kv block).
+    ``q_piece`` holds the chunk's query rows (padded to whole q blocks); ``keys``/``values`` are
+    the whole key and value padded to whole kv blocks.
     """
-    batch, kv_heads, group, mask_group = plan.batch, plan.kv_heads, plan.group, plan.mask_group
+    batch, kv_heads, group = plan.batch, plan.kv_heads, plan.group
     q_block, kv_block = plan.q_block, plan.kv_block
-    num_blocks = chunk.stop - chunk.start
-    slots = chunk.partial_slots + chunk.full_slots
-    idx = _chunk_indices(plan, chunk, q_rows.device)
+    num_blocks, num_columns = chunk.stop - chunk.start, chunk.columns.numel()
+    idx = _chunk_indices(plan, chunk, q_piece.device)
 
-    device = q_rows.device
-    # Query rows past Q_LEN are padding: computed like the others and dropped at the end.
-    queries = q_rows[:, :, chunk.start * q_block : chunk.stop * q_block]
-    queries = queries.view(batch, kv_heads, group, num_blocks, q_block, plan.head_dim)
-    queries = queries.permute(0, 1, 3, 2, 4, 5).reshape(
-        batch, kv_heads, num_blocks, mask_group, -1, plan.head_dim
-    )
+    # Query heads of one kv head side by side: one (G * C * Q_BLOCK, D) matrix per kv head, so
+    # each (batch, kv head) is a single large matmul.
+    queries = q_piece.reshape(batch, kv_heads, -1, plan.head_dim)
     queries = queries.to(plan.working_dtype) * plan.scale
+    if chunk.first_column is not None:
+        lo = chunk.first_column * kv_block
+        keys = keys[:, :, lo : lo + num_columns * kv_block]
+        values = values[:, :, lo : lo + num_columns * kv_block]
+    else:
 
-    num_kv_blocks = -(-plan.kv_len // kv_block)
-    batch_heads = torch.arange(batch * kv_heads, device=device).view(batch, kv_heads, 1, 1, 1)
-    flat_blocks = (batch_heads * num_kv_blocks + idx.block_idx).flatten()
+        def gather(tensor: Tensor) -> Tensor:
+            blocks = tensor.reshape(batch, kv_heads, -1, kv_block * tensor.size(-1))
+            picked = blocks.index_select(2, chunk.columns.to(blocks.device))
+            return picked.view(batch, kv_heads, num_columns * kv_block, tensor.size(-1))
 
-    def gather(blocks: Tensor, dim: int) -> Tensor:
-        rows = blocks.index_select(0, flat_blocks).to(plan.working_dtype)
-        return rows.view(batch, kv_heads, num_blocks, mask_group, slots * kv_block, dim)
+        keys, values = gather(keys), gather(values)
+    keys, values = keys.to(plan.working_dtype), values.to(plan.working_dtype)
 
-    keys = gather(key_blocks, plan.head_dim)
-    values = gather(value_blocks, plan.value_dim)
-    full_shape = (batch, kv_heads, num_blocks, group, q_block, slots, kv_block)
+    full_shape = (batch, kv_heads, group, num_blocks, q_block, num_columns, kv_block)
     scores = (queries @ keys.transpose(-1, -2)).view(full_shape)
-
     if plan.score_mod is not None:
         scores = _call_mod(
             plan.score_mod,
@@ -500,26 +510,27 @@ def _chunk_attention(
         )
         if scores.shape != full_shape:
             scores = scores.expand(full_shape)
-    # Slot use and the KV_LEN bound first (a small broadcast mask; chunks without padding skip
-    # it), then mask_mod on the partial slots only, in place on that slice: no full-size mask
-    # is ever built.
-    if not bool(idx.kv_allowed.all()):
-        scores = torch.where(idx.kv_allowed, scores, -math.inf)
-    elif chunk.partial_slots and plan.score_mod is not None:
+
+    # Absent blocks and tokens past KV_LEN first, from a block-level mask that broadcasts (and
+    # is skipped when everything is allowed); then mask_mod, in place, on the span of columns
+    # that are partial somewhere, applied only to the partial pairs.
+    if not bool(idx.allowed.all()):
+        scores = torch.where(idx.allowed, scores, -math.inf)
+    elif chunk.partial_columns is not None and plan.score_mod is not None:
         # score_mod's result may be saved for its backward, or be an expanded view: the
         # in-place fill below must write into a tensor of our own.
         scores = scores.clone(memory_format=torch.contiguous_format)
-    if chunk.partial_slots:
-        partial_kv = idx.kv_idx[..., : chunk.partial_slots, :]
-        partial_shape = (*full_shape[:-2], chunk.partial_slots, kv_block)
+    if chunk.partial_columns is not None:
+        first, stop = chunk.partial_columns
         by_mask_mod = _call_mod(
             plan.mask_mod,
-            (idx.b, idx.h, idx.q_idx, partial_kv),
-            partial_shape,
+            (idx.b, idx.h, idx.q_idx, idx.kv_idx[..., first:stop, :]),
+            (*full_shape[:-2], stop - first, kv_block),
             mask_eval,
             "mask_mod",
         )
-        scores[..., : chunk.partial_slots, :].masked_fill_(~by_mask_mod, -math.inf)
+        refused = (idx.kinds[..., first:stop, :] == _PARTIAL) & ~by_mask_mod
+        scores[..., first:stop, :].masked_fill_(refused, -math.inf)
     scores = scores.view(*full_shape[:-2], -1)
 
     # Rows with nothing allowed (by mask or by a score_mod returning -inf) would make softmax
@@ -533,24 +544,22 @@ def _chunk_attention(
     probs = torch.softmax(scores, dim=-1)
     if has_empty_rows:
         probs = probs.masked_fill(empty_rows, 0.0)
-    out = probs.view(batch, kv_heads, num_blocks, mask_group, -1, slots * kv_block) @ values
-    out = out.view(batch, kv_heads, num_blocks, group, q_block, plan.value_dim)
-    out = out.permute(0, 1, 3, 2, 4, 5).reshape(batch, plan.q_heads, -1, plan.value_dim)
+    out = probs.view(batch, kv_heads, -1, num_columns * kv_block) @ values
+    out = out.view(batch, plan.q_heads, -1, plan.value_dim)
     valid_rows = min(plan.q_len, chunk.stop * q_block) - chunk.start * q_block
-    out = out[:, :, :valid_rows].to(q_rows.dtype)
+    out = out[:, :, :valid_rows].to(q_piece.dtype)
     if not return_lse:
         return (out,)
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    lse = torch.logsumexp(scores, dim=-1)
     if has_empty_rows:
-        lse = lse.masked_fill(empty_rows, -math.inf)
-    lse = lse.view(batch, kv_heads, num_blocks, group, q_block).permute(0, 1, 3, 2, 4)
-    return out, lse.reshape(batch, plan.q_heads, -1)[:, :, :valid_rows]
+        lse = lse.masked_fill(empty_rows.squeeze(-1), -math.inf)
+    return out, lse.view(batch, plan.q_heads, -1)[:, :, :valid_rows]
 
 
 def _resolve_mod_evals(
     plan: _Plan, chunks: list[_Chunk], query: Tensor, mod_eval: str
 ) -> tuple[str, str]:
-    """Turns ``"auto"`` into ``"broadcast"`` or ``"vmap"`` by probing the first chunk once.
+    """Turns ``"auto"`` into ``"broadcast"`` or ``"vmap"`` by probing one chunk per mod.
 
     Probing here, outside autograd and checkpointing, keeps every chunk's forward the same
     sequence of ops on its first run and on its recompute.
@@ -559,32 +568,32 @@ def _resolve_mod_evals(
         return mod_eval, mod_eval
     mask_eval = score_eval = "broadcast"
     with torch.no_grad():
-        probe = next((c for c in chunks if max(plan.partial_counts[c.start : c.stop]) > 0), None)
+        probe = next((c for c in chunks if c.partial_columns is not None), None)
         if probe is not None:
             idx = _chunk_indices(plan, probe, query.device)
-            partial_kv = idx.kv_idx[..., : probe.partial_slots, :]
+            first, stop = probe.partial_columns  # type: ignore[misc]
             shape = (
                 plan.batch,
                 plan.kv_heads,
-                probe.stop - probe.start,
                 plan.group,
+                probe.stop - probe.start,
                 plan.q_block,
-                probe.partial_slots,
+                stop - first,
                 plan.kv_block,
             )
-            if not _broadcasts(plan.mask_mod, (idx.b, idx.h, idx.q_idx, partial_kv), shape):
+            args = (idx.b, idx.h, idx.q_idx, idx.kv_idx[..., first:stop, :])
+            if not _broadcasts(plan.mask_mod, args, shape):
                 mask_eval = "vmap"
         if plan.score_mod is not None:
-            first = chunks[0]
-            idx = _chunk_indices(plan, first, query.device)
-            slots = first.partial_slots + first.full_slots
+            probe = chunks[0]
+            idx = _chunk_indices(plan, probe, query.device)
             shape = (
                 plan.batch,
                 plan.kv_heads,
-                first.stop - first.start,
                 plan.group,
+                probe.stop - probe.start,
                 plan.q_block,
-                slots,
+                probe.columns.numel(),
                 plan.kv_block,
             )
             score = torch.zeros(shape, dtype=plan.working_dtype, device=query.device)

@@ -9,7 +9,7 @@ evaluates the mask on those tiles alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -103,6 +103,8 @@ class BlockGrid:
     q_last: Tensor
     kv_first: Tensor
     kv_last: Tensor
+    refined: list[int] = field(default_factory=lambda: [0], compare=False)
+    """Tiles refined so far in this build (a one-item list: the grid itself is frozen)."""
 
     @classmethod
     def make(

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.blocks import BlockGrid, and_codes, not_codes, or_codes
+from flexmask.blocks import UNDECIDED, BlockGrid, and_codes, not_codes, or_codes
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -344,6 +344,17 @@ class And(_Nary):
         codes = self.children[0]._classify(grid)
         for child in self.children[1:]:
             codes = and_codes(codes, child._classify(grid))
+        # Two partial tiles met. If every child is an interval per query, their intersection
+        # settles those tiles here, so an expression above (an `|`, a `~`) sees exact codes.
+        if bool((codes == UNDECIDED).any()):
+            intervals = self._intervals(grid.length, grid.device)
+            if intervals is not None:
+                from flexmask.refine import refine_by_intervals
+
+                rows = max(codes.shape[0], intervals.lo.shape[0])
+                codes = codes.expand(rows, *codes.shape[1:]).contiguous()
+                tiles = (codes == UNDECIDED).nonzero()
+                refine_by_intervals(codes, tiles, intervals, grid)
         return codes
 
     def _lower(self, length: int, device: torch.device) -> Lowered:

@@ -21,13 +21,19 @@ import dataclasses
 import itertools
 import numbers
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 
 # Attribute access is deferred to call time (``flexmask.causal()``), so this module can be
 # imported while the package itself is still initialising.
 import flexmask
+
+if TYPE_CHECKING:
+    from flexmask.lazy import LazyBlockMask
+    from flexmask.mask import Mask
+
+Device = torch.device | str | None
 
 __all__ = [
     "Chunk",
@@ -251,7 +257,7 @@ class PackedBatch:
     seq_lens: list[list[int]]
     placement: list[list[Chunk]]
     max_len: int
-    handle: Any = None
+    handle: LazyBlockMask | None = None
 
     @property
     def num_rows(self) -> int:
@@ -280,7 +286,7 @@ class PackedBatch:
         return self.num_tokens / (self.num_rows * self.max_len)
 
     @property
-    def mask(self) -> Any:
+    def mask(self) -> Mask:
         """``causal() & document(seq_lens)``: causal inside each document, nothing across.
 
         Padding belongs to no document, so it neither attends nor is attended to. For
@@ -301,7 +307,9 @@ class PackedBatch:
         """
         return flexmask.causal() & flexmask.document(self.seq_lens)
 
-    def lazy(self, num_heads: int = 1, device: Any = None, block_size: int = 128) -> Any:
+    def lazy(
+        self, num_heads: int = 1, device: Device = None, block_size: int = 128
+    ) -> LazyBlockMask:
         """A picklable handle that builds this batch's BlockMask on first use.
 
         Args:
@@ -316,8 +324,12 @@ class PackedBatch:
             >>> from flexmask.packing import pack
             >>> batch = pack([[1, 2], [3, 4, 5]], max_len=8)
             >>> handle = batch.lazy(num_heads=2, block_size=4)
-            >>> handle.block_mask.shape
-            (1, 2, 8, 8)
+            >>> handle.built  # nothing built yet: cheap to create and to pickle
+            False
+            >>> handle.block_mask.seq_lengths
+            (8, 8)
+            >>> handle.built
+            True
         """
         return flexmask.lazy(
             self.mask,
@@ -392,7 +404,7 @@ class PackedBatch:
         index = _ranges(torch.tensor(starts), torch.tensor(lengths))
         return index, [sum(c.length for c in chunks) for chunks in self.placement]
 
-    def to(self, device: Any, non_blocking: bool = False) -> PackedBatch:
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         """Moves ``tokens``, ``labels`` and ``position_ids``; the handle keeps its own device.
 
         Example:
@@ -421,9 +433,8 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``cat([arange(s, s + n) for s, n in zip(starts, lengths)])`` without a Python loop."""
     offsets = torch.cumsum(lengths, 0) - lengths
     total = int(lengths.sum())
-    return torch.repeat_interleave(starts - offsets, lengths, output_size=total) + torch.arange(
-        total
-    )
+    shift = torch.repeat_interleave(starts - offsets, lengths, output_size=total)
+    return shift + torch.arange(total)
 
 
 def pack(
@@ -599,7 +610,7 @@ class TreePack:
         return self.tokens.shape[0]
 
     @property
-    def mask(self) -> Any:
+    def mask(self) -> Mask:
         """``tree(parents)``: each token attends to itself and its ancestors, nothing else.
 
         Positions past ``num_tokens`` (padding) attend to nothing. For the sequences
@@ -618,14 +629,16 @@ class TreePack:
         """
         return flexmask.tree(self.parents)
 
-    def lazy(self, num_heads: int = 1, device: Any = None, block_size: int = 128) -> Any:
+    def lazy(
+        self, num_heads: int = 1, device: Device = None, block_size: int = 128
+    ) -> LazyBlockMask:
         """A picklable handle that builds the BlockMask (``B = 1``, ``L x L``) on first use.
 
         Example:
             >>> from flexmask.packing import pack_tree
             >>> tp = pack_tree([[1, 2, 3], [1, 4]], pad_to=8)
-            >>> tp.lazy(block_size=4).block_mask.shape
-            (1, 1, 8, 8)
+            >>> tp.lazy(block_size=4).block_mask.seq_lengths
+            (8, 8)
         """
         return flexmask.lazy(
             self.mask, 1, num_heads, self.length, self.length, device=device, BLOCK_SIZE=block_size
@@ -702,6 +715,17 @@ def pack_tree(
     laid out depth first, children in order of first appearance in ``sequences``; in preorder
     every subtree is a contiguous range, which lets ``flexmask.tree`` classify whole blocks
     from structure. A sequence that is a prefix of another, or a duplicate, adds no nodes.
+
+    Per-sequence log-probs: a node can have several children, so there is no single packed
+    ``labels``; gather along each path instead. The logit that predicts token ``t + 1`` of
+    sequence ``i`` is at packed position ``sequence_index(i)[t]``::
+
+        logits = model(tp.tokens[None], tp.position_ids[None], tp.lazy(H))[0]   # (L, V)
+        path = tp.sequence_index(i)
+        logp = logits[path[:-1]].log_softmax(-1).gather(-1, tp.tokens[path[1:], None])[:, 0]
+
+    A shared node's gradient then sums the contributions of every sequence through it, exactly
+    as if each sequence had been run alone.
 
     Args:
         sequences: lists/tuples of ints, or 1-d integer tensors/arrays; none may be empty.
@@ -892,8 +916,8 @@ class PackingCollator:
         >>> data = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
         >>> loader = DataLoader(data, batch_size=4, collate_fn=PackingCollator(max_len=5))
         >>> batch = next(iter(loader))
-        >>> batch.seq_lens, batch.handle.block_mask.shape
-        ([[4, 1], [3, 2]], (2, 1, 5, 5))
+        >>> batch.seq_lens, batch.handle.built
+        ([[4, 1], [3, 2]], False)
     """
 
     def __init__(
@@ -901,7 +925,7 @@ class PackingCollator:
         max_len: int,
         num_heads: int = 1,
         *,
-        device: Any = None,
+        device: Device = None,
         block_size: int = 128,
         key: str | None = None,
         policy: Policy = "split",
@@ -983,7 +1007,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         *,
         buffer_size: int = 64,
         num_heads: int = 1,
-        device: Any = None,
+        device: Device = None,
         block_size: int = 128,
         key: str | None = None,
         policy: Policy = "split",

@@ -27,11 +27,11 @@ def test_nothing_is_built_before_use(cache):
 def test_one_build_serves_every_layer(cache):
     handle = flexmask.lazy(flexmask.causal() & flexmask.document([100, 156]), 2, 4, 256, 256,
                            "cpu", cache=cache)
-    q = torch.randn(2, 4, 256, 16)
-    outs = [flexmask.flex_attention(q, q, q, block_mask=handle, compile=False) for _ in range(6)]
+    q, k, v = (torch.randn(2, 4, 256, 16) for _ in range(3))
+    outs = [flexmask.flex_attention(q, k, v, block_mask=handle, compile=False) for _ in range(6)]
     assert handle.builds == 1 and cache.info().misses == 1 and cache.info().hits == 0
     dense = handle.mask.to_dense(2, 4, 256, 256)
-    ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=dense)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
     for out in outs:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 

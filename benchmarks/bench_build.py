@@ -1,0 +1,138 @@
+"""BlockMask build: flexmask (from structure) against torch's create_block_mask, one run.
+
+For each mask and size: flexmask's build time and peak extra memory, torch eager's and
+torch compiled's (steady state, after the first-call compile), and the ratios. Torch runs are
+skipped where they could not fit this machine (eager needs ~10 bytes x B x S^2 of temporary
+memory) or would take minutes (compiled is O(B x S^2)); the table says so.
+
+    python benchmarks/bench_build.py                      # the full table (~10 min, 2 cores)
+    python benchmarks/bench_build.py --sizes 1024 4096 --batches 1 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import torch
+from _memory import peak_extra_bytes
+from common import (
+    best_time,
+    fmt_bytes,
+    fmt_time,
+    machine,
+    markdown_table,
+    mask_cases,
+    save_json,
+)
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+import flexmask
+from flexmask.builder import classify_blocks, make_grid
+
+FIRST_CALL = """
+import time
+t0 = time.perf_counter()
+import flexmask
+t1 = time.perf_counter()
+from common import documents
+mask = flexmask.causal() & flexmask.document(documents({S}, 0))
+t2 = time.perf_counter()
+flexmask.create_block_mask(mask, 1, 1, {S}, {S}, device="cpu")
+t3 = time.perf_counter()
+print(t1 - t0, t3 - t2)
+"""
+
+
+def first_call(S: int) -> tuple[float, float]:
+    """(import time, first build time) in a fresh Python process."""
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_CALL.format(S=S)],
+        capture_output=True, text=True, check=True, cwd=__file__.rsplit("/", 1)[0],
+    )
+    imp, build = map(float, out.stdout.split())
+    return imp, build
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 65536])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--masks", nargs="+", default=None)
+    parser.add_argument("--eager-limit-gb", type=float, default=12.0,
+                        help="skip torch eager where 10*B*S^2 bytes exceed this")
+    parser.add_argument("--compiled-limit", type=float, default=2.2e9,
+                        help="skip compiled torch where B*S^2 exceeds this many elements")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    repeat = 3 if args.quick else 10
+
+    print(f"# BlockMask build: flexmask vs torch.create_block_mask\n\n{machine()}\n")
+    compiled_builder = torch.compile(torch_create_block_mask, dynamic=False)
+    results = []
+    for B in args.batches:
+        for S in args.sizes:
+            for name, mask in mask_cases(S, B).items():
+                if args.masks and name not in args.masks:
+                    continue
+                grid = make_grid(mask, B, 1, S, S, "cpu", 128)
+                refined = classify_blocks(mask, grid).refined
+                ours = best_time(lambda m=mask: flexmask.create_block_mask(m, B, 1, S, S, "cpu"),
+                                 repeat=repeat)
+                ours_mem, _ = peak_extra_bytes(
+                    lambda m=mask: flexmask.create_block_mask(m, B, 1, S, S, "cpu"))
+                row = dict(mask=name, S=S, B=B, refined_tiles=refined,
+                           tiles=grid.num_q_blocks * grid.num_kv_blocks * B,
+                           flexmask_s=ours, flexmask_bytes=ours_mem,
+                           eager_s=None, eager_bytes=None, compiled_s=None,
+                           compiled_first_s=None, compiled_bytes=None)
+                if 10 * B * S * S <= args.eager_limit_gb * 2**30:
+                    row["eager_s"] = best_time(
+                        lambda m=mask: torch_create_block_mask(m.mask_mod, B, 1, S, S, "cpu"),
+                        repeat=1 if S >= 16384 else 3, warmup=0 if S >= 16384 else 1)
+                    row["eager_bytes"], _ = peak_extra_bytes(
+                        lambda m=mask: torch_create_block_mask(m.mask_mod, B, 1, S, S, "cpu"))
+                if B * S * S <= args.compiled_limit:
+                    mod = mask.mask_mod_for(S, S, "cpu")
+                    start = time.perf_counter()
+                    compiled_builder(mod, B, 1, S, S, "cpu")
+                    row["compiled_first_s"] = time.perf_counter() - start
+                    row["compiled_s"] = best_time(
+                        lambda mod=mod: compiled_builder(mod, B, 1, S, S, "cpu"),
+                        repeat=3, warmup=0)
+                    row["compiled_bytes"], _ = peak_extra_bytes(
+                        lambda mod=mod: compiled_builder(mod, B, 1, S, S, "cpu"))
+                results.append(row)
+                print(
+                    f"  B={B} S={S:>6} {name:16} flexmask {fmt_time(ours):>9} "
+                    f"eager {fmt_time(row['eager_s']):>9} compiled {fmt_time(row['compiled_s']):>9}"
+                    f" refined {refined}/{row['tiles']}",
+                    flush=True,
+                )
+
+    def ratio(a, b):
+        return f"{a / b:,.0f}×" if a is not None else "—"
+
+    table = [
+        [r["mask"], r["B"], f"{r['S']:,}", fmt_time(r["flexmask_s"]), fmt_bytes(r["flexmask_bytes"]),
+         fmt_time(r["eager_s"]), fmt_bytes(r["eager_bytes"]), fmt_time(r["compiled_s"]),
+         ratio(r["eager_s"], r["flexmask_s"]), ratio(r["compiled_s"], r["flexmask_s"]),
+         f"{r['refined_tiles']}/{r['tiles']}"]
+        for r in results
+    ]
+    header = ["mask", "B", "S", "flexmask", "flexmask peak", "torch eager", "eager peak",
+              "torch compiled", "vs eager", "vs compiled", "tiles evaluated"]
+    print()
+    print(markdown_table(header, table))
+    imp, first = first_call(32768)
+    print(f"\nFresh process, document-causal S=32768 B=1: import flexmask {fmt_time(imp)}, "
+          f"first build {fmt_time(first)} (no compile step).")
+    save_json(args.json, {"machine": machine(), "results": results,
+                          "first_call": {"import_s": imp, "build_s": first, "S": 32768}})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""Pictures of masks: the element mask beside its block classification, as a PNG.
+
+matplotlib is an optional extra (``pip install flexmask[plot]``); it is imported only when
+:func:`plot` runs. :func:`block_classes` needs only torch and numpy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_mask
+
+from flexmask.lazy import LazyBlockMask
+from flexmask.mask import Mask
+
+if TYPE_CHECKING:
+    import numpy as np
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+"""The codes :func:`block_classes` returns."""
+
+CLASS_NAMES = ("empty", "partial", "full")
+CLASS_COLORS = ("#f2f2f2", "#f4a261", "#264653")
+"""Colours of empty, partial and full blocks in the right-hand panel."""
+
+FIGSIZE = (10.0, 4.8)
+DPI = 100
+"""Every PNG is ``FIGSIZE * DPI`` = 1000 x 480 pixels, whatever the sequence length."""
+
+DEFAULT_MAX_ELEMENTS = 1 << 22
+"""Most (q, kv) elements evaluated for the left panel; longer masks are sampled on a stride."""
+
+MAX_PIXELS = 512
+"""The element picture is max-pooled down to at most this many cells per side."""
+
+
+def block_classes(block_mask: BlockMask, batch: int = 0, head: int = 0) -> np.ndarray:
+    """Each tile's class in a BlockMask: 0 empty, 1 partial (mask_mod applied), 2 full.
+
+    Read from ``kv_num_blocks``/``kv_indices`` (partial tiles) and
+    ``full_kv_num_blocks``/``full_kv_indices`` (full tiles) of one batch row and head. A batch
+    or head dimension of size 1 is broadcast, as flex_attention broadcasts it.
+
+    Args:
+        block_mask: a torch BlockMask (from torch's or flexmask's ``create_block_mask``).
+        batch: the batch row to read.
+        head: the head to read.
+
+    Returns:
+        An ``(num_q_blocks, num_kv_blocks)`` int8 numpy array.
+
+    Example:
+        >>> import flexmask
+        >>> from flexmask.plot import block_classes
+        >>> bm = flexmask.create_block_mask(flexmask.causal(), 1, 1, 6, 6, "cpu", BLOCK_SIZE=2)
+        >>> block_classes(bm).tolist()
+        [[1, 0, 0], [2, 1, 0], [2, 2, 1]]
+    """
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"block_mask must be a torch BlockMask, got {type(block_mask).__name__}; for a "
+            f"flexmask Mask build one first: flexmask.create_block_mask(mask, B, H, Q_LEN, KV_LEN)"
+        )
+    b = _broadcast_index(batch, block_mask.kv_num_blocks.shape[0], "batch")
+    h = _broadcast_index(head, block_mask.kv_num_blocks.shape[1], "head")
+    q_len, kv_len = block_mask.seq_lengths
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    num_q, num_kv = -(-q_len // q_block), -(-kv_len // kv_block)
+    classes = torch.zeros(num_q, num_kv, dtype=torch.int8)
+    pairs = [(block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL)]
+    if block_mask.full_kv_num_blocks is not None and block_mask.full_kv_indices is not None:
+        pairs.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL))
+    for num_blocks, indices, code in pairs:
+        count = num_blocks[b, h, :num_q].to("cpu", torch.int64)
+        index = indices[b, h, :num_q].to("cpu", torch.int64)
+        listed = torch.arange(index.shape[-1]) < count.unsqueeze(-1)  # first `count` entries
+        rows = torch.arange(num_q).unsqueeze(-1).expand_as(index)
+        classes[rows[listed], index[listed]] = code
+    return classes.numpy()
+
+
+def plot(
+    mask_or_block_mask: Mask | BlockMask | LazyBlockMask,
+    path: str | os.PathLike[str],
+    *,
+    Q_LEN: int | None = None,
+    KV_LEN: int | None = None,
+    B: int | None = None,
+    H: int | None = None,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
+    batch: int = 0,
+    head: int = 0,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    title: str | None = None,
+) -> str:
+    """Writes a PNG: the element mask (left) beside its block classification (right).
+
+    The left panel is what flex_attention computes for one batch row and head: the
+    ``mask_mod`` inside partial tiles, every element of full tiles, nothing in empty tiles.
+    The right panel colours each tile empty, partial or full. The title gives the block
+    sparsity (the share of tiles flex_attention skips).
+
+    Long sequences stay cheap: at most ``max_elements`` elements are evaluated (on a stride
+    beyond that) and the picture is max-pooled to at most 512 cells per side, so a cell is
+    dark if any element it stands for attends. The PNG is always 1000 x 480 pixels.
+
+    Args:
+        mask_or_block_mask: a flexmask ``Mask`` (``Q_LEN`` and ``KV_LEN`` required; built on
+            the CPU unless its data lives elsewhere), a torch ``BlockMask``, or a
+            ``flexmask.lazy`` handle (its BlockMask is used if built, else built aside,
+            leaving the handle and the cache untouched).
+        path: where to write the PNG.
+        Q_LEN: query length, for a Mask.
+        KV_LEN: key/value length, for a Mask (default ``Q_LEN``).
+        B: batch size, for a Mask (None: 1, or its number of per-row values).
+        H: number of heads, for a Mask (None: 1).
+        BLOCK_SIZE: tile size, for a Mask.
+        batch: the batch row to draw.
+        head: the head to draw.
+        max_elements: most (q, kv) elements evaluated for the left panel.
+        title: the figure title (None: the mask's repr and the lengths).
+
+    Returns:
+        ``path``, as a string.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install flexmask[plot]``).
+
+    Example:
+        >>> import flexmask, tempfile, os
+        >>> mask = flexmask.causal() & flexmask.document([300, 212])
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     png = flexmask.plot(mask, os.path.join(tmp, "mask.png"), Q_LEN=512)
+        ...     os.path.getsize(png) > 0
+        True
+    """
+    try:
+        # The Figure API, not pyplot: no global state, no backend switch in the caller's
+        # session, and no window; savefig picks the Agg canvas for a .png path.
+        from matplotlib.colors import ListedColormap
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as err:
+        raise ImportError("flexmask.plot needs matplotlib: pip install flexmask[plot]") from err
+
+    if isinstance(max_elements, bool) or not isinstance(max_elements, int) or max_elements < 1:
+        raise ValueError(f"max_elements must be an int >= 1, got {max_elements!r}")
+    block_mask, label = _block_mask_of(mask_or_block_mask, Q_LEN, KV_LEN, B, H, BLOCK_SIZE)
+    classes = block_classes(block_mask, batch, head)
+    elements = _element_picture(block_mask, classes, batch, head, max_elements)
+    q_len, kv_len = block_mask.seq_lengths
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    sparsity = 100.0 * float((classes == EMPTY).mean())
+
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    left, right = fig.subplots(1, 2)
+    left.imshow(
+        elements,
+        cmap="Greys",
+        vmin=0,
+        vmax=1,
+        interpolation="nearest",
+        extent=(0, kv_len, q_len, 0),
+        aspect="auto",
+    )
+    left.set_title("elements (dark: q attends kv)")
+    right.imshow(
+        classes,
+        cmap=ListedColormap(CLASS_COLORS),
+        vmin=0,
+        vmax=2,
+        interpolation="nearest",
+        aspect="auto",
+        extent=(0, classes.shape[1] * kv_block, classes.shape[0] * q_block, 0),
+    )
+    right.set_title(f"blocks of {q_block} x {kv_block}")
+    right.legend(
+        handles=[
+            Patch(facecolor=c, edgecolor="black", label=n)
+            for n, c in zip(CLASS_NAMES, CLASS_COLORS, strict=True)
+        ],
+        loc="upper right",
+        fontsize="small",
+        framealpha=0.9,
+    )
+    for ax in (left, right):
+        ax.set_xlabel("kv_idx")
+        ax.set_ylabel("q_idx")
+    heading = title if title is not None else f"{label}  ({q_len} x {kv_len})"
+    fig.suptitle(f"{heading}\nblock sparsity {sparsity:.1f}% (batch {batch}, head {head})")
+    fig.savefig(os.fspath(path), dpi=DPI)
+    return os.fspath(path)
+
+
+def _broadcast_index(index: int, size: int, name: str) -> int:
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {index!r}")
+    if size == 1:
+        return 0  # broadcast, as flex_attention does
+    if index >= size:
+        raise ValueError(
+            f"{name}={index} is out of range: the BlockMask's {name} dimension has size {size}"
+        )
+    return index
+
+
+def _block_mask_of(
+    obj: Any,
+    Q_LEN: int | None,
+    KV_LEN: int | None,
+    B: int | None,
+    H: int | None,
+    BLOCK_SIZE: int | tuple[int, int],
+) -> tuple[BlockMask, str]:
+    """The BlockMask to draw and a label for the title."""
+    from flexmask.builder import create_block_mask
+
+    if isinstance(obj, BlockMask):
+        name = getattr(obj.mask_mod, "__name__", "mask_mod")
+        return obj, f"BlockMask({name})"
+    if isinstance(obj, LazyBlockMask):
+        if obj.built:
+            return obj.block_mask, repr(obj.mask)
+        bm = create_block_mask(
+            obj.mask, obj.B, obj.H, obj.Q_LEN, obj.KV_LEN, obj.mask.device or "cpu", obj.BLOCK_SIZE
+        )
+        return bm, repr(obj.mask)
+    if isinstance(obj, Mask):
+        if Q_LEN is None:
+            raise TypeError(
+                "plot(mask, path) needs the lengths for a flexmask Mask: "
+                "plot(mask, path, Q_LEN=..., KV_LEN=...) (or pass a BlockMask)"
+            )
+        kv_len = Q_LEN if KV_LEN is None else KV_LEN
+        bm = create_block_mask(obj, B, H, Q_LEN, kv_len, obj.device or "cpu", BLOCK_SIZE)
+        return bm, repr(obj)
+    raise TypeError(
+        "plot takes a flexmask Mask, a torch BlockMask or a flexmask.lazy handle, got "
+        f"{type(obj).__name__}"
+    )
+
+
+def _element_picture(
+    block_mask: BlockMask, classes: np.ndarray, batch: int, head: int, max_elements: int
+) -> np.ndarray:
+    """(rows, cols) float array in {0, 1}: what flex computes, sampled and max-pooled."""
+    q_len, kv_len = block_mask.seq_lengths
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    _broadcast_index(batch, block_mask.kv_num_blocks.shape[0], "batch")
+    _broadcast_index(head, block_mask.kv_num_blocks.shape[1], "head")
+    mod = block_mask.mask_mod
+
+    # create_mask numbers rows and heads from 0; shift them onto the ones drawn. flex passes
+    # the real row and head to the mask_mod even where the BlockMask broadcasts.
+
+    def at_row(b_idx: Tensor, h_idx: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return mod(b_idx + batch, h_idx + head, q_idx, kv_idx)
+
+    stride = max(1, math.ceil(math.sqrt(q_len * kv_len / max_elements)))
+    device = block_mask.kv_num_blocks.device
+    if stride == 1:
+        attends = create_mask(at_row, 1, 1, q_len, kv_len, device=device)[0, 0]
+        q_idx, kv_idx = torch.arange(q_len), torch.arange(kv_len)
+    else:
+        # Too many elements to evaluate: sample every `stride`-th query and key, vmapped the
+        # way create_mask vmaps (0-d indices inside the mask_mod, indexing made index ops).
+        from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+        q_idx, kv_idx = torch.arange(0, q_len, stride), torch.arange(0, kv_len, stride)
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        grid_fn = torch.vmap(at_row, in_dims=(None, None, None, 0))
+        grid_fn = torch.vmap(grid_fn, in_dims=(None, None, 0, None))
+        with TransformGetItemToIndex():
+            attends = grid_fn(zero, zero, q_idx.to(device), kv_idx.to(device))
+    code = torch.from_numpy(classes).long()[
+        (q_idx // q_block).view(-1, 1), (kv_idx // kv_block).view(1, -1)
+    ]
+    attends = (attends.to("cpu") & (code == PARTIAL)) | (code == FULL)
+    return _max_pool(attends.float(), MAX_PIXELS).numpy()
+
+
+def _max_pool(picture: Tensor, max_cells: int) -> Tensor:
+    rows, cols = picture.shape
+    kr, kc = math.ceil(rows / max_cells), math.ceil(cols / max_cells)
+    if kr == kc == 1:
+        return picture
+    pooled = torch.nn.functional.max_pool2d(
+        picture[None, None], kernel_size=(kr, kc), stride=(kr, kc), ceil_mode=True
+    )
+    return pooled[0, 0]
