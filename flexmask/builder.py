@@ -85,8 +85,8 @@ def classify_blocks(mask: Mask, grid: BlockGrid) -> Classified:
     shape = (rows, heads, grid.num_q_blocks, grid.num_kv_blocks)
     codes = mask._classify(grid).expand(shape)
     codes = codes.contiguous()
-    undecided = (codes == UNDECIDED).nonzero()
-    if undecided.numel():
+    undecided = (codes == UNDECIDED).nonzero() if int(codes.max()) == UNDECIDED else None
+    if undecided is not None:
         intervals = mask._intervals(grid.length, grid.device)
         if intervals is not None:
             refine_by_intervals(codes, undecided, intervals, grid)
@@ -97,16 +97,19 @@ def classify_blocks(mask: Mask, grid: BlockGrid) -> Classified:
 
 
 def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
-    """(num_blocks, indices) of a 0/1 grid, byte-identical to torch's stable argsort order:
+    """(num_blocks, indices) of a bool grid, byte-identical to torch's stable argsort order:
     the set columns ascending, then the unset ones ascending. A cumsum ranks each column and
     one scatter writes it — O(columns), no sort."""
-    ones = blocks.to(torch.int32)
-    count = ones.sum(-1, dtype=torch.int32)
-    ones_before = ones.cumsum(-1, dtype=torch.int32) - ones
-    col = torch.arange(ones.shape[-1], dtype=torch.int32, device=ones.device).expand_as(ones)
-    rank = torch.where(blocks, ones_before, count.unsqueeze(-1) + col - ones_before)
-    indices = torch.empty_like(col).scatter_(-1, rank.long(), col)
-    return count, indices
+    n = blocks.shape[-1]
+    ones = blocks.cumsum(-1, dtype=torch.int32)  # set columns up to and including each one
+    count = ones[..., -1:]
+    col1 = torch.arange(1, n + 1, dtype=torch.int32, device=blocks.device)
+    # One-based rank: a set column is the ones-th; an unset one follows all `count` set ones
+    # and the (col1 - ones) unset ones up to it.
+    rank = torch.where(blocks, ones, (count + col1) - ones).to(torch.int64).sub_(1)
+    indices = torch.empty(blocks.shape, dtype=torch.int32, device=blocks.device)
+    indices.scatter_(-1, rank, (col1 - 1).expand(blocks.shape))
+    return count.squeeze(-1), indices
 
 
 def to_block_mask(
@@ -124,8 +127,8 @@ def to_block_mask(
 
     kv_num, kv_idx = expand(_ordered(partial), shape_kv)
     full_kv_num, full_kv_idx = expand(_ordered(full), shape_kv)
-    q_num, q_idx = expand(_ordered(partial.transpose(-2, -1)), shape_q)
-    full_q_num, full_q_idx = expand(_ordered(full.transpose(-2, -1)), shape_q)
+    q_num, q_idx = expand(_ordered(partial.transpose(-2, -1).contiguous()), shape_q)
+    full_q_num, full_q_idx = expand(_ordered(full.transpose(-2, -1).contiguous()), shape_q)
     return BlockMask(
         seq_lengths=(grid.q_len, grid.kv_len),
         kv_num_blocks=kv_num,

@@ -346,7 +346,7 @@ class And(_Nary):
             codes = and_codes(codes, child._classify(grid))
         # Two partial tiles met. If every child is an interval per query, their intersection
         # settles those tiles here, so an expression above (an `|`, a `~`) sees exact codes.
-        if bool((codes == UNDECIDED).any()):
+        if int(codes.max()) == UNDECIDED:  # UNDECIDED is the largest code: one reduction
             intervals = self._intervals(grid.length, grid.device)
             if intervals is not None:
                 from flexmask.refine import refine_by_intervals

@@ -97,7 +97,10 @@ class Document(Piece):
         return codes_from(nonempty, q_single == k_single)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        doc_id = _document_ids(self.seq_lens, length, device)
+        doc, _, ends = self._positions(length, device)
+        # int32 ids, -1 past the documents; sized by the sequence length, never by the number
+        # of documents, so a compiled kernel sees one shape for every batch of this length.
+        doc_id = torch.where(doc < ends.shape[1], doc, -1).to(torch.int32)
         last = length  # index of the trailing sentinel entry (-1: no document)
         if self.per_row:
 
@@ -114,14 +117,31 @@ class Document(Piece):
         return Lowered(document, document)
 
     def _intervals(self, length: int, device: torch.device) -> Intervals:
-        lo = torch.ones(len(self.seq_lens), length + 1, dtype=torch.int64)
-        hi = torch.zeros(len(self.seq_lens), length + 1, dtype=torch.int64)
-        for row, lens in enumerate(self.seq_lens):
-            ends = lens.cumsum(0)
-            total = int(ends[-1])
-            lo[row, :total] = torch.repeat_interleave(ends - lens, lens)
-            hi[row, :total] = torch.repeat_interleave(ends - 1, lens)
-        return Intervals(lo.to(device), hi.to(device))
+        doc, starts, ends = self._positions(length, device)
+        # Each position's interval is its document; past the documents, the empty [1, 0].
+        inside = doc < ends.shape[1]
+        doc = doc.clamp(max=ends.shape[1] - 1)
+        lo = torch.where(inside, starts.gather(1, doc), 1)
+        hi = torch.where(inside, ends.gather(1, doc) - 1, 0)
+        return Intervals(lo, hi)
+
+    def _positions(self, length: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """Document index of positions 0..length (R, length + 1), and each row's document
+        starts and ends (R, max docs), all rows at once with one batched search."""
+        ends = torch.nn.utils.rnn.pad_sequence(
+            [r.cumsum(0) for r in self.seq_lens], batch_first=True, padding_value=length + 1
+        ).to(device)
+        starts = torch.nn.utils.rnn.pad_sequence(
+            [r.cumsum(0) - r for r in self.seq_lens], batch_first=True,
+            padding_value=length + 1,
+        ).to(device)
+        positions = torch.arange(length + 1, device=device).expand(ends.shape[0], -1)
+        doc = torch.searchsorted(ends, positions.contiguous(), right=True)
+        num_docs = torch.tensor([len(r) for r in self.seq_lens], device=device).view(-1, 1)
+        # A padded row's sentinel ends sort past every position, so `doc` tops out at its
+        # own document count there: past the data means doc >= num_docs.
+        doc = torch.where(doc < num_docs, doc, ends.shape[1])
+        return doc, starts, ends
 
     def __repr__(self) -> str:
         if self.per_row:
@@ -141,19 +161,6 @@ def _check_lens(value: Any, name: str) -> Tensor:
             f"(drop empty documents before building the mask)"
         )
     return lens
-
-
-def _document_ids(seq_lens: list[Tensor], length: int, device: torch.device) -> Tensor:
-    """(R, length + 1) int32 document id per position; -1 past the documents.
-
-    Sized by the sequence length, not the number of documents, so a compiled kernel sees the
-    same shape for every batch of this length.
-    """
-    doc_id = torch.full((len(seq_lens), length + 1), -1, dtype=torch.int32)
-    for row, lens in enumerate(seq_lens):
-        ids = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), lens)
-        doc_id[row, : ids.numel()] = ids
-    return doc_id.to(device)
 
 
 def document(seq_lens: Any) -> Document:
