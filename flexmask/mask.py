@@ -230,7 +230,9 @@ class Mask:
         """
         kv_len = q_len if kv_len is None else kv_len
         rows = self.rows or 1
-        dense = self.to_dense(rows, head + 1, q_len, kv_len)[batch, head]
+        # A window shorter than the mask's data is a crop of the whole picture.
+        span = max(q_len, kv_len, self.natural_length)
+        dense = self.to_dense(rows, head + 1, span, span, "cpu")[batch, head, :q_len, :kv_len]
         return "\n".join(" ".join("■" if x else "⬚" for x in row) for row in dense.tolist())
 
     def __repr__(self) -> str:
