@@ -50,7 +50,10 @@ def first_call(S: int) -> tuple[float, float]:
     """(import time, first build time) in a fresh Python process."""
     out = subprocess.run(
         [sys.executable, "-c", FIRST_CALL.format(S=S)],
-        capture_output=True, text=True, check=True, cwd=__file__.rsplit("/", 1)[0],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=__file__.rsplit("/", 1)[0],
     )
     imp, build = map(float, out.stdout.split())
     return imp, build
@@ -61,10 +64,18 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 65536])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--masks", nargs="+", default=None)
-    parser.add_argument("--eager-limit-gb", type=float, default=12.0,
-                        help="skip torch eager where 10*B*S^2 bytes exceed this")
-    parser.add_argument("--compiled-limit", type=float, default=2.2e9,
-                        help="skip compiled torch where B*S^2 exceeds this many elements")
+    parser.add_argument(
+        "--eager-limit-gb",
+        type=float,
+        default=12.0,
+        help="skip torch eager where 10*B*S^2 bytes exceed this",
+    )
+    parser.add_argument(
+        "--compiled-limit",
+        type=float,
+        default=2.2e9,
+        help="skip compiled torch where B*S^2 exceeds this many elements",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
@@ -80,31 +91,53 @@ def main() -> None:
                     continue
                 grid = make_grid(mask, B, 1, S, S, "cpu", 128)
                 refined = classify_blocks(mask, grid).refined
-                ours = best_time(lambda m=mask: flexmask.create_block_mask(m, B, 1, S, S, "cpu"),
-                                 repeat=repeat)
+                ours = best_time(
+                    lambda m=mask, B=B, S=S: flexmask.create_block_mask(m, B, 1, S, S, "cpu"),
+                    repeat=repeat,
+                )
                 ours_mem, _ = peak_extra_bytes(
-                    lambda m=mask: flexmask.create_block_mask(m, B, 1, S, S, "cpu"))
-                row = dict(mask=name, S=S, B=B, refined_tiles=refined,
-                           tiles=grid.num_q_blocks * grid.num_kv_blocks * B,
-                           flexmask_s=ours, flexmask_bytes=ours_mem,
-                           eager_s=None, eager_bytes=None, compiled_s=None,
-                           compiled_first_s=None, compiled_bytes=None)
-                if 10 * B * S * S <= args.eager_limit_gb * 2**30:
+                    lambda m=mask, B=B, S=S: flexmask.create_block_mask(m, B, 1, S, S, "cpu")
+                )
+                row = dict(
+                    mask=name,
+                    S=S,
+                    B=B,
+                    refined_tiles=refined,
+                    tiles=grid.num_q_blocks * grid.num_kv_blocks * B,
+                    flexmask_s=ours,
+                    flexmask_bytes=ours_mem,
+                    eager_s=None,
+                    eager_bytes=None,
+                    compiled_s=None,
+                    compiled_first_s=None,
+                    compiled_bytes=None,
+                )
+                if args.eager_limit_gb * 2**30 >= 10 * B * S * S:
                     row["eager_s"] = best_time(
-                        lambda m=mask: torch_create_block_mask(m.mask_mod, B, 1, S, S, "cpu"),
-                        repeat=1 if S >= 16384 else 3, warmup=0 if S >= 16384 else 1)
+                        lambda m=mask, B=B, S=S: torch_create_block_mask(
+                            m.mask_mod, B, 1, S, S, "cpu"
+                        ),
+                        repeat=1 if S >= 16384 else 3,
+                        warmup=0 if S >= 16384 else 1,
+                    )
                     row["eager_bytes"], _ = peak_extra_bytes(
-                        lambda m=mask: torch_create_block_mask(m.mask_mod, B, 1, S, S, "cpu"))
-                if B * S * S <= args.compiled_limit:
+                        lambda m=mask, B=B, S=S: torch_create_block_mask(
+                            m.mask_mod, B, 1, S, S, "cpu"
+                        )
+                    )
+                if args.compiled_limit >= B * S * S:
                     mod = mask.mask_mod_for(S, S, "cpu")
                     start = time.perf_counter()
                     compiled_builder(mod, B, 1, S, S, "cpu")
                     row["compiled_first_s"] = time.perf_counter() - start
                     row["compiled_s"] = best_time(
-                        lambda mod=mod: compiled_builder(mod, B, 1, S, S, "cpu"),
-                        repeat=3, warmup=0)
+                        lambda mod=mod, B=B, S=S: compiled_builder(mod, B, 1, S, S, "cpu"),
+                        repeat=3,
+                        warmup=0,
+                    )
                     row["compiled_bytes"], _ = peak_extra_bytes(
-                        lambda mod=mod: compiled_builder(mod, B, 1, S, S, "cpu"))
+                        lambda mod=mod, B=B, S=S: compiled_builder(mod, B, 1, S, S, "cpu")
+                    )
                 results.append(row)
                 print(
                     f"  B={B} S={S:>6} {name:16} flexmask {fmt_time(ours):>9} "
@@ -117,21 +150,49 @@ def main() -> None:
         return f"{a / b:,.0f}×" if a is not None else "—"
 
     table = [
-        [r["mask"], r["B"], f"{r['S']:,}", fmt_time(r["flexmask_s"]), fmt_bytes(r["flexmask_bytes"]),
-         fmt_time(r["eager_s"]), fmt_bytes(r["eager_bytes"]), fmt_time(r["compiled_s"]),
-         ratio(r["eager_s"], r["flexmask_s"]), ratio(r["compiled_s"], r["flexmask_s"]),
-         f"{r['refined_tiles']}/{r['tiles']}"]
+        [
+            r["mask"],
+            r["B"],
+            f"{r['S']:,}",
+            fmt_time(r["flexmask_s"]),
+            fmt_bytes(r["flexmask_bytes"]),
+            fmt_time(r["eager_s"]),
+            fmt_bytes(r["eager_bytes"]),
+            fmt_time(r["compiled_s"]),
+            ratio(r["eager_s"], r["flexmask_s"]),
+            ratio(r["compiled_s"], r["flexmask_s"]),
+            f"{r['refined_tiles']}/{r['tiles']}",
+        ]
         for r in results
     ]
-    header = ["mask", "B", "S", "flexmask", "flexmask peak", "torch eager", "eager peak",
-              "torch compiled", "vs eager", "vs compiled", "tiles evaluated"]
+    header = [
+        "mask",
+        "B",
+        "S",
+        "flexmask",
+        "flexmask peak",
+        "torch eager",
+        "eager peak",
+        "torch compiled",
+        "vs eager",
+        "vs compiled",
+        "tiles evaluated",
+    ]
     print()
     print(markdown_table(header, table))
     imp, first = first_call(32768)
-    print(f"\nFresh process, document-causal S=32768 B=1: import flexmask {fmt_time(imp)}, "
-          f"first build {fmt_time(first)} (no compile step).")
-    save_json(args.json, {"machine": machine(), "results": results,
-                          "first_call": {"import_s": imp, "build_s": first, "S": 32768}})
+    print(
+        f"\nFresh process, document-causal S=32768 B=1: import flexmask {fmt_time(imp)}, "
+        f"first build {fmt_time(first)} (no compile step)."
+    )
+    save_json(
+        args.json,
+        {
+            "machine": machine(),
+            "results": results,
+            "first_call": {"import_s": imp, "build_s": first, "S": 32768},
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -79,7 +79,9 @@ def mask_cases(S: int, B: int) -> dict[str, flexmask.Mask]:
     case = {
         "causal": flexmask.causal(),
         "document-causal": flexmask.causal() & flexmask.document(docs if B > 1 else docs[0]),
-        "tree": flexmask.tree([response_tree(S, s) for s in rows] if B > 1 else response_tree(S, 0)),
+        "tree": flexmask.tree(
+            [response_tree(S, s) for s in rows] if B > 1 else response_tree(S, 0)
+        ),
         "padding-causal": flexmask.causal()
         & flexmask.padding([S - (S // 7) * (s % 3) for s in rows]),
         "composed": (

@@ -50,8 +50,7 @@ def is_nested(value: Any) -> bool:
         return value.dim() == 2
     if isinstance(value, (list, tuple)) and value:
         return all(
-            isinstance(v, (list, tuple)) or (isinstance(v, Tensor) and v.dim() == 1)
-            for v in value
+            isinstance(v, (list, tuple)) or (isinstance(v, Tensor) and v.dim() == 1) for v in value
         )
     return False
 

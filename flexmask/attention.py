@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -51,7 +51,9 @@ def compile_enabled() -> bool:
         return False
     if raw in ("1", "true", "yes", "on", ""):
         return True
-    raise ValueError(f"environment variable {ENV_COMPILE}={raw!r} must be 1/0, true/false or on/off")
+    raise ValueError(
+        f"environment variable {ENV_COMPILE}={raw!r} must be 1/0, true/false or on/off"
+    )
 
 
 def compiled_flex_attention() -> Callable[..., Any]:
@@ -78,7 +80,11 @@ def resolve_block_mask(
         return block_mask.block_mask
     if isinstance(block_mask, Mask):
         return default_cache().get(
-            block_mask, query.shape[0], query.shape[1], query.shape[-2], key.shape[-2],
+            block_mask,
+            query.shape[0],
+            query.shape[1],
+            query.shape[-2],
+            key.shape[-2],
             query.device,
         )
     raise TypeError(
@@ -130,9 +136,7 @@ def flex_attention(
         True
     """
     resolved = resolve_block_mask(block_mask, query, key)
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (query, key, value)
-    )
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     use_compile = compile_enabled() if compile is None else compile
     on_cpu = query.device.type == "cpu"
     # torch has no flex backward on the CPU, and its uncompiled CPU forward materialises the
@@ -146,9 +150,20 @@ def flex_attention(
             )
         if resolved is None:
             resolved = _full_block_mask(query, key)
-        return block_sparse_attention(
+        out = block_sparse_attention(
             query, key, value, resolved, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa
         )
-    fn = compiled_flex_attention() if use_compile else torch_flex_attention
-    return fn(query, key, value, score_mod=score_mod, block_mask=resolved, scale=scale,
-              enable_gqa=enable_gqa, **kwargs)
+        return cast(Tensor, out)
+    fn = (
+        compiled_flex_attention() if use_compile else cast(Callable[..., Any], torch_flex_attention)
+    )
+    return fn(
+        query,
+        key,
+        value,
+        score_mod=score_mod,
+        block_mask=resolved,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        **kwargs,
+    )

@@ -19,6 +19,7 @@ from flexmask.blocks import FULL, PARTIAL, UNDECIDED, BlockGrid
 from flexmask.mask import Mask, MaskMod
 from flexmask.refine import refine_by_evaluation, refine_by_intervals
 
+
 class Classified(NamedTuple):
     """Final tile codes (EMPTY / PARTIAL / FULL) and how many tiles needed evaluation."""
 
@@ -91,8 +92,9 @@ def classify_blocks(mask: Mask, grid: BlockGrid) -> Classified:
         if intervals is not None:
             refine_by_intervals(codes, undecided, intervals, grid)
         else:
-            refine_by_evaluation(codes, undecided, mask._lower(grid.length, grid.device).evaluate,
-                                 grid)
+            refine_by_evaluation(
+                codes, undecided, mask._lower(grid.length, grid.device).evaluate, grid
+            )
     return Classified(grid.demote_incomplete(codes), grid.refined[0])
 
 
@@ -112,9 +114,7 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return count.squeeze(-1), indices
 
 
-def to_block_mask(
-    codes: Tensor, grid: BlockGrid, mask_mod: MaskMod | None
-) -> BlockMask:
+def to_block_mask(codes: Tensor, grid: BlockGrid, mask_mod: MaskMod) -> BlockMask:
     """Writes torch's BlockMask from final tile codes, broadcasting rows/heads by views."""
     partial = codes == PARTIAL
     full = codes == FULL
@@ -190,7 +190,12 @@ def create_block_mask(
     if not isinstance(mask, Mask):
         if callable(mask):
             return torch_create_block_mask(
-                mask, B, H, Q_LEN, KV_LEN, device=device or default_device(),
+                mask,
+                B,
+                H,
+                Q_LEN,
+                KV_LEN,
+                device=device or default_device(),
                 BLOCK_SIZE=BLOCK_SIZE,
             )
         raise TypeError(

@@ -11,6 +11,7 @@ both build, the first to insert wins and both return that one object.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -63,8 +64,9 @@ class _LRU(cachetools.LRUCache):
     """
 
     def __init__(self, maxentries: int, maxbytes: int | None) -> None:
-        super().__init__(maxsize=math.inf if maxbytes is None else maxbytes,
-                         getsizeof=block_mask_nbytes)
+        super().__init__(
+            maxsize=math.inf if maxbytes is None else maxbytes, getsizeof=block_mask_nbytes
+        )
         self.maxentries = maxentries
         self.evictions = 0
 
@@ -157,10 +159,9 @@ class MaskCache:
             existing = self._data.get(key)
             if existing is not None:  # another thread built it meanwhile: share one object
                 return existing
-            try:
+            # Larger than maxbytes on its own: cachetools refuses it; serve it uncached.
+            with contextlib.suppress(ValueError):
                 self._data[key] = block_mask
-            except ValueError:  # larger than maxbytes on its own: serve it uncached
-                pass
         return block_mask
 
     def discard(self, key: tuple) -> bool:
@@ -205,16 +206,24 @@ def grid_for_key(mask: Mask, grid):
     heads = grid.heads if mask.head_dependent else 1
     if (batch, heads) == (grid.batch, grid.heads):
         return grid
-    return BlockGrid.make(batch, heads, grid.q_len, grid.kv_len, grid.q_block, grid.kv_block,
-                          grid.device)
+    return BlockGrid.make(
+        batch, heads, grid.q_len, grid.kv_len, grid.q_block, grid.kv_block, grid.device
+    )
 
 
 def _key(mask: Mask, grid) -> tuple:
     batch = grid.batch if mask.batch_dependent else 1
     heads = grid.heads if mask.head_dependent else 1
     device = torch.device(grid.device)
-    return (batch, heads, grid.q_len, grid.kv_len, (grid.q_block, grid.kv_block),
-            (device.type, device.index), mask.key)
+    return (
+        batch,
+        heads,
+        grid.q_len,
+        grid.kv_len,
+        (grid.q_block, grid.kv_block),
+        (device.type, device.index),
+        mask.key,
+    )
 
 
 def _env_int(name: str, default: int | None) -> int | None:

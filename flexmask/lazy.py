@@ -35,8 +35,19 @@ class LazyBlockMask:
         False
     """
 
-    __slots__ = ("mask", "B", "H", "Q_LEN", "KV_LEN", "device", "BLOCK_SIZE", "cache",
-                 "_block_mask", "builds", "__weakref__")
+    __slots__ = (
+        "mask",
+        "B",
+        "H",
+        "Q_LEN",
+        "KV_LEN",
+        "device",
+        "BLOCK_SIZE",
+        "cache",
+        "_block_mask",
+        "builds",
+        "__weakref__",
+    )
 
     def __init__(
         self,
@@ -85,8 +96,9 @@ class LazyBlockMask:
         self._block_mask = None
         if self.mask.carries_batch_data:
             cache = self._cache()
-            grid = make_grid(self.mask, self.B, self.H, self.Q_LEN, self.KV_LEN, self.device,
-                             self.BLOCK_SIZE)
+            grid = make_grid(
+                self.mask, self.B, self.H, self.Q_LEN, self.KV_LEN, self.device, self.BLOCK_SIZE
+            )
             cache.discard(_key(self.mask, grid))
 
     def release_after(self, module: torch.nn.Module) -> Any:
@@ -94,14 +106,14 @@ class LazyBlockMask:
 
         Returns the hook's removable handle.
         """
-        hook = None
+        hooks: list[Any] = []
 
         def _release(*_: Any) -> None:
             self.release()
-            hook.remove()
+            hooks[0].remove()
 
-        hook = module.register_forward_hook(_release)
-        return hook
+        hooks.append(module.register_forward_hook(_release))
+        return hooks[0]
 
     def _cache(self) -> MaskCache:
         return self.cache if self.cache is not None else default_cache()

@@ -379,9 +379,12 @@ class And(_Nary):
         return Lowered(and_mask, and_eval)
 
     def _intervals(self, length: int, device: torch.device) -> Intervals | None:
-        parts = [c._intervals(length, device) for c in self.children]
-        if any(p is None for p in parts):
-            return None
+        parts = []
+        for child in self.children:
+            part = child._intervals(length, device)
+            if part is None:
+                return None
+            parts.append(part)
         lo, hi = parts[0]
         for part in parts[1:]:
             lo, hi = torch.maximum(lo, part.lo), torch.minimum(hi, part.hi)

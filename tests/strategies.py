@@ -76,7 +76,7 @@ def leaves(draw, batch: int, length: int):
             total = draw(st.integers(1, length))
             cuts = sorted(draw(st.sets(st.integers(1, total - 1), max_size=6))) if total > 1 else []
             edges = [0, *cuts, total]
-            return [b - a for a, b in zip(edges, edges[1:])]
+            return [b - a for a, b in zip(edges, edges[1:], strict=False)]
 
         rows = [lens() for _ in range(batch if per_row else 1)]
         mask = flexmask.document(rows if per_row else rows[0])

@@ -101,6 +101,12 @@ def test_tree_preorder_detection():
     assert flexmask.tree([-1, 0, 1, 0, 3]).preorder == [True]
     heap = flexmask.tree([-1, 0, 0, 1, 1, 2])  # BFS numbering
     assert heap.preorder == [False]
-    ref = [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
-           [1, 1, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 0, 1, 0, 0, 1]]
+    ref = [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 0, 1, 0, 0, 1],
+    ]
     assert heap.to_dense(1, 1, 6, 6)[0, 0].int().tolist() == ref

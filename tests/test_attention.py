@@ -41,8 +41,9 @@ def test_forward_matches_sdpa_for_every_piece(S):
         with torch.no_grad():
             out = flexmask.flex_attention(q, k, v, block_mask=mask, compile=False)
         dense = mask.to_dense(2, 3, S, S)
-        torch.testing.assert_close(out, sdpa_reference(q, k, v, dense), atol=1e-5, rtol=1e-5,
-                                   msg=name)
+        torch.testing.assert_close(
+            out, sdpa_reference(q, k, v, dense), atol=1e-5, rtol=1e-5, msg=name
+        )
 
 
 def test_block_mask_and_handle_and_none_inputs():
@@ -85,11 +86,14 @@ def test_compiled_no_recompiles_when_batch_content_changes():
     for step in range(6):
         n_docs = rng.randint(1, 9)
         cuts = sorted(rng.sample(range(1, S - 10), n_docs - 1))
-        lens = [b - a for a, b in zip([0, *cuts], [*cuts, S - rng.randint(0, 10)])]
+        lens = [b - a for a, b in zip([0, *cuts], [*cuts, S - rng.randint(0, 10)], strict=True)]
         # documents, a new tree and new padding every step; same S
         parents = [-1] + [rng.randint(max(0, i - 3), i - 1) for i in range(1, S)]
-        for mask in (flexmask.causal() & flexmask.document(lens), flexmask.tree(parents),
-                     flexmask.causal() & flexmask.padding([S - rng.randint(0, 40)])):
+        for mask in (
+            flexmask.causal() & flexmask.document(lens),
+            flexmask.tree(parents),
+            flexmask.causal() & flexmask.padding([S - rng.randint(0, 40)]),
+        ):
             handle = flexmask.lazy(mask, 1, 2, S, S, "cpu")
             with torch.no_grad(), handle:
                 out = flexmask.flex_attention(q, k, v, block_mask=handle, compile=True)

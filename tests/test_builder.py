@@ -100,8 +100,12 @@ def test_document_causal_matches_attn_gym(seq_lens, extra, block):
     oracle.assert_same_block_mask(ours, theirs)
     # Past the documents flexmask masks everything; attn-gym's lookup cannot go there.
     longer = flexmask.create_block_mask(mask, 1, 1, total + extra, total + extra, "cpu", block)
-    dense = oracle.stack([oracle.document(seq_lens, total + extra, total + extra)
-                          & oracle.causal(total + extra, total + extra)])
+    dense = oracle.stack(
+        [
+            oracle.document(seq_lens, total + extra, total + extra)
+            & oracle.causal(total + extra, total + extra)
+        ]
+    )
     oracle.assert_same_block_mask(longer, oracle.torch_blocks(dense, block))
 
 
@@ -129,12 +133,16 @@ def test_attn_gym_mask_mod_as_leaf():
 
     lens = [40, 100, 60]
     window = flexmask.from_mask_mod(
-        generate_sliding_window(16), key=("attn_gym.sliding_window", 16),
-        batch_dependent=False, head_dependent=False,
+        generate_sliding_window(16),
+        key=("attn_gym.sliding_window", 16),
+        batch_dependent=False,
+        head_dependent=False,
     )
     doc = flexmask.from_mask_mod(
         generate_doc_mask_mod(lambda b, h, q, kv: q >= kv, length_to_offsets(lens, "cpu")),
-        key=("attn_gym.doc_causal", tuple(lens)), batch_dependent=False, head_dependent=False,
+        key=("attn_gym.doc_causal", tuple(lens)),
+        batch_dependent=False,
+        head_dependent=False,
     )
     mask = window & doc
     ours = flexmask.create_block_mask(mask, 1, 1, 200, 200, "cpu", BLOCK_SIZE=16)
@@ -166,8 +174,12 @@ def test_refinement_touches_only_undecided_tiles():
     assert classify_blocks(flexmask.causal(), grid).refined == 0
     assert classify_blocks(flexmask.tree(list(range(-1, S - 1))), grid).refined == 0
     # a custom leaf under causal: only the lower triangle is evaluated
-    custom = flexmask.from_mask_mod(lambda b, h, q, kv: (q - kv) % 2 == 0, key="even",
-                                    batch_dependent=False, head_dependent=False)
+    custom = flexmask.from_mask_mod(
+        lambda b, h, q, kv: (q - kv) % 2 == 0,
+        key="even",
+        batch_dependent=False,
+        head_dependent=False,
+    )
     n = S // block
     assert classify_blocks(flexmask.causal() & custom, grid).refined == n * (n + 1) // 2
 

@@ -25,8 +25,9 @@ def doc(lens):
 def test_equal_masks_from_different_objects_hit_and_return_the_identical_object():
     cache = flexmask.MaskCache(maxsize=4)
     a = cache.get(doc([100, 156]), 1, 1, 256, 256, "cpu")
-    b = cache.get(flexmask.document(torch.tensor([100, 156])) & flexmask.causal(),
-                  1, 1, 256, 256, "cpu")
+    b = cache.get(
+        flexmask.document(torch.tensor([100, 156])) & flexmask.causal(), 1, 1, 256, 256, "cpu"
+    )
     assert a is b
     info = cache.info()
     assert (info.hits, info.misses, info.entries) == (1, 1, 1)
@@ -40,8 +41,10 @@ def test_one_length_apart_misses():
     from torch.nn.attention.flex_attention import create_mask
 
     # each entry carries its own mask_mod: elementwise the two differ
-    assert not torch.equal(create_mask(a.mask_mod, 1, 1, 256, 256, "cpu"),
-                           create_mask(b.mask_mod, 1, 1, 256, 256, "cpu"))
+    assert not torch.equal(
+        create_mask(a.mask_mod, 1, 1, 256, 256, "cpu"),
+        create_mask(b.mask_mod, 1, 1, 256, 256, "cpu"),
+    )
 
 
 def test_shape_signature_is_part_of_the_key_and_b_h_are_reduced_when_unused():
@@ -177,8 +180,9 @@ def test_same_key_concurrent_misses_return_one_object():
 
 def _run_env(env: dict, code: str) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **env}
-    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_environment_variables_size_the_default_cache():
@@ -197,9 +201,14 @@ def test_environment_variables_size_the_default_cache():
     assert off.stdout.split() == ["0", "None", "0", "0"], off.stderr
 
 
-@pytest.mark.parametrize("name, value", [("FLEXMASK_CACHE_SIZE", "lots"),
-                                         ("FLEXMASK_CACHE_SIZE", "-2"),
-                                         ("FLEXMASK_CACHE_BYTES", "12X")])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("FLEXMASK_CACHE_SIZE", "lots"),
+        ("FLEXMASK_CACHE_SIZE", "-2"),
+        ("FLEXMASK_CACHE_BYTES", "12X"),
+    ],
+)
 def test_malformed_environment_variable_is_named(name, value):
     out = _run_env({name: value}, "import flexmask; flexmask.cache_info()")
     assert out.returncode != 0

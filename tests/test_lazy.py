@@ -18,15 +18,17 @@ def cache():
 
 
 def test_nothing_is_built_before_use(cache):
-    handle = flexmask.lazy(flexmask.causal() & flexmask.document([60, 68]), 1, 1, 128, 128,
-                           "cpu", cache=cache)
+    handle = flexmask.lazy(
+        flexmask.causal() & flexmask.document([60, 68]), 1, 1, 128, 128, "cpu", cache=cache
+    )
     assert not handle.built and handle.builds == 0
     assert cache.info().misses == 0 and cache.info().entries == 0
 
 
 def test_one_build_serves_every_layer(cache):
-    handle = flexmask.lazy(flexmask.causal() & flexmask.document([100, 156]), 2, 4, 256, 256,
-                           "cpu", cache=cache)
+    handle = flexmask.lazy(
+        flexmask.causal() & flexmask.document([100, 156]), 2, 4, 256, 256, "cpu", cache=cache
+    )
     q, k, v = (torch.randn(2, 4, 256, 16) for _ in range(3))
     outs = [flexmask.flex_attention(q, k, v, block_mask=handle, compile=False) for _ in range(6)]
     assert handle.builds == 1 and cache.info().misses == 1 and cache.info().hits == 0
@@ -37,15 +39,16 @@ def test_one_build_serves_every_layer(cache):
 
 
 def test_released_block_mask_is_freed_and_batch_data_leaves_the_cache(cache):
-    handle = flexmask.lazy(flexmask.causal() & flexmask.document([100, 156]), 1, 1, 256, 256,
-                           "cpu", cache=cache)
+    handle = flexmask.lazy(
+        flexmask.causal() & flexmask.document([100, 156]), 1, 1, 256, 256, "cpu", cache=cache
+    )
     ref = weakref.ref(handle.block_mask)
     assert cache.info().entries == 1
     handle.release()
     gc.collect()
     assert ref() is None  # neither the handle nor the cache holds it
     assert cache.info().entries == 0
-    handle.block_mask  # used again: builds again
+    assert handle.block_mask is not None  # used again: builds again
     assert handle.builds == 2
 
 
@@ -59,10 +62,11 @@ def test_static_masks_stay_cached_for_the_next_step(cache):
 
 
 def test_context_manager_and_forward_hook_release(cache):
-    handle = flexmask.lazy(flexmask.causal() & flexmask.padding([200]), 1, 1, 256, 256, "cpu",
-                           cache=cache)
+    handle = flexmask.lazy(
+        flexmask.causal() & flexmask.padding([200]), 1, 1, 256, 256, "cpu", cache=cache
+    )
     with handle:
-        handle.block_mask
+        assert handle.block_mask is not None
         assert handle.built
     assert not handle.built
 
@@ -81,8 +85,9 @@ def test_context_manager_and_forward_hook_release(cache):
 
 def test_backward_still_works_after_release(cache):
     q = torch.randn(1, 2, 200, 8, requires_grad=True)
-    handle = flexmask.lazy(flexmask.causal() & flexmask.document([120, 80]), 1, 2, 200, 200,
-                           "cpu", cache=cache)
+    handle = flexmask.lazy(
+        flexmask.causal() & flexmask.document([120, 80]), 1, 2, 200, 200, "cpu", cache=cache
+    )
     out = flexmask.flex_attention(q, q, q, block_mask=handle)
     handle.release()
     gc.collect()
@@ -97,7 +102,7 @@ def test_backward_still_works_after_release(cache):
 def test_handles_pickle_small_and_build_after_unpickling(cache):
     parents = [-1] + list(range(4095))
     handle = flexmask.lazy(flexmask.tree(parents), 1, 1, 4096, 4096, "cpu", cache=cache)
-    handle.block_mask  # even a built handle pickles without its tensors
+    assert handle.block_mask is not None  # even a built handle pickles without its tensors
     data = pickle.dumps(handle)
     assert len(data) < 4096 * 64  # O(N) data, never N x N
     clone = pickle.loads(data)

@@ -32,11 +32,17 @@ import flexmask
         (lambda: flexmask.tree([0]), ValueError, r"parents\[0\]=0"),
         (lambda: flexmask.tree([[-1, 0], [-1, 1]]), ValueError, r"parents\[1\]\[1\]=1"),
         (lambda: flexmask.tree(torch.tensor([-1.0, 0.0])), TypeError, "integers"),
-        (lambda: flexmask.padding([3, 4]) & flexmask.document([[2], [2], [2]]), ValueError,
-         "2 and 3 batch rows"),
+        (
+            lambda: flexmask.padding([3, 4]) & flexmask.document([[2], [2], [2]]),
+            ValueError,
+            "2 and 3 batch rows",
+        ),
         (lambda: flexmask.from_mask_mod(lambda b, h, q, kv: q >= kv), TypeError, "needs key"),
-        (lambda: flexmask.from_mask_mod(lambda b, h, q, kv: q >= kv, key=[1]), TypeError,
-         "hashable"),
+        (
+            lambda: flexmask.from_mask_mod(lambda b, h, q, kv: q >= kv, key=[1]),
+            TypeError,
+            "hashable",
+        ),
         (lambda: flexmask.from_mask_mod("causal", key="k"), TypeError, "callable"),
     ],
 )

@@ -10,7 +10,22 @@ from flexmask.pieces.sliding_window import SlidingWindow, sliding_window
 from flexmask.pieces.tree import Tree, tree
 
 __all__ = [
-    "Causal", "Document", "Empty", "FromMaskMod", "Full", "Padding", "Prefix",
-    "SlidingWindow", "Tree", "causal", "document", "empty", "from_mask_mod", "full",
-    "padding", "prefix", "sliding_window", "tree",
+    "Causal",
+    "Document",
+    "Empty",
+    "FromMaskMod",
+    "Full",
+    "Padding",
+    "Prefix",
+    "SlidingWindow",
+    "Tree",
+    "causal",
+    "document",
+    "empty",
+    "from_mask_mod",
+    "full",
+    "padding",
+    "prefix",
+    "sliding_window",
+    "tree",
 ]

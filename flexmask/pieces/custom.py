@@ -105,8 +105,9 @@ def from_mask_mod(
         anonymous = "<lambda>" in qualname or "<locals>" in qualname
         if not hasattr(fn, "__code__") or closure or has_defaults or anonymous:
             raise TypeError(
-                f"from_mask_mod({getattr(fn, '__name__', fn)!r}) needs key=...: only a module-level "
-                f"function without captured data names itself; a closure's identity is not a "
+                f"from_mask_mod({getattr(fn, '__name__', fn)!r}) needs key=...: only a "
+                f"module-level function without captured data names itself; a closure's "
+                f"identity is not a "
                 f"content key (caches keyed "
                 f"on closures never hit, or return stale masks). Pass e.g. "
                 f"key=('name', tuple_of_the_captured_values)."

@@ -30,6 +30,7 @@ class Document(Piece):
     @property
     def carries_batch_data(self) -> bool:
         return True
+
     _arg = "seq_lens"
 
     def __init__(self, seq_lens: Any) -> None:
@@ -74,8 +75,12 @@ class Document(Piece):
         # Document of a token: the first document whose end lies after it. Only tile edges are
         # looked up (4 x blocks), never every token. Tokens past the data get id num_docs.
         edges = torch.cat(
-            [grid.q_first.flatten(), grid.q_last.flatten(), grid.kv_first.flatten(),
-             grid.kv_last.flatten()]
+            [
+                grid.q_first.flatten(),
+                grid.q_last.flatten(),
+                grid.kv_first.flatten(),
+                grid.kv_last.flatten(),
+            ]
         )
         ids = torch.searchsorted(ends, edges.expand(ends.shape[0], -1).contiguous(), right=True)
         nq, nkv = grid.num_q_blocks, grid.num_kv_blocks
@@ -132,7 +137,8 @@ class Document(Piece):
             [r.cumsum(0) for r in self.seq_lens], batch_first=True, padding_value=length + 1
         ).to(device)
         starts = torch.nn.utils.rnn.pad_sequence(
-            [r.cumsum(0) - r for r in self.seq_lens], batch_first=True,
+            [r.cumsum(0) - r for r in self.seq_lens],
+            batch_first=True,
             padding_value=length + 1,
         ).to(device)
         positions = torch.arange(length + 1, device=device).expand(ends.shape[0], -1)

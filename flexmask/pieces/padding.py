@@ -28,6 +28,7 @@ class Padding(RowValuePiece):
     @property
     def carries_batch_data(self) -> bool:
         return True
+
     _arg = "lengths"
     _kind = "padding"
 

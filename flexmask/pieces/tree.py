@@ -38,6 +38,7 @@ class Tree(Piece):
     @property
     def carries_batch_data(self) -> bool:
         return True
+
     _arg = "parents"
 
     def __init__(self, parents: Any) -> None:
@@ -108,9 +109,7 @@ class Tree(Piece):
             return codes
         # Another parent-before-child order: ancestors still come first, so tiles above the
         # diagonal and tiles past the tree are empty; the rest is left to refinement.
-        empty = (
-            (grid.kv_first > grid.q_last) | (grid.q_first >= sizes) | (grid.kv_first >= sizes)
-        )
+        empty = (grid.kv_first > grid.q_last) | (grid.q_first >= sizes) | (grid.kv_first >= sizes)
         unordered = torch.where(empty, EMPTY, UNDECIDED).to(codes.dtype)
         preorder = torch.tensor(self.preorder, device=device).view(-1, 1, 1, 1)
         return torch.where(preorder, codes, unordered)
@@ -190,7 +189,7 @@ def _renumber(parents: Tensor) -> tuple[Tensor, Tensor]:
     n = parents.numel()
     parent_list = parents.tolist()
     children: list[list[int]] = [[] for _ in range(n)]
-    roots = []
+    roots: list[int] = []
     for i, p in enumerate(parent_list):
         (children[p] if p >= 0 else roots).append(i)
     order: list[int] = []
