@@ -1,0 +1,71 @@
+"""Writes the PNGs under docs/img/ with flexmask.plot. Run: python docs/make_images.py
+
+Each picture is the element mask beside its block classification at S = 2048 with torch's
+default 128 x 128 blocks (a 16 x 16 grid of tiles). The images are committed; re-run this
+script when a piece's semantics or the plot's look changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import torch
+
+import flexmask
+from flexmask.packing import pack_tree
+
+S = 2048
+IMG = pathlib.Path(__file__).resolve().parent / "img"
+
+
+def chunked(b, h, q_idx, kv_idx):
+    """Chunked attention (as in Llama 4): attend only within the same 512-token chunk."""
+    return q_idx // 512 == kv_idx // 512
+
+
+def shared_prefix_tree():
+    """A 512-token prompt shared by three continuations, packed as one preorder trie."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 1000, (512,), generator=gen).tolist()
+    branches = [torch.randint(1000, 2000, (n,), generator=gen).tolist() for n in (600, 500, 436)]
+    packed = pack_tree([prompt + branch for branch in branches], pad_to=S)
+    return packed.mask
+
+
+def images() -> dict[str, tuple[flexmask.Mask, dict]]:
+    """file name -> (mask, extra plot arguments)."""
+    return {
+        "causal.png": (flexmask.causal(), {}),
+        "document.png": (flexmask.causal() & flexmask.document([700, 300, 1048]), {}),
+        "padding.png": (
+            flexmask.causal() & flexmask.padding([S, 1300]),
+            {"batch": 1, "title": "causal() & padding([2048, 1300]), row 1"},
+        ),
+        "tree.png": (
+            shared_prefix_tree(),
+            {"title": "tree(parents): a 512-token prompt shared by 3 continuations"},
+        ),
+        "sliding_window.png": (flexmask.causal() & flexmask.sliding_window(256), {}),
+        "prefix.png": (flexmask.causal() | flexmask.prefix(600), {}),
+        "full.png": (flexmask.full(), {}),
+        "from_mask_mod.png": (
+            flexmask.causal()
+            & flexmask.from_mask_mod(chunked, batch_dependent=False, head_dependent=False),
+            {"title": "causal() & from_mask_mod(chunked)"},
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=pathlib.Path, default=IMG)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, (mask, extra) in images().items():
+        path = flexmask.plot(mask, args.out / name, Q_LEN=S, KV_LEN=S, **extra)
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
