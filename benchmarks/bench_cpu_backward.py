@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import statistics
 import sys
 import time
@@ -62,8 +64,7 @@ def dense_mask(mask_mod: Callable, seq_len: int) -> Tensor:
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall seconds of ``fn()`` after one warm-up call."""
-    fn()
+    """Median wall seconds of ``fn()`` (the gradient check before it serves as warm-up)."""
     times = []
     for _ in range(repeats):
         gc.collect()
@@ -104,7 +105,7 @@ def run_case(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(mask_mod, seq_len))
         out.backward(grad_out)
 
-    # Same gradients, or the timings compare different things.
+    # Same gradients, or the timings compare different things. Also the warm-up of both paths.
     block_sparse(True)()
     grads = [t.grad.clone() for t in (q, k, v)]
     sdpa()
@@ -131,6 +132,11 @@ def run_case(
     return rows
 
 
+def _load() -> str:
+    """The 1-minute load average: timings from a busy machine are not comparable."""
+    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="S = 1024, 2048 (seconds)")
@@ -138,12 +144,13 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--docs", type=int, default=8, help="documents in the document mask")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per case")
+    parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     lengths = (1024, 2048) if args.quick else (4096, 16384)
 
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, B=1 H={args.heads} "
-        f"D={args.head_dim} fp32, forward+backward",
+        f"D={args.head_dim} fp32, forward+backward, load average {_load()}",
         flush=True,
     )
     rows: list[dict] = []
@@ -153,7 +160,7 @@ def main() -> None:
         rows += run_case("document-causal", doc_mask, seq_len, args.heads, args.head_dim, repeats)
         rows += run_case("causal", causal_mask, seq_len, args.heads, args.head_dim, repeats)
 
-    print()
+    print(f"\nload average at the end {_load()}")
     print("| mask | S | implementation | fwd+bwd (s) | peak extra memory (MiB) |")
     print("| --- | ---: | --- | ---: | ---: |")
     for row in rows:
@@ -177,6 +184,10 @@ def main() -> None:
             f"| {row['mask']} | {row['S']} | {row['impl']} | "
             f"{row['seconds'] / base['seconds']:.2f}x | {row['peak'] / base['peak']:.3f}x |"
         )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        settings = dict(heads=args.heads, head_dim=args.head_dim, docs=args.docs)
+        Path(args.json).write_text(json.dumps({**settings, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

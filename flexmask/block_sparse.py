@@ -211,9 +211,8 @@ class _ChunkIndices(NamedTuple):
     h: Tensor
     q_idx: Tensor  # clamped to Q_LEN - 1
     kv_idx: Tensor  # clamped to KV_LEN - 1
-    allowed: (
-        Tensor  # listed block and token below KV_LEN: (B | 1, Hkv | 1, G | 1, C, 1, U, KV_BLOCK)
-    )
+    # Listed block and token below KV_LEN: (B | 1, Hkv | 1, G | 1, C, 1, U, KV_BLOCK).
+    allowed: Tensor
     kinds: Tensor  # (B | 1, Hkv | 1, G | 1, C, 1, U, 1)
 
 
@@ -420,18 +419,10 @@ def _chunks(plan: _Plan, max_elements: int) -> list[_Chunk]:
             columns = torch.zeros(1, dtype=torch.long)  # nothing listed: one absent column
         first, last = int(columns[0]), int(columns[-1])
         contiguous = last - first + 1 == columns.numel()
-        partial = plan.partial[start:stop, columns].any(dim=0).nonzero().flatten()
-        chunks.append(
-            _Chunk(
-                start=start,
-                stop=stop,
-                columns=columns,
-                first_column=first if contiguous else None,
-                partial_columns=(int(partial[0]), int(partial[-1]) + 1)
-                if partial.numel()
-                else None,
-            )
-        )
+        partial = plan.partial[start:stop, columns].any(dim=0).nonzero().flatten().tolist()
+        partial_span = (partial[0], partial[-1] + 1) if partial else None
+        first_column = first if contiguous else None
+        chunks.append(_Chunk(start, stop, columns, first_column, partial_span))
         start = stop
     return chunks
 
