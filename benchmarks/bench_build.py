@@ -82,6 +82,9 @@ def main() -> None:
     repeat = 3 if args.quick else 10
 
     print(f"# BlockMask build: flexmask vs torch.create_block_mask\n\n{machine()}\n")
+    # One graph per (mask, S, B): raise dynamo's default limit of 8, past which it would
+    # silently fall back to eager and the "compiled" column would lie.
+    torch._dynamo.config.recompile_limit = 256
     compiled_builder = torch.compile(torch_create_block_mask, dynamic=False)
     results = []
     for B in args.batches:

@@ -1,0 +1,509 @@
+"""Runs every benchmark and writes docs/benchmarks.md from their JSON (``make bench``).
+
+Each benchmark runs as its own process (``python benchmarks/<name>.py ... --json
+out/bench/<name>.json``): torch's compile caches, allocator and thread pools start fresh for
+each. Their printed output is echoed and kept in ``out/bench/<name>.md``; the tables of the
+page are formatted here from the JSON, so every number in docs/benchmarks.md comes from this
+run. The page also gets a log-log plot of build time against S (docs/img/).
+
+    python benchmarks/run_all.py                     # everything (~20-25 min on 2 cores)
+    python benchmarks/run_all.py --quick             # small sizes, to check it works (~3 min)
+    python benchmarks/run_all.py --only lazy forward # some benchmarks (page lists only those)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import ROOT, fmt_bytes, fmt_time, markdown_table
+
+import flexmask
+
+OUT = ROOT / "out" / "bench"
+DOC = ROOT / "docs" / "benchmarks.md"
+PLOT = ROOT / "docs" / "img" / "build_time_vs_seq_len.png"
+
+
+def _ratio(a: float | None, b: float | None, digits: int | None = None) -> str:
+    """a / b as "12×"; two decimals below 10 unless ``digits`` is given."""
+    if a is None or not b:
+        return "—"
+    value = a / b
+    return f"{value:,.{(0 if value >= 10 else 2) if digits is None else digits}f}×"
+
+
+# ----------------------------------------------------------------------------- per benchmark
+def build_section(data: dict[str, Any]) -> list[str]:
+    rows = data["results"]
+    table = markdown_table(
+        [
+            "mask",
+            "B",
+            "S",
+            "flexmask",
+            "flexmask peak",
+            "torch eager",
+            "eager peak",
+            "torch compiled",
+            "compiled first call",
+            "vs eager",
+            "vs compiled",
+            "tiles evaluated",
+        ],
+        [
+            [
+                r["mask"],
+                r["B"],
+                f"{r['S']:,}",
+                fmt_time(r["flexmask_s"]),
+                fmt_bytes(r["flexmask_bytes"]),
+                fmt_time(r["eager_s"]),
+                fmt_bytes(r["eager_bytes"]),
+                fmt_time(r["compiled_s"]),
+                fmt_time(r["compiled_first_s"]),
+                _ratio(r["eager_s"], r["flexmask_s"]),
+                _ratio(r["compiled_s"], r["flexmask_s"]),
+                f"{r['refined_tiles']:,}/{r['tiles']:,}",
+            ]
+            for r in rows
+        ],
+    )
+    first = data["first_call"]
+    lines = [
+        "Build time of the BlockMask (best of several calls; torch compiled after its first-call "
+        'compile) and the peak extra memory of one build. "—": skipped, too large for this '
+        "machine (eager needs ~10 bytes × B × S² of temporaries) or too slow (compiled).",
+        "",
+        table,
+        "",
+        f"Fresh process, document-causal S={first['S']:,} B=1: `import flexmask` "
+        f"{fmt_time(first['import_s'])}, first build {fmt_time(first['build_s'])} "
+        "(no compile step).",
+    ]
+    if plot_build(rows):
+        lines += ["", f"![Build time against sequence length](img/{PLOT.name})"]
+    return lines
+
+
+def plot_build(rows: list[dict[str, Any]]) -> bool:
+    """Log-log build time against S, document-causal B=1. False if nothing to plot."""
+    points = sorted(
+        (r for r in rows if r["mask"] == "document-causal" and r["B"] == 1), key=lambda r: r["S"]
+    )
+    if not points:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for key, label, style in (
+        ("flexmask_s", "flexmask.create_block_mask", "o-"),
+        ("eager_s", "torch create_block_mask (eager)", "s--"),
+        ("compiled_s", "torch create_block_mask (compiled)", "^--"),
+    ):
+        xs = [r["S"] for r in points if r[key] is not None]
+        ys = [r[key] for r in points if r[key] is not None]
+        if xs:
+            ax.plot(xs, ys, style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks([r["S"] for r in points], [f"{r['S']:,}" for r in points])
+    ax.minorticks_off()
+    ax.set_xlabel("sequence length S")
+    ax.set_ylabel("build time (s)")
+    ax.set_title("BlockMask build, document-causal, B=1")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT)
+    plt.close(fig)
+    return True
+
+
+def lazy_section(data: dict[str, Any]) -> list[str]:
+    mem = data["memory"]
+    eager, lazy, dense = mem["eager"], mem["lazy"], mem["dense"]
+    n, S = mem["micro_batches"], mem["S"]
+    dense_note = "allocated" if dense["allocated"] else "n·S·S, too large to allocate here"
+    memory_table = markdown_table(
+        ["held as", "BlockMasks alive at once", "mask bytes at peak", "allocator peak (loop)"],
+        [
+            [
+                "eager: all built up front",
+                eager["distinct_peak"],
+                fmt_bytes(eager["distinct_peak_bytes"]),
+                fmt_bytes(eager["allocator_peak"]),
+            ],
+            [
+                "lazy: a handle per micro-batch",
+                lazy["distinct_peak"],
+                f"{fmt_bytes(lazy['distinct_peak_bytes'])} (handles + cache: "
+                f"{fmt_bytes(lazy['accounted_peak'])})",
+                fmt_bytes(lazy["allocator_peak"]),
+            ],
+            [
+                f"dense ({n}, 1, S, S) bool",
+                n,
+                f"{fmt_bytes(dense['bytes'])} ({dense_note})",
+                fmt_bytes(dense["allocator_peak"]),
+            ],
+        ],
+    )
+    cost_table = markdown_table(
+        [
+            "S",
+            "docs",
+            "cache hit",
+            "make mask + hit",
+            "handle first use (miss)",
+            "build",
+            "build / hit",
+            "first use / build",
+        ],
+        [
+            [
+                f"{r['S']:,}",
+                r["documents"],
+                fmt_time(r["hit_s"]),
+                fmt_time(r["make_mask_hit_s"]),
+                fmt_time(r["first_use_s"]),
+                fmt_time(r["build_s"]),
+                _ratio(r["build_s"], r["hit_s"], 1),
+                _ratio(r["first_use_s"], r["build_s"], 2),
+            ]
+            for r in data["costs"]
+        ],
+    )
+    verdict = "PASS" if mem["passed"] else "FAIL"
+    return [
+        f"Gradient accumulation over {n} micro-batches at S = {S:,} (B=1, each with its own "
+        "random documents, `causal() & document(lens)`); the forward is a cheap op reading the "
+        'BlockMask. "Handles + cache" is each built handle\'s BlockMask plus '
+        "`cache_info().bytes` (the built handle's BlockMask is the cached object, so it counts "
+        'twice); "BlockMasks alive" counts distinct objects. The allocator peak covers the '
+        "whole loop, builds' temporaries included.",
+        "",
+        memory_table,
+        "",
+        f"Target — lazy peak ≤ one micro-batch's BlockMask ({fmt_bytes(mem['one_block_mask'])}) "
+        f"+ the cache's bound ({fmt_bytes(mem['cache_bound'])}: {mem['cache_bound_text']}): "
+        f"{fmt_bytes(lazy['accounted_peak'])} ≤ {fmt_bytes(mem['target_bytes'])} → "
+        f"**{verdict}**. The cache held at most {fmt_bytes(lazy['cache_peak'])}: a released "
+        "handle whose mask carries per-batch data evicts it.",
+        "",
+        "Cost of a cache hit (`MaskCache.get` on an equal mask made from different Python "
+        "objects), of a handle's first use on a miss, and of a build (document-causal, B=1; "
+        f"best of {data['repeats']['hit']} hits / {data['repeats']['build']} builds). A hit "
+        "is not free: every `get` validates its arguments against the mask and assembles the "
+        'key; the key\'s content part is computed when the mask is made, so "make mask + hit" '
+        "is what a step pays when it rebuilds an equal mask from its data.",
+        "",
+        cost_table,
+    ]
+
+
+def cpu_backward_section(data: dict[str, Any]) -> list[str]:
+    rows = data["rows"]
+
+    def sdpa(row: dict[str, Any]) -> dict[str, Any]:
+        return next(
+            r
+            for r in rows
+            if r["mask"] == row["mask"] and r["S"] == row["S"] and r["impl"].startswith("sdpa")
+        )
+
+    table = markdown_table(
+        [
+            "mask",
+            "S",
+            "implementation",
+            "fwd+bwd",
+            "peak extra memory",
+            "time vs SDPA",
+            "memory vs SDPA",
+            "max grad diff vs SDPA",
+        ],
+        [
+            [
+                r["mask"],
+                f"{r['S']:,}",
+                r["impl"],
+                fmt_time(r["seconds"]),
+                fmt_bytes(r["peak"]),
+                _ratio(r["seconds"], sdpa(r)["seconds"], 2),
+                _ratio(r["peak"], sdpa(r)["peak"], 3),
+                "—" if r["impl"].startswith("sdpa") else f"{r['max_err']:.1e}",
+            ]
+            for r in rows
+        ],
+    )
+    return [
+        f"Forward + backward on the CPU (B=1, H={data['heads']}, D={data['head_dim']}, fp32, "
+        f"{data['docs']} documents): flexmask's block-sparse path against "
+        "`scaled_dot_product_attention` with a dense bool mask (built inside the timed call: it "
+        "is the price of using SDPA with a mask). Median time; peak of tensors alive at once.",
+        "",
+        table,
+    ]
+
+
+def forward_section(data: dict[str, Any]) -> list[str]:
+    table = markdown_table(
+        [
+            "mask",
+            "S",
+            "blocks skipped",
+            "flexmask",
+            "attn-gym",
+            "flexmask vs attn-gym",
+            "max abs diff",
+            "first call (compile†) flexmask / attn-gym",
+            "within 5%",
+        ],
+        [
+            [
+                r["mask"],
+                f"{r['S']:,}",
+                f"{r['sparsity']:.0f}%",
+                fmt_time(r["flexmask_s"]),
+                fmt_time(r["attn_gym_s"]),
+                f"{r['relative']:+.1%}",
+                f"{r['max_abs_diff']:.1e}",
+                f"{fmt_time(r['compile_flexmask_s'])} / {fmt_time(r['compile_attn_gym_s'])}",
+                "PASS" if r["within_target"] else "FAIL",
+            ]
+            for r in data["results"]
+        ],
+    )
+    return [
+        "`torch.compile(flex_attention, dynamic=False)` forward on the CPU (B=1, "
+        f"H={data['heads']}, D={data['head_dim']}, fp32, no grad): flexmask's mask_mod "
+        "(`mask.mask_mod_for(S, S)` in a BlockMask from `flexmask.create_block_mask`) against "
+        "attn-gym's hand-written one (BlockMask from torch's `create_block_mask`) — same kernel, "
+        f"same inputs; best of {data['repeat']} calls per side, the two interleaved. The "
+        f"sliding window is attn-gym's `generate_sliding_window({data['window']})` against "
+        f"`causal() & sliding_window({data['window'] + 1})`.",
+        "",
+        table,
+        "",
+        f"Target — flexmask within {data['target']:.0%} of the hand-written mask_mod: "
+        f"**{'PASS' if data['passed'] else 'FAIL'}**; outputs agree within 1e-5: "
+        f"{'yes' if data['agree'] else '**no**'}.",
+        "",
+        "† Much shorter when torch's on-disk compile cache already holds the graph (a second "
+        "run on the same machine).",
+    ]
+
+
+# --------------------------------------------------------------------------------- the runner
+@dataclass
+class Benchmark:
+    name: str
+    title: str
+    section: Callable[[dict[str, Any]], list[str]]
+    quick_args: list[str] = field(default_factory=lambda: ["--quick"])
+    full_args: list[str] = field(default_factory=list)
+
+    @property
+    def script(self) -> Path:
+        return ROOT / "benchmarks" / f"{self.name}.py"
+
+
+BENCHMARKS = [
+    # bench_build's --quick only cuts repeats: the sizes are cut here.
+    Benchmark(
+        "bench_build",
+        "BlockMask build: flexmask vs torch.create_block_mask",
+        build_section,
+        quick_args=["--quick", "--sizes", "1024", "4096", "--batches", "1"],
+    ),
+    Benchmark("bench_lazy", "Lazy handles and the mask cache", lazy_section),
+    Benchmark(
+        "bench_cpu_backward", "CPU forward + backward: block-sparse vs SDPA", cpu_backward_section
+    ),
+    Benchmark(
+        "bench_forward",
+        "Compiled flex_attention forward: flexmask vs attn-gym mask_mods",
+        forward_section,
+    ),
+]
+
+
+def machine_lines() -> list[str]:
+    cpu = platform.processor() or platform.machine()
+    memory = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+        with open("/proc/meminfo") as f:
+            kib = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:"))
+            memory = f"{kib / 2**20:.1f} GiB"
+    except (OSError, StopIteration):
+        pass
+    return [
+        f"- CPU: {cpu}, {os.cpu_count()} logical cores (torch uses {torch.get_num_threads()} "
+        "threads)",
+        f"- RAM: {memory}",
+        f"- Python {platform.python_version()}, torch {torch.__version__}, "
+        f"flexmask {flexmask.__version__}, {platform.system()} {platform.release()}",
+    ]
+
+
+def run(bench: Benchmark, quick: bool) -> dict[str, Any]:
+    """Runs one benchmark, echoing its output; returns its JSON, command and timing."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    json_path = OUT / f"{bench.name}.json"
+    json_path.unlink(missing_ok=True)  # never report a previous run's numbers
+    args = [
+        *(bench.quick_args if quick else bench.full_args),
+        "--json",
+        str(json_path.relative_to(ROOT)),
+    ]
+    command = ["python", str(bench.script.relative_to(ROOT)), *args]
+    print(f"\n$ {shlex.join(command)}", flush=True)
+    start = time.perf_counter()
+    printed: list[str] = []
+    with open(OUT / f"{bench.name}.stderr.txt", "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, *command[1:]],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},  # echo their progress as it comes
+        )
+        assert process.stdout is not None
+        for line in process.stdout:
+            print(line, end="", flush=True)
+            printed.append(line)
+        code = process.wait()
+    seconds = time.perf_counter() - start
+    (OUT / f"{bench.name}.md").write_text("".join(printed))
+    data = json.loads(json_path.read_text()) if code == 0 and json_path.exists() else None
+    if data is None:
+        tail = (OUT / f"{bench.name}.stderr.txt").read_text().splitlines()[-15:]
+        print(f"!! {bench.name} failed (exit {code}):\n" + "\n".join(tail), file=sys.stderr)
+    return dict(command=shlex.join(command), seconds=seconds, code=code, data=data)
+
+
+def write_doc(
+    runs: dict[str, dict[str, Any]],
+    command: str,
+    quick: bool,
+    started: datetime,
+    load: tuple[float, float],
+) -> None:
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `make bench` (`benchmarks/run_all.py`): every benchmark measures flexmask "
+        "and its alternative in the same run on the same machine, so the ratios describe the "
+        "machine below. Regenerate on your own machine with `make bench`.",
+        "",
+    ]
+    if quick:
+        lines += [
+            '!!! warning "Quick run"',
+            "    These numbers come from `--quick`: small sizes and few repeats, to check that the "
+            "benchmarks run. They are not the report; run `make bench` for it.",
+            "",
+        ]
+    lines += [
+        "## Machine and command",
+        "",
+        *machine_lines(),
+        f"- Date: {started:%Y-%m-%d %H:%M} UTC; load average {load[0]:.1f} at the start, "
+        f"{load[1]:.1f} at the end",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        "which ran:",
+        "",
+        "```bash",
+        *(r["command"] for r in runs.values()),
+        "```",
+        "",
+        "Raw JSON and printed output: `out/bench/<name>.json` and `out/bench/<name>.md`.",
+    ]
+    skipped = [b.name for b in BENCHMARKS if b.name not in runs]
+    if skipped:
+        lines += ["", f"This run left out (`--only`): {', '.join(f'`{n}`' for n in skipped)}."]
+    for bench in BENCHMARKS:
+        if bench.name not in runs:
+            continue
+        result = runs[bench.name]
+        lines += [
+            "",
+            f"## {bench.title}",
+            "",
+            f"`benchmarks/{bench.name}.py`, {result['seconds']:.0f} s.",
+            "",
+        ]
+        if result["data"] is None:
+            lines.append(
+                f"**Failed** (exit code {result['code']}); see `out/bench/{bench.name}.stderr.txt`."
+            )
+        else:
+            lines += bench.section(result["data"])
+    DOC.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes and few repeats (passes --quick to each benchmark)",
+    )
+    names = [b.name for b in BENCHMARKS]
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        default=None,
+        help=f"run only these ({', '.join(names)}; the bench_ prefix is optional)",
+    )
+    args = parser.parse_args()
+
+    selected = BENCHMARKS
+    if args.only:
+        wanted = {n.removesuffix(".py").removeprefix("bench_") for n in args.only}
+        unknown = wanted - {n.removeprefix("bench_") for n in names}
+        if unknown:
+            parser.error(f"unknown benchmark(s) {sorted(unknown)}; choose from {names}")
+        selected = [b for b in BENCHMARKS if b.name.removeprefix("bench_") in wanted]
+
+    command = shlex.join(["python", "benchmarks/run_all.py", *sys.argv[1:]])
+    started = datetime.now(timezone.utc)
+    load_start = os.getloadavg()[0]
+    runs = {bench.name: run(bench, args.quick) for bench in selected}
+    write_doc(runs, command, args.quick, started, (load_start, os.getloadavg()[0]))
+    total = sum(r["seconds"] for r in runs.values())
+    print(f"\nWrote {DOC.relative_to(ROOT)} ({total:.0f} s of benchmarks).")
+    failed = [name for name, r in runs.items() if r["data"] is None]
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
