@@ -30,7 +30,7 @@ import flexmask
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = sorted(DOCS.rglob("*.md"))
+PAGES = sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]
 SKIP_MARK = "<!-- skip-test -->"
 FENCE = re.compile(r"^(\s*)```\s*([\w-]*)")
 DOCTEST_FLAGS = doctest.ELLIPSIS
@@ -92,7 +92,7 @@ def docs_env(monkeypatch, tmp_path):
     flexmask.set_compile(None)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_page_samples_run(page, docs_env):
     blocks = [b for b in code_blocks(page) if b.lang in ("python", "pycon") and not b.skip]
     run_blocks(blocks, page, {"__name__": f"docs.{page.stem}"})
