@@ -7,6 +7,9 @@ order torch's own ``create_block_mask`` writes them.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -18,6 +21,8 @@ from flexmask._validate import check_int
 from flexmask.blocks import FULL, PARTIAL, UNDECIDED, BlockGrid
 from flexmask.mask import Mask, MaskMod
 from flexmask.refine import refine_by_evaluation, refine_by_intervals
+
+ENV_BUILD_THREADS = "FLEXMASK_BUILD_THREADS"
 
 
 class Classified(NamedTuple):
@@ -144,11 +149,44 @@ def to_block_mask(codes: Tensor, grid: BlockGrid, mask_mod: MaskMod) -> BlockMas
     )
 
 
+def build_threads() -> int:
+    """Intra-op threads a CPU build runs with: FLEXMASK_BUILD_THREADS, default 1."""
+    raw = os.environ.get(ENV_BUILD_THREADS, "1").strip()
+    try:
+        threads = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {ENV_BUILD_THREADS}={raw!r} must be a whole number >= 1"
+        ) from None
+    if threads < 1:
+        raise ValueError(f"environment variable {ENV_BUILD_THREADS}={raw!r} must be >= 1")
+    return threads
+
+
+@contextlib.contextmanager
+def _cpu_threads(device: torch.device) -> Iterator[None]:
+    # A build is a few dozen small tensor ops (one pass each over the tile grid). Measured on
+    # a 2-core machine with a second busy process (a DataLoader worker, say), torch's default
+    # 2 intra-op threads made a 32k document-causal build take ~600 ms instead of ~4 ms: each
+    # parallel op waits for a descheduled thread. One thread is fast and predictable.
+    wanted = build_threads()
+    previous = torch.get_num_threads()
+    if device.type != "cpu" or wanted >= previous:
+        yield
+        return
+    torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def build(mask: Mask, grid: BlockGrid) -> BlockMask:
     """Builds the BlockMask of a validated mask on a validated grid."""
-    classified = classify_blocks(mask, grid)
-    mask_mod = mask._lower(grid.length, grid.device).mask_mod
-    return to_block_mask(classified.codes, grid, mask_mod)
+    with _cpu_threads(torch.device(grid.device)):
+        classified = classify_blocks(mask, grid)
+        mask_mod = mask._lower(grid.length, grid.device).mask_mod
+        return to_block_mask(classified.codes, grid, mask_mod)
 
 
 def create_block_mask(
