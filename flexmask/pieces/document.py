@@ -132,7 +132,7 @@ class Document(Piece):
 
     def _positions(self, length: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """Document index of positions 0..length (R, length + 1), and each row's document
-        starts and ends (R, max docs), all rows at once with one batched search."""
+        starts and ends (R, max docs), all rows at once."""
         ends = torch.nn.utils.rnn.pad_sequence(
             [r.cumsum(0) for r in self.seq_lens], batch_first=True, padding_value=length + 1
         ).to(device)
@@ -141,11 +141,14 @@ class Document(Piece):
             batch_first=True,
             padding_value=length + 1,
         ).to(device)
-        positions = torch.arange(length + 1, device=device).expand(ends.shape[0], -1)
-        doc = torch.searchsorted(ends, positions.contiguous(), right=True)
+        # A document index is the number of document ends at or before the position: one
+        # cumsum over end markers (O(length)), no search. Padding ends land in a spare column.
+        marks = torch.zeros(ends.shape[0], length + 2, dtype=torch.int32, device=device)
+        marks.scatter_(1, ends.clamp(max=length + 1), 1)
+        doc = marks[:, : length + 1].cumsum(1, dtype=torch.int32).to(torch.int64)
         num_docs = torch.tensor([len(r) for r in self.seq_lens], device=device).view(-1, 1)
-        # A padded row's sentinel ends sort past every position, so `doc` tops out at its
-        # own document count there: past the data means doc >= num_docs.
+        # Past a row's last document the count is its document count: mark it as "none"
+        # with the padded width, the same for every row.
         doc = torch.where(doc < num_docs, doc, ends.shape[1])
         return doc, starts, ends
 
