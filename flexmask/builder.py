@@ -93,9 +93,8 @@ def classify_blocks(mask: Mask, grid: BlockGrid) -> Classified:
     codes = codes.contiguous()
     undecided = (codes == UNDECIDED).nonzero() if int(codes.max()) == UNDECIDED else None
     if undecided is not None:
-        intervals = mask._intervals(grid.length, grid.device)
-        if intervals is not None:
-            refine_by_intervals(codes, undecided, intervals, grid)
+        if mask._has_intervals():
+            refine_by_intervals(codes, undecided, mask, grid)
         else:
             refine_by_evaluation(
                 codes, undecided, mask._lower(grid.length, grid.device).evaluate, grid

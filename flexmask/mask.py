@@ -34,17 +34,19 @@ class Lowered(NamedTuple):
 
 
 class Intervals(NamedTuple):
-    """Per query position, the one kv interval ``[lo, hi]`` it attends (empty when lo > hi).
+    """For given query positions, the one kv interval ``[lo, hi]`` each attends (empty when
+    lo > hi).
 
     Pieces whose rows are single intervals (causal, document, sliding window, prefix,
-    padding) expose them; an ``&`` of such pieces is their intersection. The builder uses them
-    to refine undecided tiles in O(q_block) per tile instead of O(q_block * kv_block).
+    padding) expose them; an ``&`` of such pieces is their intersection. The builder asks for
+    them only at the queries of undecided tiles, and refines those tiles in O(q_block) per
+    tile instead of O(q_block * kv_block).
     """
 
     lo: Tensor
-    """(R, length + 1) int64: first kv attended by each q (R = 1 when shared by all rows)."""
+    """First kv attended by each queried position (broadcasts against the query tensor)."""
     hi: Tensor
-    """(R, length + 1) int64: last kv attended by each q."""
+    """Last kv attended by each queried position."""
 
 
 class Mask:
@@ -114,11 +116,19 @@ class Mask:
     def _lower(self, length: int, device: torch.device) -> Lowered:
         raise NotImplementedError
 
-    def _intervals(self, length: int, device: torch.device) -> Intervals | None:
-        """Each q's attended kv as one interval, if the mask has that shape (else None)."""
+    def _has_intervals(self) -> bool:
+        """True if ``_intervals`` describes this mask (every row one kv interval)."""
+        return False
+
+    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals | None:
+        """Each query's attended kv as one interval, if the mask has that shape (else None).
+
+        Args:
+            q_idx: (k, n) int64 query positions, each below ``grid.q_len``.
+            row: (k, 1) int64 batch row of each line of ``q_idx`` (0 when not per row).
+        """
         return None
 
-    # ----------------------------------------------------------------- operators
     def __and__(self, other: object) -> Mask:
         return And.of(self, _as_mask(other, "&"))
 
@@ -348,15 +358,13 @@ class And(_Nary):
             codes = and_codes(codes, child._classify(grid))
         # Two partial tiles met. If every child is an interval per query, their intersection
         # settles those tiles here, so an expression above (an `|`, a `~`) sees exact codes.
-        if int(codes.max()) == UNDECIDED:  # UNDECIDED is the largest code: one reduction
-            intervals = self._intervals(grid.length, grid.device)
-            if intervals is not None:
-                from flexmask.refine import refine_by_intervals
+        if int(codes.max()) == UNDECIDED and self._has_intervals():
+            from flexmask.refine import refine_by_intervals
 
-                rows = max(codes.shape[0], intervals.lo.shape[0])
-                codes = codes.expand(rows, *codes.shape[1:]).contiguous()
-                tiles = (codes == UNDECIDED).nonzero()
-                refine_by_intervals(codes, tiles, intervals, grid)
+            rows = grid.batch if self.batch_dependent else 1
+            codes = codes.expand(rows, *codes.shape[1:]).contiguous()
+            tiles = (codes == UNDECIDED).nonzero()
+            refine_by_intervals(codes, tiles, self, grid)
         return codes
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
@@ -378,10 +386,13 @@ class And(_Nary):
 
         return Lowered(and_mask, and_eval)
 
-    def _intervals(self, length: int, device: torch.device) -> Intervals | None:
+    def _has_intervals(self) -> bool:
+        return all(c._has_intervals() for c in self.children)
+
+    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals | None:
         parts = []
         for child in self.children:
-            part = child._intervals(length, device)
+            part = child._intervals(q_idx, row, grid)
             if part is None:
                 return None
             parts.append(part)

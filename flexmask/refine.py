@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from flexmask.blocks import CODE_DTYPE, EMPTY, FULL, PARTIAL, BlockGrid
-from flexmask.mask import Intervals, MaskMod
+from flexmask.mask import Mask, MaskMod
 
 # Undecided tiles are processed this many elements at a time (1 Mi per intermediate).
 REFINE_CHUNK_ELEMENTS = 1 << 20
@@ -32,13 +32,12 @@ def refine_by_evaluation(codes: Tensor, tiles: Tensor, evaluate: MaskMod, grid: 
             codes[tuple(chunk.unbind(1))] = _evaluate_tiles(chunk, evaluate, grid, clip)
 
 
-def refine_by_intervals(
-    codes: Tensor, tiles: Tensor, intervals: Intervals, grid: BlockGrid
-) -> None:
+def refine_by_intervals(codes: Tensor, tiles: Tensor, mask: Mask, grid: BlockGrid) -> None:
     """Exact codes of undecided tiles from each query's kv interval: O(q_block) per tile.
 
     A tile attends somewhere iff one of its in-range queries' intervals meets the tile's kv
-    range, and everywhere iff every in-range query's interval covers that range.
+    range, and everywhere iff every in-range query's interval covers that range. Intervals
+    are asked for at those queries only.
     """
     grid.refined[0] += tiles.shape[0]
     dev = grid.device
@@ -48,9 +47,9 @@ def refine_by_intervals(
         q_idx = (q_tile * grid.q_block).view(-1, 1) + torch.arange(grid.q_block, device=dev)
         in_range = q_idx < grid.q_len
         q_idx = q_idx.clamp(max=grid.q_len - 1)
-        lookup_row = (row if intervals.lo.shape[0] > 1 else torch.zeros_like(row)).view(-1, 1)
-        lo = intervals.lo[lookup_row, q_idx]
-        hi = intervals.hi[lookup_row, q_idx]
+        intervals = mask._intervals(q_idx, row.view(-1, 1), grid)
+        assert intervals is not None  # callers check mask._has_intervals()
+        lo, hi = intervals
         kv_first = (kv_tile * grid.kv_block).view(-1, 1)
         kv_last = (kv_first + grid.kv_block - 1).clamp(max=grid.kv_len - 1)
         meets = (torch.maximum(lo, kv_first) <= torch.minimum(hi, kv_last)) & in_range

@@ -48,6 +48,11 @@ class RowValuePiece(Piece):
         """(R, 1, 1, 1) values on the grid's device, for block classification."""
         return per_row_view(self.values, self.per_row, grid.device)
 
+    def _at_rows(self, row: Tensor, grid: BlockGrid) -> Tensor:
+        """(k, 1) values for the given (k, 1) batch rows."""
+        values = self.values.to(grid.device)
+        return values[row] if self.per_row else values[0].expand_as(row)
+
     def _captured(self, device: torch.device) -> Tensor:
         """What the mask_mod captures: 0-d (shared) or (R,) (per row); never a Python int,
         so new values of the same shape do not recompile."""

@@ -35,9 +35,11 @@ class Causal(Piece):
 
         return Lowered(causal, causal)
 
-    def _intervals(self, length: int, device: torch.device) -> Intervals:
-        q = torch.arange(length + 1, device=device).view(1, -1)
-        return Intervals(torch.zeros_like(q), q)
+    def _has_intervals(self) -> bool:
+        return True
+
+    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+        return Intervals(torch.zeros_like(q_idx), q_idx)
 
     def __repr__(self) -> str:
         return "causal()"

@@ -34,9 +34,12 @@ class Full(Piece):
 
         return Lowered(full_mask, full_mask)
 
-    def _intervals(self, length: int, device: torch.device) -> Intervals:
-        lo = torch.zeros(1, length + 1, dtype=torch.int64, device=device)
-        return Intervals(lo, lo + length)
+    def _has_intervals(self) -> bool:
+        return True
+
+    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+        lo = torch.zeros_like(q_idx)
+        return Intervals(lo, lo + grid.kv_len)
 
     def __repr__(self) -> str:
         return "full()"
@@ -66,8 +69,11 @@ class Empty(Piece):
 
         return Lowered(empty_mask, empty_mask)
 
-    def _intervals(self, length: int, device: torch.device) -> Intervals:
-        hi = torch.zeros(1, length + 1, dtype=torch.int64, device=device)
+    def _has_intervals(self) -> bool:
+        return True
+
+    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+        hi = torch.zeros_like(q_idx)
         return Intervals(hi + 1, hi)
 
     def __repr__(self) -> str:

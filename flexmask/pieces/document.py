@@ -121,32 +121,44 @@ class Document(Piece):
 
         return Lowered(document, document)
 
-    def _intervals(self, length: int, device: torch.device) -> Intervals:
-        doc, starts, ends = self._positions(length, device)
-        # Each position's interval is its document; past the documents, the empty [1, 0].
-        inside = doc < ends.shape[1]
+    def _has_intervals(self) -> bool:
+        return True
+
+    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+        # Only the queried positions: the document of each is one search among its row's
+        # document ends; past the documents, the empty interval [1, 0].
+        starts, ends, num_docs = self._bounds(grid.length, grid.device)
+        lookup_row = row.view(-1) if self.per_row else torch.zeros_like(row.view(-1))
+        row_ends = ends[lookup_row]
+        doc = torch.searchsorted(row_ends, q_idx.contiguous(), right=True)
+        inside = doc < num_docs[lookup_row].view(-1, 1)
         doc = doc.clamp(max=ends.shape[1] - 1)
-        lo = torch.where(inside, starts.gather(1, doc), 1)
-        hi = torch.where(inside, ends.gather(1, doc) - 1, 0)
+        lo = torch.where(inside, starts[lookup_row].gather(1, doc), 1)
+        hi = torch.where(inside, row_ends.gather(1, doc) - 1, 0)
         return Intervals(lo, hi)
 
-    def _positions(self, length: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        """Document index of positions 0..length (R, length + 1), and each row's document
-        starts and ends (R, max docs), all rows at once."""
+    def _bounds(self, length: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """Each row's document starts and ends (R, max docs; padded past ``length``) and
+        document counts (R,)."""
         ends = torch.nn.utils.rnn.pad_sequence(
             [r.cumsum(0) for r in self.seq_lens], batch_first=True, padding_value=length + 1
         ).to(device)
         starts = torch.nn.utils.rnn.pad_sequence(
-            [r.cumsum(0) - r for r in self.seq_lens],
-            batch_first=True,
-            padding_value=length + 1,
+            [r.cumsum(0) - r for r in self.seq_lens], batch_first=True, padding_value=length + 1
         ).to(device)
+        num_docs = torch.tensor([len(r) for r in self.seq_lens], device=device)
+        return starts, ends, num_docs
+
+    def _positions(self, length: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """Document index of positions 0..length (R, length + 1), and each row's document
+        starts and ends (R, max docs), all rows at once."""
+        starts, ends, num_docs = self._bounds(length, device)
         # A document index is the number of document ends at or before the position: one
         # cumsum over end markers (O(length)), no search. Padding ends land in a spare column.
         marks = torch.zeros(ends.shape[0], length + 2, dtype=torch.int32, device=device)
         marks.scatter_(1, ends.clamp(max=length + 1), 1)
         doc = marks[:, : length + 1].cumsum(1, dtype=torch.int32).to(torch.int64)
-        num_docs = torch.tensor([len(r) for r in self.seq_lens], device=device).view(-1, 1)
+        num_docs = num_docs.view(-1, 1)
         # Past a row's last document the count is its document count: mark it as "none"
         # with the padded width, the same for every row.
         doc = torch.where(doc < num_docs, doc, ends.shape[1])

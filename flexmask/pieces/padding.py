@@ -52,10 +52,12 @@ class Padding(RowValuePiece):
 
         return Lowered(padding, padding)
 
-    def _intervals(self, length: int, device: torch.device) -> Intervals:
-        q = torch.arange(length + 1, device=device).view(1, -1)
-        row_len = self.values.to(device).view(-1, 1)
-        inside = q < row_len
+    def _has_intervals(self) -> bool:
+        return True
+
+    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+        row_len = self._at_rows(row, grid)
+        inside = q_idx < row_len
         # Padding queries attend nothing: the empty interval [1, 0].
         lo = torch.where(inside, 0, 1)
         hi = torch.where(inside, row_len - 1, 0)

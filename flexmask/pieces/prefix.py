@@ -44,9 +44,12 @@ class Prefix(RowValuePiece):
 
         return Lowered(prefix, prefix)
 
-    def _intervals(self, length: int, device: torch.device) -> Intervals:
-        hi = (self.values.to(device) - 1).view(-1, 1).expand(-1, length + 1)
-        return Intervals(torch.zeros_like(hi), hi)
+    def _has_intervals(self) -> bool:
+        return True
+
+    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+        hi = (self._at_rows(row, grid) - 1).expand_as(q_idx)
+        return Intervals(torch.zeros_like(q_idx), hi)
 
 
 def prefix(length: Any) -> Prefix:

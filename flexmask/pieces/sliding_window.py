@@ -50,10 +50,12 @@ class SlidingWindow(RowValuePiece):
 
         return Lowered(sliding_window, sliding_window)
 
-    def _intervals(self, length: int, device: torch.device) -> Intervals:
-        q = torch.arange(length + 1, device=device).view(1, -1)
-        size = self.values.to(device).view(-1, 1)
-        return Intervals(q - size + 1, q + size - 1)
+    def _has_intervals(self) -> bool:
+        return True
+
+    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+        size = self._at_rows(row, grid)
+        return Intervals(q_idx - size + 1, q_idx + size - 1)
 
 
 def sliding_window(size: Any) -> SlidingWindow:
