@@ -13,6 +13,7 @@ large data as a strong digest of dtype, shape and bytes), never tensor or closur
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -49,7 +50,7 @@ class Intervals(NamedTuple):
     """Last kv attended by each queried position."""
 
 
-class Mask:
+class Mask(ABC):
     """Base of every mask expression. Build masks with the piece functions and operators.
 
     Example:
@@ -69,9 +70,9 @@ class Mask:
 
     # ----------------------------------------------------------------- what each node owns
     @property
+    @abstractmethod
     def key(self) -> tuple:
         """Content key: equal keys mean equal masks, on every length and batch."""
-        raise NotImplementedError
 
     @property
     def rows(self) -> int | None:
@@ -107,14 +108,16 @@ class Mask:
         """Device of the tensors the mask was made from, if any."""
         return None
 
-    def _check(self, grid: BlockGrid) -> None:
+    def _check(self, grid: BlockGrid) -> None:  # noqa: B027 - optional hook: no checks by default
         """Raises ValueError if the mask cannot apply to this grid."""
 
+    @abstractmethod
     def _classify(self, grid: BlockGrid) -> Tensor:
-        raise NotImplementedError
+        """Block codes from structure, broadcastable to (rows, heads, nq, nkv)."""
 
+    @abstractmethod
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        raise NotImplementedError
+        """The mask_mod and evaluator with lookups padded to ``length``."""
 
     def _has_intervals(self) -> bool:
         """True if ``_intervals`` describes this mask (every row one kv interval)."""
