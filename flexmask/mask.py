@@ -241,11 +241,24 @@ class Mask(ABC):
             ■ ■ ⬚
             ■ ■ ■
         """
+        from flexmask.builder import make_grid
+
         kv_len = q_len if kv_len is None else kv_len
         rows = self.rows or 1
-        # A window shorter than the mask's data is a crop of the whole picture.
+        if not 0 <= batch < rows:
+            raise ValueError(f"batch must be in [0, {rows}) for this mask, got {batch}")
+        if head < 0:
+            raise ValueError(f"head must be >= 0, got {head}")
+        # A window shorter than the mask's data is a crop of the whole picture: validate and
+        # pad lookups for the whole span, but evaluate only the q_len x kv_len window.
         span = max(q_len, kv_len, self.natural_length)
-        dense = self.to_dense(rows, head + 1, span, span, "cpu")[batch, head, :q_len, :kv_len]
+        grid = make_grid(self, rows, head + 1, span, span, "cpu", (128, 128))
+        evaluate = self._lower(grid.length, grid.device).evaluate
+        b = torch.tensor(batch if self.batch_dependent else 0).view(1, 1)
+        h = torch.tensor(head if self.head_dependent else 0).view(1, 1)
+        q = torch.arange(q_len).view(-1, 1)
+        kv = torch.arange(kv_len).view(1, -1)
+        dense = evaluate(b, h, q, kv).expand(q_len, kv_len)
         return "\n".join(" ".join("■" if x else "⬚" for x in row) for row in dense.tolist())
 
     def __repr__(self) -> str:

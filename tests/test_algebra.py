@@ -110,3 +110,16 @@ def test_tree_preorder_detection():
         [1, 0, 1, 0, 0, 1],
     ]
     assert heap.to_dense(1, 1, 6, 6)[0, 0].int().tolist() == ref
+
+
+def test_show_crops_a_window_of_long_data_without_evaluating_it_all():
+    from tests import oracle
+
+    parents = [-1] + [i - 1 if i % 5 else 0 for i in range(1, 40_000)]  # 40k tokens
+    picture = flexmask.tree(parents).show(6, 4)
+    expected = oracle.tree(parents[:6], 6, 4)
+    assert picture.splitlines() == [
+        " ".join("■" if x else "⬚" for x in row) for row in expected.tolist()
+    ]
+    with pytest.raises(ValueError, match=r"batch must be in \[0, 2\)"):
+        flexmask.padding([2, 1]).show(2, batch=2)
