@@ -164,10 +164,10 @@ def build_threads() -> int:
 
 @contextlib.contextmanager
 def _cpu_threads(device: torch.device) -> Iterator[None]:
-    # A build is a few dozen small tensor ops (one pass each over the tile grid). Measured on
-    # a 2-core machine with a second busy process (a DataLoader worker, say), torch's default
-    # 2 intra-op threads made a 32k document-causal build take ~600 ms instead of ~4 ms: each
-    # parallel op waits for a descheduled thread. One thread is fast and predictable.
+    # A build is a few dozen small tensor ops (one pass each over the tile grid). With every
+    # core busy (DataLoader workers, say) each parallel op waits for a descheduled thread:
+    # benchmarks/bench_threads.py measured a 32k document-causal build at ~5 ms on one thread
+    # and ~480 ms on torch's default two, with two busy processes on a 2-core machine.
     wanted = build_threads()
     previous = torch.get_num_threads()
     if device.type != "cpu" or wanted >= previous:

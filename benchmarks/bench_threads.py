@@ -1,0 +1,56 @@
+"""Build time with one intra-op thread (flexmask's default) vs torch's default thread count,
+on a quiet machine and with one or two busy processes (as DataLoader workers would be).
+
+    python benchmarks/bench_threads.py [--seq-len 32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+
+import torch
+from common import best_time, documents, fmt_time, machine, markdown_table
+
+import flexmask
+
+
+def _spin(stop) -> None:  # a busy worker process: pure Python, no torch threads
+    x = 0
+    while not stop.is_set():
+        x += 1
+
+
+def measure(S: int, threads: str) -> float:
+    os.environ["FLEXMASK_BUILD_THREADS"] = threads
+    mask = flexmask.causal() & flexmask.document(documents(S, 0))
+    return best_time(lambda: flexmask.create_block_mask(mask, 1, 1, S, S, "cpu"), repeat=10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seq-len", type=int, default=32768)
+    args = parser.parse_args()
+    S = args.seq_len
+    default = str(torch.get_num_threads())
+    rows = []
+    for busy in (0, 1, 2):
+        stop = mp.Event()
+        workers = [mp.Process(target=_spin, args=(stop,)) for _ in range(busy)]
+        for worker in workers:
+            worker.start()
+        try:
+            one, many = measure(S, "1"), measure(S, default)
+        finally:
+            stop.set()
+            for worker in workers:
+                worker.join()
+        label = f"{busy} busy process{'es' if busy != 1 else ''}" if busy else "quiet"
+        rows.append([label, fmt_time(one), fmt_time(many), f"{many / one:.1f}×"])
+    print(f"# Build threads, document-causal S={S}, B=1\n\n{machine()}\n")
+    print(markdown_table(["machine", "1 thread (default)", f"{default} threads", "slowdown"], rows))
+
+
+if __name__ == "__main__":
+    main()
