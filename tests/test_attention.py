@@ -4,28 +4,49 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import flexmask
+from tests import oracle
 
 
 def masks(S: int):
+    """name -> (mask, plain dense reference of shape (rows, S, S) from tests/oracle.py)."""
     lens = [max(1, S // 3), max(1, S // 4), max(1, S // 5)] if S >= 3 else [S]
     parents = [-1] + [i - 1 if i % 11 else 0 for i in range(1, S)]
+    causal, doc = oracle.causal(S, S), oracle.document(lens, S, S)
     return {
-        "causal": flexmask.causal(),
-        "document": flexmask.document(lens),
-        "document-causal": flexmask.causal() & flexmask.document(lens),
-        "padding": flexmask.padding([S, max(1, S - 17)]),
-        "tree": flexmask.tree(parents),
-        "sliding-window": flexmask.causal() & flexmask.sliding_window(37),
-        "prefix-lm": flexmask.causal() | flexmask.prefix(max(1, S // 4)),
-        "composed": (flexmask.causal() & flexmask.document(lens) & flexmask.sliding_window(50))
-        | flexmask.prefix(min(3, S)),
-        "full": flexmask.full(),
+        "causal": (flexmask.causal(), [causal]),
+        "document": (flexmask.document(lens), [doc]),
+        "document-causal": (flexmask.causal() & flexmask.document(lens), [causal & doc]),
+        "padding": (
+            flexmask.padding([S, max(1, S - 17)]),
+            [oracle.padding(S, S, S), oracle.padding(max(1, S - 17), S, S)],
+        ),
+        "tree": (flexmask.tree(parents), [oracle.tree(parents, S, S)]),
+        "sliding-window": (
+            flexmask.causal() & flexmask.sliding_window(37),
+            [causal & oracle.sliding_window(37, S, S)],
+        ),
+        "prefix-lm": (
+            flexmask.causal() | flexmask.prefix(max(1, S // 4)),
+            [causal | oracle.prefix(max(1, S // 4), S, S)],
+        ),
+        "composed": (
+            (flexmask.causal() & flexmask.document(lens) & flexmask.sliding_window(50))
+            | flexmask.prefix(min(3, S)),
+            [(causal & doc & oracle.sliding_window(50, S, S)) | oracle.prefix(min(3, S), S, S)],
+        ),
+        "full": (flexmask.full(), [np.ones((S, S), bool)]),
     }
+
+
+def dense_reference(rows, B: int, H: int) -> torch.Tensor:
+    rows = rows * B if len(rows) == 1 else rows
+    return torch.from_numpy(oracle.stack(rows, heads=H))
 
 
 def sdpa_reference(q, k, v, dense):
@@ -37,10 +58,10 @@ def sdpa_reference(q, k, v, dense):
 def test_forward_matches_sdpa_for_every_piece(S):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, S, 16) for _ in range(3))
-    for name, mask in masks(S).items():
+    for name, (mask, rows) in masks(S).items():
         with torch.no_grad():
             out = flexmask.flex_attention(q, k, v, block_mask=mask, compile=False)
-        dense = mask.to_dense(2, 3, S, S)
+        dense = dense_reference(rows, 2, 3)
         torch.testing.assert_close(
             out, sdpa_reference(q, k, v, dense), atol=1e-5, rtol=1e-5, msg=name
         )
