@@ -12,7 +12,7 @@ Example:
 """
 
 from flexmask.attention import compile_enabled, flex_attention, set_compile
-from flexmask.builder import create_block_mask
+from flexmask.builder import create_block_mask, same_blocks
 from flexmask.cache import CacheInfo, MaskCache, cache_clear, cache_info, default_cache
 from flexmask.lazy import LazyBlockMask, lazy
 from flexmask.mask import And, Mask, Not, Or
@@ -55,6 +55,7 @@ __all__ = [
     "Or",
     "causal",
     "create_block_mask",
+    "same_blocks",
     "document",
     "empty",
     "from_mask_mod",

@@ -17,9 +17,11 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
+from flexmask import ranges
 from flexmask._validate import check_int
 from flexmask.blocks import FULL, PARTIAL, UNDECIDED, BlockGrid
 from flexmask.mask import Mask, MaskMod
+from flexmask.ranges import Ordered
 from flexmask.refine import refine_by_evaluation, refine_by_intervals
 
 ENV_BUILD_THREADS = "FLEXMASK_BUILD_THREADS"
@@ -118,34 +120,59 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return count.squeeze(-1), indices
 
 
-def to_block_mask(codes: Tensor, grid: BlockGrid, mask_mod: MaskMod) -> BlockMask:
-    """Writes torch's BlockMask from final tile codes, broadcasting rows/heads by views."""
+def ordered_from_codes(codes: Tensor) -> tuple[Ordered, Ordered]:
+    """torch's (kv side, q side) ordered tensors from final tile codes ``(R, Hh, nq, nkv)``."""
     partial = codes == PARTIAL
     full = codes == FULL
+    kv = Ordered(*_ordered(partial), *_ordered(full))
+    q = Ordered(
+        *_ordered(partial.transpose(-2, -1).contiguous()),
+        *_ordered(full.transpose(-2, -1).contiguous()),
+    )
+    return kv, q
+
+
+def assemble(kv: Ordered, q: Ordered, grid: BlockGrid, mask_mod: MaskMod) -> BlockMask:
+    """torch's BlockMask from both sides' ordered tensors, broadcasting rows/heads by views.
+
+    Counts are ``(R, Hh, n)`` and indices ``(R, Hh, n, m)`` with R in {1, B}, Hh in {1, H}.
+    """
     shape_kv = (grid.batch, grid.heads, grid.num_q_blocks)
     shape_q = (grid.batch, grid.heads, grid.num_kv_blocks)
 
-    def expand(pair: tuple[Tensor, Tensor], shape: tuple[int, int, int]):
-        count, indices = pair
-        return count.expand(shape), indices.expand(*shape, indices.shape[-1])
+    def counts(count: Tensor, shape: tuple[int, int, int]) -> Tensor:
+        return count.expand(shape)
 
-    kv_num, kv_idx = expand(_ordered(partial), shape_kv)
-    full_kv_num, full_kv_idx = expand(_ordered(full), shape_kv)
-    q_num, q_idx = expand(_ordered(partial.transpose(-2, -1).contiguous()), shape_q)
-    full_q_num, full_q_idx = expand(_ordered(full.transpose(-2, -1).contiguous()), shape_q)
+    def indices(idx: Tensor, shape: tuple[int, int, int]) -> Tensor:
+        return idx.expand(*shape, idx.shape[-1])
+
     return BlockMask(
         seq_lengths=(grid.q_len, grid.kv_len),
-        kv_num_blocks=kv_num,
-        kv_indices=kv_idx,
-        full_kv_num_blocks=full_kv_num,
-        full_kv_indices=full_kv_idx,
-        q_num_blocks=q_num,
-        q_indices=q_idx,
-        full_q_num_blocks=full_q_num,
-        full_q_indices=full_q_idx,
+        kv_num_blocks=counts(kv.partial_num, shape_kv),
+        kv_indices=indices(kv.partial_idx, shape_kv),
+        full_kv_num_blocks=counts(kv.full_num, shape_kv),
+        full_kv_indices=indices(kv.full_idx, shape_kv),
+        q_num_blocks=counts(q.partial_num, shape_q),
+        q_indices=indices(q.partial_idx, shape_q),
+        full_q_num_blocks=counts(q.full_num, shape_q),
+        full_q_indices=indices(q.full_idx, shape_q),
         BLOCK_SIZE=(grid.q_block, grid.kv_block),
         mask_mod=mask_mod,
     )
+
+
+def to_block_mask(codes: Tensor, grid: BlockGrid, mask_mod: MaskMod) -> BlockMask:
+    """Writes torch's BlockMask from final tile codes, broadcasting rows/heads by views."""
+    return assemble(*ordered_from_codes(codes), grid, mask_mod)
+
+
+def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
+    """Both sides' ordered tensors: in closed form from the intervals at block edges where
+    the mask's intervals are monotone (flexmask.ranges), else from the classified tiles."""
+    if mask._has_monotone_intervals():
+        grid.refined[0] = 0
+        return ranges.ordered_sides(mask, grid)
+    return ordered_from_codes(classify_blocks(mask, grid).codes)
 
 
 def build_threads() -> int:
@@ -183,9 +210,56 @@ def _cpu_threads(device: torch.device) -> Iterator[None]:
 def build(mask: Mask, grid: BlockGrid) -> BlockMask:
     """Builds the BlockMask of a validated mask on a validated grid."""
     with _cpu_threads(torch.device(grid.device)):
-        classified = classify_blocks(mask, grid)
+        # The lookups the mask_mod keeps are allocated before the build's temporaries.
         mask_mod = mask._lower(grid.length, grid.device).mask_mod
-        return to_block_mask(classified.codes, grid, mask_mod)
+        kv, q = ordered_sides(mask, grid)
+        return assemble(kv, q, grid, mask_mod)
+
+
+_SIDES = (
+    ("kv_num_blocks", "kv_indices"),
+    ("full_kv_num_blocks", "full_kv_indices"),
+    ("q_num_blocks", "q_indices"),
+    ("full_q_num_blocks", "full_q_indices"),
+)
+
+
+def same_blocks(a: BlockMask, b: BlockMask) -> bool:
+    """True if two BlockMasks list the same blocks: equal lengths and block sizes, and for
+    the partial and full blocks of both sides, equal counts and per row the same indices in
+    the same order.
+
+    Entries of the index tensors past each row's count are never read (by the kernels,
+    ``to_dense`` or ``from_kv_blocks``) and are not compared: flexmask fills them with the
+    last block index where it writes a BlockMask in closed form, torch with the unlisted
+    blocks in order.
+
+    Example:
+        >>> import flexmask
+        >>> from torch.nn.attention.flex_attention import create_block_mask
+        >>> mask = flexmask.causal() & flexmask.document([300, 200])
+        >>> ours = flexmask.create_block_mask(mask, 1, 1, 512, 512, device="cpu")
+        >>> theirs = create_block_mask(mask.mask_mod, 1, 1, 512, 512, device="cpu")
+        >>> flexmask.same_blocks(ours, theirs)
+        True
+    """
+    if tuple(a.seq_lengths) != tuple(b.seq_lengths) or tuple(a.BLOCK_SIZE) != tuple(b.BLOCK_SIZE):
+        return False
+    for num_name, idx_name in _SIDES:
+        num_a, num_b = getattr(a, num_name), getattr(b, num_name)
+        idx_a, idx_b = getattr(a, idx_name), getattr(b, idx_name)
+        if num_a is None or num_b is None:
+            if num_a is not num_b:
+                return False
+            continue
+        if num_a.shape != num_b.shape or idx_a.shape != idx_b.shape:
+            return False
+        if not torch.equal(num_a, num_b.to(num_a.device)):
+            return False
+        listed = torch.arange(idx_a.shape[-1], device=idx_a.device) < num_a.unsqueeze(-1)
+        if not torch.equal(idx_a[listed], idx_b.to(idx_a.device)[listed]):
+            return False
+    return True
 
 
 def create_block_mask(
@@ -199,11 +273,15 @@ def create_block_mask(
 ) -> BlockMask:
     """Drop-in for ``torch.nn.attention.flex_attention.create_block_mask``, built from structure.
 
-    For a flexmask expression the result equals torch's ``create_block_mask(mask.mask_mod, ...)``
-    tensor for tensor — the same kv blocks per row and the same full/partial split — but tiles
-    are classified from each piece's data and the mask is evaluated only on tiles the
-    structure leaves undecided. A mask that does not depend on the batch row (or head) is
-    built once and broadcast as a view. A plain mask_mod callable is passed to torch.
+    For a flexmask expression the result lists the blocks torch's
+    ``create_block_mask(mask.mask_mod, ...)`` lists — the same counts, the same blocks per row
+    in the same order, the same full/partial split (``same_blocks``) — without evaluating the
+    mask on every element. An ``&`` of interval pieces (causal, document, sliding window,
+    prefix, padding) is written in closed form from the intervals at block edges
+    (``flexmask.ranges``); any other expression has its tiles classified from each piece's data
+    and is evaluated only on tiles the structure leaves undecided. A mask that does not depend
+    on the batch row (or head) is built once and broadcast as a view. A plain mask_mod
+    callable is passed to torch.
 
     Args:
         mask: a flexmask expression, or any mask_mod (forwarded to torch unchanged).

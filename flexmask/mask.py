@@ -132,6 +132,13 @@ class Mask(ABC):
         """
         return None
 
+    def _has_monotone_intervals(self) -> bool:
+        """True if ``_intervals`` are monotone in the sense of ``flexmask.ranges``: on a
+        prefix of the positions ``lo`` never decreases and ``lo(q) <= q``, ``hi`` never
+        decreases and is ``>= q`` or constant; past the prefix, empty. The builder then
+        writes the BlockMask in closed form from the intervals of the block edges."""
+        return False
+
     def __and__(self, other: object) -> Mask:
         return And.of(self, _as_mask(other, "&"))
 
@@ -412,10 +419,18 @@ class And(_Nary):
             if part is None:
                 return None
             parts.append(part)
-        lo, hi = parts[0]
-        for part in parts[1:]:
-            lo, hi = torch.maximum(lo, part.lo), torch.minimum(hi, part.hi)
-        return Intervals(lo, hi)
+        return _intersect(parts)
+
+    def _has_monotone_intervals(self) -> bool:
+        # The properties of each child carry over to their intersection (flexmask.ranges).
+        return all(c._has_monotone_intervals() for c in self.children)
+
+
+def _intersect(parts: list[Intervals]) -> Intervals:
+    lo, hi = parts[0]
+    for part in parts[1:]:
+        lo, hi = torch.maximum(lo, part.lo), torch.minimum(hi, part.hi)
+    return Intervals(lo, hi)
 
 
 class Or(_Nary):

@@ -38,14 +38,14 @@ def random_parents(draw, n: int, preorder: bool | None = None):
     return [-1 if parents[old] < 0 else new[parents[old]] for old in order]
 
 
+ALL_KINDS = ("causal", "full", "empty", "window", "prefix", "padding", "document", "tree", "custom")
+INTERVAL_KINDS = ("causal", "full", "empty", "window", "prefix", "padding", "document")
+
+
 @st.composite
-def leaves(draw, batch: int, length: int):
+def leaves(draw, batch: int, length: int, kinds: tuple[str, ...] = ALL_KINDS):
     """(mask, reference) where reference(q_len, kv_len) -> (B, Q, KV) numpy bool."""
-    kind = draw(
-        st.sampled_from(
-            ["causal", "full", "empty", "window", "prefix", "padding", "document", "tree", "custom"]
-        )
-    )
+    kind = draw(st.sampled_from(kinds))
     per_row = draw(st.booleans())
 
     def per_batch(fn_of_row):
@@ -122,4 +122,17 @@ def expressions(draw, batch: int, heads: int, length: int, max_leaves: int = 5):
             mask, ref = mask & other, (lambda q, kv, a=ref, b=other_ref: a(q, kv) & b(q, kv))
         else:
             mask, ref = mask | other, (lambda q, kv, a=ref, b=other_ref: a(q, kv) | b(q, kv))
+    return mask, ref
+
+
+@st.composite
+def interval_intersections(draw, batch: int, length: int, max_leaves: int = 4):
+    """(mask, dense): an ``&`` of 1..max_leaves interval pieces (the closed-form path) with
+    dense(q_len, kv_len) -> (B, Q, KV) numpy bool."""
+    items = [
+        draw(leaves(batch, length, INTERVAL_KINDS)) for _ in range(draw(st.integers(1, max_leaves)))
+    ]
+    mask, ref = items[0]
+    for other, other_ref in items[1:]:
+        mask, ref = mask & other, (lambda q, kv, a=ref, b=other_ref: a(q, kv) & b(q, kv))
     return mask, ref

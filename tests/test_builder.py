@@ -1,4 +1,5 @@
-"""flexmask.create_block_mask equals torch's create_block_mask, tensor for tensor."""
+"""flexmask.create_block_mask lists the blocks torch's create_block_mask lists: the same
+counts, blocks per row in the same order, and full/partial split."""
 
 from __future__ import annotations
 

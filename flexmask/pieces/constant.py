@@ -37,6 +37,9 @@ class Full(Piece):
     def _has_intervals(self) -> bool:
         return True
 
+    def _has_monotone_intervals(self) -> bool:
+        return True
+
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         lo = torch.zeros_like(q_idx)
         return Intervals(lo, lo + grid.kv_len)
@@ -70,6 +73,9 @@ class Empty(Piece):
         return Lowered(empty_mask, empty_mask)
 
     def _has_intervals(self) -> bool:
+        return True
+
+    def _has_monotone_intervals(self) -> bool:
         return True
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:

@@ -102,10 +102,9 @@ class Document(Piece):
         return codes_from(nonempty, q_single == k_single)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        doc, _, ends = self._positions(length, device)
         # int32 ids, -1 past the documents; sized by the sequence length, never by the number
         # of documents, so a compiled kernel sees one shape for every batch of this length.
-        doc_id = torch.where(doc < ends.shape[1], doc, -1).to(torch.int32)
+        doc_id = self._doc_ids(length, device)
         last = length  # index of the trailing sentinel entry (-1: no document)
         if self.per_row:
 
@@ -122,6 +121,9 @@ class Document(Piece):
         return Lowered(document, document)
 
     def _has_intervals(self) -> bool:
+        return True
+
+    def _has_monotone_intervals(self) -> bool:
         return True
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
@@ -149,20 +151,20 @@ class Document(Piece):
         num_docs = torch.tensor([len(r) for r in self.seq_lens], device=device)
         return starts, ends, num_docs
 
-    def _positions(self, length: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        """Document index of positions 0..length (R, length + 1), and each row's document
-        starts and ends (R, max docs), all rows at once."""
-        starts, ends, num_docs = self._bounds(length, device)
-        # A document index is the number of document ends at or before the position: one
-        # cumsum over end markers (O(length)), no search. Padding ends land in a spare column.
-        marks = torch.zeros(ends.shape[0], length + 2, dtype=torch.int32, device=device)
-        marks.scatter_(1, ends.clamp(max=length + 1), 1)
-        doc = marks[:, : length + 1].cumsum(1, dtype=torch.int32).to(torch.int64)
-        num_docs = num_docs.view(-1, 1)
-        # Past a row's last document the count is its document count: mark it as "none"
-        # with the padded width, the same for every row.
-        doc = torch.where(doc < num_docs, doc, ends.shape[1])
-        return doc, starts, ends
+    def _doc_ids(self, length: int, device: torch.device) -> Tensor:
+        """Document index of positions 0..length, -1 past the documents: (R, length + 1)
+        int32, one cumsum over end markers (O(length)), no search."""
+        ends = torch.nn.utils.rnn.pad_sequence(
+            [r.cumsum(0) for r in self.seq_lens], batch_first=True
+        ).to(device)
+        num_docs = torch.tensor([len(r) for r in self.seq_lens], device=device).view(-1, 1)
+        # +1 at each document's end, except the last one's, where the count drops from
+        # (documents - 1) to -1. Padding entries add 0 at position 0.
+        d = torch.arange(ends.shape[1], device=device)
+        step = torch.where(d < num_docs - 1, 1, torch.where(d == num_docs - 1, -num_docs, 0))
+        doc = torch.zeros(ends.shape[0], length + 1, dtype=torch.int32, device=device)
+        doc.scatter_add_(1, ends, step.to(torch.int32))
+        return torch.cumsum(doc, 1, dtype=torch.int32, out=doc)
 
     def __repr__(self) -> str:
         if self.per_row:

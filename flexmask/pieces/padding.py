@@ -55,6 +55,9 @@ class Padding(RowValuePiece):
     def _has_intervals(self) -> bool:
         return True
 
+    def _has_monotone_intervals(self) -> bool:
+        return True
+
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         row_len = self._at_rows(row, grid)
         inside = q_idx < row_len

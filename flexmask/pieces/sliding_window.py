@@ -53,6 +53,9 @@ class SlidingWindow(RowValuePiece):
     def _has_intervals(self) -> bool:
         return True
 
+    def _has_monotone_intervals(self) -> bool:
+        return True
+
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         size = self._at_rows(row, grid)
         return Intervals(q_idx - size + 1, q_idx + size - 1)

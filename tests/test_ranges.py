@@ -1,0 +1,179 @@
+"""The closed-form path (flexmask.ranges): its preconditions hold for every intersection of
+interval pieces, and what it writes equals torch's create_block_mask on a plain dense
+reference, and the general path's (classify every tile, rank the grid)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import BlockMask
+
+import flexmask
+from flexmask import ranges
+from flexmask.builder import assemble, classify_blocks, make_grid, ordered_from_codes
+from tests import oracle
+from tests.strategies import interval_intersections
+
+BLOCK_FIELDS = oracle.BLOCK_FIELDS
+
+
+def _general(mask, B, H, q_len, kv_len, block):
+    """The same mask through the general path: classified tiles, ranked."""
+    grid = make_grid(mask, B, H, q_len, kv_len, "cpu", block)
+    kv, q = ordered_from_codes(classify_blocks(mask, grid).codes)
+    return assemble(kv, q, grid, mask._lower(grid.length, grid.device).mask_mod)
+
+
+def _dims(data, batch):
+    q_len = data.draw(st.integers(1, 300), label="q_len")
+    kv_len = data.draw(st.integers(1, 300), label="kv_len")
+    block = data.draw(st.sampled_from([128, 16, (32, 64), (64, 16), 7]), label="block")
+    heads = data.draw(st.integers(1, 3), label="heads")
+    return q_len, kv_len, block, heads
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_intervals_are_the_dense_rows_and_monotone(data):
+    # The closed form rests on three properties of every query's interval (flexmask.ranges).
+    # Check them on every query of random intersections, and that each interval is exactly
+    # that query's row of the plain reference.
+    batch = data.draw(st.integers(1, 3), label="batch")
+    length = data.draw(st.integers(1, 300), label="length")
+    mask, dense = data.draw(interval_intersections(batch, length))
+    assert mask._has_monotone_intervals()
+    q_len = data.draw(st.integers(1, 300), label="q_len")
+    kv_len = max(length, data.draw(st.integers(1, 300), label="kv_len"))
+    q_len = max(q_len, 1)
+    reference = dense(q_len, kv_len)
+    grid = make_grid(mask, batch, 1, q_len, kv_len, "cpu", 16)
+    for r in range(batch):
+        q_idx = torch.arange(q_len).view(1, -1)
+        lo, hi = mask._intervals(q_idx, torch.tensor([[r]]), grid)
+        lo = lo.clamp(min=0).expand(1, q_len)[0].tolist()
+        hi = hi.clamp(max=kv_len - 1).expand(1, q_len)[0].tolist()
+        attending = [lo[q] <= hi[q] for q in range(q_len)]
+        for q in range(q_len):
+            expected = np.zeros(kv_len, bool)
+            if attending[q]:
+                expected[lo[q] : hi[q] + 1] = True
+            assert np.array_equal(reference[r, q], expected), f"row {r} query {q}"
+        prefix = attending.index(False) if False in attending else q_len
+        assert not any(attending[prefix:]), "attending queries must be a prefix"
+        for q in range(prefix - 1):
+            assert lo[q] <= lo[q + 1] and hi[q] <= hi[q + 1], f"not monotone at {q}"
+            assert lo[q + 1] <= hi[q] + 1, f"intervals {q} and {q + 1} do not touch"
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_closed_form_equals_torch_and_the_general_path(data):
+    batch = data.draw(st.integers(1, 3), label="batch")
+    length = data.draw(st.integers(1, 300), label="length")
+    mask, dense = data.draw(interval_intersections(batch, length))
+    q_len, kv_len, block, heads = _dims(data, batch)
+    q_len, kv_len = max(q_len, 1), max(kv_len, length if data.draw(st.booleans()) else 1)
+    if max(q_len, kv_len) < length:
+        kv_len = length
+    ours = flexmask.create_block_mask(mask, batch, heads, q_len, kv_len, "cpu", block)
+    reference = oracle.torch_blocks(np.repeat(dense(q_len, kv_len)[:, None], heads, 1), block)
+    oracle.assert_same_block_mask(ours, reference, repr(mask))
+    oracle.assert_same_block_mask(_general(mask, batch, heads, q_len, kv_len, block), reference)
+    for num, idx in zip(BLOCK_FIELDS[::2], BLOCK_FIELDS[1::2], strict=True):
+        count, indices = getattr(ours, num), getattr(ours, idx)
+        past = torch.arange(indices.shape[-1]) >= count.unsqueeze(-1)
+        assert bool((indices[past] == indices.shape[-1] - 1).all()), f"{idx}: tail not m - 1"
+
+
+@pytest.mark.parametrize(
+    "mask, B, q_len, kv_len, block",
+    [
+        (flexmask.causal(), 1, 1, 1, 128),
+        (flexmask.causal(), 2, 1000, 1000, 128),
+        (flexmask.causal() & flexmask.document([[5, 300, 1], [1000]]), 2, 1000, 1000, 128),
+        # the attending prefix ends inside a q block, in a row of its own
+        (flexmask.causal() & flexmask.padding([200, 129, 1]), 3, 300, 300, 128),
+        (flexmask.document([100, 37]) & flexmask.prefix(120), 1, 300, 300, 16),
+        (flexmask.sliding_window(33) & flexmask.document([250, 250]), 1, 500, 513, 64),
+        (flexmask.causal() & flexmask.sliding_window([1, 500]), 2, 600, 400, (32, 128)),
+        (flexmask.full() & flexmask.empty(), 1, 129, 129, 128),
+        (flexmask.full(), 1, 129, 257, (128, 64)),
+    ],
+    ids=repr,
+)
+def test_edge_cases_equal_torch(mask, B, q_len, kv_len, block):
+    ours = flexmask.create_block_mask(mask, B, 2, q_len, kv_len, "cpu", block)
+    theirs = oracle.torch_blocks(
+        np.ascontiguousarray(mask.to_dense(B, 2, q_len, kv_len).numpy()), block
+    )
+    oracle.assert_same_block_mask(ours, theirs, repr(mask))
+
+
+def test_only_intersections_of_interval_pieces_take_the_closed_form():
+    monotone = [
+        flexmask.causal(),
+        flexmask.causal() & flexmask.document([3, 4]) & flexmask.sliding_window(2),
+        flexmask.prefix(3) & flexmask.padding(5) & flexmask.full() & flexmask.empty(),
+    ]
+    general = [
+        flexmask.causal() | flexmask.prefix(3),
+        ~flexmask.causal(),
+        flexmask.causal() & ~flexmask.sliding_window(2),
+        flexmask.tree([-1, 0, 0]),
+        flexmask.causal() & flexmask.from_mask_mod(lambda b, h, q, kv: q >= kv, key="c"),
+    ]
+    assert all(m._has_monotone_intervals() for m in monotone)
+    assert not any(m._has_monotone_intervals() for m in general)
+
+
+def test_closed_form_asks_only_for_block_edges(monkeypatch):
+    # The cost claim: intervals at 2 queries per q block, plus one block per row where the
+    # attending prefix ends; never every query, never a tile grid.
+    S, block, rows = 4096, 128, 3
+    mask = flexmask.causal() & flexmask.padding([S, 1000, 77])
+    asked = []
+    original = type(mask)._intervals
+
+    def spy(self, q_idx, row, grid):
+        asked.append(q_idx.numel())
+        return original(self, q_idx, row, grid)
+
+    monkeypatch.setattr(type(mask), "_intervals", spy)
+    monkeypatch.setattr(
+        "flexmask.builder.classify_blocks",
+        lambda *a: pytest.fail("the closed form must not classify tiles"),
+    )
+    flexmask.create_block_mask(mask, rows, 1, S, S, "cpu", block)
+    nq = S // block
+    assert sum(asked) <= rows * (2 * nq + block)
+
+
+def test_runs_never_decrease():
+    # Column runs are found by binary search over the row runs: they must be sorted.
+    mask = flexmask.causal() & flexmask.document([[700, 300, 24], [1, 1023]])
+    grid = make_grid(mask, 2, 1, 1024, 1024, "cpu", 64)
+    runs = ranges.row_runs(mask, grid)
+    for t in runs:
+        assert bool((t[:, 1:] >= t[:, :-1]).all())
+
+
+def test_same_blocks_compares_listed_blocks_only():
+    mask = flexmask.causal() & flexmask.document([300, 200])
+    ours = flexmask.create_block_mask(mask, 1, 1, 512, 512, "cpu")
+    theirs = oracle.torch_blocks(np.ascontiguousarray(mask.to_dense(1, 1, 512, 512).numpy()), 128)
+    assert not torch.equal(ours.kv_indices, theirs.kv_indices)  # the tails differ...
+    assert flexmask.same_blocks(ours, theirs)  # ...the listed blocks do not
+    other = flexmask.create_block_mask(flexmask.causal(), 1, 1, 512, 512, "cpu")
+    assert not flexmask.same_blocks(ours, other)  # other counts
+    moved = ours.kv_indices.clone()
+    row = int(ours.kv_num_blocks[0, 0].argmax())
+    moved[0, 0, row, 0] = (moved[0, 0, row, 0] + 1) % moved.shape[-1]  # a listed entry
+    changed = BlockMask.from_kv_blocks(
+        ours.kv_num_blocks, moved, ours.full_kv_num_blocks, ours.full_kv_indices
+    )
+    assert not flexmask.same_blocks(ours, changed)  # same counts, another block listed
+    bigger = flexmask.create_block_mask(mask, 1, 1, 512, 640, "cpu")
+    assert not flexmask.same_blocks(ours, bigger)
