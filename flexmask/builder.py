@@ -117,7 +117,7 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     rank = torch.where(blocks, ones, (count + col1) - ones).to(torch.int64).sub_(1)
     indices = torch.empty(blocks.shape, dtype=torch.int32, device=blocks.device)
     indices.scatter_(-1, rank, (col1 - 1).expand(blocks.shape))
-    return count.squeeze(-1), indices
+    return count.squeeze(-1).contiguous(), indices
 
 
 def ordered_from_codes(codes: Tensor) -> tuple[Ordered, Ordered]:

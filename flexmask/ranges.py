@@ -119,9 +119,9 @@ def column_runs(runs: Runs, grid: BlockGrid) -> Runs:
     return Runs(first, last, full_first, full_last)
 
 
-def ordered(runs: Runs, outs: tuple[Tensor, Tensor]) -> Ordered:
-    """One side's tensors from its runs, written into ``outs`` (partial, full indices):
-    partial = the non-empty run minus the full run (up to two runs), full = one run."""
+def _sets(runs: Runs) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """(starts, lengths) of the partial blocks (the non-empty run minus the full run: up to
+    two runs) and of the full blocks (one run), each ``(R, n, runs)``."""
     has_full = runs.full_first <= runs.full_last
     # Without full blocks, put the empty full run just past the non-empty one, so that the
     # partial blocks come out as one run.
@@ -129,52 +129,50 @@ def ordered(runs: Runs, outs: tuple[Tensor, Tensor]) -> Ordered:
     full_last = torch.where(has_full, runs.full_last, runs.last)
     before = (full_first - runs.first).clamp_(min=0)
     after = (runs.last - full_last).clamp_(min=0)
-    partial_num, partial_idx = _write(
-        torch.stack([runs.first, full_last + 1], -1), torch.stack([before, after], -1), outs[0]
+    partial = (
+        torch.stack([runs.first, full_last + 1], -1),
+        torch.stack([before, after], -1),
     )
-    full_num, full_idx = _write(
-        full_first.unsqueeze(-1),
-        (full_last - full_first + 1).clamp_(min=0).unsqueeze(-1),
-        outs[1],
-    )
-    return Ordered(partial_num, partial_idx, full_num, full_idx)
+    full = (full_first.unsqueeze(-1), (full_last - full_first + 1).clamp_(min=0).unsqueeze(-1))
+    return partial, full
 
 
-def _outputs(rows: int, n: int, m: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The (partial, full) index tensors of one side, ``(rows, n, m)``, every entry m - 1."""
-    return (
-        torch.full((rows, n, m), m - 1, dtype=torch.int32, device=device),
-        torch.full((rows, n, m), m - 1, dtype=torch.int32, device=device),
-    )
-
-
-def _write(starts: Tensor, lengths: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
-    """Counts (int32) of sets made of disjoint ascending runs (run r: ``starts[..., r]``,
-    ``lengths[..., r]`` blocks, possibly none), their blocks written into ``out (..., m)``.
+def _write(sets: list[tuple[Tensor, Tensor]], outs: list[Tensor]) -> list[Tensor]:
+    """Writes sets made of disjoint ascending runs (``starts[..., r]``, ``lengths[..., r]``
+    blocks, possibly none) into index tensors ``outs[g] (R, n, m)``, one row per set, and
+    returns their counts (int32, ``(R, n)``).
 
     Each row lists its set ascending, as torch's do. Entries past the count are read by no
-    one (kernels, ``to_dense`` and ``from_kv_blocks`` stop at the count); they hold ``m - 1``,
+    one (kernels, ``to_dense`` and ``from_kv_blocks`` stop at the count); they keep ``m - 1``,
     a valid index that torch's ``BlockMask._adjust`` recount never takes for a block. Only
-    the set entries are written: O(set entries), no ranking of every tile.
+    the listed entries are written — O(listed blocks), no ranking of every tile — all of
+    the sets expanded together, one scatter per tensor.
     """
-    lead = starts.shape[:-1]
-    m = out.shape[-1]
-    lengths = lengths.to(torch.int64)
-    count = lengths.sum(-1, dtype=torch.int32)
-    run_len = lengths.reshape(-1)
-    total = int(run_len.sum())
-    if total:
-        k0 = lengths.cumsum(-1) - lengths  # each run's first slot in its row
-        row_base = torch.arange(out.numel() // m, device=starts.device).view(*lead, 1) * m
-        first_slot = (row_base + k0).reshape(-1)
-        first_entry = run_len.cumsum(0) - run_len
-        # Entry e of run r goes to slot first_slot[r] + (e - first_entry[r]) and holds
-        # starts[r] + (e - first_entry[r]): one slot shift and one value shift per run.
-        shifts = torch.stack([first_slot - first_entry, starts.reshape(-1) - first_entry], 1)
-        shifts = shifts.repeat_interleave(run_len, dim=0, output_size=total)
-        slot_value = shifts + torch.arange(total, device=starts.device).unsqueeze(1)
-        out.view(-1)[slot_value[:, 0]] = slot_value[:, 1].to(torch.int32)
-    return count, out
+    first_slots, values, run_lens, counts = [], [], [], []
+    for (starts, lengths), out in zip(sets, outs, strict=True):
+        m = out.shape[-1]
+        counts.append(lengths.sum(-1, dtype=torch.int32))
+        rows = torch.arange(out.numel() // m, device=out.device).view(*out.shape[:-1], 1)
+        first_slots.append((rows * m + lengths.cumsum(-1) - lengths).reshape(-1))
+        values.append(starts.reshape(-1))
+        run_lens.append(lengths.reshape(-1))
+    run_len = torch.cat(run_lens)
+    totals = torch.stack([n.sum() for n in run_lens]).tolist()
+    first_entry = run_len.cumsum(0) - run_len
+    # Entry e of run r goes to slot first_slot[r] + (e - first_entry[r]) and holds
+    # start[r] + (e - first_entry[r]): one slot shift and one value shift per run.
+    shifts = torch.stack([torch.cat(first_slots) - first_entry, torch.cat(values) - first_entry])
+    shifts = shifts.repeat_interleave(run_len, dim=1, output_size=sum(totals))
+    slot_value = shifts + torch.arange(sum(totals), device=run_len.device)
+    slots, value = slot_value[0], slot_value[1].to(torch.int32)
+    for out, slot, val in zip(outs, slots.split(totals), value.split(totals), strict=True):
+        out.view(-1).scatter_(0, slot, val)
+    return counts
+
+
+def _outputs(rows: int, n: int, m: int, device: torch.device) -> list[Tensor]:
+    """The (partial, full) index tensors of one side, ``(rows, n, m)``, every entry m - 1."""
+    return [torch.full((rows, n, m), m - 1, dtype=torch.int32, device=device) for _ in range(2)]
 
 
 def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
@@ -182,14 +180,12 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     ``(R, 1, n[, m])`` for R = B when the mask depends on the row, else 1."""
     rows = grid.batch if mask.batch_dependent else 1
     nq, nkv = grid.num_q_blocks, grid.num_kv_blocks
-    # The outputs first: allocated before the build's temporaries, freed memory of those
-    # temporaries is not what they land on (fewer fresh pages on the CPU).
-    kv_out = _outputs(rows, nq, nkv, grid.device)
-    q_out = _outputs(rows, nkv, nq, grid.device)
+    # The outputs first: allocated before the build's temporaries, they do not land on
+    # memory the temporaries just returned to the system (fewer fresh pages on the CPU).
+    outs = _outputs(rows, nq, nkv, grid.device) + _outputs(rows, nkv, nq, grid.device)
     runs = row_runs(mask, grid)
-    kv = ordered(runs, kv_out)
-    q = ordered(column_runs(runs, grid), q_out)
-    return (
-        Ordered(*(t.unsqueeze(1) for t in kv)),
-        Ordered(*(t.unsqueeze(1) for t in q)),
+    counts = _write([*_sets(runs), *_sets(column_runs(runs, grid))], outs)
+    kv_p, kv_f, q_p, q_f = (
+        (count.unsqueeze(1), out.unsqueeze(1)) for count, out in zip(counts, outs, strict=True)
     )
+    return Ordered(*kv_p, *kv_f), Ordered(*q_p, *q_f)

@@ -177,3 +177,20 @@ def test_same_blocks_compares_listed_blocks_only():
     assert not flexmask.same_blocks(ours, changed)  # same counts, another block listed
     bigger = flexmask.create_block_mask(mask, 1, 1, 512, 640, "cpu")
     assert not flexmask.same_blocks(ours, bigger)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_both_paths_give_tensors_of_one_layout(B):
+    # torch.compile guards on dtypes and strides: the closed form and the general path must
+    # hand flex_attention the same layout, or one mask kind would compile twice.
+    mask = flexmask.causal() & flexmask.document(
+        [[100, 200], [300], [5, 5, 5]][:B] if B > 1 else [100, 200]
+    )
+    closed = flexmask.create_block_mask(mask, B, 2, 300, 300, "cpu", 64)
+    general = _general(mask, B, 2, 300, 300, 64)
+    for name in BLOCK_FIELDS:
+        a, b = getattr(closed, name), getattr(general, name)
+        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), name
+    # ... and no two of the tensors share memory (inputs that alias compile apart too).
+    storages = {getattr(closed, name).untyped_storage().data_ptr() for name in BLOCK_FIELDS}
+    assert len(storages) == len(BLOCK_FIELDS)

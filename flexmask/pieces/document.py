@@ -13,6 +13,9 @@ from flexmask.mask import Intervals, Lowered
 from flexmask.pieces._base import Piece
 
 
+_PAST = 1 << 62  # pads document starts and ends: past every position
+
+
 class Document(Piece):
     """q and kv lie in the same document; positions past ``sum(seq_lens)`` are in none.
 
@@ -25,7 +28,7 @@ class Document(Piece):
                           ⬚ ⬚ ■ ■ ■
     """
 
-    __slots__ = ("seq_lens", "per_row")
+    __slots__ = ("seq_lens", "per_row", "_totals", "_starts", "_ends", "_num_docs")
 
     @property
     def carries_batch_data(self) -> bool:
@@ -41,7 +44,17 @@ class Document(Piece):
             for i, r in enumerate(rows_in)
         ]
         self.per_row = per_row
-        natural = max(int(r.sum()) for r in self.seq_lens)
+        self._totals = [int(r.sum()) for r in self.seq_lens]
+        # Each row's document starts and ends (R, max documents), padded past every
+        # position (never a match), and document counts (R,): what every lookup needs.
+        self._ends = torch.nn.utils.rnn.pad_sequence(
+            [r.cumsum(0) for r in self.seq_lens], batch_first=True, padding_value=_PAST
+        )
+        self._starts = torch.nn.utils.rnn.pad_sequence(
+            [r.cumsum(0) - r for r in self.seq_lens], batch_first=True, padding_value=_PAST
+        )
+        self._num_docs = torch.tensor([len(r) for r in self.seq_lens])
+        natural = max(self._totals)
         if per_row:
             key_data: tuple = ("rows", digest(*self.seq_lens))
         else:
@@ -55,8 +68,7 @@ class Document(Piece):
 
     def _check(self, grid: BlockGrid) -> None:
         super()._check(grid)
-        for i, lens in enumerate(self.seq_lens):
-            total = int(lens.sum())
+        for i, total in enumerate(self._totals):
             if total > grid.length:
                 where = f"seq_lens[{i}]" if self.per_row else "seq_lens"
                 raise ValueError(
@@ -66,12 +78,8 @@ class Document(Piece):
 
     def _classify(self, grid: BlockGrid) -> Tensor:
         device = grid.device
-        num_docs = torch.tensor([len(r) for r in self.seq_lens], device=device)
-        ends = torch.nn.utils.rnn.pad_sequence(
-            [r.cumsum(0) for r in self.seq_lens],
-            batch_first=True,
-            padding_value=float(grid.length + 1),  # past every position: never a match
-        ).to(device)
+        num_docs = self._num_docs.to(device)
+        ends = self._ends.to(device)
         # Document of a token: the first document whose end lies after it. Only tile edges are
         # looked up (4 x blocks), never every token. Tokens past the data get id num_docs.
         edges = torch.cat(
@@ -129,7 +137,8 @@ class Document(Piece):
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         # Only the queried positions: the document of each is one search among its row's
         # document ends; past the documents, the empty interval [1, 0].
-        starts, ends, num_docs = self._bounds(grid.length, grid.device)
+        starts, ends = self._starts.to(grid.device), self._ends.to(grid.device)
+        num_docs = self._num_docs.to(grid.device)
         lookup_row = row.view(-1) if self.per_row else torch.zeros_like(row.view(-1))
         row_ends = ends[lookup_row]
         doc = torch.searchsorted(row_ends, q_idx.contiguous(), right=True)
@@ -139,27 +148,13 @@ class Document(Piece):
         hi = torch.where(inside, row_ends.gather(1, doc) - 1, 0)
         return Intervals(lo, hi)
 
-    def _bounds(self, length: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        """Each row's document starts and ends (R, max docs; padded past ``length``) and
-        document counts (R,)."""
-        ends = torch.nn.utils.rnn.pad_sequence(
-            [r.cumsum(0) for r in self.seq_lens], batch_first=True, padding_value=length + 1
-        ).to(device)
-        starts = torch.nn.utils.rnn.pad_sequence(
-            [r.cumsum(0) - r for r in self.seq_lens], batch_first=True, padding_value=length + 1
-        ).to(device)
-        num_docs = torch.tensor([len(r) for r in self.seq_lens], device=device)
-        return starts, ends, num_docs
-
     def _doc_ids(self, length: int, device: torch.device) -> Tensor:
         """Document index of positions 0..length, -1 past the documents: (R, length + 1)
         int32, one cumsum over end markers (O(length)), no search."""
-        ends = torch.nn.utils.rnn.pad_sequence(
-            [r.cumsum(0) for r in self.seq_lens], batch_first=True
-        ).to(device)
-        num_docs = torch.tensor([len(r) for r in self.seq_lens], device=device).view(-1, 1)
+        ends = self._ends.to(device).clamp(max=length)
+        num_docs = self._num_docs.to(device).view(-1, 1)
         # +1 at each document's end, except the last one's, where the count drops from
-        # (documents - 1) to -1. Padding entries add 0 at position 0.
+        # (documents - 1) to -1. Padding entries add 0.
         d = torch.arange(ends.shape[1], device=device)
         step = torch.where(d < num_docs - 1, 1, torch.where(d == num_docs - 1, -num_docs, 0))
         doc = torch.zeros(ends.shape[0], length + 1, dtype=torch.int32, device=device)
