@@ -51,6 +51,7 @@ def build_section(data: dict[str, Any]) -> list[str]:
     table = markdown_table(
         [
             "mask",
+            "path",
             "B",
             "S",
             "flexmask",
@@ -66,6 +67,7 @@ def build_section(data: dict[str, Any]) -> list[str]:
         [
             [
                 r["mask"],
+                r["path"],
                 r["B"],
                 f"{r['S']:,}",
                 fmt_time(r["flexmask_s"]),
@@ -76,7 +78,7 @@ def build_section(data: dict[str, Any]) -> list[str]:
                 fmt_time(r["compiled_first_s"]),
                 _ratio(r["eager_s"], r["flexmask_s"]),
                 _ratio(r["compiled_s"], r["flexmask_s"]),
-                f"{r['refined_tiles']:,}/{r['tiles']:,}",
+                f"{r['refined_tiles']:,}/{r['tiles']:,}" if r["path"] == "tiles" else "none",
             ]
             for r in rows
         ],
@@ -85,7 +87,11 @@ def build_section(data: dict[str, Any]) -> list[str]:
     lines = [
         "Build time of the BlockMask (best of several calls; torch compiled after its first-call "
         'compile) and the peak extra memory of one build. "—": skipped, too large for this '
-        "machine (eager needs ~10 bytes × B × S² of temporaries) or too slow (compiled).",
+        "machine (eager needs ~10 bytes × B × S² of temporaries) or too slow (compiled). "
+        '"path": *closed form* — an `&` of interval pieces, written from the intervals at block '
+        "edges with no tile grid ([how](blocks.md#6-the-closed-form-for-intervals)); *tiles* — "
+        'every tile classified from structure, "tiles evaluated" of them refined by evaluating '
+        "the mask.",
         "",
         table,
         "",
