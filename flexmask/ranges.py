@@ -120,8 +120,8 @@ def column_runs(runs: Runs, grid: BlockGrid) -> Runs:
 
 
 def _sets(runs: Runs) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """(starts, lengths) of the partial blocks (the non-empty run minus the full run: up to
-    two runs) and of the full blocks (one run), each ``(R, n, runs)``."""
+    """(starts, lengths) of the partial blocks of every line (the non-empty run minus the
+    full run: up to two runs, ``(N, 2)``) and of its full blocks (one run, ``(N, 1)``)."""
     has_full = runs.full_first <= runs.full_last
     # Without full blocks, put the empty full run just past the non-empty one, so that the
     # partial blocks come out as one run.
@@ -137,55 +137,82 @@ def _sets(runs: Runs) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     return partial, full
 
 
-def _write(sets: list[tuple[Tensor, Tensor]], outs: list[Tensor]) -> list[Tensor]:
-    """Writes sets made of disjoint ascending runs (``starts[..., r]``, ``lengths[..., r]``
-    blocks, possibly none) into index tensors ``outs[g] (R, n, m)``, one row per set, and
-    returns their counts (int32, ``(R, n)``).
-
-    Each row lists its set ascending, as torch's do. Entries past the count are read by no
-    one (kernels, ``to_dense`` and ``from_kv_blocks`` stop at the count); they keep ``m - 1``,
-    a valid index that torch's ``BlockMask._adjust`` recount never takes for a block. Only
-    the listed entries are written — O(listed blocks), no ranking of every tile — all of
-    the sets expanded together, one scatter per tensor.
-    """
-    first_slots, values, run_lens, counts = [], [], [], []
-    for (starts, lengths), out in zip(sets, outs, strict=True):
-        m = out.shape[-1]
-        counts.append(lengths.sum(-1, dtype=torch.int32))
-        rows = torch.arange(out.numel() // m, device=out.device).view(*out.shape[:-1], 1)
-        first_slots.append((rows * m + lengths.cumsum(-1) - lengths).reshape(-1))
-        values.append(starts.reshape(-1))
-        run_lens.append(lengths.reshape(-1))
-    run_len = torch.cat(run_lens)
-    totals = torch.stack([n.sum() for n in run_lens]).tolist()
-    first_entry = run_len.cumsum(0) - run_len
-    # Entry e of run r goes to slot first_slot[r] + (e - first_entry[r]) and holds
-    # start[r] + (e - first_entry[r]): one slot shift and one value shift per run.
-    shifts = torch.stack([torch.cat(first_slots) - first_entry, torch.cat(values) - first_entry])
-    shifts = shifts.repeat_interleave(run_len, dim=1, output_size=sum(totals))
-    slot_value = shifts + torch.arange(sum(totals), device=run_len.device)
-    slots, value = slot_value[0], slot_value[1].to(torch.int32)
-    for out, slot, val in zip(outs, slots.split(totals), value.split(totals), strict=True):
-        out.view(-1).scatter_(0, slot, val)
-    return counts
-
-
-def _outputs(rows: int, n: int, m: int, device: torch.device) -> list[Tensor]:
-    """The (partial, full) index tensors of one side, ``(rows, n, m)``, every entry m - 1."""
-    return [torch.full((rows, n, m), m - 1, dtype=torch.int32, device=device) for _ in range(2)]
+def _full_of(rows: int, n: int, m: int, device: torch.device) -> Tensor:
+    return torch.full((rows, n, m), m - 1, dtype=torch.int32, device=device)
 
 
 def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     """Both sides' tensors (kv side per q block row, q side per kv block column), shaped
-    ``(R, 1, n[, m])`` for R = B when the mask depends on the row, else 1."""
+    ``(R, 1, n[, m])`` for R = B when the mask depends on the row, else 1.
+
+    Every line of both sides (R x nq kv-side rows of nkv blocks, then R x nkv q-side
+    columns of nq blocks) is a set of at most two runs of partial blocks and one run of full
+    blocks. Each line lists its set ascending, as torch's do. Entries past the count are
+    read by no one (kernels, ``to_dense`` and ``from_kv_blocks`` stop at the count); they keep
+    ``m - 1``, a valid index that torch's ``BlockMask._adjust`` recount never takes for a
+    block. Only the listed entries are written — O(listed blocks), no ranking of every tile —
+    all four tensors' entries expanded together.
+    """
     rows = grid.batch if mask.batch_dependent else 1
-    nq, nkv = grid.num_q_blocks, grid.num_kv_blocks
+    nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
     # The outputs first: allocated before the build's temporaries, they do not land on
     # memory the temporaries just returned to the system (fewer fresh pages on the CPU).
-    outs = _outputs(rows, nq, nkv, grid.device) + _outputs(rows, nkv, nq, grid.device)
+    # Order: kv partial, q partial, kv full, q full — the order entries are expanded in.
+    outs = [
+        _full_of(rows, nq, nkv, dev),
+        _full_of(rows, nkv, nq, dev),
+        _full_of(rows, nq, nkv, dev),
+        _full_of(rows, nkv, nq, dev),
+    ]
     runs = row_runs(mask, grid)
-    counts = _write([*_sets(runs), *_sets(column_runs(runs, grid))], outs)
-    kv_p, kv_f, q_p, q_f = (
-        (count.unsqueeze(1), out.unsqueeze(1)) for count, out in zip(counts, outs, strict=True)
+    cols = column_runs(runs, grid)
+    lines = Runs(
+        *(torch.cat([a.reshape(-1), b.reshape(-1)]) for a, b in zip(runs, cols, strict=True))
     )
-    return Ordered(*kv_p, *kv_f), Ordered(*q_p, *q_f)
+    (p_start, p_len), (f_start, f_len) = _sets(lines)
+    kv_lines = rows * nq
+    # Where each line begins in its own tensor.
+    line_base = torch.cat(
+        [torch.arange(kv_lines, device=dev) * nkv, torch.arange(rows * nkv, device=dev) * nq]
+    )
+    run_len = torch.cat([p_len.reshape(-1), f_len.reshape(-1)])
+    first_slot = torch.cat(
+        [(line_base.unsqueeze(1) + p_len.cumsum(1) - p_len).reshape(-1), line_base]
+    )
+    starts = torch.cat([p_start.reshape(-1), f_start.reshape(-1)])
+    ends = run_len.cumsum(0)
+    # The entries of each tensor, in order: partial runs are 2 per line, full runs 1.
+    lines_all = kv_lines + rows * nkv
+    last_runs = [2 * kv_lines, 2 * lines_all, 2 * lines_all + kv_lines, 3 * lines_all]
+    bounds = [0, *ends[torch.tensor(last_runs, device=dev) - 1].tolist()]
+    totals = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    # Entry e of run r goes to slot e + (first_slot[r] - first_entry[r]) and holds
+    # e + (start[r] - first_entry[r]): per run one slot shift and one value shift, written
+    # as a cumsum of ones plus the shifts' jumps where each run begins (runs that are empty
+    # jump at the same place; the jumps add up).
+    total = bounds[-1]
+    if total:
+        first_entry = ends - run_len
+        shift = torch.stack([first_slot - first_entry, starts - first_entry])
+        jump = torch.diff(shift, dim=1, prepend=torch.zeros_like(shift[:, :1]))
+        inside = first_entry < total  # empty runs at the very end jump nowhere
+        steps = torch.ones(2, total, dtype=torch.int64, device=dev)
+        steps[:, :1] = 0
+        steps.scatter_add_(1, first_entry.clamp(max=total - 1).expand(2, -1), jump * inside)
+        slot_value = steps.cumsum_(1)
+        slots, values = slot_value[0], slot_value[1].to(torch.int32)
+        for out, slot, value in zip(outs, slots.split(totals), values.split(totals), strict=True):
+            out.view(-1).scatter_(0, slot, value)
+    p_count = p_len.sum(1, dtype=torch.int32)
+    f_count = f_len.squeeze(1).to(torch.int32)
+    counts = [
+        p_count[:kv_lines].view(rows, 1, nq).clone(),
+        p_count[kv_lines:].view(rows, 1, nkv).clone(),
+        f_count[:kv_lines].view(rows, 1, nq).clone(),
+        f_count[kv_lines:].view(rows, 1, nkv).clone(),
+    ]
+    kv_p, q_p, kv_f, q_f = (out.unsqueeze(1) for out in outs)
+    return (
+        Ordered(counts[0], kv_p, counts[2], kv_f),
+        Ordered(counts[1], q_p, counts[3], q_f),
+    )

@@ -110,15 +110,22 @@ def test_compiled_no_recompiles_when_batch_content_changes():
         lens = [b - a for a, b in zip([0, *cuts], [*cuts, S - rng.randint(0, 10)], strict=True)]
         # documents, a new tree and new padding every step; same S
         parents = [-1] + [rng.randint(max(0, i - 3), i - 1) for i in range(1, S)]
-        for mask in (
-            flexmask.causal() & flexmask.document(lens),
-            flexmask.tree(parents),
-            flexmask.causal() & flexmask.padding([S - rng.randint(0, 40)]),
+        real = S - rng.randint(0, 40)
+        for mask, row in (
+            (
+                flexmask.causal() & flexmask.document(lens),
+                oracle.causal(S, S) & oracle.document(lens, S, S),
+            ),
+            (flexmask.tree(parents), oracle.tree(parents, S, S)),
+            (
+                flexmask.causal() & flexmask.padding([real]),
+                oracle.causal(S, S) & oracle.padding(real, S, S),
+            ),
         ):
             handle = flexmask.lazy(mask, 1, 2, S, S, "cpu")
             with torch.no_grad(), handle:
                 out = flexmask.flex_attention(q, k, v, block_mask=handle, compile=True)
-            dense = mask.to_dense(1, 2, S, S)
+            dense = torch.from_numpy(oracle.stack([row], heads=2))
             torch.testing.assert_close(out, sdpa_reference(q, k, v, dense), atol=1e-5, rtol=1e-5)
         if step == 0:
             graphs_after_first = counters["stats"]["unique_graphs"]

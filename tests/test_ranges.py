@@ -88,28 +88,85 @@ def test_closed_form_equals_torch_and_the_general_path(data):
         assert bool((indices[past] == indices.shape[-1] - 1).all()), f"{idx}: tail not m - 1"
 
 
-@pytest.mark.parametrize(
-    "mask, B, q_len, kv_len, block",
-    [
-        (flexmask.causal(), 1, 1, 1, 128),
-        (flexmask.causal(), 2, 1000, 1000, 128),
-        (flexmask.causal() & flexmask.document([[5, 300, 1], [1000]]), 2, 1000, 1000, 128),
-        # the attending prefix ends inside a q block, in a row of its own
-        (flexmask.causal() & flexmask.padding([200, 129, 1]), 3, 300, 300, 128),
-        (flexmask.document([100, 37]) & flexmask.prefix(120), 1, 300, 300, 16),
-        (flexmask.sliding_window(33) & flexmask.document([250, 250]), 1, 500, 513, 64),
-        (flexmask.causal() & flexmask.sliding_window([1, 500]), 2, 600, 400, (32, 128)),
-        (flexmask.full() & flexmask.empty(), 1, 129, 129, 128),
-        (flexmask.full(), 1, 129, 257, (128, 64)),
-    ],
-    ids=repr,
-)
-def test_edge_cases_equal_torch(mask, B, q_len, kv_len, block):
-    ours = flexmask.create_block_mask(mask, B, 2, q_len, kv_len, "cpu", block)
-    theirs = oracle.torch_blocks(
-        np.ascontiguousarray(mask.to_dense(B, 2, q_len, kv_len).numpy()), block
-    )
-    oracle.assert_same_block_mask(ours, theirs, repr(mask))
+def _rows(*per_row):
+    """Row references from functions of (q_len, kv_len), one per batch row."""
+    return lambda q_len, kv_len: [f(q_len, kv_len) for f in per_row]
+
+
+_causal = oracle.causal
+
+
+def _doc(lens):
+    return lambda q, kv: oracle.document(lens, q, kv)
+
+
+def _and(*fs):
+    def both(q, kv):
+        out = np.ones((q, kv), bool)
+        for f in fs:
+            out = out & f(q, kv)
+        return out
+
+    return both
+
+
+EDGE_CASES = [
+    (flexmask.causal(), _rows(_causal), 1, 1, 128),
+    (flexmask.causal(), _rows(_causal), 1000, 1000, 128),
+    (
+        flexmask.causal() & flexmask.document([[5, 300, 1], [1000]]),
+        _rows(_and(_causal, _doc([5, 300, 1])), _and(_causal, _doc([1000]))),
+        1000,
+        1000,
+        128,
+    ),
+    # the attending prefix ends inside a q block, in a row of its own
+    (
+        flexmask.causal() & flexmask.padding([200, 129, 1]),
+        _rows(*(_and(_causal, lambda q, kv, n=n: oracle.padding(n, q, kv)) for n in (200, 129, 1))),
+        300,
+        300,
+        128,
+    ),
+    (
+        flexmask.document([100, 37]) & flexmask.prefix(120),
+        _rows(_and(_doc([100, 37]), lambda q, kv: oracle.prefix(120, q, kv))),
+        300,
+        300,
+        16,
+    ),
+    (
+        flexmask.sliding_window(33) & flexmask.document([250, 250]),
+        _rows(_and(_doc([250, 250]), lambda q, kv: oracle.sliding_window(33, q, kv))),
+        500,
+        513,
+        64,
+    ),
+    (
+        flexmask.causal() & flexmask.sliding_window([1, 500]),
+        _rows(
+            *(_and(_causal, lambda q, kv, w=w: oracle.sliding_window(w, q, kv)) for w in (1, 500))
+        ),
+        600,
+        400,
+        (32, 128),
+    ),
+    (
+        flexmask.full() & flexmask.empty(),
+        _rows(lambda q, kv: np.zeros((q, kv), bool)),
+        129,
+        129,
+        128,
+    ),
+    (flexmask.full(), _rows(lambda q, kv: np.ones((q, kv), bool)), 129, 257, (128, 64)),
+]
+
+
+@pytest.mark.parametrize("mask, rows, q_len, kv_len, block", EDGE_CASES, ids=repr)
+def test_edge_cases_equal_torch(mask, rows, q_len, kv_len, block):
+    dense = oracle.stack(rows(q_len, kv_len), heads=2)
+    ours = flexmask.create_block_mask(mask, dense.shape[0], 2, q_len, kv_len, "cpu", block)
+    oracle.assert_same_block_mask(ours, oracle.torch_blocks(dense, block), repr(mask))
 
 
 def test_only_intersections_of_interval_pieces_take_the_closed_form():
@@ -163,7 +220,8 @@ def test_runs_never_decrease():
 def test_same_blocks_compares_listed_blocks_only():
     mask = flexmask.causal() & flexmask.document([300, 200])
     ours = flexmask.create_block_mask(mask, 1, 1, 512, 512, "cpu")
-    theirs = oracle.torch_blocks(np.ascontiguousarray(mask.to_dense(1, 1, 512, 512).numpy()), 128)
+    dense = oracle.causal(512, 512) & oracle.document([300, 200], 512, 512)
+    theirs = oracle.torch_blocks(oracle.stack([dense]), 128)
     assert not torch.equal(ours.kv_indices, theirs.kv_indices)  # the tails differ...
     assert flexmask.same_blocks(ours, theirs)  # ...the listed blocks do not
     other = flexmask.create_block_mask(flexmask.causal(), 1, 1, 512, 512, "cpu")

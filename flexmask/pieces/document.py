@@ -12,7 +12,6 @@ from flexmask.blocks import BlockGrid, codes_from
 from flexmask.mask import Intervals, Lowered
 from flexmask.pieces._base import Piece
 
-
 _PAST = 1 << 62  # pads document starts and ends: past every position
 
 
