@@ -1,5 +1,6 @@
 """Build time with one intra-op thread (flexmask's default) vs torch's default thread count,
-on a quiet machine and with one or two busy processes (as DataLoader workers would be).
+on a quiet machine and with one or two busy processes (as DataLoader workers would be), for
+a closed-form build (document-causal, B=1 and B=8) and a tile build (a tree).
 
     python benchmarks/bench_threads.py [--seq-len 32768]
 """
@@ -11,7 +12,7 @@ import multiprocessing as mp
 import os
 
 import torch
-from common import best_time, documents, fmt_time, machine, markdown_table
+from common import best_time, documents, fmt_time, machine, markdown_table, response_tree
 
 import flexmask
 
@@ -22,10 +23,23 @@ def _spin(stop) -> None:  # a busy worker process: pure Python, no torch threads
         x += 1
 
 
-def measure(S: int, threads: str) -> float:
+def cases(S: int) -> dict[str, tuple[flexmask.Mask, int]]:
+    return {
+        "document-causal, B=1 (closed form)": (
+            flexmask.causal() & flexmask.document(documents(S, 0)),
+            1,
+        ),
+        "document-causal, B=8 (closed form)": (
+            flexmask.causal() & flexmask.document([documents(S, s) for s in range(8)]),
+            8,
+        ),
+        "tree, B=1 (tiles)": (flexmask.tree(response_tree(S, 0)), 1),
+    }
+
+
+def measure(mask: flexmask.Mask, B: int, S: int, threads: str) -> float:
     os.environ["FLEXMASK_BUILD_THREADS"] = threads
-    mask = flexmask.causal() & flexmask.document(documents(S, 0))
-    return best_time(lambda: flexmask.create_block_mask(mask, 1, 1, S, S, "cpu"), repeat=10)
+    return best_time(lambda: flexmask.create_block_mask(mask, B, 1, S, S, "cpu"), repeat=10)
 
 
 def main() -> None:
@@ -35,21 +49,23 @@ def main() -> None:
     S = args.seq_len
     default = str(torch.get_num_threads())
     rows = []
-    for busy in (0, 1, 2):
-        stop = mp.Event()
-        workers = [mp.Process(target=_spin, args=(stop,)) for _ in range(busy)]
-        for worker in workers:
-            worker.start()
-        try:
-            one, many = measure(S, "1"), measure(S, default)
-        finally:
-            stop.set()
+    for name, (mask, B) in cases(S).items():
+        for busy in (0, 1, 2):
+            stop = mp.Event()
+            workers = [mp.Process(target=_spin, args=(stop,)) for _ in range(busy)]
             for worker in workers:
-                worker.join()
-        label = f"{busy} busy process{'es' if busy != 1 else ''}" if busy else "quiet"
-        rows.append([label, fmt_time(one), fmt_time(many), f"{many / one:.1f}×"])
-    print(f"# Build threads, document-causal S={S}, B=1\n\n{machine()}\n")
-    print(markdown_table(["machine", "1 thread (default)", f"{default} threads", "slowdown"], rows))
+                worker.start()
+            try:
+                one, many = measure(mask, B, S, "1"), measure(mask, B, S, default)
+            finally:
+                stop.set()
+                for worker in workers:
+                    worker.join()
+            label = f"{busy} busy process{'es' if busy != 1 else ''}" if busy else "quiet"
+            rows.append([name, label, fmt_time(one), fmt_time(many), f"{many / one:.1f}×"])
+    print(f"# Build threads, S={S}\n\n{machine()}\n")
+    header = ["mask", "machine", "1 thread (default)", f"{default} threads", "slowdown"]
+    print(markdown_table(header, rows))
 
 
 if __name__ == "__main__":

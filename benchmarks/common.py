@@ -20,6 +20,22 @@ if str(ROOT) not in sys.path:  # runnable as `python benchmarks/x.py` without in
 import flexmask  # noqa: E402
 
 
+def settle_allocator() -> None:
+    """Puts glibc's malloc in the state any training process reaches after its first step.
+
+    Until the process frees one block of a few MB that malloc had mapped on its own, glibc
+    keeps its mmap/trim thresholds at their start values: each BlockMask freed between two
+    builds is handed back to the OS, and the next build faults every page of its outputs
+    back in (~2.3 µs a page on the benchmark VM: ~5 ms for the 8 MB of index tensors at
+    B=8, S=32k). Freeing one 32 MB block (activations, gradients) raises the thresholds for
+    the rest of the process. bench_build measures builds after this, and reports a fresh
+    process without it separately (``cold_builds``).
+    """
+    block = torch.empty(32 << 20, dtype=torch.uint8)
+    block.fill_(0)
+    del block
+
+
 def best_time(fn: Callable[[], Any], repeat: int = 5, warmup: int = 1) -> float:
     """Best wall time of ``repeat`` calls after ``warmup`` calls, in seconds."""
     for _ in range(warmup):

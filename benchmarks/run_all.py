@@ -99,6 +99,21 @@ def build_section(data: dict[str, Any]) -> list[str]:
         f"{fmt_time(first['import_s'])}, first build {fmt_time(first['build_s'])} "
         "(no compile step).",
     ]
+    cold = data.get("cold_builds", [])
+    if cold:
+        lines += [
+            "",
+            "The table's builds run after `settle_allocator()` (benchmarks/common.py) has freed "
+            "one 32 MB block, as any training step does: until then glibc hands each freed "
+            "BlockMask back to the OS and the next build faults its output pages back in. A "
+            "fresh process doing nothing but builds, document-causal: "
+            + "; ".join(
+                f"S={c['S']:,} B={c['B']}: best {fmt_time(c['best_s'])}, "
+                f"median {fmt_time(c['median_s'])} of 10"
+                for c in cold
+            )
+            + ".",
+        ]
     if plot_build(rows):
         lines += ["", f"![Build time against sequence length](img/{PLOT.name})"]
     return lines

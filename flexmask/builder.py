@@ -191,10 +191,10 @@ def build_threads() -> int:
 
 @contextlib.contextmanager
 def _cpu_threads(device: torch.device) -> Iterator[None]:
-    # A build is a few dozen small tensor ops (one pass each over the tile grid). With every
+    # A tile build is a few dozen tensor ops, each one pass over the tile grid. With every
     # core busy (DataLoader workers, say) each parallel op waits for a descheduled thread:
-    # benchmarks/bench_threads.py measured a 32k document-causal build at ~5 ms on one thread
-    # and ~480 ms on torch's default two, with two busy processes on a 2-core machine.
+    # benchmarks/bench_threads.py measured a 32k tree build at 2.5 ms on one thread and
+    # 12 ms on torch's default two, with two busy processes on a 2-core machine.
     wanted = build_threads()
     previous = torch.get_num_threads()
     if device.type != "cpu" or wanted >= previous:
