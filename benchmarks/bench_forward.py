@@ -119,7 +119,7 @@ def main() -> None:
     # (mask, S) configurations: document-causal at every size, the others at the smallest.
     # Each costs two compiles (one per mask_mod), so keep the list short.
     sizes = [512] if args.quick else [2048, 4096]
-    repeat = args.repeat or (5 if args.quick else 15)
+    repeat = args.repeat or (5 if args.quick else 40)
     window = min(args.window, sizes[0] // 4)
 
     # One compiled function serves every configuration: each (mask_mod, S) is a guarded graph
