@@ -110,14 +110,15 @@ def main(argv: list[str] | None = None) -> None:
     info = flexmask.cache_info()
     print(
         f"\ncache: {info.hits} hits, {info.misses} misses, hit rate {100 * info.hit_rate:.0f}%, "
-        f"{info.evictions} evictions, {info.entries} entries ({info.bytes} bytes) held"
+        f"{info.evictions} evictions, {info.discarded} discarded on release, "
+        f"{info.entries} entries ({info.bytes} bytes) held"
     )
     static_lookups = args.steps * args.micro_batches
     # The static mask: one miss, then a hit for every other micro-batch. Document masks: one
     # miss each, removed on release, so only the static mask remains cached.
-    expected = (static_lookups - 1, 1 + static_lookups, 1)
-    if (info.hits, info.misses, info.entries) != expected:
-        raise SystemExit(f"expected (hits, misses, entries) = {expected}, got {info}")
+    expected = (static_lookups - 1, 1 + static_lookups, 1, static_lookups)
+    if (info.hits, info.misses, info.entries, info.discarded) != expected:
+        raise SystemExit(f"expected (hits, misses, entries, discarded) = {expected}, got {info}")
     print("every handle built once for all layers; the static mask was reused from the cache;")
     print("every document mask left the cache on release.")
 

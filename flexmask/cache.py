@@ -39,6 +39,9 @@ class CacheInfo(NamedTuple):
     bytes: int
     maxsize: int
     maxbytes: int | None
+    discarded: int = 0
+    """Entries dropped by ``discard`` — a released lazy handle's per-batch mask, say — not by
+    the bounds (those are ``evictions``)."""
 
     @property
     def hit_rate(self) -> float:
@@ -109,6 +112,7 @@ class MaskCache:
         self._data = _LRU(maxsize, maxbytes)
         self._hits = 0
         self._misses = 0
+        self._discarded = 0
         self.maxsize = maxsize
         self.maxbytes = maxbytes
 
@@ -167,7 +171,9 @@ class MaskCache:
     def discard(self, key: tuple) -> bool:
         """Drops one entry by key; True if it was cached."""
         with self._lock:
-            return self._data.pop(key, None) is not None
+            dropped = self._data.pop(key, None) is not None
+            self._discarded += dropped
+            return dropped
 
     def __contains__(self, key: object) -> bool:
         with self._lock:
@@ -178,7 +184,8 @@ class MaskCache:
             return len(self._data)
 
     def info(self) -> CacheInfo:
-        """Hits, misses, evictions, entries and bytes held."""
+        """Hits, misses, evictions (by the bounds), entries and bytes held, and entries
+        discarded (by ``discard``)."""
         with self._lock:
             return CacheInfo(
                 hits=self._hits,
@@ -188,6 +195,7 @@ class MaskCache:
                 bytes=int(self._data.currsize),
                 maxsize=self.maxsize,
                 maxbytes=self.maxbytes,
+                discarded=self._discarded,
             )
 
     def clear(self) -> None:
@@ -195,7 +203,7 @@ class MaskCache:
         with self._lock:
             self._data.clear()
             self._data.evictions = 0
-            self._hits = self._misses = 0
+            self._hits = self._misses = self._discarded = 0
 
 
 def grid_for_key(mask: Mask, grid):

@@ -214,3 +214,16 @@ def test_malformed_environment_variable_is_named(name, value):
     out = _run_env({name: value}, "import flexmask; flexmask.cache_info()")
     assert out.returncode != 0
     assert f"environment variable {name}=" in out.stderr
+
+
+def test_discard_is_counted_apart_from_evictions_and_clear_resets_it():
+    cache = flexmask.MaskCache(maxsize=1)
+    a, b = flexmask.causal(), flexmask.causal() & flexmask.prefix(10)
+    cache.get(a, 1, 1, 64, 64, "cpu")
+    cache.get(b, 1, 1, 64, 64, "cpu")  # pushes `a` out: an eviction
+    assert cache.discard(cache.key(b, 1, 1, 64, 64, "cpu"))
+    assert not cache.discard(cache.key(b, 1, 1, 64, 64, "cpu"))  # nothing left to drop
+    info = cache.info()
+    assert (info.evictions, info.discarded, info.entries) == (1, 1, 0)
+    cache.clear()
+    assert cache.info().discarded == 0 and cache.info().evictions == 0

@@ -50,6 +50,7 @@ def test_released_block_mask_is_freed_and_batch_data_leaves_the_cache(cache):
     gc.collect()
     assert ref() is None  # neither the handle nor the cache holds it
     assert cache.info().entries == 0
+    assert cache.info().discarded == 1 and cache.info().evictions == 0
     assert handle.block_mask is not None  # used again: builds again
     assert handle.builds == 2
 
@@ -61,6 +62,7 @@ def test_static_masks_stay_cached_for_the_next_step(cache):
     first.release()
     second = flexmask.lazy(mask, 1, 1, 256, 256, "cpu", cache=cache)
     assert second.block_mask is bm and cache.info().hits == 1
+    assert cache.info().discarded == 0
 
 
 def test_context_manager_and_forward_hook_release(cache):

@@ -457,18 +457,28 @@ def test_pack_tree_unpack_and_sequence_index_reject_bad_arguments():
 _MODEL = None
 
 
+def _examples_model():
+    """examples/_model.py: the examples' tiny causal LM, shared rather than copied."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "_model.py"
+    spec = importlib.util.spec_from_file_location("flexmask_examples_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_model():
     global _MODEL
     if _MODEL is None:
-        from tests._tiny_model import TinyCausalLM
-
-        _MODEL = TinyCausalLM(vocab=8, dim=32, num_heads=2, num_layers=2, seed=0)
+        _MODEL = _examples_model().TinyLM(vocab=8, dim=32, num_heads=2, num_layers=2, seed=0)
     return _MODEL
 
 
 def log_probs_and_grads(model, per_sequence_logits, sequences):
-    from tests._tiny_model import next_token_log_probs
-
+    next_token_log_probs = _examples_model().next_token_log_probs
     log_probs = [
         next_token_log_probs(logits, torch.tensor(seq))
         for logits, seq in zip(per_sequence_logits, sequences, strict=True)
