@@ -63,30 +63,28 @@ print(min(times), sorted(times)[len(times) // 2])
 """
 
 
-def cold_builds(S: int, B: int) -> tuple[float, float]:
-    """(best, median) of 10 document-causal builds in a fresh process that does nothing
-    else: glibc has not settled (see common.settle_allocator)."""
+def _fresh_process(code: str) -> list[float]:
+    """The numbers a snippet prints, run in a fresh Python process."""
     out = subprocess.run(
-        [sys.executable, "-c", COLD_BUILDS.format(S=S, B=B, threads=torch.get_num_threads())],
+        [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         check=True,
         cwd=__file__.rsplit("/", 1)[0],
     )
-    best, median = map(float, out.stdout.split())
+    return [float(x) for x in out.stdout.split()]
+
+
+def cold_builds(S: int, B: int) -> tuple[float, float]:
+    """(best, median) of 10 document-causal builds in a fresh process that does nothing
+    else: glibc has not settled (see common.settle_allocator)."""
+    best, median = _fresh_process(COLD_BUILDS.format(S=S, B=B, threads=torch.get_num_threads()))
     return best, median
 
 
 def first_call(S: int) -> tuple[float, float]:
     """(import time, first build time) in a fresh Python process."""
-    out = subprocess.run(
-        [sys.executable, "-c", FIRST_CALL.format(S=S)],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=__file__.rsplit("/", 1)[0],
-    )
-    imp, build = map(float, out.stdout.split())
+    imp, build = _fresh_process(FIRST_CALL.format(S=S))
     return imp, build
 
 

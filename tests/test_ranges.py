@@ -27,12 +27,17 @@ def _general(mask, B, H, q_len, kv_len, block):
     return assemble(kv, q, grid, mask._lower(grid.length, grid.device).mask_mod)
 
 
-def _dims(data, batch):
+def _case(data):
+    """A random intersection of interval pieces, its plain dense reference and lengths that
+    hold its data (documents, padding and prefixes must fit in max(Q_LEN, KV_LEN))."""
+    batch = data.draw(st.integers(1, 3), label="batch")
+    length = data.draw(st.integers(1, 300), label="length")
+    mask, dense = data.draw(interval_intersections(batch, length))
     q_len = data.draw(st.integers(1, 300), label="q_len")
     kv_len = data.draw(st.integers(1, 300), label="kv_len")
-    block = data.draw(st.sampled_from([128, 16, (32, 64), (64, 16), 7]), label="block")
-    heads = data.draw(st.integers(1, 3), label="heads")
-    return q_len, kv_len, block, heads
+    if max(q_len, kv_len) < length:
+        kv_len = length
+    return batch, mask, dense, q_len, kv_len
 
 
 @settings(max_examples=80, deadline=None)
@@ -41,13 +46,8 @@ def test_intervals_are_the_dense_rows_and_monotone(data):
     # The closed form rests on three properties of every query's interval (flexmask.ranges).
     # Check them on every query of random intersections, and that each interval is exactly
     # that query's row of the plain reference.
-    batch = data.draw(st.integers(1, 3), label="batch")
-    length = data.draw(st.integers(1, 300), label="length")
-    mask, dense = data.draw(interval_intersections(batch, length))
+    batch, mask, dense, q_len, kv_len = _case(data)
     assert mask._has_monotone_intervals()
-    q_len = data.draw(st.integers(1, 300), label="q_len")
-    kv_len = max(length, data.draw(st.integers(1, 300), label="kv_len"))
-    q_len = max(q_len, 1)
     reference = dense(q_len, kv_len)
     grid = make_grid(mask, batch, 1, q_len, kv_len, "cpu", 16)
     for r in range(batch):
@@ -71,13 +71,9 @@ def test_intervals_are_the_dense_rows_and_monotone(data):
 @settings(max_examples=120, deadline=None)
 @given(data=st.data())
 def test_closed_form_equals_torch_and_the_general_path(data):
-    batch = data.draw(st.integers(1, 3), label="batch")
-    length = data.draw(st.integers(1, 300), label="length")
-    mask, dense = data.draw(interval_intersections(batch, length))
-    q_len, kv_len, block, heads = _dims(data, batch)
-    q_len, kv_len = max(q_len, 1), max(kv_len, length if data.draw(st.booleans()) else 1)
-    if max(q_len, kv_len) < length:
-        kv_len = length
+    batch, mask, dense, q_len, kv_len = _case(data)
+    block = data.draw(st.sampled_from([128, 16, (32, 64), (64, 16), 7]), label="block")
+    heads = data.draw(st.integers(1, 3), label="heads")
     ours = flexmask.create_block_mask(mask, batch, heads, q_len, kv_len, "cpu", block)
     reference = oracle.torch_blocks(np.repeat(dense(q_len, kv_len)[:, None], heads, 1), block)
     oracle.assert_same_block_mask(ours, reference, repr(mask))
