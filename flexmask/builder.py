@@ -137,33 +137,20 @@ def assemble(kv: Ordered, q: Ordered, grid: BlockGrid, mask_mod: MaskMod) -> Blo
 
     Counts are ``(R, Hh, n)`` and indices ``(R, Hh, n, m)`` with R in {1, B}, Hh in {1, H}.
     """
-    shape_kv = (grid.batch, grid.heads, grid.num_q_blocks)
-    shape_q = (grid.batch, grid.heads, grid.num_kv_blocks)
-
-    def counts(count: Tensor, shape: tuple[int, int, int]) -> Tensor:
-        return count.expand(shape)
-
-    def indices(idx: Tensor, shape: tuple[int, int, int]) -> Tensor:
-        return idx.expand(*shape, idx.shape[-1])
-
+    b, h, nq, nkv = grid.batch, grid.heads, grid.num_q_blocks, grid.num_kv_blocks
     return BlockMask(
         seq_lengths=(grid.q_len, grid.kv_len),
-        kv_num_blocks=counts(kv.partial_num, shape_kv),
-        kv_indices=indices(kv.partial_idx, shape_kv),
-        full_kv_num_blocks=counts(kv.full_num, shape_kv),
-        full_kv_indices=indices(kv.full_idx, shape_kv),
-        q_num_blocks=counts(q.partial_num, shape_q),
-        q_indices=indices(q.partial_idx, shape_q),
-        full_q_num_blocks=counts(q.full_num, shape_q),
-        full_q_indices=indices(q.full_idx, shape_q),
+        kv_num_blocks=kv.partial_num.expand(b, h, nq),
+        kv_indices=kv.partial_idx.expand(b, h, nq, nkv),
+        full_kv_num_blocks=kv.full_num.expand(b, h, nq),
+        full_kv_indices=kv.full_idx.expand(b, h, nq, nkv),
+        q_num_blocks=q.partial_num.expand(b, h, nkv),
+        q_indices=q.partial_idx.expand(b, h, nkv, nq),
+        full_q_num_blocks=q.full_num.expand(b, h, nkv),
+        full_q_indices=q.full_idx.expand(b, h, nkv, nq),
         BLOCK_SIZE=(grid.q_block, grid.kv_block),
         mask_mod=mask_mod,
     )
-
-
-def to_block_mask(codes: Tensor, grid: BlockGrid, mask_mod: MaskMod) -> BlockMask:
-    """Writes torch's BlockMask from final tile codes, broadcasting rows/heads by views."""
-    return assemble(*ordered_from_codes(codes), grid, mask_mod)
 
 
 def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
