@@ -139,6 +139,11 @@ class Mask(ABC):
         writes the BlockMask in closed form from the intervals of the block edges."""
         return False
 
+    def _attends_from_zero(self) -> bool:
+        """True if every query attends one non-empty kv interval starting at 0 (causal,
+        prefix, full): a union of such intervals is again one, ``[0, max hi]``."""
+        return False
+
     def __and__(self, other: object) -> Mask:
         return And.of(self, _as_mask(other, "&"))
 
@@ -464,6 +469,27 @@ class Or(_Nary):
             return result
 
         return Lowered(or_mask, or_eval)
+
+    # A union of intervals that all start at 0 is the interval up to the largest end: a
+    # prefix-LM, `causal() | prefix(n)`, is [0, max(q, n - 1)]. Its lo is 0 and its hi a max
+    # of ends that never decrease and are >= q or constant, so it is monotone too.
+    def _attends_from_zero(self) -> bool:
+        return all(c._attends_from_zero() for c in self.children)
+
+    def _has_intervals(self) -> bool:
+        return self._attends_from_zero()
+
+    def _has_monotone_intervals(self) -> bool:
+        return self._attends_from_zero()
+
+    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals | None:
+        if not self._attends_from_zero():
+            return None
+        parts = [child._intervals(q_idx, row, grid) for child in self.children]
+        lo, hi = parts[0]  # type: ignore[misc]
+        for part in parts[1:]:
+            lo, hi = torch.minimum(lo, part.lo), torch.maximum(hi, part.hi)  # type: ignore[union-attr]
+        return Intervals(lo, hi)
 
 
 class Not(Mask):

@@ -1,7 +1,9 @@
 """BlockMask tensors in closed form for masks whose queries each attend one kv interval.
 
-An ``&`` of interval pieces (causal, document, sliding window, prefix, padding, full, empty)
-gives query ``q`` of each batch row one kv interval ``[lo(q), hi(q)]``. Each of these pieces
+An ``&`` of interval pieces (causal, document, sliding window, prefix, padding, full, empty,
+and ``|``-unions of causal, prefix and full such as the prefix-LM ``causal() | prefix(n)``,
+whose intervals all start at key 0) gives query ``q`` of each batch row one kv interval
+``[lo(q), hi(q)]``. Each of these pieces
 declares (``Mask._has_monotone_intervals``) that, on a prefix of the positions (its domain;
 past it the piece attends nowhere),
 

@@ -126,12 +126,25 @@ def expressions(draw, batch: int, heads: int, length: int, max_leaves: int = 5):
 
 
 @st.composite
-def interval_intersections(draw, batch: int, length: int, max_leaves: int = 4):
-    """(mask, dense): an ``&`` of 1..max_leaves interval pieces (the closed-form path) with
-    dense(q_len, kv_len) -> (B, Q, KV) numpy bool."""
+def from_zero_unions(draw, batch: int, length: int):
+    """(mask, reference): an ``|`` of 2..3 pieces that attend from key 0 (causal, prefix,
+    full), such as the prefix-LM ``causal() | prefix(n)``."""
     items = [
-        draw(leaves(batch, length, INTERVAL_KINDS)) for _ in range(draw(st.integers(1, max_leaves)))
+        draw(leaves(batch, length, ("causal", "prefix", "full")))
+        for _ in range(draw(st.integers(2, 3)))
     ]
+    mask, ref = items[0]
+    for other, other_ref in items[1:]:
+        mask, ref = mask | other, (lambda q, kv, a=ref, b=other_ref: a(q, kv) | b(q, kv))
+    return mask, ref
+
+
+@st.composite
+def interval_intersections(draw, batch: int, length: int, max_leaves: int = 4):
+    """(mask, dense): an ``&`` of 1..max_leaves interval pieces or from-zero unions (the
+    closed-form path) with dense(q_len, kv_len) -> (B, Q, KV) numpy bool."""
+    leaf = st.one_of(leaves(batch, length, INTERVAL_KINDS), from_zero_unions(batch, length))
+    items = [draw(leaf) for _ in range(draw(st.integers(1, max_leaves)))]
     mask, ref = items[0]
     for other, other_ref in items[1:]:
         mask, ref = mask & other, (lambda q, kv, a=ref, b=other_ref: a(q, kv) & b(q, kv))

@@ -170,9 +170,13 @@ def test_only_intersections_of_interval_pieces_take_the_closed_form():
         flexmask.causal(),
         flexmask.causal() & flexmask.document([3, 4]) & flexmask.sliding_window(2),
         flexmask.prefix(3) & flexmask.padding(5) & flexmask.full() & flexmask.empty(),
+        flexmask.causal() | flexmask.prefix(3),  # prefix-LM: [0, max(q, 2)]
+        (flexmask.causal() | flexmask.prefix([3, 9])) & flexmask.document([[5, 7], [12]]),
     ]
     general = [
-        flexmask.causal() | flexmask.prefix(3),
+        flexmask.causal() | flexmask.sliding_window(3),  # not from key 0
+        flexmask.padding(5) | flexmask.prefix(3),  # padding attends nowhere past 5
+        (flexmask.causal() & flexmask.document([3, 4])) | flexmask.prefix(2),
         ~flexmask.causal(),
         flexmask.causal() & ~flexmask.sliding_window(2),
         flexmask.tree([-1, 0, 0]),

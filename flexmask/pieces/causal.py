@@ -41,6 +41,9 @@ class Causal(Piece):
     def _has_monotone_intervals(self) -> bool:
         return True
 
+    def _attends_from_zero(self) -> bool:
+        return True
+
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         return Intervals(torch.zeros_like(q_idx), q_idx)
 

@@ -40,6 +40,9 @@ class Full(Piece):
     def _has_monotone_intervals(self) -> bool:
         return True
 
+    def _attends_from_zero(self) -> bool:
+        return True
+
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         lo = torch.zeros_like(q_idx)
         return Intervals(lo, lo + grid.kv_len)

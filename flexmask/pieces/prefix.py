@@ -50,6 +50,9 @@ class Prefix(RowValuePiece):
     def _has_monotone_intervals(self) -> bool:
         return True
 
+    def _attends_from_zero(self) -> bool:
+        return True
+
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         hi = (self._at_rows(row, grid) - 1).expand_as(q_idx)
         return Intervals(torch.zeros_like(q_idx), hi)
