@@ -15,6 +15,7 @@ import argparse
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 from _memory import peak_extra_bytes
@@ -25,6 +26,7 @@ from common import (
     machine,
     markdown_table,
     mask_cases,
+    ratio,
     save_json,
     settle_allocator,
 )
@@ -86,6 +88,45 @@ def first_call(S: int) -> tuple[float, float]:
     """(import time, first build time) in a fresh Python process."""
     imp, build = _fresh_process(FIRST_CALL.format(S=S))
     return imp, build
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of bench_build's rows (printed here, and on the benchmark page)."""
+    return markdown_table(
+        [
+            "mask",
+            "path",
+            "B",
+            "S",
+            "flexmask",
+            "flexmask peak",
+            "torch eager",
+            "eager peak",
+            "torch compiled",
+            "compiled first call",
+            "vs eager",
+            "vs compiled",
+            "tiles evaluated",
+        ],
+        [
+            [
+                r["mask"],
+                r["path"],
+                r["B"],
+                f"{r['S']:,}",
+                fmt_time(r["flexmask_s"]),
+                fmt_bytes(r["flexmask_bytes"]),
+                fmt_time(r["eager_s"]),
+                fmt_bytes(r["eager_bytes"]),
+                fmt_time(r["compiled_s"]),
+                fmt_time(r["compiled_first_s"]),
+                ratio(r["eager_s"], r["flexmask_s"]),
+                ratio(r["compiled_s"], r["flexmask_s"]),
+                f"{r['refined_tiles']:,}/{r['tiles']:,}" if r["path"] == "tiles" else "none",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def main() -> None:
@@ -183,42 +224,8 @@ def main() -> None:
                     flush=True,
                 )
 
-    def ratio(a, b):
-        return f"{a / b:,.0f}×" if a is not None else "—"
-
-    table = [
-        [
-            r["mask"],
-            r["path"],
-            r["B"],
-            f"{r['S']:,}",
-            fmt_time(r["flexmask_s"]),
-            fmt_bytes(r["flexmask_bytes"]),
-            fmt_time(r["eager_s"]),
-            fmt_bytes(r["eager_bytes"]),
-            fmt_time(r["compiled_s"]),
-            ratio(r["eager_s"], r["flexmask_s"]),
-            ratio(r["compiled_s"], r["flexmask_s"]),
-            f"{r['refined_tiles']}/{r['tiles']}" if r["path"] == "tiles" else "none",
-        ]
-        for r in results
-    ]
-    header = [
-        "mask",
-        "path",
-        "B",
-        "S",
-        "flexmask",
-        "flexmask peak",
-        "torch eager",
-        "eager peak",
-        "torch compiled",
-        "vs eager",
-        "vs compiled",
-        "tiles evaluated",
-    ]
     print()
-    print(markdown_table(header, table))
+    print(table(results))
     imp, first = first_call(32768)
     print(
         f"\nFresh process, document-causal S=32768 B=1: import flexmask {fmt_time(imp)}, "

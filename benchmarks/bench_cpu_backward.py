@@ -33,6 +33,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # _memory.py, and flexmask when not installed
 
 from _memory import peak_extra_bytes  # noqa: E402
+from common import fmt_bytes, fmt_time, markdown_table, ratio  # noqa: E402
 
 from flexmask.block_sparse import block_sparse_attention  # noqa: E402
 
@@ -137,6 +138,44 @@ def _load() -> str:
     return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"
 
 
+def table(rows: list[dict]) -> str:
+    """The markdown table of the rows, each against SDPA on the same mask and S (printed
+    here, and on the benchmark page)."""
+
+    def sdpa(row: dict) -> dict:
+        return next(
+            r
+            for r in rows
+            if r["mask"] == row["mask"] and r["S"] == row["S"] and r["impl"].startswith("sdpa")
+        )
+
+    return markdown_table(
+        [
+            "mask",
+            "S",
+            "implementation",
+            "fwd+bwd",
+            "peak extra memory",
+            "time vs SDPA",
+            "memory vs SDPA",
+            "max grad diff vs SDPA",
+        ],
+        [
+            [
+                r["mask"],
+                f"{r['S']:,}",
+                r["impl"],
+                fmt_time(r["seconds"]),
+                fmt_bytes(r["peak"]),
+                ratio(r["seconds"], sdpa(r)["seconds"], 2),
+                ratio(r["peak"], sdpa(r)["peak"], 3),
+                "—" if r["impl"].startswith("sdpa") else f"{r['max_err']:.1e}",
+            ]
+            for r in rows
+        ],
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="S = 1024, 2048 (seconds)")
@@ -161,29 +200,7 @@ def main() -> None:
         rows += run_case("causal", causal_mask, seq_len, args.heads, args.head_dim, repeats)
 
     print(f"\nload average at the end {_load()}")
-    print("| mask | S | implementation | fwd+bwd (s) | peak extra memory (MiB) |")
-    print("| --- | ---: | --- | ---: | ---: |")
-    for row in rows:
-        print(
-            f"| {row['mask']} | {row['S']} | {row['impl']} | {row['seconds']:.3f} | "
-            f"{row['peak'] / 2**20:.1f} |"
-        )
-
-    print()
-    print("| mask | S | implementation | time vs SDPA | memory vs SDPA |")
-    print("| --- | ---: | --- | ---: | ---: |")
-    for row in rows:
-        if row["impl"].startswith("sdpa"):
-            continue
-        base = next(
-            r
-            for r in rows
-            if r["mask"] == row["mask"] and r["S"] == row["S"] and r["impl"].startswith("sdpa")
-        )
-        print(
-            f"| {row['mask']} | {row['S']} | {row['impl']} | "
-            f"{row['seconds'] / base['seconds']:.2f}x | {row['peak'] / base['peak']:.3f}x |"
-        )
+    print(table(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         settings = dict(heads=args.heads, head_dim=args.head_dim, docs=args.docs)

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 from _memory import peak_extra_bytes
-from common import documents, fmt_bytes, fmt_time, machine, markdown_table, save_json
+from common import documents, fmt_bytes, fmt_time, machine, markdown_table, ratio, save_json
 from torch.nn.attention.flex_attention import BlockMask
 
 import flexmask
@@ -206,6 +206,66 @@ def costs(S: int, repeat_fast: int, repeat_build: int) -> dict[str, Any]:
     )
 
 
+def memory_table(mem: dict[str, Any]) -> str:
+    """The memory table (printed here, and on the benchmark page)."""
+    eager, lazy, dense = mem["eager"], mem["lazy"], mem["dense"]
+    n = mem["micro_batches"]
+    dense_note = "allocated" if dense["allocated"] else "n·S·S, too large to allocate here"
+    return markdown_table(
+        ["held as", "BlockMasks alive at once", "mask bytes at peak", "allocator peak (loop)"],
+        [
+            [
+                "eager: all built up front",
+                eager["distinct_peak"],
+                fmt_bytes(eager["distinct_peak_bytes"]),
+                fmt_bytes(eager["allocator_peak"]),
+            ],
+            [
+                "lazy: a handle per micro-batch",
+                lazy["distinct_peak"],
+                f"{fmt_bytes(lazy['distinct_peak_bytes'])} (handles + cache: "
+                f"{fmt_bytes(lazy['accounted_peak'])})",
+                fmt_bytes(lazy["allocator_peak"]),
+            ],
+            [
+                f"dense ({n}, 1, S, S) bool",
+                n,
+                f"{fmt_bytes(dense['bytes'])} ({dense_note})",
+                fmt_bytes(dense["allocator_peak"]),
+            ],
+        ],
+    )
+
+
+def cost_table(rows: list[dict[str, Any]]) -> str:
+    """The cost table (printed here, and on the benchmark page)."""
+    return markdown_table(
+        [
+            "S",
+            "docs",
+            "cache hit",
+            "make mask + hit",
+            "handle first use (miss)",
+            "build",
+            "build / hit",
+            "first use / build",
+        ],
+        [
+            [
+                f"{r['S']:,}",
+                r["documents"],
+                fmt_time(r["hit_s"]),
+                fmt_time(r["make_mask_hit_s"]),
+                fmt_time(r["first_use_s"]),
+                fmt_time(r["build_s"]),
+                ratio(r["build_s"], r["hit_s"], 1),
+                ratio(r["first_use_s"], r["build_s"], 2),
+            ]
+            for r in rows
+        ],
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -240,37 +300,7 @@ def main() -> None:
     mem = memory(S, n, args.dense_limit_gb * 1e9)
     eager, lazy, dense = mem["eager"], mem["lazy"], mem["dense"]
     print(f"## Mask memory, {n} micro-batches at S = {S:,} (B=1, causal & document)\n")
-    dense_note = (
-        "allocated"
-        if dense["allocated"]
-        else f"computed n·S·S, not allocated (> {args.dense_limit_gb:g} GB limit)"
-    )
-    print(
-        markdown_table(
-            ["held as", "BlockMasks alive at once", "mask bytes at peak", "allocator peak (loop)"],
-            [
-                [
-                    "eager (all built up front)",
-                    eager["distinct_peak"],
-                    fmt_bytes(eager["distinct_peak_bytes"]),
-                    fmt_bytes(eager["allocator_peak"]),
-                ],
-                [
-                    "lazy handle per micro-batch",
-                    lazy["distinct_peak"],
-                    f"{fmt_bytes(lazy['distinct_peak_bytes'])} "
-                    f"(handles + cache_info().bytes: {fmt_bytes(lazy['accounted_peak'])})",
-                    fmt_bytes(lazy["allocator_peak"]),
-                ],
-                [
-                    f"dense ({n}, 1, S, S) bool",
-                    n,
-                    f"{fmt_bytes(dense['bytes'])} ({dense_note})",
-                    fmt_bytes(dense["allocator_peak"]),
-                ],
-            ],
-        )
-    )
+    print(memory_table(mem))
     print(
         f"\nOne micro-batch's BlockMask: {fmt_bytes(mem['one_block_mask'])}. Cache bound: "
         f"{fmt_bytes(mem['cache_bound'])} ({mem['cache_bound_text']}); the cache held at most "
@@ -282,9 +312,9 @@ def main() -> None:
         f"{fmt_bytes(lazy['accounted_peak'])} <= {fmt_bytes(mem['target_bytes'])} "
         f"-> {'PASS' if mem['passed'] else 'FAIL'}"
     )
-    ratio = eager["distinct_peak_bytes"] / max(1, lazy["distinct_peak_bytes"])
+    held = eager["distinct_peak_bytes"] / max(1, lazy["distinct_peak_bytes"])
     print(
-        f"Eager holds {ratio:.0f}x the BlockMask bytes lazy does; dense masks "
+        f"Eager holds {held:.0f}x the BlockMask bytes lazy does; dense masks "
         f"{dense['bytes'] / max(1, eager['distinct_peak_bytes']):,.0f}x eager's.\n"
     )
 
@@ -299,33 +329,7 @@ def main() -> None:
             flush=True,
         )
     print()
-    print(
-        markdown_table(
-            [
-                "S",
-                "docs",
-                "cache hit",
-                "make mask + hit",
-                "handle first use (miss)",
-                "build",
-                "build / hit",
-                "first use / build",
-            ],
-            [
-                [
-                    f"{r['S']:,}",
-                    r["documents"],
-                    fmt_time(r["hit_s"]),
-                    fmt_time(r["make_mask_hit_s"]),
-                    fmt_time(r["first_use_s"]),
-                    fmt_time(r["build_s"]),
-                    f"{r['build_s'] / r['hit_s']:,.1f}x",
-                    f"{r['first_use_s'] / r['build_s']:.2f}x",
-                ]
-                for r in rows
-            ],
-        )
-    )
+    print(cost_table(rows))
     print(
         "\nA hit validates the arguments against the mask and assembles the key on every call; "
         "best of "

@@ -110,6 +110,14 @@ def mask_cases(S: int, B: int) -> dict[str, flexmask.Mask]:
     return case
 
 
+def ratio(a: float | None, b: float | None, digits: int | None = None) -> str:
+    """a / b as "12×"; two decimals below 10 unless ``digits`` is given; "—" if unknown."""
+    if a is None or not b:
+        return "—"
+    value = a / b
+    return f"{value:,.{(0 if value >= 10 else 2) if digits is None else digits}f}×"
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

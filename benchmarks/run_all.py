@@ -27,8 +27,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import bench_build
+import bench_cpu_backward
+import bench_forward
+import bench_lazy
 import torch
-from common import ROOT, fmt_bytes, fmt_time, markdown_table
+from common import ROOT, fmt_bytes, fmt_time
 
 import flexmask
 
@@ -37,52 +41,10 @@ DOC = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "img" / "build_time_vs_seq_len.png"
 
 
-def _ratio(a: float | None, b: float | None, digits: int | None = None) -> str:
-    """a / b as "12×"; two decimals below 10 unless ``digits`` is given."""
-    if a is None or not b:
-        return "—"
-    value = a / b
-    return f"{value:,.{(0 if value >= 10 else 2) if digits is None else digits}f}×"
-
-
 # ----------------------------------------------------------------------------- per benchmark
 def build_section(data: dict[str, Any]) -> list[str]:
     rows = data["results"]
-    table = markdown_table(
-        [
-            "mask",
-            "path",
-            "B",
-            "S",
-            "flexmask",
-            "flexmask peak",
-            "torch eager",
-            "eager peak",
-            "torch compiled",
-            "compiled first call",
-            "vs eager",
-            "vs compiled",
-            "tiles evaluated",
-        ],
-        [
-            [
-                r["mask"],
-                r["path"],
-                r["B"],
-                f"{r['S']:,}",
-                fmt_time(r["flexmask_s"]),
-                fmt_bytes(r["flexmask_bytes"]),
-                fmt_time(r["eager_s"]),
-                fmt_bytes(r["eager_bytes"]),
-                fmt_time(r["compiled_s"]),
-                fmt_time(r["compiled_first_s"]),
-                _ratio(r["eager_s"], r["flexmask_s"]),
-                _ratio(r["compiled_s"], r["flexmask_s"]),
-                f"{r['refined_tiles']:,}/{r['tiles']:,}" if r["path"] == "tiles" else "none",
-            ]
-            for r in rows
-        ],
-    )
+    table = bench_build.table(rows)
     first = data["first_call"]
     lines = [
         "Build time of the BlockMask (best of several calls; torch compiled after its first-call "
@@ -159,58 +121,10 @@ def plot_build(rows: list[dict[str, Any]]) -> bool:
 
 def lazy_section(data: dict[str, Any]) -> list[str]:
     mem = data["memory"]
-    eager, lazy, dense = mem["eager"], mem["lazy"], mem["dense"]
+    lazy = mem["lazy"]
     n, S = mem["micro_batches"], mem["S"]
-    dense_note = "allocated" if dense["allocated"] else "n·S·S, too large to allocate here"
-    memory_table = markdown_table(
-        ["held as", "BlockMasks alive at once", "mask bytes at peak", "allocator peak (loop)"],
-        [
-            [
-                "eager: all built up front",
-                eager["distinct_peak"],
-                fmt_bytes(eager["distinct_peak_bytes"]),
-                fmt_bytes(eager["allocator_peak"]),
-            ],
-            [
-                "lazy: a handle per micro-batch",
-                lazy["distinct_peak"],
-                f"{fmt_bytes(lazy['distinct_peak_bytes'])} (handles + cache: "
-                f"{fmt_bytes(lazy['accounted_peak'])})",
-                fmt_bytes(lazy["allocator_peak"]),
-            ],
-            [
-                f"dense ({n}, 1, S, S) bool",
-                n,
-                f"{fmt_bytes(dense['bytes'])} ({dense_note})",
-                fmt_bytes(dense["allocator_peak"]),
-            ],
-        ],
-    )
-    cost_table = markdown_table(
-        [
-            "S",
-            "docs",
-            "cache hit",
-            "make mask + hit",
-            "handle first use (miss)",
-            "build",
-            "build / hit",
-            "first use / build",
-        ],
-        [
-            [
-                f"{r['S']:,}",
-                r["documents"],
-                fmt_time(r["hit_s"]),
-                fmt_time(r["make_mask_hit_s"]),
-                fmt_time(r["first_use_s"]),
-                fmt_time(r["build_s"]),
-                _ratio(r["build_s"], r["hit_s"], 1),
-                _ratio(r["first_use_s"], r["build_s"], 2),
-            ]
-            for r in data["costs"]
-        ],
-    )
+    memory_table = bench_lazy.memory_table(mem)
+    cost_table = bench_lazy.cost_table(data["costs"])
     verdict = "PASS" if mem["passed"] else "FAIL"
     return [
         f"Gradient accumulation over {n} micro-batches at S = {S:,} (B=1, each with its own "
@@ -240,40 +154,7 @@ def lazy_section(data: dict[str, Any]) -> list[str]:
 
 
 def cpu_backward_section(data: dict[str, Any]) -> list[str]:
-    rows = data["rows"]
-
-    def sdpa(row: dict[str, Any]) -> dict[str, Any]:
-        return next(
-            r
-            for r in rows
-            if r["mask"] == row["mask"] and r["S"] == row["S"] and r["impl"].startswith("sdpa")
-        )
-
-    table = markdown_table(
-        [
-            "mask",
-            "S",
-            "implementation",
-            "fwd+bwd",
-            "peak extra memory",
-            "time vs SDPA",
-            "memory vs SDPA",
-            "max grad diff vs SDPA",
-        ],
-        [
-            [
-                r["mask"],
-                f"{r['S']:,}",
-                r["impl"],
-                fmt_time(r["seconds"]),
-                fmt_bytes(r["peak"]),
-                _ratio(r["seconds"], sdpa(r)["seconds"], 2),
-                _ratio(r["peak"], sdpa(r)["peak"], 3),
-                "—" if r["impl"].startswith("sdpa") else f"{r['max_err']:.1e}",
-            ]
-            for r in rows
-        ],
-    )
+    table = bench_cpu_backward.table(data["rows"])
     return [
         f"Forward + backward on the CPU (B=1, H={data['heads']}, D={data['head_dim']}, fp32, "
         f"{data['docs']} documents): flexmask's block-sparse path against "
@@ -285,33 +166,7 @@ def cpu_backward_section(data: dict[str, Any]) -> list[str]:
 
 
 def forward_section(data: dict[str, Any]) -> list[str]:
-    table = markdown_table(
-        [
-            "mask",
-            "S",
-            "blocks skipped",
-            "flexmask",
-            "attn-gym",
-            "flexmask vs attn-gym",
-            "max abs diff",
-            "first call (compile†) flexmask / attn-gym",
-            "within 5%",
-        ],
-        [
-            [
-                r["mask"],
-                f"{r['S']:,}",
-                f"{r['sparsity']:.0f}%",
-                fmt_time(r["flexmask_s"]),
-                fmt_time(r["attn_gym_s"]),
-                f"{r['relative']:+.1%}",
-                f"{r['max_abs_diff']:.1e}",
-                f"{fmt_time(r['compile_flexmask_s'])} / {fmt_time(r['compile_attn_gym_s'])}",
-                "PASS" if r["within_target"] else "FAIL",
-            ]
-            for r in data["results"]
-        ],
-    )
+    table = bench_forward.table(data["results"])
     return [
         "`torch.compile(flex_attention, dynamic=False)` forward on the CPU (B=1, "
         f"H={data['heads']}, D={data['head_dim']}, fp32, no grad): flexmask's mask_mod "
