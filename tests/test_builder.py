@@ -201,6 +201,9 @@ def test_block_mask_runs_in_flex_attention_eager():
     q, k, v = (torch.randn(2, 2, 200, 16) for _ in range(3))
     bm = flexmask.create_block_mask(mask, 2, 2, 200, 200, "cpu", BLOCK_SIZE=64)
     out = flex_attention(q, k, v, block_mask=bm)
-    dense = mask.to_dense(2, 2, 200, 200)
+    row = (oracle.causal(200, 200) & oracle.document([100, 57, 43], 200, 200)) | oracle.prefix(
+        3, 200, 200
+    )
+    dense = torch.from_numpy(oracle.stack([row, row], heads=2))
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

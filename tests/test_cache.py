@@ -64,7 +64,8 @@ def test_cached_block_mask_equals_torch():
     cache = flexmask.MaskCache(maxsize=2)
     m = doc([30, 50, 20])
     bm = cache.get(m, 1, 1, 100, 100, "cpu", BLOCK_SIZE=16)
-    oracle.assert_same_block_mask(bm, oracle.torch_blocks(m.to_dense(1, 1, 100, 100).numpy(), 16))
+    dense = oracle.causal(100, 100) & oracle.document([30, 50, 20], 100, 100)
+    oracle.assert_same_block_mask(bm, oracle.torch_blocks(oracle.stack([dense]), 16))
 
 
 def test_lru_order_and_entry_bound():
