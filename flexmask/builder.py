@@ -230,6 +230,12 @@ def same_blocks(a: BlockMask, b: BlockMask) -> bool:
         >>> flexmask.same_blocks(ours, theirs)
         True
     """
+    for name, value in (("a", a), ("b", b)):
+        if not isinstance(value, BlockMask):
+            raise TypeError(
+                f"{name} must be a torch BlockMask (from create_block_mask), "
+                f"got {type(value).__name__}"
+            )
     if tuple(a.seq_lengths) != tuple(b.seq_lengths) or tuple(a.BLOCK_SIZE) != tuple(b.BLOCK_SIZE):
         return False
     for num_name, idx_name in _SIDES:

@@ -235,6 +235,8 @@ def test_same_blocks_compares_listed_blocks_only():
     assert not flexmask.same_blocks(ours, changed)  # same counts, another block listed
     bigger = flexmask.create_block_mask(mask, 1, 1, 512, 640, "cpu")
     assert not flexmask.same_blocks(ours, bigger)
+    with pytest.raises(TypeError, match="b must be a torch BlockMask"):
+        flexmask.same_blocks(ours, mask)
 
 
 @pytest.mark.parametrize("B", [1, 3])
