@@ -21,6 +21,7 @@ import cachetools
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask.blocks import BlockGrid
 from flexmask.builder import build, make_grid
 from flexmask.mask import Mask
 
@@ -148,7 +149,6 @@ class MaskCache:
         if not isinstance(mask, Mask):
             raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
         grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
-        reduced = grid_for_key(mask, grid)
         key = _key(mask, grid)
         with self._lock:
             found = self._data.get(key)
@@ -156,7 +156,8 @@ class MaskCache:
                 self._hits += 1
                 return found
             self._misses += 1
-        block_mask = build(mask, reduced)  # outside the lock: builds run concurrently
+        # Outside the lock: builds run concurrently.
+        block_mask = build(mask, grid_for_key(mask, grid))
         if self.maxsize == 0:
             return block_mask
         with self._lock:
@@ -206,12 +207,14 @@ class MaskCache:
             self._hits = self._misses = self._discarded = 0
 
 
-def grid_for_key(mask: Mask, grid):
-    """The grid actually built: B and H reduced to 1 where the mask ignores them."""
-    from flexmask.blocks import BlockGrid
+def _reduced(mask: Mask, grid: BlockGrid) -> tuple[int, int]:
+    """B and H of what is built and cached: 1 where the mask ignores them."""
+    return (grid.batch if mask.batch_dependent else 1, grid.heads if mask.head_dependent else 1)
 
-    batch = grid.batch if mask.batch_dependent else 1
-    heads = grid.heads if mask.head_dependent else 1
+
+def grid_for_key(mask: Mask, grid: BlockGrid) -> BlockGrid:
+    """The grid actually built: B and H reduced to 1 where the mask ignores them."""
+    batch, heads = _reduced(mask, grid)
     if (batch, heads) == (grid.batch, grid.heads):
         return grid
     return BlockGrid.make(
@@ -219,9 +222,8 @@ def grid_for_key(mask: Mask, grid):
     )
 
 
-def _key(mask: Mask, grid) -> tuple:
-    batch = grid.batch if mask.batch_dependent else 1
-    heads = grid.heads if mask.head_dependent else 1
+def _key(mask: Mask, grid: BlockGrid) -> tuple:
+    batch, heads = _reduced(mask, grid)
     device = torch.device(grid.device)
     return (
         batch,
