@@ -14,6 +14,10 @@ class Piece(Mask):
 
     __slots__ = ("_key", "_rows", "_device", "_natural")
     _arg = "the mask's data"
+    _interval_shape: str | None = None
+    """What the piece's ``_intervals`` promise (see ``flexmask.ranges``): None — no intervals;
+    "monotone" — one interval per query, monotone; "from_zero" — monotone, non-empty and
+    starting at key 0 (so ``|``-unions of such pieces are intervals too)."""
 
     def __init__(
         self,
@@ -26,6 +30,15 @@ class Piece(Mask):
         self._rows = rows
         self._device = device
         self._natural = natural
+
+    def _has_intervals(self) -> bool:
+        return self._interval_shape is not None
+
+    def _has_monotone_intervals(self) -> bool:
+        return self._interval_shape is not None
+
+    def _attends_from_zero(self) -> bool:
+        return self._interval_shape == "from_zero"
 
     @property
     def key(self) -> tuple:

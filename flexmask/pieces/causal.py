@@ -22,6 +22,7 @@ class Causal(Piece):
     """
 
     __slots__ = ()
+    _interval_shape = "from_zero"
 
     def __init__(self) -> None:
         super().__init__(("causal",))
@@ -34,15 +35,6 @@ class Causal(Piece):
             return q_idx >= kv_idx
 
         return Lowered(causal, causal)
-
-    def _has_intervals(self) -> bool:
-        return True
-
-    def _has_monotone_intervals(self) -> bool:
-        return True
-
-    def _attends_from_zero(self) -> bool:
-        return True
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         return Intervals(torch.zeros_like(q_idx), q_idx)

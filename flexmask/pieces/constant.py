@@ -21,6 +21,7 @@ class Full(Piece):
     """
 
     __slots__ = ()
+    _interval_shape = "from_zero"
 
     def __init__(self) -> None:
         super().__init__(("full",))
@@ -33,15 +34,6 @@ class Full(Piece):
             return (q_idx >= 0) & (kv_idx >= 0)
 
         return Lowered(full_mask, full_mask)
-
-    def _has_intervals(self) -> bool:
-        return True
-
-    def _has_monotone_intervals(self) -> bool:
-        return True
-
-    def _attends_from_zero(self) -> bool:
-        return True
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         lo = torch.zeros_like(q_idx)
@@ -62,6 +54,7 @@ class Empty(Piece):
     """
 
     __slots__ = ()
+    _interval_shape = "monotone"
 
     def __init__(self) -> None:
         super().__init__(("empty",))
@@ -74,12 +67,6 @@ class Empty(Piece):
             return (q_idx < 0) & (kv_idx < 0)
 
         return Lowered(empty_mask, empty_mask)
-
-    def _has_intervals(self) -> bool:
-        return True
-
-    def _has_monotone_intervals(self) -> bool:
-        return True
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         hi = torch.zeros_like(q_idx)

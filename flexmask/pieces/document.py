@@ -28,6 +28,7 @@ class Document(Piece):
     """
 
     __slots__ = ("seq_lens", "per_row", "_totals", "_starts", "_ends", "_num_docs")
+    _interval_shape = "monotone"
 
     @property
     def carries_batch_data(self) -> bool:
@@ -126,12 +127,6 @@ class Document(Piece):
                 return (q_doc == doc_id_1d[kv_idx.clamp(max=last)]) & (q_doc >= 0)
 
         return Lowered(document, document)
-
-    def _has_intervals(self) -> bool:
-        return True
-
-    def _has_monotone_intervals(self) -> bool:
-        return True
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         # Only the queried positions: the document of each is one search among its row's

@@ -24,6 +24,7 @@ class Padding(RowValuePiece):
     """
 
     __slots__ = ()
+    _interval_shape = "monotone"
 
     @property
     def carries_batch_data(self) -> bool:
@@ -51,12 +52,6 @@ class Padding(RowValuePiece):
                 return (q_idx < lengths) & (kv_idx < lengths)
 
         return Lowered(padding, padding)
-
-    def _has_intervals(self) -> bool:
-        return True
-
-    def _has_monotone_intervals(self) -> bool:
-        return True
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         row_len = self._at_rows(row, grid)

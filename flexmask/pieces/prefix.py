@@ -24,6 +24,7 @@ class Prefix(RowValuePiece):
     """
 
     __slots__ = ()
+    _interval_shape = "from_zero"
     _arg = "length"
     _kind = "prefix"
 
@@ -43,15 +44,6 @@ class Prefix(RowValuePiece):
                 return kv_idx < prefix_len
 
         return Lowered(prefix, prefix)
-
-    def _has_intervals(self) -> bool:
-        return True
-
-    def _has_monotone_intervals(self) -> bool:
-        return True
-
-    def _attends_from_zero(self) -> bool:
-        return True
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         hi = (self._at_rows(row, grid) - 1).expand_as(q_idx)

@@ -24,6 +24,7 @@ class SlidingWindow(RowValuePiece):
     """
 
     __slots__ = ()
+    _interval_shape = "monotone"
     _arg = "size"
     _kind = "sliding_window"
     _limit_by_length = False  # a window wider than the sequence is just full attention
@@ -49,12 +50,6 @@ class SlidingWindow(RowValuePiece):
                 return (q_idx - kv_idx).abs() < size
 
         return Lowered(sliding_window, sliding_window)
-
-    def _has_intervals(self) -> bool:
-        return True
-
-    def _has_monotone_intervals(self) -> bool:
-        return True
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         size = self._at_rows(row, grid)
