@@ -3,9 +3,9 @@
 An ``&`` of interval pieces (causal, document, sliding window, prefix, padding, full, empty,
 and ``|``-unions of causal, prefix and full such as the prefix-LM ``causal() | prefix(n)``,
 whose intervals all start at key 0) gives query ``q`` of each batch row one kv interval
-``[lo(q), hi(q)]``. Each of these pieces
-declares (``Mask._has_monotone_intervals``) that, on a prefix of the positions (its domain;
-past it the piece attends nowhere),
+``[lo(q), hi(q)]``. Each of these pieces declares (``Piece._interval_shape``, read through
+``Mask._has_monotone_intervals``) that, on a prefix of the positions (its domain; past it the
+piece attends nowhere),
 
 * ``lo`` never decreases and ``lo(q) <= q``, and
 * ``hi`` never decreases and is either ``>= q`` or constant.
