@@ -69,8 +69,8 @@ def make_grid(
     """Validates the build arguments against the mask and lays out its tiles."""
     batch = 1 if B is None else check_int(B, "B", minimum=1)
     heads = 1 if H is None else check_int(H, "H", minimum=1)
-    q_len = check_int(Q_LEN, "Q_LEN", minimum=1)
-    kv_len = check_int(KV_LEN, "KV_LEN", minimum=1)
+    q_len = check_int(Q_LEN, "Q_LEN", minimum=0)
+    kv_len = check_int(KV_LEN, "KV_LEN", minimum=0)
     q_block, kv_block = block_sizes(BLOCK_SIZE)
     if device is None:
         device = mask.device or default_device()
@@ -133,29 +133,59 @@ def ordered_from_codes(codes: Tensor) -> tuple[Ordered, Ordered]:
 
 
 def assemble(kv: Ordered, q: Ordered, grid: BlockGrid, mask_mod: MaskMod) -> BlockMask:
-    """torch's BlockMask from both sides' ordered tensors, broadcasting rows/heads by views.
+    """torch's BlockMask from both sides' ordered tensors, each ``(B, H, ...)`` contiguous
+    with a storage of its own, as torch's: an in-place edit of one row or head changes that
+    one, and ``PagedAttention`` can view them.
 
-    Counts are ``(R, Hh, n)`` and indices ``(R, Hh, n, m)`` with R in {1, B}, Hh in {1, H}.
+    Sides come as counts ``(R, Hh, n)`` and indices ``(R, Hh, n, m)`` with R in {1, B},
+    Hh in {1, H}; rows and heads the mask ignores are copied out here. (The cache builds
+    on a grid with B or H reduced to 1 instead: flex_attention broadcasts those.)
     """
     b, h, nq, nkv = grid.batch, grid.heads, grid.num_q_blocks, grid.num_kv_blocks
+
+    def whole(t: Tensor, *shape: int) -> Tensor:
+        return t.expand(b, h, *shape).contiguous()
+
     return BlockMask(
         seq_lengths=(grid.q_len, grid.kv_len),
-        kv_num_blocks=kv.partial_num.expand(b, h, nq),
-        kv_indices=kv.partial_idx.expand(b, h, nq, nkv),
-        full_kv_num_blocks=kv.full_num.expand(b, h, nq),
-        full_kv_indices=kv.full_idx.expand(b, h, nq, nkv),
-        q_num_blocks=q.partial_num.expand(b, h, nkv),
-        q_indices=q.partial_idx.expand(b, h, nkv, nq),
-        full_q_num_blocks=q.full_num.expand(b, h, nkv),
-        full_q_indices=q.full_idx.expand(b, h, nkv, nq),
+        kv_num_blocks=whole(kv.partial_num, nq),
+        kv_indices=whole(kv.partial_idx, nq, nkv),
+        full_kv_num_blocks=whole(kv.full_num, nq),
+        full_kv_indices=whole(kv.full_idx, nq, nkv),
+        q_num_blocks=whole(q.partial_num, nkv),
+        q_indices=whole(q.partial_idx, nkv, nq),
+        full_q_num_blocks=whole(q.full_num, nkv),
+        full_q_indices=whole(q.full_idx, nkv, nq),
         BLOCK_SIZE=(grid.q_block, grid.kv_block),
         mask_mod=mask_mod,
+    )
+
+
+def _empty_sides(rows: int, heads: int, grid: BlockGrid) -> tuple[Ordered, Ordered]:
+    """A grid with no q or no kv blocks (Q_LEN or KV_LEN 0): nothing listed; every line is
+    its unlisted blocks ascending, as torch writes them."""
+    nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
+
+    def side(n: int, m: int) -> tuple[Tensor, Tensor]:
+        count = torch.zeros((rows, heads, n), dtype=torch.int32, device=dev)
+        order = torch.arange(m, dtype=torch.int32, device=dev).expand(rows, heads, n, m)
+        return count, order.contiguous()
+
+    kv_num, kv_idx = side(nq, nkv)
+    q_num, q_idx = side(nkv, nq)
+    return (
+        Ordered(kv_num, kv_idx, kv_num.clone(), kv_idx.clone()),
+        Ordered(q_num, q_idx, q_num.clone(), q_idx.clone()),
     )
 
 
 def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     """Both sides' ordered tensors: in closed form from the intervals at block edges where
     the mask's intervals are monotone (flexmask.ranges), else from the classified tiles."""
+    if grid.num_q_blocks == 0 or grid.num_kv_blocks == 0:
+        grid.refined[0] = 0
+        rows = grid.batch if mask.batch_dependent else 1
+        return _empty_sides(rows, grid.heads if mask.head_dependent else 1, grid)
     if mask._has_monotone_intervals():
         grid.refined[0] = 0
         return ranges.ordered_sides(mask, grid)
@@ -216,10 +246,11 @@ def same_blocks(a: BlockMask, b: BlockMask) -> bool:
     the partial and full blocks of both sides, equal counts and per row the same indices in
     the same order.
 
-    Entries of the index tensors past each row's count are never read (by the kernels,
-    ``to_dense`` or ``from_kv_blocks``) and are not compared: flexmask fills them with the
-    last block index where it writes a BlockMask in closed form, torch with the unlisted
-    blocks in order.
+    Entries of the index tensors past each row's count are not compared: kernels,
+    ``to_dense`` and ``from_kv_blocks`` never read them (``BlockMask._adjust`` does).
+    ``flexmask.create_block_mask`` writes them as torch does — the unlisted blocks
+    ascending — so its tensors are also ``torch.equal`` to torch's; this comparison also
+    accepts BlockMasks from other writers (``from_kv_blocks`` with any tail).
 
     Example:
         >>> import flexmask

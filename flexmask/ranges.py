@@ -121,26 +121,57 @@ def column_runs(runs: Runs, grid: BlockGrid) -> Runs:
     return Runs(first, last, full_first, full_last)
 
 
-def _sets(runs: Runs) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """(starts, lengths) of the partial blocks of every line (the non-empty run minus the
-    full run: up to two runs, ``(N, 2)``) and of its full blocks (one run, ``(N, 1)``)."""
+def _line_runs(runs: Runs, m: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Every line written whole, in torch's order: the set blocks ascending, then the unset
+    ones ascending (what ``torch.argsort(dense, descending=True, stable=True)`` gives).
+
+    Returns ``(partial_starts, partial_lens)``, ``(N, 5)``: the partial blocks (up to two runs,
+    the non-empty run minus the full run) then the rest of the line (three runs: before the
+    non-empty run, the full run, after the non-empty run); and ``(full_starts, full_lens)``,
+    ``(N, 3)``: the full run, then the blocks before and after it. Each line's lengths add up
+    to ``m``, so the lines laid end to end are the whole tensor.
+    """
     has_full = runs.full_first <= runs.full_last
     # Without full blocks, put the empty full run just past the non-empty one, so that the
-    # partial blocks come out as one run.
+    # partial blocks come out as one run and the unset ones as the runs around it.
     full_first = torch.where(has_full, runs.full_first, runs.last + 1)
     full_last = torch.where(has_full, runs.full_last, runs.last)
+    # An empty line (first > last) lists nothing: its unset blocks are [0, first) and
+    # [last + 1, m), which touch (first <= last + 1 on both sides, ``column_runs``).
     before = (full_first - runs.first).clamp_(min=0)
     after = (runs.last - full_last).clamp_(min=0)
+    full_len = (full_last - full_first + 1).clamp_(min=0)
+    head = runs.first.clamp(max=m)
+    tail = (m - 1 - runs.last).clamp_(min=0)
+    zero = torch.zeros_like(head)
     partial = (
-        torch.stack([runs.first, full_last + 1], -1),
-        torch.stack([before, after], -1),
+        torch.stack([runs.first, full_last + 1, zero, full_first, runs.last + 1], -1),
+        torch.stack([before, after, head, full_len, tail], -1),
     )
-    full = (full_first.unsqueeze(-1), (full_last - full_first + 1).clamp_(min=0).unsqueeze(-1))
+    full = (
+        torch.stack([full_first, zero, full_last + 1], -1),
+        torch.stack([full_len, full_first.clamp(max=m), (m - 1 - full_last).clamp_(min=0)], -1),
+    )
     return partial, full
 
 
-def _full_of(rows: int, n: int, m: int, device: torch.device) -> Tensor:
-    return torch.full((rows, n, m), m - 1, dtype=torch.int32, device=device)
+def _expand_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
+    """Writes runs ``(N, r)`` laid end to end into ``out`` (flat int32 of ``lens.sum()``
+    entries): entry ``e`` of run ``k`` holds ``starts[k] + e``. A cumsum of ones, with each
+    run's jump in value added where it begins — empty runs jump at the same place and their
+    jumps add up — so the cost is one pass over the output, no gather and no sort."""
+    starts, lens = starts.reshape(-1), lens.reshape(-1)
+    total = out.numel()
+    if total == 0:
+        return
+    first_entry = lens.cumsum(0) - lens
+    shift = starts - first_entry  # value minus entry index, constant along a run
+    jump = torch.diff(shift, prepend=torch.zeros_like(shift[:1]))
+    inside = first_entry < total  # empty runs at the very end jump nowhere
+    out.fill_(1)
+    out[0] = 0
+    out.scatter_add_(0, first_entry.clamp(max=total - 1), (jump * inside).to(out.dtype))
+    out.cumsum_(0)
 
 
 def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
@@ -149,72 +180,37 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
 
     Every line of both sides (R x nq kv-side rows of nkv blocks, then R x nkv q-side
     columns of nq blocks) is a set of at most two runs of partial blocks and one run of full
-    blocks. Each line lists its set ascending, as torch's do. Entries past the count are
-    read by no one (kernels, ``to_dense`` and ``from_kv_blocks`` stop at the count); they keep
-    ``m - 1``, a valid index that torch's ``BlockMask._adjust`` recount never takes for a
-    block. Only the listed entries are written — O(listed blocks), no ranking of every tile —
-    all four tensors' entries expanded together.
+    blocks. Each index tensor is written whole, equal to torch's: the listed blocks
+    ascending, then the unlisted ones ascending (``BlockMask._adjust`` reads the unlisted
+    tail, so it must be torch's). Each tensor is runs laid end to end (``_line_runs``),
+    expanded in one pass: O(entries) with a small constant, no tile grid and no sort.
     """
     rows = grid.batch if mask.batch_dependent else 1
     nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
     # The outputs first: allocated before the build's temporaries, they do not land on
     # memory the temporaries just returned to the system (fewer fresh pages on the CPU).
-    # Order: kv partial, q partial, kv full, q full — the order entries are expanded in.
-    outs = [
-        _full_of(rows, nq, nkv, dev),
-        _full_of(rows, nkv, nq, dev),
-        _full_of(rows, nq, nkv, dev),
-        _full_of(rows, nkv, nq, dev),
-    ]
+    kv_p, q_p, kv_f, q_f = (
+        torch.empty((rows, n, m), dtype=torch.int32, device=dev)
+        for n, m in ((nq, nkv), (nkv, nq), (nq, nkv), (nkv, nq))
+    )
     runs = row_runs(mask, grid)
     cols = column_runs(runs, grid)
-    lines = Runs(
-        *(torch.cat([a.reshape(-1), b.reshape(-1)]) for a, b in zip(runs, cols, strict=True))
+    (kv_ps, kv_pl), (kv_fs, kv_fl) = _line_runs(Runs(*(t.reshape(-1) for t in runs)), nkv)
+    (q_ps, q_pl), (q_fs, q_fl) = _line_runs(Runs(*(t.reshape(-1) for t in cols)), nq)
+    for out, starts, lens in (
+        (kv_p, kv_ps, kv_pl),
+        (q_p, q_ps, q_pl),
+        (kv_f, kv_fs, kv_fl),
+        (q_f, q_fs, q_fl),
+    ):
+        _expand_runs(out.view(-1), starts, lens)
+    counts = (
+        kv_pl[:, :2].sum(1, dtype=torch.int32).view(rows, 1, nq),
+        q_pl[:, :2].sum(1, dtype=torch.int32).view(rows, 1, nkv),
+        kv_fl[:, 0].to(torch.int32).view(rows, 1, nq),
+        q_fl[:, 0].to(torch.int32).view(rows, 1, nkv),
     )
-    (p_start, p_len), (f_start, f_len) = _sets(lines)
-    kv_lines = rows * nq
-    # Where each line begins in its own tensor.
-    line_base = torch.cat(
-        [torch.arange(kv_lines, device=dev) * nkv, torch.arange(rows * nkv, device=dev) * nq]
-    )
-    run_len = torch.cat([p_len.reshape(-1), f_len.reshape(-1)])
-    first_slot = torch.cat(
-        [(line_base.unsqueeze(1) + p_len.cumsum(1) - p_len).reshape(-1), line_base]
-    )
-    starts = torch.cat([p_start.reshape(-1), f_start.reshape(-1)])
-    ends = run_len.cumsum(0)
-    # The entries of each tensor, in order: partial runs are 2 per line, full runs 1.
-    lines_all = kv_lines + rows * nkv
-    last_runs = [2 * kv_lines, 2 * lines_all, 2 * lines_all + kv_lines, 3 * lines_all]
-    bounds = [0, *ends[torch.tensor(last_runs, device=dev) - 1].tolist()]
-    totals = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    # Entry e of run r goes to slot e + (first_slot[r] - first_entry[r]) and holds
-    # e + (start[r] - first_entry[r]): per run one slot shift and one value shift, written
-    # as a cumsum of ones plus the shifts' jumps where each run begins (runs that are empty
-    # jump at the same place; the jumps add up).
-    total = bounds[-1]
-    if total:
-        first_entry = ends - run_len
-        shift = torch.stack([first_slot - first_entry, starts - first_entry])
-        jump = torch.diff(shift, dim=1, prepend=torch.zeros_like(shift[:, :1]))
-        inside = first_entry < total  # empty runs at the very end jump nowhere
-        steps = torch.ones(2, total, dtype=torch.int64, device=dev)
-        steps[:, :1] = 0
-        steps.scatter_add_(1, first_entry.clamp(max=total - 1).expand(2, -1), jump * inside)
-        slot_value = steps.cumsum_(1)
-        slots, values = slot_value[0], slot_value[1].to(torch.int32)
-        for out, slot, value in zip(outs, slots.split(totals), values.split(totals), strict=True):
-            out.view(-1).scatter_(0, slot, value)
-    p_count = p_len.sum(1, dtype=torch.int32)
-    f_count = f_len.squeeze(1).to(torch.int32)
-    counts = [
-        p_count[:kv_lines].view(rows, 1, nq).clone(),
-        p_count[kv_lines:].view(rows, 1, nkv).clone(),
-        f_count[:kv_lines].view(rows, 1, nq).clone(),
-        f_count[kv_lines:].view(rows, 1, nkv).clone(),
-    ]
-    kv_p, q_p, kv_f, q_f = (out.unsqueeze(1) for out in outs)
     return (
-        Ordered(counts[0], kv_p, counts[2], kv_f),
-        Ordered(counts[1], q_p, counts[3], q_f),
+        Ordered(counts[0], kv_p.unsqueeze(1), counts[2], kv_f.unsqueeze(1)),
+        Ordered(counts[1], q_p.unsqueeze(1), counts[3], q_f.unsqueeze(1)),
     )
