@@ -76,15 +76,6 @@ class _NaryMod(MaskModFn):
     def __init__(self, mods: tuple[MaskMod, ...]) -> None:
         self.mods = tuple(mods)
 
-    @classmethod
-    def lowered(cls, parts: list[Lowered]) -> Lowered:
-        """The node's Lowered from its children's; one object when each child's evaluator is
-        its mask_mod (every piece but from_mask_mod)."""
-        mask_mod = cls(tuple(part.mask_mod for part in parts))
-        if all(part.evaluate is part.mask_mod for part in parts):
-            return Lowered(mask_mod, mask_mod)
-        return Lowered(mask_mod, cls(tuple(part.evaluate for part in parts)))
-
     def __repr__(self) -> str:
         return f"{self._name}({', '.join(map(repr, self.mods))})"
 
@@ -113,6 +104,15 @@ class OrMod(_NaryMod):
         for mod in self.mods[1:]:
             result = result | mod(b, h, q_idx, kv_idx)
         return result
+
+
+def _combined(make: Callable[[tuple[MaskMod, ...]], MaskMod], parts: list[Lowered]) -> Lowered:
+    """A node's Lowered from its children's; one object when each child's evaluator is its
+    mask_mod (every piece but from_mask_mod)."""
+    mask_mod = make(tuple(part.mask_mod for part in parts))
+    if all(part.evaluate is part.mask_mod for part in parts):
+        return Lowered(mask_mod, mask_mod)
+    return Lowered(mask_mod, make(tuple(part.evaluate for part in parts)))
 
 
 class NotMod(MaskModFn):
@@ -493,7 +493,7 @@ class And(_Nary):
         return codes
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        return AndMod.lowered([c._lower(length, device) for c in self.children])
+        return _combined(AndMod, [c._lower(length, device) for c in self.children])
 
     def _has_intervals(self) -> bool:
         return all(c._has_intervals() for c in self.children)
@@ -533,7 +533,7 @@ class Or(_Nary):
         return codes
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        return OrMod.lowered([c._lower(length, device) for c in self.children])
+        return _combined(OrMod, [c._lower(length, device) for c in self.children])
 
     # A union of intervals that all start at 0 is the interval up to the largest end: a
     # prefix-LM, `causal() | prefix(n)`, is [0, max(q, n - 1)]. Its lo is 0 and its hi a max
