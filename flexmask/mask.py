@@ -34,6 +34,103 @@ class Lowered(NamedTuple):
     """The same predicate, callable with broadcasting index tensors of any shape."""
 
 
+class MaskModFn:
+    """Base of flexmask's mask_mods: a module-level callable object holding its tensors.
+
+    Unlike a closure, it pickles (``pickle``, ``torch.save``, ``copy.deepcopy`` of a BlockMask
+    work) and unpickles to a mask_mod that evaluates identically. Compiled ``flex_attention``
+    traces ``__call__`` like a function: dynamo guards the class and the held tensors'
+    dtypes and shapes, so a new object holding new same-shape tensors does not recompile.
+    Equality stays identity: two mask_mods are the same mask only by their Mask's key.
+    Subclasses define ``__call__(b, h, q_idx, kv_idx)``, index arithmetic only.
+    """
+
+    __slots__ = ()
+    _name = "mask_mod"
+
+    @property
+    def __name__(self) -> str:  # what torch's BlockMask repr prints
+        return self._name
+
+    def _fields(self) -> list[str]:
+        classes = reversed(type(self).__mro__)
+        names = [n for cls in classes for n in cls.__dict__.get("__slots__", ())]
+        return [f"{n}={_describe(getattr(self, n))}" for n in names]
+
+    def __repr__(self) -> str:
+        return f"{self._name}({', '.join(self._fields())})"
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, Tensor):
+        shape = ", ".join(map(str, value.shape))
+        return f"{str(value.dtype).removeprefix('torch.')}[{shape}]"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(_describe, value)) + ")"
+    return repr(value)
+
+
+class _NaryMod(MaskModFn):
+    __slots__ = ("mods",)
+
+    def __init__(self, mods: tuple[MaskMod, ...]) -> None:
+        self.mods = tuple(mods)
+
+    def __repr__(self) -> str:
+        return f"{self._name}({', '.join(map(repr, self.mods))})"
+
+
+class AndMod(_NaryMod):
+    """``mods[0] & mods[1] & ...``: the mask_mod of an ``&`` node."""
+
+    __slots__ = ()
+    _name = "and_masks"
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        result = self.mods[0](b, h, q_idx, kv_idx)
+        for mod in self.mods[1:]:
+            result = result & mod(b, h, q_idx, kv_idx)
+        return result
+
+
+class OrMod(_NaryMod):
+    """``mods[0] | mods[1] | ...``: the mask_mod of an ``|`` node."""
+
+    __slots__ = ()
+    _name = "or_masks"
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        result = self.mods[0](b, h, q_idx, kv_idx)
+        for mod in self.mods[1:]:
+            result = result | mod(b, h, q_idx, kv_idx)
+        return result
+
+
+def _combined(make: Callable[[tuple[MaskMod, ...]], MaskMod], parts: list[Lowered]) -> Lowered:
+    """A node's Lowered from its children's; one object when each child's evaluator is its
+    mask_mod (every piece but from_mask_mod)."""
+    mask_mod = make(tuple(part.mask_mod for part in parts))
+    if all(part.evaluate is part.mask_mod for part in parts):
+        return Lowered(mask_mod, mask_mod)
+    return Lowered(mask_mod, make(tuple(part.evaluate for part in parts)))
+
+
+class NotMod(MaskModFn):
+    """``~mod``: the mask_mod of a ``~`` node."""
+
+    __slots__ = ("mod",)
+    _name = "not_mask"
+
+    def __init__(self, mod: MaskMod) -> None:
+        self.mod = mod
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return ~self.mod(b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        return f"{self._name}({self.mod!r})"
+
+
 class Intervals(NamedTuple):
     """For given query positions, the one kv interval ``[lo, hi]`` each attends (empty when
     lo > hi).
@@ -396,23 +493,7 @@ class And(_Nary):
         return codes
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        lowered = [c._lower(length, device) for c in self.children]
-        mods = tuple(low.mask_mod for low in lowered)
-        evals = tuple(low.evaluate for low in lowered)
-
-        def and_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            result = mods[0](b, h, q_idx, kv_idx)
-            for mod in mods[1:]:
-                result = result & mod(b, h, q_idx, kv_idx)
-            return result
-
-        def and_eval(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            result = evals[0](b, h, q_idx, kv_idx)
-            for ev in evals[1:]:
-                result = result & ev(b, h, q_idx, kv_idx)
-            return result
-
-        return Lowered(and_mask, and_eval)
+        return _combined(AndMod, [c._lower(length, device) for c in self.children])
 
     def _has_intervals(self) -> bool:
         return all(c._has_intervals() for c in self.children)
@@ -452,23 +533,7 @@ class Or(_Nary):
         return codes
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        lowered = [c._lower(length, device) for c in self.children]
-        mods = tuple(low.mask_mod for low in lowered)
-        evals = tuple(low.evaluate for low in lowered)
-
-        def or_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            result = mods[0](b, h, q_idx, kv_idx)
-            for mod in mods[1:]:
-                result = result | mod(b, h, q_idx, kv_idx)
-            return result
-
-        def or_eval(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            result = evals[0](b, h, q_idx, kv_idx)
-            for ev in evals[1:]:
-                result = result | ev(b, h, q_idx, kv_idx)
-            return result
-
-        return Lowered(or_mask, or_eval)
+        return _combined(OrMod, [c._lower(length, device) for c in self.children])
 
     # A union of intervals that all start at 0 is the interval up to the largest end: a
     # prefix-LM, `causal() | prefix(n)`, is [0, max(q, n - 1)]. Its lo is 0 and its hi a max
@@ -536,15 +601,10 @@ class Not(Mask):
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
         inner = self.child._lower(length, device)
-        mod, ev = inner.mask_mod, inner.evaluate
-
-        def not_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return ~mod(b, h, q_idx, kv_idx)
-
-        def not_eval(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return ~ev(b, h, q_idx, kv_idx)
-
-        return Lowered(not_mask, not_eval)
+        mask_mod = NotMod(inner.mask_mod)
+        if inner.evaluate is inner.mask_mod:
+            return Lowered(mask_mod, mask_mod)
+        return Lowered(mask_mod, NotMod(inner.evaluate))
 
     def __repr__(self) -> str:
         return f"~{self.child!r}"

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from flexmask.blocks import BlockGrid
-from flexmask.mask import Mask
+from flexmask.mask import Mask, MaskModFn
 
 
 class Piece(Mask):
@@ -84,3 +84,25 @@ def _device_key(device: torch.device) -> tuple[str, int]:
 def per_row_view(values: Tensor, per_row: bool, device: torch.device) -> Tensor:
     """(R, 1, 1, 1) view of per-row values for block classification."""
     return values.to(device).view(-1, 1, 1, 1) if per_row else values.to(device).view(1, 1, 1, 1)
+
+
+class PieceMod(MaskModFn):
+    """A piece's mask_mod. Its data is given per batch row (``per_row``: tables indexed by
+    ``b`` first) or shared by every row (0-d values, 1-d tables); the two helpers pick, so
+    each piece writes its predicate once."""
+
+    __slots__ = ("per_row",)
+
+    def __init__(self, per_row: bool = False) -> None:
+        self.per_row = per_row
+
+    def _fields(self) -> list[str]:
+        return [f for f in super()._fields() if self.per_row or f != "per_row=False"]
+
+    def _value(self, values: Tensor, b: Tensor) -> Tensor:
+        """Row b's value: ``values`` is (R,) per row, 0-d when shared."""
+        return values[b] if self.per_row else values
+
+    def _lookup(self, table: Tensor, b: Tensor, idx: Tensor) -> Tensor:
+        """Row b's table entry at idx: ``table`` is (R, n) per row, (n,) when shared."""
+        return table[b, idx] if self.per_row else table[idx]

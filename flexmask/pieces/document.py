@@ -10,7 +10,7 @@ from torch import Tensor
 from flexmask._validate import digest, int_vector, is_nested, source_device
 from flexmask.blocks import BlockGrid, codes_from
 from flexmask.mask import Intervals, Lowered
-from flexmask.pieces._base import Piece
+from flexmask.pieces._base import Piece, PieceMod
 
 _PAST = 1 << 62  # pads document starts and ends: past every position
 
@@ -113,20 +113,8 @@ class Document(Piece):
         # int32 ids, -1 past the documents; sized by the sequence length, never by the number
         # of documents, so a compiled kernel sees one shape for every batch of this length.
         doc_id = self._doc_ids(length, device)
-        last = length  # index of the trailing sentinel entry (-1: no document)
-        if self.per_row:
-
-            def document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                q_doc = doc_id[b, q_idx.clamp(max=last)]
-                return (q_doc == doc_id[b, kv_idx.clamp(max=last)]) & (q_doc >= 0)
-        else:
-            doc_id_1d = doc_id[0]
-
-            def document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                q_doc = doc_id_1d[q_idx.clamp(max=last)]
-                return (q_doc == doc_id_1d[kv_idx.clamp(max=last)]) & (q_doc >= 0)
-
-        return Lowered(document, document)
+        mod = DocumentMod(doc_id if self.per_row else doc_id[0], self.per_row)
+        return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         # Only the queried positions: the document of each is one search among its row's
@@ -159,6 +147,26 @@ class Document(Piece):
         if self.per_row:
             return f"document(<{len(self.seq_lens)} rows>)"
         return f"document({self.seq_lens[0].tolist()})"
+
+
+class DocumentMod(PieceMod):
+    """document's mask_mod: q and kv have the same document id, and q has one.
+
+    ``doc_id`` is int32 ``(R, length + 1)`` per row, ``(length + 1,)`` shared; its last entry
+    is a -1 sentinel that indices past the lookup are clamped onto.
+    """
+
+    __slots__ = ("doc_id",)
+    _name = "document"
+
+    def __init__(self, doc_id: Tensor, per_row: bool) -> None:
+        super().__init__(per_row)
+        self.doc_id = doc_id
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        last = self.doc_id.shape[-1] - 1
+        q_doc = self._lookup(self.doc_id, b, q_idx.clamp(max=last))
+        return (q_doc == self._lookup(self.doc_id, b, kv_idx.clamp(max=last))) & (q_doc >= 0)
 
 
 def _check_lens(value: Any, name: str) -> Tensor:

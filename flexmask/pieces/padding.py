@@ -9,6 +9,7 @@ from torch import Tensor
 
 from flexmask.blocks import BlockGrid, codes_from
 from flexmask.mask import Intervals, Lowered
+from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
 
 
@@ -40,18 +41,8 @@ class Padding(RowValuePiece):
         return codes_from(nonempty, full)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        lengths = self._captured(device)
-        if self.per_row:
-
-            def padding(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                row_len = lengths[b]
-                return (q_idx < row_len) & (kv_idx < row_len)
-        else:
-
-            def padding(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return (q_idx < lengths) & (kv_idx < lengths)
-
-        return Lowered(padding, padding)
+        mod = PaddingMod(self._captured(device), self.per_row)
+        return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         row_len = self._at_rows(row, grid)
@@ -60,6 +51,21 @@ class Padding(RowValuePiece):
         lo = torch.where(inside, 0, 1)
         hi = torch.where(inside, row_len - 1, 0)
         return Intervals(lo, hi)
+
+
+class PaddingMod(PieceMod):
+    """padding's mask_mod: ``q_idx < lengths[b] and kv_idx < lengths[b]``."""
+
+    __slots__ = ("lengths",)
+    _name = "padding"
+
+    def __init__(self, lengths: Tensor, per_row: bool) -> None:
+        super().__init__(per_row)
+        self.lengths = lengths
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        row_len = self._value(self.lengths, b)
+        return (q_idx < row_len) & (kv_idx < row_len)
 
 
 def padding(lengths: Any) -> Padding:

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from flexmask.blocks import BlockGrid, codes_from
 from flexmask.mask import Intervals, Lowered
+from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
 
 
@@ -33,21 +34,26 @@ class Prefix(RowValuePiece):
         return codes_from(grid.kv_first < length, grid.kv_last < length)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        prefix_len = self._captured(device)
-        if self.per_row:
-
-            def prefix(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return kv_idx < prefix_len[b]
-        else:
-
-            def prefix(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return kv_idx < prefix_len
-
-        return Lowered(prefix, prefix)
+        mod = PrefixMod(self._captured(device), self.per_row)
+        return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         hi = (self._at_rows(row, grid) - 1).expand_as(q_idx)
         return Intervals(torch.zeros_like(q_idx), hi)
+
+
+class PrefixMod(PieceMod):
+    """prefix's mask_mod: ``kv_idx < length[b]``."""
+
+    __slots__ = ("length",)
+    _name = "prefix"
+
+    def __init__(self, length: Tensor, per_row: bool) -> None:
+        super().__init__(per_row)
+        self.length = length
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return kv_idx < self._value(self.length, b)
 
 
 def prefix(length: Any) -> Prefix:

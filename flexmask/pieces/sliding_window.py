@@ -9,6 +9,7 @@ from torch import Tensor
 
 from flexmask.blocks import BlockGrid, codes_from
 from flexmask.mask import Intervals, Lowered
+from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
 
 
@@ -39,21 +40,26 @@ class SlidingWindow(RowValuePiece):
         return codes_from(nearest < size, farthest < size)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        size = self._captured(device)
-        if self.per_row:
-
-            def sliding_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return (q_idx - kv_idx).abs() < size[b]
-        else:
-
-            def sliding_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return (q_idx - kv_idx).abs() < size
-
-        return Lowered(sliding_window, sliding_window)
+        mod = SlidingWindowMod(self._captured(device), self.per_row)
+        return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         size = self._at_rows(row, grid)
         return Intervals(q_idx - size + 1, q_idx + size - 1)
+
+
+class SlidingWindowMod(PieceMod):
+    """sliding_window's mask_mod: ``|q_idx - kv_idx| < size[b]``."""
+
+    __slots__ = ("size",)
+    _name = "sliding_window"
+
+    def __init__(self, size: Tensor, per_row: bool) -> None:
+        super().__init__(per_row)
+        self.size = size
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx - kv_idx).abs() < self._value(self.size, b)
 
 
 def sliding_window(size: Any) -> SlidingWindow:
