@@ -252,22 +252,26 @@ def test_edges_equal_their_plain_equivalent(mask, same_as):
 
 
 def test_intervals_of_edge_values_keep_the_closed_form_properties():
-    # lo(q) <= q where a query attends, an empty interval otherwise, nothing near overflow.
-    grid = make_grid(flexmask.causal(), 1, 1, 40, 40, "cpu", 16)
-    q_idx = torch.arange(40).view(1, -1)
+    # Every query's interval starts at or before it (lo(q) <= q), or is the explicit empty
+    # [1, 0] (never [q + 1, q - 1]); nothing is near int64 overflow, whatever the size.
+    length = 40
+    grid = make_grid(flexmask.causal(), 1, 1, length, length, "cpu", 16)
+    q_idx = torch.arange(length).view(1, -1)
     row = torch.zeros(1, 1, dtype=torch.int64)
     for piece in (
         flexmask.sliding_window(0),
+        flexmask.sliding_window(1),
         flexmask.sliding_window(INT64_MAX),
         flexmask.prefix(0),
         flexmask.prefix(INT64_MAX),
         flexmask.padding(0),
+        flexmask.padding(length),
         flexmask.document([0, 7, 0]),
     ):
-        lo, hi = (t.expand(1, 40) for t in piece._intervals(q_idx, row, grid))
-        attends = lo <= hi
-        assert bool((lo[attends] <= q_idx.expand(1, 40)[attends]).all()), piece
-        assert bool((lo.abs() <= 2 * 40).all() and (hi.abs() <= 2 * 40).all()), piece
+        lo, hi = (t.expand(1, length) for t in piece._intervals(q_idx, row, grid))
+        assert bool((lo <= q_idx.clamp(min=1)).all()), f"{piece}: lo > q at {lo}"
+        assert bool(((lo <= hi) | ((lo == 1) & (hi == 0)) | (hi == lo - 1)).all()), piece
+        assert bool((lo.abs() <= 2 * length).all() and (hi.abs() <= 2 * length).all()), piece
 
 
 @pytest.mark.parametrize(
