@@ -395,3 +395,17 @@ def test_any_size_gives_the_right_mask_or_a_clear_error(data):
             _and(reference, causal) if mask == piece & flexmask.causal() else _or(reference, causal)
         )
     _assert_exact(mask, reference, q_len, kv_len, block)
+
+
+def test_numpy_integers_in_attention_and_plot_options(tmp_path):
+    from flexmask.block_sparse import block_sparse_attention
+
+    q = torch.randn(1, 2, 40, 8)
+    bm = flexmask.create_block_mask(flexmask.causal(), 1, 1, 40, 40, "cpu", 16)
+    chunked = block_sparse_attention(q, q, q, bm, max_chunk_elements=np.int64(100))
+    torch.testing.assert_close(chunked, block_sparse_attention(q, q, q, bm))
+    pytest.importorskip("matplotlib")
+    path = flexmask.plot(
+        flexmask.causal(), tmp_path / "x.png", Q_LEN=8, max_elements=np.int64(64), head=np.int8(0)
+    )
+    assert path.endswith("x.png")
