@@ -55,8 +55,9 @@ def test_bad_pieces(make, error, match):
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(Q_LEN=0), ValueError, "Q_LEN must be >= 1"),
-        (dict(KV_LEN=-5), ValueError, "KV_LEN must be >= 1"),
+        (dict(Q_LEN=-1), ValueError, "Q_LEN must be >= 0"),
+        (dict(KV_LEN=-5), ValueError, "KV_LEN must be >= 0"),
+        (dict(Q_LEN=2**63), ValueError, "Q_LEN must fit in a signed 64-bit"),
         (dict(Q_LEN=10.0), TypeError, "Q_LEN must be an int"),
         (dict(B=0), ValueError, "B must be >= 1"),
         (dict(H="2"), TypeError, "H must be an int"),
