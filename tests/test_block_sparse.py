@@ -167,17 +167,39 @@ def grads(out, grad_out, inputs):
 
 
 def assert_matches_oracles(q, k, v, grad_out, block_mask, dense, atol, **kwargs):
+    """Output, gradients and lse of the sparse kernel (with an lse gradient too), and output
+    and gradients of the SDPA backend, against the dense oracles."""
     enable_gqa = q.size(1) != k.size(1)
     out, lse = block_sparse_attention(
         q, k, v, block_mask, enable_gqa=enable_gqa, return_lse=True, **kwargs
     )
     expected = sdpa_oracle(q, k, v, dense)
     torch.testing.assert_close(out, expected, atol=atol, rtol=0)
+    retained = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+    oracle = torch.autograd.grad(expected, (q, k, v), grad_out, retain_graph=True)
+    for got, want in zip(retained, oracle, strict=True):
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    expected_lse = lse_oracle(q, k, dense)
+    torch.testing.assert_close(lse, expected_lse, atol=atol, rtol=0)
+    # The lse is differentiable: a loss on both outputs, against the same loss on the oracles.
+    lse_weight = torch.randn(lse.shape, generator=torch.Generator().manual_seed(1), dtype=lse.dtype)
+
+    def loss(o, lse_):
+        return (o * grad_out).sum() + (lse_.masked_fill(lse_ == -math.inf, 0) * lse_weight).sum()
+
     for got, want in zip(
-        grads(out, grad_out, (q, k, v)), grads(expected, grad_out, (q, k, v)), strict=True
+        torch.autograd.grad(loss(out, lse), (q, k, v)),
+        torch.autograd.grad(loss(expected, expected_lse), (q, k, v), retain_graph=True),
+        strict=True,
     ):
         torch.testing.assert_close(got, want, atol=atol, rtol=0)
-    torch.testing.assert_close(lse, lse_oracle(q, k, dense), atol=atol, rtol=0)
+    kwargs.pop("backend", None)
+    by_sdpa = block_sparse_attention(q, k, v, block_mask, enable_gqa=enable_gqa, backend="sdpa", **kwargs)
+    torch.testing.assert_close(by_sdpa, expected, atol=atol, rtol=0)
+    for got, want in zip(
+        grads(by_sdpa, grad_out, (q, k, v)), grads(expected, grad_out, (q, k, v)), strict=True
+    ):
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
     return out, lse
 
 
