@@ -60,7 +60,7 @@ DEFAULT_MEMORY_BUDGET = 256 << 20
 
 # choose_backend: SDPA with a dense mask wins on a CPU above this share of listed blocks, or
 # below this many (query, key) pairs in all (measured: benchmarks/bench_cpu_backward.py).
-SDPA_MIN_DENSITY = 0.55
+SDPA_MIN_DENSITY = 0.25
 SDPA_MAX_PAIRS = 256 * 256
 
 # A chunk stops growing when fewer than this share of its (q block, column) pairs are listed:

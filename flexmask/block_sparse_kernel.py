@@ -40,7 +40,9 @@ class Group(NamedTuple):
     blocks: Tensor  # (n,) q block indices, long
     columns: Tensor  # (n, W) kv block indices per q block, ascending, long
     kinds: Tensor  # (Bm, Hkv | 1, G | 1, n, W) int8 block kinds at those positions
-    masked: bool  # some pair is partial, absent for some batch/head, or runs past KV_LEN
+    # Positions [first, stop) among the W columns that need a mask (a partial block, one
+    # absent for some batch/head, or the ragged last block); None when none does.
+    mask_span: tuple[int, int] | None
 
 
 class Layout(NamedTuple):
@@ -90,12 +92,14 @@ def make_groups(kinds: Tensor, layout: Layout, max_elements: int) -> list[Group]
             part = blocks[start : start + step]
             columns = order[part, :width]
             group_kinds = kinds[..., part[:, None], columns]
-            partial_or_mixed = bool(
-                (group_kinds == _PARTIAL).any()
-                or (per_row > 1 and not bool(uniform[part[:, None], columns].all()))
-            )
-            past_end = ragged and bool((columns == num_kv_blocks - 1).any())
-            groups.append(Group(part, columns, group_kinds, partial_or_mixed or past_end))
+            needs_mask = (group_kinds == _PARTIAL).flatten(0, 2).any(dim=0)  # (n, W)
+            if per_row > 1:
+                needs_mask |= ~uniform[part[:, None], columns]
+            if ragged:
+                needs_mask |= columns == num_kv_blocks - 1
+            positions = needs_mask.any(dim=0).nonzero().flatten().tolist()
+            span = (positions[0], positions[-1] + 1) if positions else None
+            groups.append(Group(part, columns, group_kinds, span))
     return groups
 
 
@@ -130,31 +134,43 @@ def _add_columns(target: Tensor, columns: Tensor, grads: Tensor) -> None:
 
 
 def _allowed(group: Group, layout: Layout, mask_fn: MaskFn) -> Tensor:
-    """The group's bool mask, broadcastable to the scores viewed as
-    (B, Hkv, n, G, Q_BLOCK, W * KV_BLOCK); built at the mask's own batch/head size."""
-    kinds = group.kinds[..., None, :, None]  # (Bm, Hk, Gm, n, 1, W, 1)
+    """The group's bool mask over its mask span, broadcastable to the scores viewed as
+    (B, Hkv, n, G, Q_BLOCK, span * KV_BLOCK); built at the mask's own batch/head size."""
+    assert group.mask_span is not None
+    first, stop = group.mask_span
+    span = group._replace(columns=group.columns[:, first:stop], kinds=group.kinds[..., first:stop])
+    kinds = span.kinds[..., None, :, None]  # (Bm, Hk, Gm, n, 1, w, 1)
     allowed = kinds == _FULL
-    if bool((group.kinds == _PARTIAL).any()):
-        allowed = allowed | ((kinds == _PARTIAL) & mask_fn(group))
-    kv_tokens = group.columns[:, :, None] * layout.kv_block + torch.arange(layout.kv_block)
-    n, width = group.columns.shape
-    inside = (kv_tokens < layout.kv_len).view(1, 1, 1, n, 1, width, layout.kv_block)
-    allowed = allowed & inside
+    if bool((span.kinds == _PARTIAL).any()):
+        allowed = allowed | ((kinds == _PARTIAL) & mask_fn(span))
+    kv_tokens = span.columns[:, :, None] * layout.kv_block + torch.arange(layout.kv_block)
+    n, width = span.columns.shape
+    if bool((kv_tokens >= layout.kv_len).any()):
+        inside = (kv_tokens < layout.kv_len).view(1, 1, 1, n, 1, width, layout.kv_block)
+        allowed = allowed & inside
     shape = allowed.shape
     allowed = allowed.reshape(*shape[:5], shape[5] * shape[6])
-    return allowed.transpose(2, 3)  # (b, hk, n, g, Q_BLOCK or 1, W * KV_BLOCK)
+    return allowed.transpose(2, 3)  # (b, hk, n, g, Q_BLOCK or 1, w * KV_BLOCK)
 
 
 def _masked_scores(
-    queries: Tensor, keys: Tensor, allowed: Tensor | None, layout: Layout, n: int
+    queries: Tensor, keys: Tensor, allowed: Tensor | None, group: Group, layout: Layout
 ) -> Tensor:
     """Scores of a group, (B * Hkv * n, G * Q_BLOCK, W * KV_BLOCK), refused pairs at -inf."""
     scores = torch.bmm(queries, keys.transpose(1, 2))
-    if allowed is not None:
+    if allowed is not None and group.mask_span is not None:
+        first, stop = group.mask_span
         view = scores.view(
-            layout.batch, layout.kv_heads, n, layout.group, layout.q_block, scores.size(-1)
+            layout.batch,
+            layout.kv_heads,
+            group.blocks.numel(),
+            layout.group,
+            layout.q_block,
+            scores.size(-1),
         )
-        view.masked_fill_(~allowed, -math.inf)
+        view[..., first * layout.kv_block : stop * layout.kv_block].masked_fill_(
+            ~allowed, -math.inf
+        )
     return scores
 
 
@@ -179,12 +195,11 @@ def forward(
     saved_probs: list[Tensor | None] = []
     saved_masks: list[Tensor | None] = []
     for g in groups:
-        n = g.blocks.numel()
         queries = _gather_rows(q_blocks, g.blocks, layout)
         keys = _gather_columns(k_blocks, g.columns)
         values = _gather_columns(v_blocks, g.columns)
-        allowed = _allowed(g, layout, mask_fn) if g.masked else None
-        probs = _masked_scores(queries, keys, allowed, layout, n)
+        allowed = None if g.mask_span is None else _allowed(g, layout, mask_fn)
+        probs = _masked_scores(queries, keys, allowed, g, layout)
         row_max = probs.amax(dim=-1, keepdim=True)
         # A row with no allowed key has max -inf: subtracting 0 instead leaves exp(-inf) = 0,
         # so its sum is 0, its output 0 and its lse log(0) = -inf, with no NaN on the way.
@@ -242,14 +257,13 @@ def backward(
     for index, g in enumerate(groups):
         probs, allowed = saved_probs[index], saved_masks[index]
         saved_probs[index] = saved_masks[index] = None  # freed as the backward goes
-        n = g.blocks.numel()
         queries = _gather_rows(q_blocks, g.blocks, layout)
         keys = _gather_columns(k_blocks, g.columns)
         values = _gather_columns(v_blocks, g.columns)
         if probs is None:
-            if allowed is None and g.masked:
+            if allowed is None and g.mask_span is not None:
                 allowed = _allowed(g, layout, mask_fn)
-            probs = _masked_scores(queries, keys, allowed, layout, n)
+            probs = _masked_scores(queries, keys, allowed, g, layout)
             probs.sub_(_gather_rows(safe_lse, g.blocks, layout)).exp_()
         grad_rows = _gather_rows(grad_out, g.blocks, layout)
         _add_columns(grad_v, g.columns, torch.bmm(probs.transpose(1, 2), grad_rows))
