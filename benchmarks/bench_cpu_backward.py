@@ -222,12 +222,16 @@ def table(rows: list[dict]) -> str:
 
 
 SUBSET = dict(
-    lengths=(2048, 8192), batches=(1,), heads=(4,),
+    lengths=(2048, 8192),
+    batches=(1,),
+    heads=(4,),
     masks=("causal", "doc-4", "doc-20", "doc-100", "window-1024", "tree"),
 )
 QUICK = dict(lengths=(1024, 2048), batches=(1,), heads=(4,), masks=("causal", "doc-20"))
 FULL = dict(
-    lengths=(1024, 2048, 4096, 8192, 16384), batches=(1, 4), heads=(4, 8),
+    lengths=(1024, 2048, 4096, 8192, 16384),
+    batches=(1, 4),
+    heads=(4, 8),
     masks=("causal", "doc-4", "doc-20", "doc-100", "window-1024", "tree"),
 )
 

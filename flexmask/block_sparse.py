@@ -321,7 +321,9 @@ def _grouped_attention(
         )
     else:
         with torch.no_grad():
-            out, lse, _, _ = kernel.forward(q_blocks, k_blocks, v_blocks, groups, layout, mask_fn, 0)
+            out, lse, _, _ = kernel.forward(
+                q_blocks, k_blocks, v_blocks, groups, layout, mask_fn, 0
+            )
     out = out.reshape(batch, plan.q_heads, -1, plan.value_dim)[:, :, : plan.q_len]
     lse = lse.reshape(batch, plan.q_heads, -1)[:, :, : plan.q_len]
     return out.to(query.dtype), lse

@@ -196,7 +196,9 @@ def assert_matches_oracles(q, k, v, grad_out, block_mask, dense, atol, **kwargs)
     ):
         torch.testing.assert_close(got, want, atol=atol, rtol=0)
     kwargs.pop("backend", None)
-    by_sdpa = block_sparse_attention(q, k, v, block_mask, enable_gqa=enable_gqa, backend="sdpa", **kwargs)
+    by_sdpa = block_sparse_attention(
+        q, k, v, block_mask, enable_gqa=enable_gqa, backend="sdpa", **kwargs
+    )
     torch.testing.assert_close(by_sdpa, expected, atol=atol, rtol=0)
     for got, want in zip(
         grads(by_sdpa, grad_out, (q, k, v)), grads(expected, grad_out, (q, k, v)), strict=True
@@ -749,7 +751,14 @@ def test_memory_budget_keeps_some_groups_and_rebuilds_the_rest(memory_budget):
     case = next(c for c in CASES if c[0] == "document-gqa")
     block_mask, dense, q, k, v, grad_out = build_case(case)
     assert_matches_oracles(
-        q, k, v, grad_out, block_mask, dense, atol=1e-10, memory_budget=memory_budget,
+        q,
+        k,
+        v,
+        grad_out,
+        block_mask,
+        dense,
+        atol=1e-10,
+        memory_budget=memory_budget,
         max_chunk_elements=20_000,
     )
 
@@ -795,8 +804,9 @@ def test_flexmask_flex_attention_returns_lse_like_torch():
         torch.testing.assert_close(lse, flex_lse, atol=1e-10, rtol=0)
         torch.testing.assert_close(lse, lse_oracle(q, k, dense), atol=1e-10, rtol=0)
         assert torch.isneginf(lse[~dense.any(-1)]).all()
-    low = flexmask.flex_attention(*(t.detach().float() for t in (q, k, v)), block_mask,
-                                  return_lse=True, compile=False)[1]
+    low = flexmask.flex_attention(
+        *(t.detach().float() for t in (q, k, v)), block_mask, return_lse=True, compile=False
+    )[1]
     assert low.dtype == torch.float32
 
 
