@@ -148,6 +148,7 @@ def _allowed(group: Group, layout: Layout, mask_fn: MaskFn) -> Tensor:
     if bool((kv_tokens >= layout.kv_len).any()):
         inside = (kv_tokens < layout.kv_len).view(1, 1, 1, n, 1, width, layout.kv_block)
         allowed = allowed & inside
+    allowed = allowed.expand(*allowed.shape[:-1], layout.kv_block)  # a block-level mask
     shape = allowed.shape
     allowed = allowed.reshape(*shape[:5], shape[5] * shape[6])
     return allowed.transpose(2, 3)  # (b, hk, n, g, Q_BLOCK or 1, w * KV_BLOCK)
