@@ -26,7 +26,8 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 
 import flexmask
 from flexmask._validate import check_int, int_vector
-from flexmask.mask import Mask, MaskMod, MaskModFn
+from flexmask.mask import Mask, MaskMod
+from flexmask.pieces._base import PieceMod
 
 _BLOCK_FIELDS = (
     "kv_num_blocks",
@@ -40,22 +41,24 @@ _BLOCK_FIELDS = (
 )
 
 
-class ShiftedMod(MaskModFn):
+class ShiftedMod(PieceMod):
     """A decode step's mask_mod: the training ``mod`` at query ``q_idx + q_offset[b]``.
 
-    ``q_offset`` is an int64 ``(B,)`` tensor (the cache lengths): new values of the same shape
-    never recompile a compiled kernel, and ``DecodeMasks`` updates it in place.
+    ``q_offset`` is an int64 tensor of the cache lengths, ``(B,)`` per row or 0-d when one
+    length holds for every row: new values of the same shape never recompile a compiled
+    kernel, and ``DecodeMasks`` updates it in place.
     """
 
     __slots__ = ("mod", "q_offset")
     _name = "shifted"
 
     def __init__(self, mod: MaskMod, q_offset: Tensor) -> None:
+        super().__init__(per_row=q_offset.dim() == 1)
         self.mod = mod
         self.q_offset = q_offset
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return self.mod(b, h, q_idx + self.q_offset[b], kv_idx)
+        return self.mod(b, h, q_idx + self._value(self.q_offset, b), kv_idx)
 
 
 def _seam_available() -> bool:
@@ -76,12 +79,14 @@ def _block_pair(block_size: Any) -> tuple[int, int]:
     return size, size
 
 
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) or (isinstance(value, Tensor) and value.dim() == 0)
+
+
 def _lens(cache_lens: Any, mask: Mask, name: str = "cache_lens") -> list[int]:
     """Per-row cache lengths as Python ints: one int for every row (``mask.rows`` rows, else
     one), or one per row."""
-    if isinstance(cache_lens, numbers.Integral) or (
-        isinstance(cache_lens, Tensor) and cache_lens.dim() == 0
-    ):
+    if _is_scalar(cache_lens):
         value = check_int(cache_lens, name, minimum=0)
         return [value] * (mask.rows or 1)
     if not isinstance(cache_lens, (Sequence, Tensor)) and not hasattr(cache_lens, "__array__"):
@@ -159,7 +164,8 @@ def decode_mask(
     Args:
         mask: the training expression; its data (documents, tree, padding) describes the
             whole sequence up to ``capacity``.
-        cache_lens: tokens already in the cache — one int for every row, or one per row.
+        cache_lens: tokens already in the cache — one int for every row (the BlockMask then
+            has B = 1 and broadcasts, unless the mask's data is per row), or one per row.
         q_len: new queries per row in this step (1 for decode, the chunk for prefill).
         capacity: the fixed KV cache length (bucket it: one compile per capacity).
             None: the smallest that fits, ``max(cache_lens) + q_len``.
@@ -192,6 +198,8 @@ def decode_mask(
     _check_window(lens, q_len, capacity)
     dev = _device(mask, device)
     offsets = torch.tensor(lens, dtype=torch.int64, device=dev)
+    if _is_scalar(cache_lens) and mask.rows is None:
+        offsets = offsets[0]  # one length for every row: a (1, H, ...) BlockMask, broadcast
     return _build(mask, offsets, q_len, capacity, heads, _block_pair(block_size), dev)
 
 
@@ -204,12 +212,13 @@ def _build(
     blocks: tuple[int, int],
     device: torch.device,
 ) -> BlockMask:
-    """The window's BlockMask with a ShiftedMod over ``offsets`` (held, not copied)."""
+    """The window's BlockMask with a ShiftedMod over ``offsets`` (held, not copied): B is
+    their count when per row (1-D), else 1."""
     batch = offsets.numel()
     shifted = ShiftedMod(mask.mask_mod_for(capacity, capacity, device), offsets)
     if _seam_available():
         built = flexmask.create_block_mask(
-            mask, batch, heads, q_len, capacity, device, blocks, q_offset=offsets
+            mask, batch, heads, q_len, capacity, device, blocks, q_offset=offsets.reshape(-1)
         )
         return _with_mask_mod(built, shifted)
     # Until flexmask.create_block_mask takes offsets: torch's build of the shifted mask_mod,
