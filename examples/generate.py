@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from _model import TinyLM, rotate
 from torch import Tensor
 
@@ -50,7 +49,9 @@ class KVCache:
         dim = model.embed.weight.shape[1]
         shape = (batch, model.num_heads, capacity, dim // model.num_heads)
         layers = len(model.blocks)
-        return cls([torch.zeros(shape) for _ in range(layers)], [torch.zeros(shape) for _ in range(layers)])
+        return cls(
+            [torch.zeros(shape) for _ in range(layers)], [torch.zeros(shape) for _ in range(layers)]
+        )
 
     def write(self, layer: int, starts: Tensor, k: Tensor, v: Tensor) -> None:
         """Writes ``k``/``v`` ``(B, H, q, D)`` at row b's positions ``[starts[b], + q)``."""
@@ -166,7 +167,9 @@ def prefill(model, rows, mask, cache, capacity, chunk, worst) -> tuple[list[int]
         block_mask = flexmask.decode_mask(mask, start, chunk, capacity, block_size=BLOCK_SIZE)
         times.append(time.perf_counter() - began)
         tokens, positions = _step_inputs(rows, [start] * batch, chunk)
-        logits = cached_forward(model, tokens, positions, cache, torch.full((batch,), start), block_mask)
+        logits = cached_forward(
+            model, tokens, positions, cache, torch.full((batch,), start), block_mask
+        )
         for b, row in enumerate(rows):
             local = row.prompt_len - 1 - start
             if 0 <= local < chunk:
@@ -191,14 +194,22 @@ def decode(model, rows, mask, cache, capacity, first, new_tokens, worst):
             began = time.perf_counter()
             steps.advance()
             elapsed = time.perf_counter() - began
-            kind = "build" if steps.builds > before[0] else "append" if steps.appends > before[1] else "reuse"
+            kind = (
+                "build"
+                if steps.builds > before[0]
+                else "append"
+                if steps.appends > before[1]
+                else "reuse"
+            )
             costs.append((elapsed, kind))
         for row, token in zip(rows, nxt, strict=True):
             row.current.append(token)
         lens = steps.cache_lens
         tokens = torch.tensor(nxt).view(-1, 1)
         positions = torch.tensor([[row.position(n)] for row, n in zip(rows, lens, strict=True)])
-        logits = cached_forward(model, tokens, positions, cache, torch.tensor(lens), steps.block_mask)
+        logits = cached_forward(
+            model, tokens, positions, cache, torch.tensor(lens), steps.block_mask
+        )
         for b, row in enumerate(rows):
             check("decode", logits[b, 0], reference_logits(model, row.current)[-1], worst)
         nxt = [int(lg.argmax()) for lg in logits[:, 0]]
@@ -217,7 +228,9 @@ def verify_draft_tree(model, rows, capacity, worst, seed: int) -> int:
     prefix_lens = [row.prompt_len for row in rows]
     docs = flexmask.document([row.doc_lens(capacity) for row in rows])
     mask = flexmask.speculative_tree(prefix_lens, draft) & docs
-    block_mask = flexmask.decode_mask(mask, prefix_lens, len(draft), capacity, block_size=BLOCK_SIZE)
+    block_mask = flexmask.decode_mask(
+        mask, prefix_lens, len(draft), capacity, block_size=BLOCK_SIZE
+    )
     tokens = torch.tensor(draft_tokens)
     positions = torch.tensor([[len(row.current) + d for d in depth] for row in rows])
     cache = KVCache.empty(model, len(rows), capacity)
@@ -226,7 +239,9 @@ def verify_draft_tree(model, rows, capacity, worst, seed: int) -> int:
     prefix_mask = flexmask.causal() & docs
     pre = flexmask.decode_mask(prefix_mask, 0, everything, capacity, block_size=BLOCK_SIZE)
     pre_tokens, pre_positions = _step_inputs(rows, [0] * len(rows), everything)
-    cached_forward(model, pre_tokens, pre_positions, cache, torch.zeros(len(rows), dtype=torch.long), pre)
+    cached_forward(
+        model, pre_tokens, pre_positions, cache, torch.zeros(len(rows), dtype=torch.long), pre
+    )
     logits = cached_forward(model, tokens, positions, cache, torch.tensor(prefix_lens), block_mask)
     for b, row in enumerate(rows):
         for node in range(len(draft)):
@@ -244,7 +259,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small run (tests use it)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--capacity", type=int, default=384)
-    parser.add_argument("--chunk", type=int, default=40, help="prefill chunk (not a block multiple)")
+    parser.add_argument(
+        "--chunk", type=int, default=40, help="prefill chunk (not a block multiple)"
+    )
     parser.add_argument("--new", type=int, default=24, help="tokens to generate per row")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -255,30 +272,42 @@ def main() -> None:
     rows = make_rows(args.batch, args.seed)
     mask = flexmask.causal() & flexmask.document([row.doc_lens(args.capacity) for row in rows])
     worst: dict[str, float] = {}
-    print(f"rows: prompt lengths {[row.prompt_len for row in rows]}, documents per row "
-          f"{[len(row.earlier) + 1 for row in rows]}, capacity {args.capacity}, "
-          f"block {BLOCK_SIZE}, chunk {args.chunk}")
+    print(
+        f"rows: prompt lengths {[row.prompt_len for row in rows]}, documents per row "
+        f"{[len(row.earlier) + 1 for row in rows]}, capacity {args.capacity}, "
+        f"block {BLOCK_SIZE}, chunk {args.chunk}"
+    )
     with torch.no_grad():
         cache = KVCache.empty(model, len(rows), args.capacity)
         first, chunk_times = prefill(model, rows, mask, cache, args.capacity, args.chunk, worst)
-        print(f"prefill: {len(chunk_times)} chunks, mask {1e6 * sum(chunk_times) / len(chunk_times):.0f} us per chunk")
+        print(
+            f"prefill: {len(chunk_times)} chunks, "
+            f"mask {1e6 * sum(chunk_times) / len(chunk_times):.0f} us per chunk"
+        )
         # The document mask decodes by building each step; causal alone reuses and appends.
         for name, step_mask in (("causal & document", mask), ("causal", flexmask.causal())):
             decode_rows = rows if step_mask is mask else [Row([], row.tokens()) for row in rows]
             if step_mask is not mask:
                 cache = KVCache.empty(model, len(rows), args.capacity)
-                first, _ = prefill(model, decode_rows, step_mask, cache, args.capacity, args.chunk, worst)
-            costs = decode(model, decode_rows, step_mask, cache, args.capacity, first, args.new, worst)
+                first, _ = prefill(
+                    model, decode_rows, step_mask, cache, args.capacity, args.chunk, worst
+                )
+            costs = decode(
+                model, decode_rows, step_mask, cache, args.capacity, first, args.new, worst
+            )
             by_kind: dict[str, list[float]] = {}
             for seconds, kind in costs:
                 by_kind.setdefault(kind, []).append(seconds)
             summary = ", ".join(
-                f"{kind} {len(v)} x {1e6 * sum(v) / len(v):.0f} us" for kind, v in sorted(by_kind.items())
+                f"{kind} {len(v)} x {1e6 * sum(v) / len(v):.0f} us"
+                for kind, v in sorted(by_kind.items())
             )
             print(f"decode ({name}): {args.new} steps; mask per step: {summary}")
         nodes = verify_draft_tree(model, rows, args.capacity, worst, args.seed)
         print(f"draft tree: {nodes} nodes verified in one forward")
-    print("max |cached - recomputed| logits: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    print(
+        "max |cached - recomputed| logits: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
+    )
     print(f"all logits equal full recomputation (atol {ATOL})")
 
 

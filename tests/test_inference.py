@@ -188,7 +188,9 @@ def test_compiled_decode_does_not_recompile_over_20_steps():
             out = flex(q, k, v, block_mask=bm)
             dense = mask.to_dense(B, H, capacity, capacity)
             window = torch.stack([dense[b, :, n : n + 1] for b, n in enumerate(steps.cache_lens)])
-            torch.testing.assert_close(out, _reference_attention(q, k, v, window), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                out, _reference_attention(q, k, v, window), atol=1e-5, rtol=0
+            )
             if step == 0:
                 graphs_after_first = counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs_after_first, repr(mask)
