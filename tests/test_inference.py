@@ -226,3 +226,13 @@ def test_paged_decode_with_a_shuffled_page_table_equals_the_contiguous_cache():
     physical = paged.convert_logical_block_mask(logical)
     out = flex(q, k_cache, v_cache, block_mask=physical)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_generate_example_matches_full_recomputation():
+    from tests.test_examples import run_example
+
+    out = run_example("generate.py", "--quick")
+    assert "all logits equal full recomputation (atol 1e-05)" in out
+    assert "draft tree: 24 nodes verified in one forward" in out
+    assert "append" in out and "reuse" in out  # the causal decode reused its BlockMask
