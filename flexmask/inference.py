@@ -14,6 +14,7 @@ lengths as a ``(B,)`` tensor and the mask's lookups padded to ``capacity``. So c
 
 from __future__ import annotations
 
+import functools
 import inspect
 import numbers
 from collections.abc import Sequence
@@ -61,6 +62,7 @@ class ShiftedMod(PieceMod):
         return self.mod(b, h, q_idx + self._value(self.q_offset, b), kv_idx)
 
 
+@functools.cache
 def _seam_available() -> bool:
     """True once ``flexmask.create_block_mask`` takes ``q_offset`` (builds windows from
     structure)."""
@@ -128,10 +130,12 @@ def _device(mask: Mask, device: Any) -> torch.device:
 
 def _with_mask_mod(block_mask: BlockMask, mask_mod: MaskMod) -> BlockMask:
     """The same tensors with another mask_mod (one mask_mod class for every step)."""
+    q_len, kv_len = block_mask.seq_lengths
+    q_block, kv_block = block_mask.BLOCK_SIZE
     return BlockMask(
-        seq_lengths=tuple(block_mask.seq_lengths),
+        seq_lengths=(q_len, kv_len),
         **{name: getattr(block_mask, name) for name in _BLOCK_FIELDS},
-        BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE),
+        BLOCK_SIZE=(q_block, kv_block),
         mask_mod=mask_mod,
     )
 
@@ -217,7 +221,8 @@ def _build(
     batch = offsets.numel()
     shifted = ShiftedMod(mask.mask_mod_for(capacity, capacity, device), offsets)
     if _seam_available():
-        built = flexmask.create_block_mask(
+        build_window: Any = flexmask.create_block_mask
+        built = build_window(
             mask, batch, heads, q_len, capacity, device, blocks, q_offset=offsets.reshape(-1)
         )
         return _with_mask_mod(built, shifted)
@@ -352,8 +357,10 @@ class DecodeMasks:
             last = (offsets + (self.q_len - 1)).div_(self._blocks[1], rounding_mode="floor")
             count = (last + 1).to(torch.int32).view(-1, 1, 1)
             bm.kv_num_blocks.copy_(count.expand_as(bm.kv_num_blocks))
-            columns = torch.arange(bm.q_num_blocks.shape[-1], device=self.device)
-            bm.q_num_blocks.copy_((columns < count).to(torch.int32).expand_as(bm.q_num_blocks))
+            q_num_blocks = bm.q_num_blocks
+            assert q_num_blocks is not None  # every BlockMask built here has its q side
+            columns = torch.arange(q_num_blocks.shape[-1], device=self.device)
+            q_num_blocks.copy_((columns < count).to(torch.int32).expand_as(q_num_blocks))
         else:
             self.reuses += 1
         return bm
