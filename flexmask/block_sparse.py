@@ -29,6 +29,7 @@ How it is laid out, and why:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -133,10 +134,11 @@ def block_sparse_attention(
         (torch.Size([1, 2, 300, 16]), torch.Size([1, 2, 300, 16]))
     """
     plan = _plan(query, key, value, block_mask, score_mod, scale, enable_gqa, mod_eval)
-    if isinstance(max_chunk_elements, bool) or not isinstance(max_chunk_elements, int):
+    if isinstance(max_chunk_elements, bool) or not isinstance(max_chunk_elements, numbers.Integral):
         raise TypeError(
             f"max_chunk_elements must be an int, got {type(max_chunk_elements).__name__}"
         )
+    max_chunk_elements = int(max_chunk_elements)  # numpy integers too
     if max_chunk_elements < 1:
         raise ValueError(f"max_chunk_elements must be >= 1, got {max_chunk_elements}")
 
