@@ -14,8 +14,6 @@ lengths as a ``(B,)`` tensor and the mask's lookups padded to ``capacity``. So c
 
 from __future__ import annotations
 
-import functools
-import inspect
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -23,12 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
-from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
 from flexmask._validate import check_int, int_vector
-from flexmask.mask import Mask, MaskMod
-from flexmask.pieces._base import PieceMod
+from flexmask.mask import Mask, MaskMod, ShiftedMod
 
 _BLOCK_FIELDS = (
     "kv_num_blocks",
@@ -40,33 +36,6 @@ _BLOCK_FIELDS = (
     "full_q_num_blocks",
     "full_q_indices",
 )
-
-
-class ShiftedMod(PieceMod):
-    """A decode step's mask_mod: the training ``mod`` at query ``q_idx + q_offset[b]``.
-
-    ``q_offset`` is an int64 tensor of the cache lengths, ``(B,)`` per row or 0-d when one
-    length holds for every row: new values of the same shape never recompile a compiled
-    kernel, and ``DecodeMasks`` updates it in place.
-    """
-
-    __slots__ = ("mod", "q_offset")
-    _name = "shifted"
-
-    def __init__(self, mod: MaskMod, q_offset: Tensor) -> None:
-        super().__init__(per_row=q_offset.dim() == 1)
-        self.mod = mod
-        self.q_offset = q_offset
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return self.mod(b, h, q_idx + self._value(self.q_offset, b), kv_idx)
-
-
-@functools.cache
-def _seam_available() -> bool:
-    """True once ``flexmask.create_block_mask`` takes ``q_offset`` (builds windows from
-    structure)."""
-    return "q_offset" in inspect.signature(flexmask.create_block_mask).parameters
 
 
 def _block_pair(block_size: Any) -> tuple[int, int]:
@@ -219,17 +188,12 @@ def _build(
     """The window's BlockMask with a ShiftedMod over ``offsets`` (held, not copied): B is
     their count when per row (1-D), else 1."""
     batch = offsets.numel()
-    shifted = ShiftedMod(mask.mask_mod_for(capacity, capacity, device), offsets)
-    if _seam_available():
-        build_window: Any = flexmask.create_block_mask
-        built = build_window(
-            mask, batch, heads, q_len, capacity, device, blocks, q_offset=offsets.reshape(-1)
-        )
-        return _with_mask_mod(built, shifted)
-    # Until flexmask.create_block_mask takes offsets: torch's build of the shifted mask_mod,
-    # exact and O(B * H * q_len * capacity) — cheap for decode, where q_len is small.
-    built = torch_create_block_mask(
-        shifted, batch, heads, q_len, capacity, device=device, BLOCK_SIZE=blocks
+    # The window's mask_mod holds these very offsets (DecodeMasks updates them in place).
+    shifted = ShiftedMod(
+        mask.mask_mod_for(capacity, capacity, device), offsets, torch.zeros_like(offsets)
+    )
+    built = flexmask.create_block_mask(
+        mask, batch, heads, q_len, capacity, device, blocks, q_offset=offsets.reshape(-1)
     )
     return _with_mask_mod(built, shifted)
 
