@@ -12,7 +12,7 @@ Example:
 """
 
 from flexmask.attention import compile_enabled, flex_attention, set_compile
-from flexmask.builder import create_block_mask, same_blocks
+from flexmask.build import create_block_mask, same_blocks
 from flexmask.cache import CacheInfo, MaskCache, cache_clear, cache_info, default_cache
 from flexmask.inference import DecodeMasks, decode_mask, speculative_tree
 from flexmask.lazy import LazyBlockMask, lazy

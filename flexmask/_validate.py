@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -139,3 +140,49 @@ def digest(*tensors: Tensor) -> str:
         h.update(f"{t.dtype}{tuple(t.shape)};".encode())
         h.update(t.numpy().tobytes())
     return h.hexdigest()
+
+
+def default_device() -> torch.device:
+    """torch's default for create_block_mask: the current accelerator, else the CPU."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        current = accelerator.current_accelerator()
+        return torch.device(current) if current is not None else torch.device("cpu")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_device(device: Any, fallback: torch.device | None = None) -> torch.device:
+    """``device`` as a torch.device; None gives ``fallback`` (the device of a mask's data),
+    else torch's default. No tensor is made: naming a device touches nothing on it."""
+    if device is None:
+        return fallback or default_device()
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be a torch device or its name, got {device!r}") from err
+
+
+def env_int(
+    name: str, default: int | None, *, minimum: int = 0, byte_suffixes: bool = False
+) -> int | None:
+    """An integer environment variable (unset or empty: ``default``), or a ValueError naming
+    the variable and what would be right. With ``byte_suffixes``, ``512M``/``2G``/``64K``."""
+    raw = os.environ.get(name, "")
+    text = raw.strip().lower()
+    if not text:
+        return default
+    scale = 1
+    for suffix, factor in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30)):
+        if byte_suffixes and text.endswith(suffix):
+            text, scale = text[:-1], factor
+    try:
+        value = int(text) * scale
+    except ValueError:
+        example = f"{name}=32" + (", 512M or 2G" if byte_suffixes else "")
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not a whole number (expected e.g. "
+            f"{example}, or unset it)"
+        ) from None
+    if value < minimum:
+        raise ValueError(f"environment variable {name}={raw!r} must be >= {minimum}")
+    return value

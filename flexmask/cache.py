@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
 from typing import Any, NamedTuple
 
@@ -21,8 +20,10 @@ import cachetools
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.blocks import BlockGrid
-from flexmask.builder import build, make_grid
+from flexmask._validate import env_int
+from flexmask.build.create import build
+from flexmask.build.grid import BlockGrid, make_grid
+from flexmask.build.read import block_mask_nbytes
 from flexmask.mask import Mask
 
 ENV_SIZE = "FLEXMASK_CACHE_SIZE"
@@ -48,17 +49,6 @@ class CacheInfo(NamedTuple):
     def hit_rate(self) -> float:
         lookups = self.hits + self.misses
         return self.hits / lookups if lookups else 0.0
-
-
-def block_mask_nbytes(block_mask: BlockMask) -> int:
-    """Bytes held by a BlockMask's tensors, each storage counted once (views share one)."""
-    seen: dict[int, int] = {}
-    for name in BlockMask._TENSOR_ATTRS if hasattr(BlockMask, "_TENSOR_ATTRS") else ():
-        tensor = getattr(block_mask, name, None)
-        if isinstance(tensor, torch.Tensor):
-            storage = tensor.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 class _LRU(cachetools.LRUCache):
@@ -263,27 +253,6 @@ def _as_key(offset: int | list[int]) -> int | tuple[int, ...]:
     return tuple(offset) if isinstance(offset, list) else offset
 
 
-def _env_int(name: str, default: int | None) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    text = raw.strip().lower()
-    scale = 1
-    for suffix, factor in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30)):
-        if name == ENV_BYTES and text.endswith(suffix):
-            text, scale = text[:-1], factor
-    try:
-        value = int(text) * scale
-    except ValueError:
-        raise ValueError(
-            f"environment variable {name}={raw!r} is not a whole number "
-            f"(expected e.g. {name}=32" + (", 512M or 2G)" if name == ENV_BYTES else ")")
-        ) from None
-    if value < 0:
-        raise ValueError(f"environment variable {name}={raw!r} must be >= 0")
-    return value
-
-
 _default: MaskCache | None = None
 _default_lock = threading.Lock()
 
@@ -296,9 +265,11 @@ def default_cache() -> MaskCache:
     global _default
     with _default_lock:
         if _default is None:
-            size = _env_int(ENV_SIZE, DEFAULT_SIZE)
+            size = env_int(ENV_SIZE, DEFAULT_SIZE)
             assert size is not None
-            _default = MaskCache(maxsize=size, maxbytes=_env_int(ENV_BYTES, None))
+            _default = MaskCache(
+                maxsize=size, maxbytes=env_int(ENV_BYTES, None, byte_suffixes=True)
+            )
         return _default
 
 

@@ -22,9 +22,10 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-import flexmask
 from flexmask._validate import check_int, int_vector
+from flexmask.build.create import create_block_mask
 from flexmask.mask import Mask, MaskMod, ShiftedMod
+from flexmask.pieces import causal, tree
 
 _BLOCK_FIELDS = (
     "kv_num_blocks",
@@ -192,7 +193,7 @@ def _build(
     shifted = ShiftedMod(
         mask.mask_mod_for(capacity, capacity, device), offsets, torch.zeros_like(offsets)
     )
-    built = flexmask.create_block_mask(
+    built = create_block_mask(
         mask, batch, heads, q_len, capacity, device, blocks, q_offset=offsets.reshape(-1)
     )
     return _with_mask_mod(built, shifted)
@@ -254,7 +255,7 @@ class DecodeMasks:
         _check_window(self._lens, self.q_len, self.capacity)
         # Append applies where each step's block row is "every kv block up to the last query",
         # with a single, incomplete q block (so no block is full): causal decode.
-        self.appendable = bool(append) and mask == flexmask.causal() and q_len < self._blocks[0]
+        self.appendable = bool(append) and mask == causal() and q_len < self._blocks[0]
         self.builds = 0
         """Steps built from structure (including the first)."""
         self.appends = 0
@@ -404,4 +405,4 @@ def speculative_tree(prefix_lens: Any, draft_parents: Any) -> Mask:
         chain = torch.arange(-1, prefix - 1)  # the prefix: each token's parent is the previous
         parents.append(torch.cat([chain, torch.where(draft < 0, prefix - 1, draft + prefix)]))
     per_row = drafts is not None or prefixes is not None
-    return flexmask.tree(parents if per_row else parents[0])
+    return tree(parents if per_row else parents[0])

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.builder import make_grid
+from flexmask.build.grid import make_grid
 from flexmask.cache import MaskCache, _key, default_cache
 from flexmask.mask import Mask
 

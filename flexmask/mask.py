@@ -1,11 +1,14 @@
 """Masks are values: an expression tree of pieces joined by ``&``, ``|`` and ``~``.
 
-Every node knows three things, and the builder only ever asks for these:
+Every node knows what the build (``flexmask.build``) asks of it:
 
-* ``_check(grid)`` — is the node valid for these lengths and this batch size?
-* ``_classify(grid)`` — block codes (EMPTY / PARTIAL / FULL / UNDECIDED) from structure.
+* ``_check(extent)`` — is the node valid for this batch size and sequence extent?
 * ``_lower(length, device)`` — its ``mask_mod`` with lookups padded to ``length``, plus an
-  evaluator the builder may call with broadcasting index tensors to refine undecided blocks.
+  evaluator the build may call with broadcasting index tensors to refine undecided blocks;
+* and, for pieces, ``_classify(grid)`` (block codes from structure) and ``_intervals``.
+
+This module imports nothing from the build: ``&``, ``|`` and ``~`` combine block codes in
+``flexmask.build.classify``.
 
 Equality and hashing come from ``key``: the piece kinds and their data (small data as tuples,
 large data as a strong digest of dtype, shape and bytes), never tensor or closure identity.
@@ -15,12 +18,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from flexmask.blocks import UNDECIDED, BlockGrid, and_codes, not_codes, or_codes
+from flexmask._validate import check_device, check_int
+
+if TYPE_CHECKING:  # only for annotations: the build imports this module, not the reverse
+    from flexmask.build.grid import BlockGrid
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -152,6 +158,16 @@ class ShiftedMod(MaskModFn):
         return self.mod(b, h, q_idx + self.q_offset, kv_idx + self.kv_offset)
 
 
+class Extent(NamedTuple):
+    """What a mask validates itself against: the batch size, heads, the furthest position
+    any index may take (lookups are padded to it) and the device."""
+
+    batch: int
+    heads: int
+    length: int
+    device: torch.device
+
+
 class Intervals(NamedTuple):
     """For given query positions, the one kv interval ``[lo, hi]`` each attends (empty when
     lo > hi).
@@ -226,12 +242,21 @@ class Mask(ABC):
         """Device of the tensors the mask was made from, if any."""
         return None
 
-    def _check(self, grid: BlockGrid) -> None:  # noqa: B027 - optional hook: no checks by default
-        """Raises ValueError if the mask cannot apply to this grid."""
+    def _check(self, extent: Extent) -> None:  # noqa: B027 - optional hook: no checks by default
+        """Raises ValueError if the mask cannot apply to this extent."""
 
-    @abstractmethod
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        """Block codes from structure, broadcastable to (rows, heads, nq, nkv)."""
+    def _extent(
+        self, B: Any, H: Any, q_len: Any, kv_len: Any, device: Any, *, names=("Q_LEN", "KV_LEN")
+    ) -> Extent:
+        """Validated arguments of a whole-mask evaluation (``to_dense``, ``show``), checked
+        against the mask. Arithmetic on ints only: nothing is allocated on ``device``."""
+        batch = (self.rows or 1) if B is None else check_int(B, "B", minimum=1)
+        heads = 1 if H is None else check_int(H, "H", minimum=1)
+        q = check_int(q_len, names[0], minimum=0)
+        kv = check_int(kv_len, names[1], minimum=0)
+        extent = Extent(batch, heads, max(q, kv), check_device(device, self.device))
+        self._check(extent)
+        return extent
 
     @abstractmethod
     def _lower(self, length: int, device: torch.device) -> Lowered:
@@ -251,7 +276,7 @@ class Mask(ABC):
         return None
 
     def _has_monotone_intervals(self) -> bool:
-        """True if ``_intervals`` are monotone in the sense of ``flexmask.ranges``: on a
+        """True if ``_intervals`` are monotone in the sense of ``flexmask.build.closed_form``: on a
         prefix of the positions ``lo`` never decreases and ``lo(q) <= q``, ``hi`` never
         decreases and is ``>= q`` or constant; past the prefix, empty. The builder then
         writes the BlockMask in closed form from the intervals of the block edges."""
@@ -327,10 +352,8 @@ class Mask(ABC):
             >>> bool(mod(torch.tensor(0), torch.tensor(0), torch.tensor(4), torch.tensor(2)))
             True
         """
-        from flexmask.builder import make_grid
-
-        grid = make_grid(self, None, None, q_len, kv_len, device, (128, 128))
-        return self._lower(grid.length, grid.device).mask_mod
+        extent = self._extent(None, None, q_len, kv_len, device, names=("q_len", "kv_len"))
+        return self._lower(extent.length, extent.device).mask_mod
 
     def to_dense(
         self,
@@ -347,9 +370,7 @@ class Mask(ABC):
             >>> flexmask.sliding_window(2).to_dense(1, 1, 3, 3)[0, 0].int().tolist()
             [[1, 1, 0], [1, 1, 1], [0, 1, 1]]
         """
-        from flexmask.builder import make_grid
-
-        grid = make_grid(self, B, H, Q_LEN, KV_LEN, device, (128, 128))
+        grid = self._extent(B, H, Q_LEN, KV_LEN, device)
         evaluate = self._lower(grid.length, grid.device).evaluate
         dev = grid.device
         rows = grid.batch if self.batch_dependent else 1
@@ -371,8 +392,6 @@ class Mask(ABC):
             ■ ■ ⬚
             ■ ■ ■
         """
-        from flexmask.builder import make_grid
-
         kv_len = q_len if kv_len is None else kv_len
         rows = self.rows or 1
         if not 0 <= batch < rows:
@@ -382,8 +401,8 @@ class Mask(ABC):
         # A window shorter than the mask's data is a crop of the whole picture: validate and
         # pad lookups for the whole span, but evaluate only the q_len x kv_len window.
         span = max(q_len, kv_len, self.natural_length)
-        grid = make_grid(self, rows, head + 1, span, span, "cpu", (128, 128))
-        evaluate = self._lower(grid.length, grid.device).evaluate
+        extent = self._extent(rows, head + 1, span, span, "cpu", names=("q_len", "kv_len"))
+        evaluate = self._lower(extent.length, extent.device).evaluate
         b = torch.tensor(batch if self.batch_dependent else 0).view(1, 1)
         h = torch.tensor(head if self.head_dependent else 0).view(1, 1)
         q = torch.arange(q_len).view(-1, 1)
@@ -481,9 +500,9 @@ class _Nary(Mask):
     def carries_batch_data(self) -> bool:
         return any(c.carries_batch_data for c in self.children)
 
-    def _check(self, grid: BlockGrid) -> None:
+    def _check(self, extent: Extent) -> None:
         for child in self.children:
-            child._check(grid)
+            child._check(extent)
 
     def __repr__(self) -> str:
         return "(" + f" {self._symbol} ".join(repr(c) for c in self.children) + ")"
@@ -497,21 +516,6 @@ class And(_Nary):
     __slots__ = ()
     _name = "and"
     _symbol = "&"
-
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        codes = self.children[0]._classify(grid)
-        for child in self.children[1:]:
-            codes = and_codes(codes, child._classify(grid))
-        # Two partial tiles met. If every child is an interval per query, their intersection
-        # settles those tiles here, so an expression above (an `|`, a `~`) sees exact codes.
-        if int(codes.max()) == UNDECIDED and self._has_intervals():
-            from flexmask.refine import refine_by_intervals
-
-            rows = grid.batch if self.batch_dependent else 1
-            codes = codes.expand(rows, *codes.shape[1:]).contiguous()
-            tiles = (codes == UNDECIDED).nonzero()
-            refine_by_intervals(codes, tiles, self, grid)
-        return codes
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
         return _combined(AndMod, [c._lower(length, device) for c in self.children])
@@ -529,7 +533,7 @@ class And(_Nary):
         return _intersect(parts)
 
     def _has_monotone_intervals(self) -> bool:
-        # The properties of each child carry over to their intersection (flexmask.ranges).
+        # Each child's properties carry over to their intersection (build.closed_form).
         return all(c._has_monotone_intervals() for c in self.children)
 
 
@@ -546,12 +550,6 @@ class Or(_Nary):
     __slots__ = ()
     _name = "or"
     _symbol = "|"
-
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        codes = self.children[0]._classify(grid)
-        for child in self.children[1:]:
-            codes = or_codes(codes, child._classify(grid))
-        return codes
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
         return _combined(OrMod, [c._lower(length, device) for c in self.children])
@@ -614,11 +612,8 @@ class Not(Mask):
     def carries_batch_data(self) -> bool:
         return self.child.carries_batch_data
 
-    def _check(self, grid: BlockGrid) -> None:
-        self.child._check(grid)
-
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        return not_codes(self.child._classify(grid))
+    def _check(self, extent: Extent) -> None:
+        self.child._check(extent)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
         inner = self.child._lower(length, device)

@@ -15,13 +15,15 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
+from flexmask.build.codes import EMPTY, FULL, PARTIAL
+from flexmask.build.create import create_block_mask
+from flexmask.build.read import kv_codes
 from flexmask.lazy import LazyBlockMask
 from flexmask.mask import Mask
 
 if TYPE_CHECKING:
     import numpy as np
 
-EMPTY, PARTIAL, FULL = 0, 1, 2
 """The codes :func:`block_classes` returns."""
 
 CLASS_NAMES = ("empty", "partial", "full")
@@ -68,19 +70,7 @@ def block_classes(block_mask: BlockMask, batch: int = 0, head: int = 0) -> np.nd
         )
     b = _broadcast_index(batch, block_mask.kv_num_blocks.shape[0], "batch")
     h = _broadcast_index(head, block_mask.kv_num_blocks.shape[1], "head")
-    q_len, kv_len = block_mask.seq_lengths
-    q_block, kv_block = block_mask.BLOCK_SIZE
-    num_q, num_kv = -(-q_len // q_block), -(-kv_len // kv_block)
-    classes = torch.zeros(num_q, num_kv, dtype=torch.int8)
-    pairs = [(block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL)]
-    if block_mask.full_kv_num_blocks is not None and block_mask.full_kv_indices is not None:
-        pairs.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL))
-    for num_blocks, indices, code in pairs:
-        count = num_blocks[b, h, :num_q].to("cpu", torch.int64)
-        index = indices[b, h, :num_q].to("cpu", torch.int64)
-        listed = torch.arange(index.shape[-1]) < count.unsqueeze(-1)  # first `count` entries
-        rows = torch.arange(num_q).unsqueeze(-1).expand_as(index)
-        classes[rows[listed], index[listed]] = code
+    classes = kv_codes(block_mask)[b, h].to("cpu")
     return classes.numpy()
 
 
@@ -224,8 +214,6 @@ def _block_mask_of(
     BLOCK_SIZE: int | tuple[int, int],
 ) -> tuple[BlockMask, str]:
     """The BlockMask to draw and a label for the title."""
-    from flexmask.builder import create_block_mask
-
     if isinstance(obj, BlockMask):
         name = getattr(obj.mask_mod, "__name__", "mask_mod")
         return obj, f"BlockMask({name})"

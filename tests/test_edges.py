@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
-from flexmask import ranges
-from flexmask.blocks import UNDECIDED
-from flexmask.builder import assemble, classify_blocks, make_grid, ordered_from_codes
-from flexmask.refine import refine_by_evaluation
+from flexmask.build import closed_form
+from flexmask.build.classify import classify, classify_blocks, refine_by_evaluation
+from flexmask.build.codes import UNDECIDED
+from flexmask.build.grid import make_grid
+from flexmask.build.write import assemble, ordered_from_codes
 from tests import oracle
 
 INT64_MAX = 2**63 - 1
@@ -178,10 +179,10 @@ def _paths(mask, q_len, kv_len, block):
     mask_mod = mask._lower(grid.length, grid.device).mask_mod
     out = {"create_block_mask": flexmask.create_block_mask(mask, B, H, q_len, kv_len, "cpu", block)}
     if mask._has_monotone_intervals():
-        out["closed form"] = assemble(*ranges.ordered_sides(mask, grid), grid, mask_mod)
+        out["closed form"] = assemble(*closed_form.ordered_sides(mask, grid), grid, mask_mod)
     out["tiles"] = assemble(*ordered_from_codes(classify_blocks(mask, grid).codes), grid, mask_mod)
     rows = B if mask.batch_dependent else 1
-    codes = mask._classify(grid).expand(rows, 1, grid.num_q_blocks, grid.num_kv_blocks)
+    codes = classify(mask, grid).expand(rows, 1, grid.num_q_blocks, grid.num_kv_blocks)
     codes = codes.contiguous()
     undecided = (codes == UNDECIDED).nonzero()
     refine_by_evaluation(codes, undecided, mask._lower(grid.length, grid.device).evaluate, grid)

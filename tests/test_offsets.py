@@ -13,7 +13,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.nn.attention.flex_attention import create_mask
 
 import flexmask
-from flexmask.builder import make_grid
+from flexmask.build.grid import make_grid
 from tests import oracle
 from tests.strategies import expressions, interval_intersections
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.blocks import BlockGrid
-from flexmask.mask import Mask, MaskModFn
+from flexmask.mask import Extent, Mask, MaskModFn
 
 
 class Piece(Mask):
@@ -15,7 +14,7 @@ class Piece(Mask):
     __slots__ = ("_key", "_rows", "_device", "_natural")
     _arg = "the mask's data"
     _interval_shape: str | None = None
-    """What the piece's ``_intervals`` promise (see ``flexmask.ranges``): None — no intervals;
+    """What the piece's ``_intervals`` promise (``flexmask.build.closed_form``): None — none;
     "monotone" — one interval per query, monotone; "from_zero" — monotone and starting at
     key 0, possibly empty as ``[0, -1]`` (so ``|``-unions of such pieces are intervals too:
     ``[0, max hi]``)."""
@@ -57,16 +56,16 @@ class Piece(Mask):
     def natural_length(self) -> int:
         return self._natural
 
-    def _check(self, grid: BlockGrid) -> None:
-        if self._rows is not None and self._rows != grid.batch:
+    def _check(self, extent: Extent) -> None:
+        if self._rows is not None and self._rows != extent.batch:
             raise ValueError(
-                f"{self._arg} is given for {self._rows} batch rows but B={grid.batch}: pass one "
+                f"{self._arg} is given for {self._rows} batch rows but B={extent.batch}: pass one "
                 f"value per row, or a single value shared by every row"
             )
-        if self._device is not None and _device_key(self._device) != _device_key(grid.device):
+        if self._device is not None and _device_key(self._device) != _device_key(extent.device):
             raise ValueError(
-                f"{self._arg} lives on {self._device} but the mask is built on {grid.device}: "
-                f"pass device={str(self._device)!r} or move the input to {grid.device}"
+                f"{self._arg} lives on {self._device} but the mask is built on {extent.device}: "
+                f"pass device={str(self._device)!r} or move the input to {extent.device}"
             )
 
 

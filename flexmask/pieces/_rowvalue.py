@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import scalar_or_rows, source_device
-from flexmask.blocks import BlockGrid
+from flexmask.build.grid import BlockGrid
+from flexmask.mask import Extent
 from flexmask.pieces._base import Piece, per_row_view
 
 
@@ -42,12 +43,12 @@ class RowValuePiece(Piece):
     def carries_batch_data(self) -> bool:
         return self.per_row  # one value per row describes this batch; one for all is static
 
-    def _check(self, grid: BlockGrid) -> None:
-        super()._check(grid)
-        if self._limit_by_length and int(self.values.max()) > grid.length:
+    def _check(self, extent: Extent) -> None:
+        super()._check(extent)
+        if self._limit_by_length and int(self.values.max()) > extent.length:
             raise ValueError(
                 f"{self._arg} must be at most the sequence length max(Q_LEN, KV_LEN)="
-                f"{grid.length}, got {int(self.values.max())}"
+                f"{extent.length}, got {int(self.values.max())}"
             )
 
     def _row_values(self, grid: BlockGrid) -> Tensor:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.blocks import BlockGrid, codes_from
+from flexmask.build.codes import codes_from
+from flexmask.build.grid import BlockGrid
 from flexmask.mask import Intervals, Lowered
 from flexmask.pieces._base import Piece, PieceMod
 

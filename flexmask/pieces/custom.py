@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.blocks import UNDECIDED, BlockGrid, constant_codes
+from flexmask.build.codes import UNDECIDED, constant_codes
+from flexmask.build.grid import BlockGrid
 from flexmask.mask import Lowered, MaskMod, MaskModFn
 from flexmask.pieces._base import Piece
 

@@ -8,8 +8,9 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import checked_sum, digest, int_vector, is_nested, source_device
-from flexmask.blocks import BlockGrid, codes_from
-from flexmask.mask import Intervals, Lowered
+from flexmask.build.codes import codes_from
+from flexmask.build.grid import BlockGrid
+from flexmask.mask import Extent, Intervals, Lowered
 from flexmask.pieces._base import Piece, PieceMod
 
 _PAST = 1 << 62  # pads document starts and ends: past every position
@@ -70,14 +71,14 @@ class Document(Piece):
             natural=natural,
         )
 
-    def _check(self, grid: BlockGrid) -> None:
-        super()._check(grid)
+    def _check(self, extent: Extent) -> None:
+        super()._check(extent)
         for i, total in enumerate(self._totals):
-            if total > grid.length:
+            if total > extent.length:
                 where = f"seq_lens[{i}]" if self.per_row else "seq_lens"
                 raise ValueError(
                     f"sum({where})={total} is larger than the sequence length "
-                    f"max(Q_LEN, KV_LEN)={grid.length}: documents must fit in the sequence"
+                    f"max(Q_LEN, KV_LEN)={extent.length}: documents must fit in the sequence"
                 )
 
     def _classify(self, grid: BlockGrid) -> Tensor:

@@ -8,8 +8,9 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import digest, int_vector, is_nested, source_device
-from flexmask.blocks import EMPTY, UNDECIDED, BlockGrid, codes_from
-from flexmask.mask import Lowered
+from flexmask.build.codes import EMPTY, UNDECIDED, codes_from
+from flexmask.build.grid import BlockGrid
+from flexmask.mask import Extent, Lowered
 from flexmask.pieces._base import Piece, PieceMod
 
 
@@ -58,13 +59,13 @@ class Tree(Piece):
             natural=max(p.numel() for p in self.parents),
         )
 
-    def _check(self, grid: BlockGrid) -> None:
-        super()._check(grid)
+    def _check(self, extent: Extent) -> None:
+        super()._check(extent)
         longest = max(p.numel() for p in self.parents)
-        if longest > grid.length:
+        if longest > extent.length:
             raise ValueError(
                 f"parents has {longest} tokens, more than the sequence length "
-                f"max(Q_LEN, KV_LEN)={grid.length}"
+                f"max(Q_LEN, KV_LEN)={extent.length}"
             )
 
     def _lookups(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:

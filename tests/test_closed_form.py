@@ -1,6 +1,6 @@
-"""The closed-form path (flexmask.ranges): its preconditions hold for every intersection of
-interval pieces, and what it writes equals torch's create_block_mask on a plain dense
-reference, and the general path's (classify every tile, rank the grid)."""
+"""The closed-form path (flexmask.build.closed_form): its preconditions hold for every
+intersection of interval pieces, and what it writes equals torch's create_block_mask on a
+plain dense reference, and the general path's (classify every tile, rank the grid)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import BlockMask
 
 import flexmask
-from flexmask import ranges
-from flexmask.builder import assemble, classify_blocks, make_grid, ordered_from_codes
+from flexmask.build import closed_form
+from flexmask.build.classify import classify_blocks
+from flexmask.build.grid import make_grid
+from flexmask.build.write import assemble, ordered_from_codes
 from tests import oracle
 from tests.strategies import interval_intersections
 
@@ -43,7 +45,7 @@ def _case(data):
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_intervals_are_the_dense_rows_and_monotone(data):
-    # The closed form rests on three properties of every query's interval (flexmask.ranges).
+    # The closed form rests on three properties of every query's interval (build.closed_form).
     # Check them on every query of random intersections, and that each interval is exactly
     # that query's row of the plain reference.
     batch, mask, dense, q_len, kv_len = _case(data)
@@ -196,7 +198,7 @@ def test_closed_form_asks_only_for_block_edges(monkeypatch):
 
     monkeypatch.setattr(type(mask), "_intervals", spy)
     monkeypatch.setattr(
-        "flexmask.builder.classify_blocks",
+        "flexmask.build.create.classify_blocks",
         lambda *a: pytest.fail("the closed form must not classify tiles"),
     )
     flexmask.create_block_mask(mask, rows, 1, S, S, "cpu", block)
@@ -208,7 +210,7 @@ def test_runs_never_decrease():
     # Column runs are found by binary search over the row runs: they must be sorted.
     mask = flexmask.causal() & flexmask.document([[700, 300, 24], [1, 1023]])
     grid = make_grid(mask, 2, 1, 1024, 1024, "cpu", 64)
-    runs = ranges.row_runs(mask, grid)
+    runs = closed_form.row_runs(mask, grid)
     for t in runs:
         assert bool((t[:, 1:] >= t[:, :-1]).all())
 

@@ -26,7 +26,7 @@ kv column's blocks are runs too, found by binary search. The whole BlockMask fol
 intervals at the two edge queries of every q block: no tile grid, no ranking, no evaluation,
 and the work is O(rows x blocks) plus writing the output.
 
-``tests/test_ranges.py`` checks the three properties on every query of random intersections,
+``tests/test_closed_form.py`` checks the three properties on every query of random intersections,
 and the tensors against torch's ``create_block_mask``.
 """
 
@@ -37,7 +37,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.blocks import BlockGrid
+from flexmask.build.grid import BlockGrid
+from flexmask.build.write import Ordered
 from flexmask.mask import Mask
 
 
@@ -50,21 +51,6 @@ class Runs(NamedTuple):
     last: Tensor
     full_first: Tensor
     full_last: Tensor
-
-
-class Ordered(NamedTuple):
-    """torch's tensors of one side of a BlockMask: counts ``(..., n)`` and indices
-    ``(..., n, m)`` of the partial blocks, then of the full ones; int32."""
-
-    partial_num: Tensor
-    partial_idx: Tensor
-    full_num: Tensor
-    full_idx: Tensor
-
-
-def built_rows(mask: Mask, grid: BlockGrid) -> int:
-    """Rows the build writes: B where the mask or the window differs by row, else 1."""
-    return grid.batch if mask.batch_dependent or grid.per_row_offsets else 1
 
 
 def _clipped(mask: Mask, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> tuple[Tensor, Tensor]:
@@ -87,7 +73,7 @@ def row_runs(mask: Mask, grid: BlockGrid) -> Runs:
     """
     dev = grid.device
     nq, nkv, kb, qb = grid.num_q_blocks, grid.num_kv_blocks, grid.kv_block, grid.q_block
-    rows = built_rows(mask, grid)
+    rows, _ = grid.reduced(mask)
     first_q = grid.q_first.view(-1, nq).expand(rows, nq)  # per-row offsets: (B, nq)
     last_q = grid.q_last.view(-1, nq).expand(rows, nq)
     row = torch.arange(rows, device=dev).view(rows, 1)
@@ -140,7 +126,7 @@ def column_runs(runs: Runs, grid: BlockGrid) -> Runs:
     return Runs(first, last, full_first, full_last)
 
 
-def _line_runs(runs: Runs, m: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _line_runs(runs: Runs, m: int) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """Every line written whole, in torch's order: the set blocks ascending, then the unset
     ones ascending (what ``torch.argsort(dense, descending=True, stable=True)`` gives).
 
@@ -204,7 +190,7 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     tail, so it must be torch's). Each tensor is runs laid end to end (``_line_runs``),
     expanded in one pass: O(entries) with a small constant, no tile grid and no sort.
     """
-    rows = built_rows(mask, grid)
+    rows, _ = grid.reduced(mask)
     nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
     # The outputs first: allocated before the build's temporaries, they do not land on
     # memory the temporaries just returned to the system (fewer fresh pages on the CPU).
