@@ -169,8 +169,8 @@ def test_any_block_size_and_length_against_oracle(name):
 
 def test_mask_aware_balancer_beats_head_tail_on_documents_and_trees():
     rng = random.Random(3)
-    S, W = 4096, 4
-    lengths = random_lengths(rng, S, 128, 6)
+    S, W = 2048, 4
+    lengths = random_lengths(rng, S, 128, 5)
     docs = flexmask.causal() & flexmask.document(lengths)
     tree = flexmask.tree(random_tree(rng, S))
     window = flexmask.causal() & flexmask.sliding_window(256)
