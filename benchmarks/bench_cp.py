@@ -17,13 +17,12 @@ import random
 import statistics
 import time
 
-from common import best_time, settle_allocator  # noqa: F401  (sys.path set by common)
-
 import torch
 import torch.distributed.tensor.experimental._context_parallel._attention as torch_cp
+from common import best_time, settle_allocator  # noqa: F401  (sys.path set by common)
+from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
 import flexmask
-from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 from flexmask.context_parallel import (
     HeadTailBalancer,
     MaskAwareBalancer,
@@ -46,33 +45,57 @@ class SimMesh:
 def documents(seq: int, count: int, unit: int, seed: int = 0) -> list[int]:
     rng = random.Random(seed)
     cuts = sorted(rng.sample(range(1, seq // unit), count - 1))
-    return [(b - a) * unit for a, b in zip([0, *cuts], [*cuts, seq // unit])]
+    return [(b - a) * unit for a, b in zip([0, *cuts], [*cuts, seq // unit], strict=False)]
 
 
 def build_times(sizes, worlds, torch_max, repeat):
-    print("| S | W | flexmask ms/rank (max over ranks) | torch compiled ms/rank | torch first call s |")
+    print(
+        "| S | W | flexmask ms/rank (max over ranks) | torch compiled ms/rank | torch first call s |"
+    )
     print("|---:|---:|---:|---:|---:|")
     for seq in sizes:
         mask = flexmask.causal() & flexmask.document(documents(seq, 16, 256))
         for world in worlds:
             ours = max(
-                best_time(lambda r=r: flexmask.shard(mask, 1, 1, seq, world_size=world, rank=r,
-                                                     balancer=HeadTailBalancer(seq, world)),
-                          repeat=repeat)
+                best_time(
+                    lambda r=r: flexmask.shard(
+                        mask,
+                        1,
+                        1,
+                        seq,
+                        world_size=world,
+                        rank=r,
+                        balancer=HeadTailBalancer(seq, world),
+                    ),
+                    repeat=repeat,
+                )
                 for r in range(world)
             )
             theirs = first = "skipped"
             if seq * seq / world <= torch_max:
                 torch_cp._compiled_create_block_mask = None  # first call compiles
                 start = time.perf_counter()
-                torch_cp._create_cp_block_mask(mask.mask_mod, 1, 1, seq, seq, SimMesh(world, 0),
-                                               _HeadTailLoadBalancer(seq, world, "cpu"))
+                torch_cp._create_cp_block_mask(
+                    mask.mask_mod,
+                    1,
+                    1,
+                    seq,
+                    seq,
+                    SimMesh(world, 0),
+                    _HeadTailLoadBalancer(seq, world, "cpu"),
+                )
                 first = f"{time.perf_counter() - start:.1f}"
                 times = []
                 for r in range(world):  # best of 2 after a warm-up (that rank's recompile)
                     lb = _HeadTailLoadBalancer(seq, world, "cpu")
-                    times.append(best_time(lambda r=r, lb=lb: torch_cp._create_cp_block_mask(
-                        mask.mask_mod, 1, 1, seq, seq, SimMesh(world, r), lb), repeat=2))
+                    times.append(
+                        best_time(
+                            lambda r=r, lb=lb: torch_cp._create_cp_block_mask(
+                                mask.mask_mod, 1, 1, seq, seq, SimMesh(world, r), lb
+                            ),
+                            repeat=2,
+                        )
+                    )
                 theirs = f"{1e3 * statistics.median(times):.0f}"
             print(f"| {seq} | {world} | {1e3 * ours:.2f} | {theirs} | {first} |", flush=True)
 
@@ -81,29 +104,40 @@ def million(repeat):
     seq, world = 1 << 20, 8
     mask = flexmask.causal() & flexmask.document(documents(seq, 64, 256))
     per_rank = [
-        best_time(lambda r=r: flexmask.shard(mask, 1, 1, seq, world_size=world, rank=r,
-                                             balancer=HeadTailBalancer(seq, world)),
-                  repeat=repeat)
+        best_time(
+            lambda r=r: flexmask.shard(
+                mask, 1, 1, seq, world_size=world, rank=r, balancer=HeadTailBalancer(seq, world)
+            ),
+            repeat=repeat,
+        )
         for r in range(world)
     ]
-    print(f"\nS = 1M, W = 8, flexmask per-rank shard: max {1e3 * max(per_rank):.1f} ms, "
-          f"median {1e3 * statistics.median(per_rank):.1f} ms (target < 10 ms)")
+    print(
+        f"\nS = 1M, W = 8, flexmask per-rank shard: max {1e3 * max(per_rank):.1f} ms, "
+        f"median {1e3 * statistics.median(per_rank):.1f} ms (target < 10 ms)"
+    )
 
 
 def imbalances(seq, world):
     rng = random.Random(1)
     lengths = documents(seq, 12, 2 * world * 64, seed=2)
     docs = flexmask.causal() & flexmask.document(lengths)
-    parents = [-1] + [rng.randrange(max(0, i - 512), i) if rng.random() > 0.002 else -1
-                      for i in range(1, seq)]
+    parents = [-1] + [
+        rng.randrange(max(0, i - 512), i) if rng.random() > 0.002 else -1 for i in range(1, seq)
+    ]
     tree = flexmask.tree(parents)
     window = flexmask.causal() & flexmask.sliding_window(512)
-    print(f"\nImbalance (max rank cost / mean; cost = full + partial blocks), S = {seq}, "
-          f"W = {world}, BLOCK_SIZE = 128\n")
+    print(
+        f"\nImbalance (max rank cost / mean; cost = full + partial blocks), S = {seq}, "
+        f"W = {world}, BLOCK_SIZE = 128\n"
+    )
     print("| masks | head-tail | per-document | mask-aware |")
     print("|---|---:|---:|---:|")
-    for name, masks in (("documents", [docs]), ("tree", [tree]),
-                        ("documents + sliding window", [docs, window])):
+    for name, masks in (
+        ("documents", [docs]),
+        ("tree", [tree]),
+        ("documents + sliding window", [docs, window]),
+    ):
         head_tail = imbalance(masks, 1, 1, seq, world, "head_tail")
         per_doc = imbalance(masks, 1, 1, seq, world, PerDocumentBalancer([lengths], world))
         aware = MaskAwareBalancer(masks, 1, 1, seq, world)

@@ -60,14 +60,18 @@ def run(name: str, mask: flexmask.Mask, balancer, seq: int, steps: int, mesh) ->
         labels = torch.roll(tokens, -1, dims=1)
         # single process: the whole sequence
         full = step_loss(
-            reference, tokens, labels,
+            reference,
+            tokens,
+            labels,
             lambda q, k, v: flexmask.flex_attention(q, k, v, block_mask=mask, compile=False),
             seq,
         )
         full.backward()
         # context parallel: this rank's tokens, every rank's keys and values
         local = step_loss(
-            model, shard.shard_tensor(tokens, 1), shard.shard_tensor(labels, 1),
+            model,
+            shard.shard_tensor(tokens, 1),
+            shard.shard_tensor(labels, 1),
             lambda q, k, v: flexmask.cp_flex_attention(q, k, v, shard, mesh, compile=False),
             seq,
         )
@@ -75,13 +79,15 @@ def run(name: str, mask: flexmask.Mask, balancer, seq: int, steps: int, mesh) ->
         loss = local.detach().clone()
         dist.all_reduce(loss)
         worst = 0.0
-        for p, p_ref in zip(model.parameters(), reference.parameters()):
+        for p, p_ref in zip(model.parameters(), reference.parameters(), strict=False):
             dist.all_reduce(p.grad)  # replicated weights: sum the ranks' shares
             worst = max(worst, float((p.grad - p_ref.grad).abs().max()))
         torch.testing.assert_close(loss, full.detach(), atol=1e-5, rtol=1e-5)
         if rank == 0:
-            print(f"{name:>9} step {step}: loss CP {loss.item():.6f} single {full.item():.6f} "
-                  f"max |grad diff| {worst:.1e}")
+            print(
+                f"{name:>9} step {step}: loss CP {loss.item():.6f} single {full.item():.6f} "
+                f"max |grad diff| {worst:.1e}"
+            )
         assert worst < 1e-5, worst
         for m in (model, reference):
             with torch.no_grad():
@@ -102,7 +108,7 @@ def main() -> None:
     rng = random.Random(0)
     unit = 2 * world
     cuts = sorted(rng.sample(range(1, args.seq // unit), 5))
-    lengths = [(b - a) * unit for a, b in zip([0, *cuts], [*cuts, args.seq // unit])]
+    lengths = [(b - a) * unit for a, b in zip([0, *cuts], [*cuts, args.seq // unit], strict=False)]
     documents = flexmask.causal() & flexmask.document(lengths)
     run("documents", documents, PerDocumentBalancer([lengths], world), args.seq, args.steps, mesh)
     parents = [-1] + [rng.randrange(max(0, i - 64), i) for i in range(1, args.seq)]

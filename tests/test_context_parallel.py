@@ -62,8 +62,10 @@ def expanded(block_mask, B, H):
         t = getattr(block_mask, field)
         out[field] = t.expand(B, H, *t.shape[2:]).contiguous()
     return type(block_mask)(
-        block_mask.seq_lengths, *(out[f] for f in oracle.BLOCK_FIELDS),
-        BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=block_mask.mask_mod,
+        block_mask.seq_lengths,
+        *(out[f] for f in oracle.BLOCK_FIELDS),
+        BLOCK_SIZE=block_mask.BLOCK_SIZE,
+        mask_mod=block_mask.mask_mod,
     )
 
 
@@ -77,12 +79,13 @@ def document_dense(lengths, S):
 def random_lengths(rng, total, multiple, count):
     cuts = sorted(rng.sample(range(1, total // multiple), count - 1))
     edges = [0, *cuts, total // multiple]
-    return [(b - a) * multiple for a, b in zip(edges, edges[1:])]
+    return [(b - a) * multiple for a, b in zip(edges, edges[1:], strict=False)]
 
 
 def random_tree(rng, n):
-    return [-1] + [rng.randrange(max(0, i - 40), i) if rng.random() > 0.05 else -1
-                   for i in range(1, n)]
+    return [-1] + [
+        rng.randrange(max(0, i - 40), i) if rng.random() > 0.05 else -1 for i in range(1, n)
+    ]
 
 
 def dense_case(name, S, rng):
@@ -94,11 +97,17 @@ def dense_case(name, S, rng):
         parents = random_tree(rng, S)
         return flexmask.tree(parents), oracle.tree(parents, S, S), None
     if name == "sliding_window":
-        return (flexmask.causal() & flexmask.sliding_window(100),
-                oracle.causal(S, S) & oracle.sliding_window(100, S, S), None)
+        return (
+            flexmask.causal() & flexmask.sliding_window(100),
+            oracle.causal(S, S) & oracle.sliding_window(100, S, S),
+            None,
+        )
     if name == "prefix_lm":
-        return (flexmask.causal() | flexmask.prefix(200),
-                oracle.causal(S, S) | oracle.prefix(200, S, S), None)
+        return (
+            flexmask.causal() | flexmask.prefix(200),
+            oracle.causal(S, S) | oracle.prefix(200, S, S),
+            None,
+        )
     raise AssertionError(name)
 
 
@@ -146,7 +155,9 @@ def test_shard_equals_torch_and_oracle(name, world):
             ours = flexmask.shard(mask, 1, 2, S, world_size=world, rank=rank, balancer=lb)
             reference = torch_shard(mask, 1, 2, S, world, rank, lb)
             oracle.assert_same_block_mask(
-                expanded(ours.block_mask, 1, 2), reference, f"{name} {lb} rank {rank}",
+                expanded(ours.block_mask, 1, 2),
+                reference,
+                f"{name} {lb} rank {rank}",
                 own_storage=False,
             )
             if rank == world - 1:
@@ -157,12 +168,17 @@ def test_shard_equals_torch_and_oracle(name, world):
 def test_any_block_size_and_length_against_oracle(name):
     """Lengths torch's CP refuses: not a multiple of W * BLOCK_SIZE, odd block sizes, padding."""
     rng = random.Random(7)
-    for S, world, block, balancer in [(600, 2, 64, "head_tail"), (1000, 4, 48, "head_tail"),
-                                      (777, 3, 32, "mask_aware"), (500, 2, 100, None)]:
+    for S, world, block, balancer in [
+        (600, 2, 64, "head_tail"),
+        (1000, 4, 48, "head_tail"),
+        (777, 3, 32, "mask_aware"),
+        (500, 2, 100, None),
+    ]:
         mask, dense, _ = dense_case(name, S, rng)
         for rank in range(world):
-            shard = flexmask.shard(mask, 1, 1, S, world_size=world, rank=rank,
-                                   balancer=balancer, BLOCK_SIZE=block)
+            shard = flexmask.shard(
+                mask, 1, 1, S, world_size=world, rank=rank, balancer=balancer, BLOCK_SIZE=block
+            )
             assert shard.padded_length % world == 0 and shard.padded_length >= S
             check_against_oracle(shard, dense, 1, 1)
 
@@ -202,11 +218,25 @@ def test_cache_and_lazy_keys_are_rank_aware():
 
     def make(rank, world=2, balancer="head_tail", lengths=(300, 212)):
         mask = flexmask.causal() & flexmask.document(list(lengths))
-        return lazy_shard(mask, 1, 1, 512, cache=cache, world_size=world, rank=rank,
-                          balancer=balancer, BLOCK_SIZE=64)
+        return lazy_shard(
+            mask,
+            1,
+            1,
+            512,
+            cache=cache,
+            world_size=world,
+            rank=rank,
+            balancer=balancer,
+            BLOCK_SIZE=64,
+        )
 
-    keys = {make(0).key, make(1).key, make(0, 4).key, make(0, balancer=None).key,
-            make(0, lengths=(212, 300)).key}
+    keys = {
+        make(0).key,
+        make(1).key,
+        make(0, 4).key,
+        make(0, balancer=None).key,
+        make(0, lengths=(212, 300)).key,
+    }
     assert len(keys) == 5
     assert make(1).key == make(1).key  # fresh objects, same inputs: the same key everywhere
     a, b = make(1), make(1)
@@ -264,9 +294,10 @@ def _distributed_checks(rank, world, S):
             t.requires_grad_(True)
         out = flexmask.cp_flex_attention(local_q, local_k, local_v, shard, mesh, compile=False)
         out.backward(torch.ones_like(out))
-        gathered = unshard(shard, mesh, [out.detach(), local_q.grad, local_k.grad,
-                                         local_v.grad], [2, 2, 2, 2])
-        for got, want in zip(gathered, (ref, q.grad, k.grad, v.grad)):
+        gathered = unshard(
+            shard, mesh, [out.detach(), local_q.grad, local_k.grad, local_v.grad], [2, 2, 2, 2]
+        )
+        for got, want in zip(gathered, (ref, q.grad, k.grad, v.grad), strict=False):
             torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-5)
         restored = context_parallel_unshard(mesh, [local_q.detach()], [2], shard.balancer)[0]
         assert torch.equal(restored.narrow(2, 0, S), q.detach())

@@ -100,8 +100,14 @@ class CPShard:
 
 
 def _resolve_balancer(
-    balancer: Any, mask: Mask, B: int | None, H: int | None, seq_length: int, world: int,
-    block: int, device: torch.device,
+    balancer: Any,
+    mask: Mask,
+    B: int | None,
+    H: int | None,
+    seq_length: int,
+    world: int,
+    block: int,
+    device: torch.device,
 ) -> _LoadBalancer | None:
     if balancer is None or isinstance(balancer, _LoadBalancer):
         return balancer
@@ -139,8 +145,17 @@ def _block(BLOCK_SIZE: Any) -> int:
 
 
 def _plan(
-    mask: Mask, B: Any, H: Any, Q_LEN: Any, KV_LEN: Any, world_size: Any, rank: Any, mesh: Any,
-    balancer: Any, BLOCK_SIZE: Any, device: Any,
+    mask: Mask,
+    B: Any,
+    H: Any,
+    Q_LEN: Any,
+    KV_LEN: Any,
+    world_size: Any,
+    rank: Any,
+    mesh: Any,
+    balancer: Any,
+    BLOCK_SIZE: Any,
+    device: Any,
 ) -> tuple:
     if not isinstance(mask, Mask):
         raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
@@ -169,8 +184,17 @@ def _plan(
     if padded % world:
         raise ValueError(f"the balancer's length {padded} does not split into {world} ranks")
     key = (
-        "cp_shard", world, rank, balancer_key(lb), B, H, Q_LEN, padded, block,
-        (device.type, device.index), mask.key,
+        "cp_shard",
+        world,
+        rank,
+        balancer_key(lb),
+        B,
+        H,
+        Q_LEN,
+        padded,
+        block,
+        (device.type, device.index),
+        mask.key,
     )
     return world, rank, block, device, lb, padded, key
 
@@ -297,8 +321,14 @@ class ShardCache:
     def info(self) -> CacheInfo:
         with self._lock:
             return CacheInfo(
-                self._hits, self._misses, self._evictions, len(self._data),
-                int(self._data.currsize), self.maxsize, self.maxbytes, self._discarded,
+                self._hits,
+                self._misses,
+                self._evictions,
+                len(self._data),
+                int(self._data.currsize),
+                self.maxsize,
+                self.maxbytes,
+                self._discarded,
             )
 
 
@@ -309,23 +339,35 @@ class LazyShard:
     made, and carries world size, rank and balancer.
     """
 
-    def __init__(self, mask: Mask, B: Any, H: Any, Q_LEN: int, *, cache: ShardCache,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, mask: Mask, B: Any, H: Any, Q_LEN: int, *, cache: ShardCache, **kwargs: Any
+    ) -> None:
         if not isinstance(cache, ShardCache):
             raise TypeError(f"cache must be a flexmask ShardCache, got {type(cache).__name__}")
         self.mask, self.B, self.H, self.Q_LEN = mask, B, H, Q_LEN
         self.kwargs, self.cache = kwargs, cache
-        plan = _plan(mask, B, H, Q_LEN, None, kwargs.get("world_size"), kwargs.get("rank"),
-                     kwargs.get("mesh"), kwargs.get("balancer", "head_tail"),
-                     kwargs.get("BLOCK_SIZE", 128), kwargs.get("device"))
+        plan = _plan(
+            mask,
+            B,
+            H,
+            Q_LEN,
+            None,
+            kwargs.get("world_size"),
+            kwargs.get("rank"),
+            kwargs.get("mesh"),
+            kwargs.get("balancer", "head_tail"),
+            kwargs.get("BLOCK_SIZE", 128),
+            kwargs.get("device"),
+        )
         self.key = plan[-1]
         self._shard: CPShard | None = None
 
     @property
     def shard(self) -> CPShard:
         if self._shard is None:
-            self._shard = shard(self.mask, self.B, self.H, self.Q_LEN, cache=self.cache,
-                                **self.kwargs)
+            self._shard = shard(
+                self.mask, self.B, self.H, self.Q_LEN, cache=self.cache, **self.kwargs
+            )
         return self._shard
 
     @property
@@ -337,8 +379,9 @@ class LazyShard:
         self.cache.discard(self.key)
 
 
-def lazy_shard(mask: Mask, B: Any = None, H: Any = None, Q_LEN: int = 128, *,
-               cache: ShardCache, **kwargs: Any) -> LazyShard:
+def lazy_shard(
+    mask: Mask, B: Any = None, H: Any = None, Q_LEN: int = 128, *, cache: ShardCache, **kwargs: Any
+) -> LazyShard:
     """A rank-aware lazy handle: ``flexmask.shard`` on first use, through ``cache``.
 
     Takes ``shard``'s keyword arguments (world_size/rank or mesh, balancer, BLOCK_SIZE,
@@ -371,8 +414,16 @@ def imbalance(
     costs = torch.zeros(world_size, dtype=torch.float64)
     for mask in masks:
         for rank in range(world_size):
-            bm = shard(mask, B, H, Q_LEN, world_size=world_size, rank=rank, balancer=balancer,
-                       BLOCK_SIZE=BLOCK_SIZE).block_mask
+            bm = shard(
+                mask,
+                B,
+                H,
+                Q_LEN,
+                world_size=world_size,
+                rank=rank,
+                balancer=balancer,
+                BLOCK_SIZE=BLOCK_SIZE,
+            ).block_mask
             rows = (B or 1) if bm.kv_num_blocks.shape[0] == 1 else 1
             heads = (H or 1) if bm.kv_num_blocks.shape[1] == 1 else 1
             work = bm.full_kv_num_blocks.sum() + partial_cost * bm.kv_num_blocks.sum()

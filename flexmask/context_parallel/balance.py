@@ -122,7 +122,11 @@ class PerDocumentBalancer(_LoadBalancer):
 
     @property
     def key(self) -> tuple:
-        return ("per_document", self.world_size, tuple(tuple(row) for row in self.seq_length_per_doc))
+        return (
+            "per_document",
+            self.world_size,
+            tuple(tuple(row) for row in self.seq_length_per_doc),
+        )
 
     def _row(self, lengths: list[int]) -> Tensor:
         world = self.world_size
@@ -146,7 +150,12 @@ class PerDocumentBalancer(_LoadBalancer):
 
 
 def _block_costs(
-    mask: Mask, B: int | None, H: int | None, length: int, block: int, partial_cost: float,
+    mask: Mask,
+    B: int | None,
+    H: int | None,
+    length: int,
+    block: int,
+    partial_cost: float,
     device: torch.device,
 ) -> Tensor:
     """Work of every query block, (rows, n_blocks): full blocks + partial_cost * partial."""
@@ -217,7 +226,7 @@ class MaskAwareBalancer(_LoadBalancer):
         ]
         rows = max(c.shape[0] for c in costs)
         self.block_costs = sum(c.expand(rows, -1) for c in costs)
-        assignment, self.rank_costs = zip(*(self._deal(row) for row in self.block_costs))
+        assignment, self.rank_costs = zip(*(self._deal(row) for row in self.block_costs), strict=False)
         self.rank_costs = torch.stack(self.rank_costs)
         blocks = torch.stack(assignment)  # (rows, n_blocks): block ids, rank by rank
         tokens = blocks[:, :, None] * block_size + torch.arange(block_size)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed.distributed_c10d as c10d
 from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _context_parallel_shard
@@ -102,7 +101,7 @@ def shard_buffers(
         sharded = _context_parallel_shard(
             mesh, [t for _, t in tensors], tensor_dims, load_balancer=shard.balancer
         )
-        out.update({name: t for (name, _), t in zip(tensors, sharded)})
+        out.update({name: t for (name, _), t in zip(tensors, sharded, strict=False)})
     return {n: out[n] for n in names} if is_map else [out[n] for n in names]
 
 
@@ -111,7 +110,4 @@ def unshard(shard: CPShard, mesh: Any, buffers: Sequence[Tensor], seq_dims: Sequ
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
     full = context_parallel_unshard(mesh, list(buffers), list(seq_dims), shard.balancer)
-    return [t.narrow(d, 0, shard.seq_length) for t, d in zip(full, seq_dims)]
-
-
-
+    return [t.narrow(d, 0, shard.seq_length) for t, d in zip(full, seq_dims, strict=False)]

@@ -90,8 +90,15 @@ def ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _row_grids(
-    mask: Mask, B: int | None, H: int | None, perm: Tensor, rank: int, world: int, block: int,
-    device: torch.device, row: int | None,
+    mask: Mask,
+    B: int | None,
+    H: int | None,
+    perm: Tensor,
+    rank: int,
+    world: int,
+    block: int,
+    device: torch.device,
+    row: int | None,
 ) -> tuple[Tensor, Tensor]:
     """(partial, full) bool grids of one permutation row: (rows, heads, n_q, n_kv) at block."""
     total = perm.numel()
@@ -100,7 +107,7 @@ def _row_grids(
     q_runs, kv_runs = runs(q_perm), runs(perm)
     tile = _tile(block, total, local_len, q_runs, kv_runs)
     full_parts, some_parts, memo = [], [], {}
-    for start, length in zip(q_runs[1].tolist(), q_runs[2].tolist()):
+    for start, length in zip(q_runs[1].tolist(), q_runs[2].tolist(), strict=False):
         bm = _offset_build(mask, B, H, length, total, device, tile, start, memo)
         n_kv = bm.kv_indices.shape[-1]
         full = _dense(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv)
@@ -133,8 +140,14 @@ def _coarsen(grid: Tensor, tile: int, block: int, any_: bool = False) -> Tensor:
 
 
 def build_shard(
-    mask: Mask, B: int | None, H: int | None, indices: Tensor, rank: int, world: int,
-    block: int, device: torch.device,
+    mask: Mask,
+    B: int | None,
+    H: int | None,
+    indices: Tensor,
+    rank: int,
+    world: int,
+    block: int,
+    device: torch.device,
 ) -> BlockMask:
     """The BlockMask of rank ``rank``'s rows of ``mask`` under the permutation ``indices``."""
     total = indices.shape[-1]
@@ -142,8 +155,17 @@ def build_shard(
         partial, full = _row_grids(mask, B, H, indices[0], rank, world, block, device, None)
     else:
         grids = [
-            _row_grids(mask, B, H, indices[row], rank, world, block, device,
-                       row if mask.batch_dependent else 0)
+            _row_grids(
+                mask,
+                B,
+                H,
+                indices[row],
+                rank,
+                world,
+                block,
+                device,
+                row if mask.batch_dependent else 0,
+            )
             for row in range(indices.shape[0])
         ]
         partial = torch.cat([g[0] for g in grids])
@@ -159,8 +181,14 @@ def build_shard(
     kv_index = _padded_lookup(indices, math.ceil(total / block) * block)
     return BlockMask(
         (local_len, total),
-        kv_num, kv_idx, full_kv_num, full_kv_idx,
-        q_num, q_idx, full_q_num, full_q_idx,
+        kv_num,
+        kv_idx,
+        full_kv_num,
+        full_kv_idx,
+        q_num,
+        q_idx,
+        full_q_num,
+        full_q_idx,
         BLOCK_SIZE=(block, block),
         mask_mod=ShardMaskMod(mask.mask_mod, q_index.to(device), kv_index.to(device)),
     )
@@ -178,9 +206,7 @@ def _offset_build(mask, B, H, q_len, kv_len, device, tile, q_start, memo):
     """Rows [q_start, q_start + q_len) of the mask, every key, at ``tile``: the offset seam
     of ``create_block_mask``; where it is missing, rows of one whole build (exact, costlier)."""
     try:
-        return flexmask.create_block_mask(
-            mask, B, H, q_len, kv_len, device, tile, q_offset=q_start
-        )
+        return flexmask.create_block_mask(mask, B, H, q_len, kv_len, device, tile, q_offset=q_start)
     except TypeError:
         pass
     if "whole" not in memo:
@@ -189,7 +215,14 @@ def _offset_build(mask, B, H, q_len, kv_len, device, tile, q_start, memo):
     rows = slice(q_start // tile, -(-(q_start + q_len) // tile))
     return BlockMask(
         (q_len, kv_len),
-        whole.kv_num_blocks[:, :, rows], whole.kv_indices[:, :, rows],
-        whole.full_kv_num_blocks[:, :, rows], whole.full_kv_indices[:, :, rows],
-        None, None, None, None, BLOCK_SIZE=whole.BLOCK_SIZE, mask_mod=whole.mask_mod,
+        whole.kv_num_blocks[:, :, rows],
+        whole.kv_indices[:, :, rows],
+        whole.full_kv_num_blocks[:, :, rows],
+        whole.full_kv_indices[:, :, rows],
+        None,
+        None,
+        None,
+        None,
+        BLOCK_SIZE=whole.BLOCK_SIZE,
+        mask_mod=whole.mask_mod,
     )
