@@ -24,6 +24,7 @@ from flexmask.context_parallel import (
     lazy_shard,
     shard,
 )
+from flexmask.inference import DecodeMasks, decode_mask, speculative_tree
 from flexmask.lazy import LazyBlockMask, lazy
 from flexmask.mask import And, Mask, Not, Or
 from flexmask.packing import PackedBatch, PackedDataset, PackingCollator, TreePack, pack, pack_tree
@@ -53,6 +54,9 @@ __all__ = [
     "shard",
     "And",
     "CacheInfo",
+    "DecodeMasks",
+    "decode_mask",
+    "speculative_tree",
     "LazyBlockMask",
     "PackedBatch",
     "PackedDataset",

@@ -103,6 +103,13 @@ class BlockGrid:
     q_last: Tensor
     kv_first: Tensor
     kv_last: Tensor
+    q_offset: int | Tensor = 0
+    """The grid's rows are positions ``[q_offset, q_offset + q_len)`` of the mask: an int, or
+    per batch row a ``(B, 1)`` int64 tensor (then ``q_first``/``q_last`` are ``(B, 1, nq, 1)``)."""
+    kv_offset: int | Tensor = 0
+    """Its columns are positions ``[kv_offset, kv_offset + kv_len)``; likewise."""
+    reach: int = 0
+    """One past the furthest position of any row (lookups are padded to it)."""
     refined: list[int] = field(default_factory=lambda: [0], compare=False)
     """Tiles refined so far in this build (a one-item list: the grid itself is frozen)."""
 
@@ -116,13 +123,33 @@ class BlockGrid:
         q_block: int,
         kv_block: int,
         device: torch.device,
+        q_offset: int | list[int] = 0,
+        kv_offset: int | list[int] = 0,
+        reach: int = 0,
     ) -> BlockGrid:
+        """The tiles of ``[q_offset, q_offset + q_len) x [kv_offset, kv_offset + kv_len)``;
+        offsets are ints, or lists with one per batch row (validated by the caller).
+        Lookups are padded to the furthest position of any row, at least ``reach``."""
         num_q = -(-q_len // q_block)
         num_kv = -(-kv_len // kv_block)
-        q_first = torch.arange(num_q, device=device) * q_block
-        kv_first = torch.arange(num_kv, device=device) * kv_block
-        q_last = (q_first + q_block - 1).clamp_(max=q_len - 1)
-        kv_last = (kv_first + kv_block - 1).clamp_(max=kv_len - 1)
+        per_row = isinstance(q_offset, list) or isinstance(kv_offset, list)
+        rows = batch if per_row else 1
+
+        def offset(value: int | list[int]) -> int | Tensor:
+            if not per_row:
+                return value  # type: ignore[return-value]
+            rows = value if isinstance(value, list) else [value] * batch
+            return torch.tensor(rows, dtype=torch.int64).to(device).view(-1, 1)
+
+        q_off, kv_off = offset(q_offset), offset(kv_offset)
+        q_reach = max(q_offset) if isinstance(q_offset, list) else q_offset
+        kv_reach = max(kv_offset) if isinstance(kv_offset, list) else kv_offset
+        reach = max(q_reach + q_len, kv_reach + kv_len, reach)
+        # Token bounds are positions of the whole mask: tiles start at the offsets.
+        q_first = torch.arange(num_q, device=device) * q_block + q_off
+        kv_first = torch.arange(num_kv, device=device) * kv_block + kv_off
+        q_last = torch.minimum(q_first + (q_block - 1), torch.as_tensor(q_off + q_len - 1))
+        kv_last = torch.minimum(kv_first + (kv_block - 1), torch.as_tensor(kv_off + kv_len - 1))
         return cls(
             batch=batch,
             heads=heads,
@@ -131,11 +158,19 @@ class BlockGrid:
             q_block=q_block,
             kv_block=kv_block,
             device=device,
-            q_first=q_first.view(1, 1, -1, 1),
-            q_last=q_last.view(1, 1, -1, 1),
-            kv_first=kv_first.view(1, 1, 1, -1),
-            kv_last=kv_last.view(1, 1, 1, -1),
+            q_first=q_first.view(rows, 1, num_q, 1),
+            q_last=q_last.view(rows, 1, num_q, 1),
+            kv_first=kv_first.view(rows, 1, 1, num_kv),
+            kv_last=kv_last.view(rows, 1, 1, num_kv),
+            q_offset=q_off,
+            kv_offset=kv_off,
+            reach=reach,
         )
+
+    @property
+    def per_row_offsets(self) -> bool:
+        """True when the window differs between batch rows (offsets per row)."""
+        return isinstance(self.q_offset, Tensor)
 
     @property
     def num_q_blocks(self) -> int:
@@ -146,9 +181,23 @@ class BlockGrid:
         return self.kv_first.shape[3]
 
     @property
+    def q_end(self) -> int | Tensor:
+        """One past the grid's last query position (in the whole mask; per row a tensor)."""
+        return self.q_offset + self.q_len
+
+    @property
+    def kv_end(self) -> int | Tensor:
+        """One past the grid's last kv position (in the whole mask; per row a tensor)."""
+        return self.kv_offset + self.kv_len
+
+    @property
     def length(self) -> int:
-        """Lookups are padded to this length: every index a kernel may pass is below it."""
-        return max(self.q_len, self.kv_len)
+        """Lookups are padded to this length: every position a kernel may reach is below it."""
+        return self.reach
+
+    def kv_tile(self, position: Tensor) -> Tensor:
+        """The kv tile (column) of whole-mask kv positions (floor; may be out of range)."""
+        return (position - self.kv_offset).div(self.kv_block, rounding_mode="floor")
 
     def demote_incomplete(self, codes: Tensor) -> Tensor:
         """FULL → PARTIAL on tiles that run past either end, in place (codes is contiguous).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -20,7 +20,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from flexmask import ranges
 from flexmask._validate import check_int
 from flexmask.blocks import FULL, PARTIAL, UNDECIDED, BlockGrid
-from flexmask.mask import Mask, MaskMod
+from flexmask.mask import Mask, MaskMod, ShiftedMod
 from flexmask.ranges import Ordered
 from flexmask.refine import refine_by_evaluation, refine_by_intervals
 
@@ -65,8 +65,11 @@ def make_grid(
     KV_LEN: Any,
     device: torch.device | str | None,
     BLOCK_SIZE: Any,
+    q_offset: Any = 0,
+    kv_offset: Any = 0,
 ) -> BlockGrid:
-    """Validates the build arguments against the mask and lays out its tiles."""
+    """Validates the build arguments against the mask and lays out its tiles (of the window
+    at the offsets)."""
     batch = 1 if B is None else check_int(B, "B", minimum=1)
     heads = 1 if H is None else check_int(H, "H", minimum=1)
     q_len = check_int(Q_LEN, "Q_LEN", minimum=0)
@@ -80,9 +83,29 @@ def make_grid(
         raise ValueError(f"device must be a torch device or its name, got {device!r}") from err
     if mask.rows is not None and B is None:
         batch = mask.rows
-    grid = BlockGrid.make(batch, heads, q_len, kv_len, q_block, kv_block, device)
+    q_off = offsets(q_offset, "q_offset", batch)
+    kv_off = offsets(kv_offset, "kv_offset", batch)
+    grid = BlockGrid.make(
+        batch, heads, q_len, kv_len, q_block, kv_block, device, q_offset=q_off, kv_offset=kv_off
+    )
     mask._check(grid)
     return grid
+
+
+def offsets(value: Any, name: str, batch: int) -> int | list[int]:
+    """A window offset: one int >= 0, or one per batch row (a list, or a (B,) tensor or
+    array). Per-row values that are all equal collapse to one int."""
+    if isinstance(value, Tensor) and value.dim() == 0 or not hasattr(value, "__len__"):
+        return check_int(value, name, minimum=0)
+    if isinstance(value, Tensor) and value.dim() != 1:
+        raise ValueError(f"{name} must be an int or hold one offset per batch row, shape (B,)")
+    values = [check_int(v, f"{name}[{i}]", minimum=0) for i, v in enumerate(value)]
+    if len(values) != batch:
+        raise ValueError(
+            f"{name} holds {len(values)} offsets but B={batch}: pass one per batch row, or one "
+            f"int for every row"
+        )
+    return values[0] if len(set(values)) == 1 else values
 
 
 def classify_blocks(mask: Mask, grid: BlockGrid) -> Classified:
@@ -184,7 +207,7 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     the mask's intervals are monotone (flexmask.ranges), else from the classified tiles."""
     if grid.num_q_blocks == 0 or grid.num_kv_blocks == 0:
         grid.refined[0] = 0
-        rows = grid.batch if mask.batch_dependent else 1
+        rows = ranges.built_rows(mask, grid)
         return _empty_sides(rows, grid.heads if mask.head_dependent else 1, grid)
     if mask._has_monotone_intervals():
         grid.refined[0] = 0
@@ -228,9 +251,51 @@ def build(mask: Mask, grid: BlockGrid) -> BlockMask:
     """Builds the BlockMask of a validated mask on a validated grid."""
     with _cpu_threads(torch.device(grid.device)):
         # The lookups the mask_mod keeps are allocated before the build's temporaries.
-        mask_mod = mask._lower(grid.length, grid.device).mask_mod
-        kv, q = ordered_sides(mask, grid)
+        mask_mod = window_mask_mod(mask._lower(grid.length, grid.device).mask_mod, grid)
+        if grid.per_row_offsets and not mask._has_monotone_intervals():
+            kv, q = _row_by_row(mask, grid)
+        else:
+            kv, q = ordered_sides(mask, grid)
         return assemble(kv, q, grid, mask_mod)
+
+
+def window_mask_mod(mask_mod: MaskMod, grid: BlockGrid) -> MaskMod:
+    """The mask_mod of the grid's window: local indices shifted by the offsets (held as
+    tensors); the mask's own where the window starts at (0, 0)."""
+    if not grid.per_row_offsets and grid.q_offset == 0 and grid.kv_offset == 0:
+        return mask_mod
+
+    def held(offset: int | Tensor) -> Tensor:
+        if isinstance(offset, Tensor):
+            return offset.view(-1).expand(grid.batch).contiguous()
+        return torch.tensor(offset, dtype=torch.int64, device=grid.device)
+
+    return ShiftedMod(mask_mod, held(grid.q_offset), held(grid.kv_offset))
+
+
+def _row_by_row(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
+    """Per-row windows on the tile path: each row's window built with its own offsets and
+    its row kept (B builds; the closed form takes per-row offsets in one)."""
+    q_off = grid.q_offset.view(-1).tolist()  # type: ignore[union-attr]
+    kv_off = grid.kv_offset.view(-1).tolist()  # type: ignore[union-attr]
+    parts = []
+    for row in range(grid.batch):
+        one = BlockGrid.make(
+            grid.batch,
+            grid.heads,
+            grid.q_len,
+            grid.kv_len,
+            grid.q_block,
+            grid.kv_block,
+            grid.device,
+            q_offset=q_off[row],
+            kv_offset=kv_off[row],
+            reach=grid.length,  # the lookups every row's window shares
+        )
+        sides = ordered_sides(mask, one)
+        parts.append([t[row : row + 1] if t.shape[0] > 1 else t for side in sides for t in side])
+    stacked = [torch.cat(column) for column in zip(*parts, strict=True)]
+    return Ordered(*stacked[:4]), Ordered(*stacked[4:])
 
 
 _SIDES = (
@@ -294,6 +359,9 @@ def create_block_mask(
     KV_LEN: int = 128,
     device: torch.device | str | None = None,
     BLOCK_SIZE: int | tuple[int, int] = 128,
+    *,
+    q_offset: int | Sequence[int] | Tensor = 0,
+    kv_offset: int | Sequence[int] | Tensor = 0,
 ) -> BlockMask:
     """Drop-in for ``torch.nn.attention.flex_attention.create_block_mask``, built from structure.
 
@@ -314,6 +382,12 @@ def create_block_mask(
         Q_LEN: query length. KV_LEN: key/value length. Neither needs to be a block multiple.
         device: where to build (None: the device of the mask's tensors, else torch's default).
         BLOCK_SIZE: tile size, an int or a (Q, KV) pair.
+        q_offset, kv_offset: build the window of queries ``[q_offset, q_offset + Q_LEN)`` and
+            keys ``[kv_offset, kv_offset + KV_LEN)`` of the mask (a context-parallel shard, a
+            decode step): ints >= 0, or one per batch row (a list or a ``(B,)`` tensor). The
+            BlockMask is torch's ``create_block_mask`` of the shifted mask_mod
+            ``mod(b, h, q + q_offset[b], kv + kv_offset[b])``; its mask_mod takes local
+            indices and holds the offsets as tensors (new offsets do not recompile).
 
     Returns:
         A ``torch.nn.attention.flex_attention.BlockMask`` whose ``mask_mod`` captures only
@@ -328,6 +402,13 @@ def create_block_mask(
     """
     if not isinstance(mask, Mask):
         if callable(mask):
+            if not (isinstance(q_offset, int) and q_offset == 0) or not (
+                isinstance(kv_offset, int) and kv_offset == 0
+            ):
+                raise TypeError(
+                    "q_offset/kv_offset need a flexmask Mask (a plain mask_mod has no structure "
+                    "to window): wrap it with flexmask.from_mask_mod(fn, key=...)"
+                )
             return torch_create_block_mask(
                 mask,
                 B,
@@ -340,5 +421,5 @@ def create_block_mask(
         raise TypeError(
             f"mask must be a flexmask Mask or a mask_mod callable, got {type(mask).__name__}"
         )
-    grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+    grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
     return build(mask, grid)

@@ -126,9 +126,12 @@ class MaskCache:
         KV_LEN: int,
         device: torch.device | str | None = None,
         BLOCK_SIZE: int | tuple[int, int] = 128,
+        *,
+        q_offset: Any = 0,
+        kv_offset: Any = 0,
     ) -> tuple:
         """The cache key of a build, after validating its arguments against the mask."""
-        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
         return _key(mask, grid)
 
     def get(
@@ -140,15 +143,20 @@ class MaskCache:
         KV_LEN: int = 128,
         device: torch.device | str | None = None,
         BLOCK_SIZE: int | tuple[int, int] = 128,
+        *,
+        q_offset: Any = 0,
+        kv_offset: Any = 0,
     ) -> BlockMask:
-        """The BlockMask of ``mask`` for this shape: cached, or built and cached.
+        """The BlockMask of ``mask`` for this shape (and window: ``q_offset``/``kv_offset`` as
+        for ``create_block_mask``): cached, or built and cached.
 
         The result has batch (head) dimension 1 when the mask does not depend on the row
-        (head); flex_attention broadcasts it. A hit returns the very object cached.
+        (head): real tensors of that shape, not expanded views, which flex_attention
+        broadcasts. A hit returns the very object cached.
         """
         if not isinstance(mask, Mask):
             raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
-        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
         key = _key(mask, grid)
         with self._lock:
             found = self._data.get(key)
@@ -208,8 +216,9 @@ class MaskCache:
 
 
 def _reduced(mask: Mask, grid: BlockGrid) -> tuple[int, int]:
-    """B and H of what is built and cached: 1 where the mask ignores them."""
-    return (grid.batch if mask.batch_dependent else 1, grid.heads if mask.head_dependent else 1)
+    """B and H of what is built and cached: 1 where the mask (and its window) ignore them."""
+    by_row = mask.batch_dependent or grid.per_row_offsets
+    return (grid.batch if by_row else 1, grid.heads if mask.head_dependent else 1)
 
 
 def grid_for_key(mask: Mask, grid: BlockGrid) -> BlockGrid:
@@ -218,8 +227,20 @@ def grid_for_key(mask: Mask, grid: BlockGrid) -> BlockGrid:
     if (batch, heads) == (grid.batch, grid.heads):
         return grid
     return BlockGrid.make(
-        batch, heads, grid.q_len, grid.kv_len, grid.q_block, grid.kv_block, grid.device
+        batch,
+        heads,
+        grid.q_len,
+        grid.kv_len,
+        grid.q_block,
+        grid.kv_block,
+        grid.device,
+        q_offset=_offset_key(grid.q_offset),  # type: ignore[arg-type]
+        kv_offset=_offset_key(grid.kv_offset),  # type: ignore[arg-type]
     )
+
+
+def _offset_key(offset: int | torch.Tensor) -> int | list[int]:
+    return offset.view(-1).tolist() if isinstance(offset, torch.Tensor) else offset
 
 
 def _key(mask: Mask, grid: BlockGrid) -> tuple:
@@ -233,7 +254,13 @@ def _key(mask: Mask, grid: BlockGrid) -> tuple:
         (grid.q_block, grid.kv_block),
         (device.type, device.index),
         mask.key,
+        _as_key(_offset_key(grid.q_offset)),
+        _as_key(_offset_key(grid.kv_offset)),
     )
+
+
+def _as_key(offset: int | list[int]) -> int | tuple[int, ...]:
+    return tuple(offset) if isinstance(offset, list) else offset
 
 
 def _env_int(name: str, default: int | None) -> int | None:

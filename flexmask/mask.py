@@ -131,6 +131,27 @@ class NotMod(MaskModFn):
         return f"{self._name}({self.mod!r})"
 
 
+class ShiftedMod(MaskModFn):
+    """``mod(b, h, q_idx + q_offset, kv_idx + kv_offset)``: the mask_mod of a window of a
+    mask (``create_block_mask(..., q_offset=, kv_offset=)``). The offsets are int64 tensors —
+    0-d, or ``(B,)`` read at ``b`` when they differ by row — never Python ints, so new
+    offsets of the same shape do not recompile a compiled kernel."""
+
+    __slots__ = ("mod", "q_offset", "kv_offset", "per_row")
+    _name = "shifted_mask"
+
+    def __init__(self, mod: MaskMod, q_offset: Tensor, kv_offset: Tensor) -> None:
+        self.mod = mod
+        self.q_offset = q_offset
+        self.kv_offset = kv_offset
+        self.per_row = q_offset.dim() == 1
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if self.per_row:
+            return self.mod(b, h, q_idx + self.q_offset[b], kv_idx + self.kv_offset[b])
+        return self.mod(b, h, q_idx + self.q_offset, kv_idx + self.kv_offset)
+
+
 class Intervals(NamedTuple):
     """For given query positions, the one kv interval ``[lo, hi]`` each attends (empty when
     lo > hi).

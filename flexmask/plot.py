@@ -7,6 +7,7 @@ matplotlib is an optional extra (``pip install flexmask[plot]``); it is imported
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -147,8 +148,13 @@ def plot(
     except ImportError as err:
         raise ImportError("flexmask.plot needs matplotlib: pip install flexmask[plot]") from err
 
-    if isinstance(max_elements, bool) or not isinstance(max_elements, int) or max_elements < 1:
+    if (
+        isinstance(max_elements, bool)
+        or not isinstance(max_elements, numbers.Integral)  # numpy integers too
+        or max_elements < 1
+    ):
         raise ValueError(f"max_elements must be an int >= 1, got {max_elements!r}")
+    max_elements = int(max_elements)
     block_mask, label = _block_mask_of(mask_or_block_mask, Q_LEN, KV_LEN, B, H, BLOCK_SIZE)
     classes = block_classes(block_mask, batch, head)
     elements = _element_picture(block_mask, classes, batch, head, max_elements)
@@ -197,8 +203,9 @@ def plot(
 
 
 def _broadcast_index(index: int, size: int, name: str) -> int:
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+    if isinstance(index, bool) or not isinstance(index, numbers.Integral) or index < 0:
         raise ValueError(f"{name} must be an int >= 0, got {index!r}")
+    index = int(index)
     if size == 1:
         return 0  # broadcast, as flex_attention does
     if index >= size:

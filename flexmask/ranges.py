@@ -62,49 +62,68 @@ class Ordered(NamedTuple):
     full_idx: Tensor
 
 
+def built_rows(mask: Mask, grid: BlockGrid) -> int:
+    """Rows the build writes: B where the mask or the window differs by row, else 1."""
+    return grid.batch if mask.batch_dependent or grid.per_row_offsets else 1
+
+
 def _clipped(mask: Mask, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> tuple[Tensor, Tensor]:
     lo, hi = mask._intervals(q_idx, row, grid)  # type: ignore[misc]
     shape = q_idx.shape
-    return lo.clamp(min=0).expand(shape), hi.clamp(max=grid.kv_len - 1).expand(shape)
+    return lo.clamp(min=grid.kv_offset).expand(shape), hi.clamp(max=grid.kv_end - 1).expand(shape)
 
 
 def row_runs(mask: Mask, grid: BlockGrid) -> Runs:
     """The runs of every q block row of a mask with monotone intervals, from the intervals
-    of each block's first and last query (and of one block per row, where the attending
-    prefix of the queries ends)."""
+    of each block's first and last query, and of every query of two blocks per row: where
+    the attending queries begin and where they end.
+
+    Clipped to the grid's kv window ``[k0, k1]``, the queries that attend are a range, not
+    only a prefix: ``hi >= k0`` holds on a suffix (hi never decreases), ``lo <= hi`` and
+    ``lo <= k1`` on a prefix. Inside that range the clipped intervals stay monotone and
+    touching. So a block whose edge queries both attend is attended by all its queries; only
+    the block where ``hi`` first reaches ``k0`` and the first block whose last query stops
+    attending can be cut inside — those two are evaluated query by query.
+    """
     dev = grid.device
-    nq, nkv, kb = grid.num_q_blocks, grid.num_kv_blocks, grid.kv_block
-    rows = grid.batch if mask.batch_dependent else 1
-    first_q = grid.q_first.view(1, nq)
-    last_q = grid.q_last.view(1, nq)
+    nq, nkv, kb, qb = grid.num_q_blocks, grid.num_kv_blocks, grid.kv_block, grid.q_block
+    rows = built_rows(mask, grid)
+    first_q = grid.q_first.view(-1, nq).expand(rows, nq)  # per-row offsets: (B, nq)
+    last_q = grid.q_last.view(-1, nq).expand(rows, nq)
     row = torch.arange(rows, device=dev).view(rows, 1)
-    edges = torch.cat([first_q, last_q], 1).expand(rows, 2 * nq)
-    lo, hi = _clipped(mask, edges, row, grid)
+    lo, hi = _clipped(mask, torch.cat([first_q, last_q], 1), row, grid)
     lo_a, lo_z = lo[:, :nq], lo[:, nq:]
     hi_a, hi_z = hi[:, :nq], hi[:, nq:]
-    starts = lo_a <= hi_a  # the block's first query attends: the block is non-empty
-    ends = lo_z <= hi_z  # its last one too: every query of the block attends
-    # At most one block per row starts attending and stops inside: find where it stops.
-    hi_reach = hi_z
-    cut = starts & ~ends
-    if bool(cut.any()):
-        block = cut.to(torch.int8).argmax(1, keepdim=True)  # (rows, 1)
-        inside = grid.q_first.view(-1)[block] + torch.arange(grid.q_block, device=dev)
-        inside = inside.clamp(max=grid.q_len - 1)
-        lo_in, hi_in = _clipped(mask, inside, row, grid)
-        attending = (lo_in <= hi_in).sum(1, keepdim=True)  # a prefix of the block
-        hi_last = hi_in.gather(1, (attending - 1).clamp(min=0))
-        hi_reach = torch.where(cut, hi_last, hi_z)
-    no_block = torch.tensor(nkv, device=dev)
-    first = torch.where(starts, lo_a.div(kb, rounding_mode="floor"), no_block)
-    last = torch.where(starts, hi_reach.div(kb, rounding_mode="floor"), no_block - 1)
+    a_attends, z_attends = lo_a <= hi_a, lo_z <= hi_z
+    # The two blocks that may be cut inside (argmax: the first such block, 0 if none — any
+    # block evaluated query by query is exact, so a spare one costs nothing but its work).
+    begins = (hi_z >= grid.kv_offset).to(torch.int8).argmax(1, keepdim=True)
+    stops = (a_attends & ~z_attends).to(torch.int8).argmax(1, keepdim=True)
+    special = torch.cat([begins, stops], 1)  # (rows, 2)
+    inside = first_q.gather(1, special).unsqueeze(-1) + torch.arange(qb, device=dev)
+    q_end = grid.q_end.view(-1, 1, 1) if isinstance(grid.q_end, Tensor) else grid.q_end
+    inside = inside.clamp(max=q_end - 1).view(rows, 2 * qb)  # repeats the last query
+    lo_in, hi_in = (t.view(rows, 2, qb) for t in _clipped(mask, inside, row, grid))
+    attends = lo_in <= hi_in
+    first_in = attends.to(torch.int8).argmax(-1, keepdim=True)
+    last_in = (qb - 1) - attends.flip(-1).to(torch.int8).argmax(-1, keepdim=True)
+    some = a_attends.scatter(1, special, attends.any(-1))
+    every = (a_attends & z_attends).scatter(1, special, attends.all(-1))
+    lo_first = lo_a.scatter(1, special, lo_in.gather(-1, first_in).squeeze(-1))
+    hi_reach = hi_z.scatter(1, special, hi_in.gather(-1, last_in).squeeze(-1))
+    # Empty rows before the attending range get the empty run [0, -1], those after it
+    # [nkv, nkv - 1]: run ends then never decrease down the rows (``column_runs``).
+    before = some.cumsum(1) == 0
+    first = torch.where(some, grid.kv_tile(lo_first), torch.where(before, 0, nkv))
+    last = torch.where(some, grid.kv_tile(hi_reach), torch.where(before, -1, nkv - 1))
     # Full: tiles inside [lo(z), hi(a)], in complete blocks whose queries all attend. As hi
-    # is clipped below KV_LEN, the last tile counts only if it is complete.
-    complete = ends & (first_q + grid.q_block <= grid.q_len)
-    full_first = (lo_z + (kb - 1)).div(kb, rounding_mode="floor")
-    full_last = (hi_a + 1).div(kb, rounding_mode="floor").sub_(1)
-    full_first = torch.where(complete, full_first, no_block)
-    full_last = torch.where(complete, full_last, no_block - 1)
+    # is clipped below the grid's kv end, the last tile counts only if it is complete.
+    complete = every & (first_q + qb <= grid.q_end)
+    before = complete.cumsum(1) == 0
+    full_first = grid.kv_tile(lo_z + (kb - 1))
+    full_last = grid.kv_tile(hi_a + 1).sub_(1)
+    full_first = torch.where(complete, full_first, torch.where(before, 0, nkv))
+    full_last = torch.where(complete, full_last, torch.where(before, -1, nkv - 1))
     return Runs(first, last, full_first, full_last)
 
 
@@ -185,7 +204,7 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     tail, so it must be torch's). Each tensor is runs laid end to end (``_line_runs``),
     expanded in one pass: O(entries) with a small constant, no tile grid and no sort.
     """
-    rows = grid.batch if mask.batch_dependent else 1
+    rows = built_rows(mask, grid)
     nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
     # The outputs first: allocated before the build's temporaries, they do not land on
     # memory the temporaries just returned to the system (fewer fresh pages on the CPU).

@@ -21,8 +21,8 @@ def refine_by_evaluation(codes: Tensor, tiles: Tensor, evaluate: MaskMod, grid: 
     """Evaluates the mask on the given tiles only and writes their exact codes in place."""
     grid.refined[0] += tiles.shape[0]
     q_tile, kv_tile = tiles[:, 2], tiles[:, 3]
-    complete = ((q_tile + 1) * grid.q_block <= grid.q_len) & (
-        (kv_tile + 1) * grid.kv_block <= grid.kv_len
+    complete = (grid.q_first.view(-1)[q_tile] + grid.q_block <= grid.q_end) & (
+        grid.kv_first.view(-1)[kv_tile] + grid.kv_block <= grid.kv_end
     )
     per_chunk = max(1, REFINE_CHUNK_ELEMENTS // (grid.q_block * grid.kv_block))
     for part, clip in ((tiles[complete], False), (tiles[~complete], True)):
@@ -44,14 +44,14 @@ def refine_by_intervals(codes: Tensor, tiles: Tensor, mask: Mask, grid: BlockGri
     per_chunk = max(1, REFINE_CHUNK_ELEMENTS // grid.q_block)
     for chunk in torch.split(tiles, per_chunk):
         row, _, q_tile, kv_tile = chunk.unbind(1)
-        q_idx = (q_tile * grid.q_block).view(-1, 1) + torch.arange(grid.q_block, device=dev)
-        in_range = q_idx < grid.q_len
-        q_idx = q_idx.clamp(max=grid.q_len - 1)
+        q_idx = grid.q_first.view(-1)[q_tile].view(-1, 1) + torch.arange(grid.q_block, device=dev)
+        in_range = q_idx < grid.q_end
+        q_idx = q_idx.clamp(max=grid.q_end - 1)
         intervals = mask._intervals(q_idx, row.view(-1, 1), grid)
         assert intervals is not None  # callers check mask._has_intervals()
         lo, hi = intervals
-        kv_first = (kv_tile * grid.kv_block).view(-1, 1)
-        kv_last = (kv_first + grid.kv_block - 1).clamp(max=grid.kv_len - 1)
+        kv_first = grid.kv_first.view(-1)[kv_tile].view(-1, 1)
+        kv_last = grid.kv_last.view(-1)[kv_tile].view(-1, 1)
         meets = (torch.maximum(lo, kv_first) <= torch.minimum(hi, kv_last)) & in_range
         covers = ((lo <= kv_first) & (hi >= kv_last)) | ~in_range
         some, every = meets.any(1), covers.all(1)
@@ -63,12 +63,10 @@ def _evaluate_tiles(chunk: Tensor, evaluate: MaskMod, grid: BlockGrid, clip: boo
     """Codes of k tiles from one evaluation on (k, q_block, kv_block) broadcasting indices."""
     dev = grid.device
     row, head, q_tile, kv_tile = chunk.unbind(1)
-    q_idx = (q_tile * grid.q_block).view(-1, 1, 1) + torch.arange(grid.q_block, device=dev).view(
-        1, -1, 1
-    )
-    kv_idx = (kv_tile * grid.kv_block).view(-1, 1, 1) + torch.arange(
-        grid.kv_block, device=dev
-    ).view(1, 1, -1)
+    q_first = grid.q_first.view(-1)[q_tile].view(-1, 1, 1)
+    kv_first = grid.kv_first.view(-1)[kv_tile].view(-1, 1, 1)
+    q_idx = q_first + torch.arange(grid.q_block, device=dev).view(1, -1, 1)
+    kv_idx = kv_first + torch.arange(grid.kv_block, device=dev).view(1, 1, -1)
     shape = (chunk.shape[0], grid.q_block, grid.kv_block)
     if not clip:
         attends = evaluate(row.view(-1, 1, 1), head.view(-1, 1, 1), q_idx, kv_idx)
@@ -77,12 +75,12 @@ def _evaluate_tiles(chunk: Tensor, evaluate: MaskMod, grid: BlockGrid, clip: boo
     else:
         # Tiles past an end: clamp the indices (lookups are sized to the sequence) and count
         # only in-range elements.
-        in_range = ((q_idx < grid.q_len) & (kv_idx < grid.kv_len)).expand(shape)
+        in_range = ((q_idx < grid.q_end) & (kv_idx < grid.kv_end)).expand(shape)
         attends = evaluate(
             row.view(-1, 1, 1),
             head.view(-1, 1, 1),
-            q_idx.clamp(max=grid.q_len - 1),
-            kv_idx.clamp(max=grid.kv_len - 1),
+            q_idx.clamp(max=grid.q_end - 1),
+            kv_idx.clamp(max=grid.kv_end - 1),
         )
         attends = attends.expand(shape) & in_range
         some = attends.flatten(1).any(1)

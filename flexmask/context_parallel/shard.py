@@ -106,9 +106,9 @@ def _row_grids(
     q_perm = perm[rank * local_len : (rank + 1) * local_len]
     q_runs, kv_runs = runs(q_perm), runs(perm)
     tile = _tile(block, total, local_len, q_runs, kv_runs)
-    full_parts, some_parts, memo = [], [], {}
+    full_parts, some_parts = [], []
     for start, length in zip(q_runs[1].tolist(), q_runs[2].tolist(), strict=False):
-        bm = _offset_build(mask, B, H, length, total, device, tile, start, memo)
+        bm = flexmask.create_block_mask(mask, B, H, length, total, device, tile, q_offset=start)
         n_kv = bm.kv_indices.shape[-1]
         full = _dense(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv)
         some = _dense(bm.kv_num_blocks, bm.kv_indices, n_kv) | full
@@ -201,28 +201,3 @@ def _padded_lookup(index: Tensor, length: int) -> Tensor:
         return index.contiguous()
     return torch.cat([index, index[:, -1:].expand(-1, pad)], dim=-1).contiguous()
 
-
-def _offset_build(mask, B, H, q_len, kv_len, device, tile, q_start, memo):
-    """Rows [q_start, q_start + q_len) of the mask, every key, at ``tile``: the offset seam
-    of ``create_block_mask``; where it is missing, rows of one whole build (exact, costlier)."""
-    try:
-        return flexmask.create_block_mask(mask, B, H, q_len, kv_len, device, tile, q_offset=q_start)
-    except TypeError:
-        pass
-    if "whole" not in memo:
-        memo["whole"] = flexmask.create_block_mask(mask, B, H, kv_len, kv_len, device, tile)
-    whole = memo["whole"]
-    rows = slice(q_start // tile, -(-(q_start + q_len) // tile))
-    return BlockMask(
-        (q_len, kv_len),
-        whole.kv_num_blocks[:, :, rows],
-        whole.kv_indices[:, :, rows],
-        whole.full_kv_num_blocks[:, :, rows],
-        whole.full_kv_indices[:, :, rows],
-        None,
-        None,
-        None,
-        None,
-        BLOCK_SIZE=whole.BLOCK_SIZE,
-        mask_mod=whole.mask_mod,
-    )

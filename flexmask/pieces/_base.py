@@ -16,8 +16,9 @@ class Piece(Mask):
     _arg = "the mask's data"
     _interval_shape: str | None = None
     """What the piece's ``_intervals`` promise (see ``flexmask.ranges``): None — no intervals;
-    "monotone" — one interval per query, monotone; "from_zero" — monotone, non-empty and
-    starting at key 0 (so ``|``-unions of such pieces are intervals too)."""
+    "monotone" — one interval per query, monotone; "from_zero" — monotone and starting at
+    key 0, possibly empty as ``[0, -1]`` (so ``|``-unions of such pieces are intervals too:
+    ``[0, max hi]``)."""
 
     def __init__(
         self,

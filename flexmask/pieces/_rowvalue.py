@@ -13,13 +13,19 @@ from flexmask.pieces._base import Piece, per_row_view
 
 
 class RowValuePiece(Piece):
-    """Holds ``values``: int64 of shape (R,) with ``per_row``, else shape (1,)."""
+    """Holds ``values``: int64 of shape (R,) with ``per_row``, else shape (1,).
+
+    Values are ints >= 0 (0 is well defined for every such piece: it attends nothing, or
+    nothing beyond another piece) that fit in int64. With ``_limit_by_length`` a value past
+    the sequence is refused when the mask is built; without it, such a value means "the
+    whole sequence" and is clamped to it wherever arithmetic is done on it.
+    """
 
     __slots__ = ("values", "per_row")
     _kind = ""
     _limit_by_length = True  # a value larger than the sequence is a caller's mistake
 
-    def __init__(self, value: Any, name: str, minimum: int = 1) -> None:
+    def __init__(self, value: Any, name: str, minimum: int = 0) -> None:
         values, per_row = scalar_or_rows(value, name, minimum=minimum)
         self.values = values
         self.per_row = per_row
@@ -49,8 +55,13 @@ class RowValuePiece(Piece):
         return per_row_view(self.values, self.per_row, grid.device)
 
     def _at_rows(self, row: Tensor, grid: BlockGrid) -> Tensor:
-        """(k, 1) values for the given (k, 1) batch rows."""
-        values = self.values.to(grid.device)
+        """(k, 1) values for the given (k, 1) batch rows, clamped to the sequence length.
+
+        A value >= ``grid.length`` already covers every position (no distance or index in
+        the grid reaches it), so the clamp changes no mask; it keeps interval arithmetic such
+        as ``q_idx - size + 1`` far from int64 overflow for sizes up to ``2**63 - 1``.
+        """
+        values = self.values.to(grid.device).clamp(max=grid.length)
         return values[row] if self.per_row else values[0].expand_as(row)
 
     def _captured(self, device: torch.device) -> Tensor:

@@ -35,7 +35,7 @@ class Full(Piece):
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         lo = torch.zeros_like(q_idx)
-        return Intervals(lo, lo + grid.kv_len)
+        return Intervals(lo, lo + grid.kv_end)
 
     def __repr__(self) -> str:
         return "full()"

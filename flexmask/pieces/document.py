@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask._validate import digest, int_vector, is_nested, source_device
+from flexmask._validate import checked_sum, digest, int_vector, is_nested, source_device
 from flexmask.blocks import BlockGrid, codes_from
 from flexmask.mask import Intervals, Lowered
 from flexmask.pieces._base import Piece, PieceMod
@@ -44,7 +44,11 @@ class Document(Piece):
             for i, r in enumerate(rows_in)
         ]
         self.per_row = per_row
-        self._totals = [int(r.sum()) for r in self.seq_lens]
+        # Summed in Python ints before any int64 cumsum can wrap.
+        self._totals = [
+            checked_sum(r, f"seq_lens[{i}]" if per_row else "seq_lens")
+            for i, r in enumerate(self.seq_lens)
+        ]
         # Each row's document starts and ends (R, max documents), padded past every
         # position (never a match), and document counts (R,): what every lookup needs.
         self._ends = torch.nn.utils.rnn.pad_sequence(
@@ -172,14 +176,14 @@ class DocumentMod(PieceMod):
 def _check_lens(value: Any, name: str) -> Tensor:
     lens = int_vector(value, name)
     if lens.numel() == 0:
-        raise ValueError(f"{name} must list at least one document length, got an empty list")
-    bad = (lens <= 0).nonzero()
+        raise ValueError(
+            f"{name} must list at least one document length, got an empty list (a row with "
+            f"no documents is [0])"
+        )
+    bad = (lens < 0).nonzero()
     if bad.numel():
         i = int(bad[0, 0])
-        raise ValueError(
-            f"{name}[{i}] must be a positive document length, got {int(lens[i])} "
-            f"(drop empty documents before building the mask)"
-        )
+        raise ValueError(f"{name}[{i}] must be a document length >= 0, got {int(lens[i])}")
     return lens
 
 
@@ -191,11 +195,14 @@ def document(seq_lens: Any) -> Document:
     packed-sequence mask.
 
     Args:
-        seq_lens: positive document lengths — one list (or 1-D integer tensor) for every batch
-            row, or a list of lists (or a 2-D tensor) with one list per row.
+        seq_lens: document lengths >= 0 — one list (or 1-D integer tensor or array) for every
+            batch row, or a list of lists (or a 2-D tensor or array, or a list of 1-D ones)
+            with one list per row. A length of 0 is an empty sample: it holds no token and
+            changes nothing else.
 
     Raises:
-        ValueError: an empty list, a length <= 0, or (when built) a sum larger than the sequence.
+        ValueError: an empty list, a negative length, a sum that does not fit in int64, or
+            (when built) a sum larger than the sequence; each names the ``seq_lens`` entry.
         TypeError: non-integer lengths.
 
     Example:

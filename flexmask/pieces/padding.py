@@ -72,8 +72,15 @@ def padding(lengths: Any) -> Padding:
     """Mask out padding: tokens at or after ``lengths[b]`` neither attend nor are attended.
 
     Args:
-        lengths: real length >= 1 (at most the sequence length) of each batch row, or one int
-            for every row.
+        lengths: real length of each batch row, or one int for every row: from 0 (a fully
+            padded row, which attends nothing) to the sequence length. A length past the
+            sequence is refused when the mask is built, since it describes tokens that are
+            not there (most likely lengths of another batch).
+
+    Raises:
+        ValueError: a negative length or one that does not fit in int64; when built, a
+            length larger than ``max(Q_LEN, KV_LEN)``, naming ``lengths``.
+        TypeError: a length that is not an integer.
 
     Example:
         >>> import flexmask

@@ -28,6 +28,7 @@ class Prefix(RowValuePiece):
     _interval_shape = "from_zero"
     _arg = "length"
     _kind = "prefix"
+    _limit_by_length = False  # a prefix past the sequence covers all of it: full attention
 
     def _classify(self, grid: BlockGrid) -> Tensor:
         length = self._row_values(grid)
@@ -38,6 +39,8 @@ class Prefix(RowValuePiece):
         return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+        # [0, length - 1]: for length 0 the empty [0, -1], still starting at key 0, so a
+        # union with causal or full stays exact (causal() | prefix(0) is causal).
         hi = (self._at_rows(row, grid) - 1).expand_as(q_idx)
         return Intervals(torch.zeros_like(q_idx), hi)
 
@@ -62,7 +65,13 @@ def prefix(length: Any) -> Prefix:
     ``causal() | prefix(n)`` is a prefix-LM: bidirectional over the first n tokens, causal after.
 
     Args:
-        length: prefix length >= 1 (at most the sequence length), one int or one per batch row.
+        length: prefix length >= 0, one int or one per batch row. 0 attends nothing
+            (``causal() | prefix(0)`` is causal); a prefix at least the sequence length
+            covers every key (full attention), up to ``2**63 - 1``.
+
+    Raises:
+        ValueError: a negative length, or one that does not fit in int64.
+        TypeError: a length that is not an integer.
 
     Example:
         >>> import flexmask

@@ -44,8 +44,13 @@ class SlidingWindow(RowValuePiece):
         return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
-        size = self._at_rows(row, grid)
-        return Intervals(q_idx - size + 1, q_idx + size - 1)
+        size = self._at_rows(row, grid)  # clamped to the sequence: no overflow below
+        # A window of 0 attends nothing: the explicit empty interval [1, 0], not
+        # [q + 1, q - 1], whose lo > q would break the closed form's lo(q) <= q.
+        some = size > 0
+        lo = torch.where(some, q_idx - size + 1, 1)
+        hi = torch.where(some, q_idx + size - 1, 0)
+        return Intervals(lo, hi)
 
 
 class SlidingWindowMod(PieceMod):
@@ -68,7 +73,13 @@ def sliding_window(size: Any) -> SlidingWindow:
     Combine with ``causal()`` for causal local attention.
 
     Args:
-        size: window size >= 1, one int for every row or a list with one per batch row.
+        size: window size >= 0, one int for every row or a list with one per batch row.
+            0 attends nothing; a window at least the sequence length is full attention
+            (any size up to ``2**63 - 1``, e.g. ``sys.maxsize`` for "no window").
+
+    Raises:
+        ValueError: a negative size, or one that does not fit in int64.
+        TypeError: a size that is not an integer.
 
     Example:
         >>> import flexmask

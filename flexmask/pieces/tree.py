@@ -88,7 +88,7 @@ class Tree(Piece):
         nkv, kv_block = grid.num_kv_blocks, grid.kv_block
         sizes = torch.tensor([p.numel() for p in self.parents], device=device).view(-1, 1, 1, 1)
         _, end = self._lookups(grid.length, device)
-        end = end[:, : grid.kv_len].to(torch.int64)
+        end = end[:, grid.kv_offset : grid.kv_end].to(torch.int64)
         pad = nkv * kv_block - grid.kv_len
         # Per kv block: the largest and smallest subtree end over its in-range tokens.
         max_end = torch.nn.functional.pad(end, (0, pad), value=0)
