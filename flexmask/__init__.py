@@ -14,6 +14,16 @@ Example:
 from flexmask.attention import compile_enabled, flex_attention, set_compile
 from flexmask.build import create_block_mask, same_blocks
 from flexmask.cache import CacheInfo, MaskCache, cache_clear, cache_info, default_cache
+from flexmask.context_parallel import (
+    CPShard,
+    HeadTailBalancer,
+    MaskAwareBalancer,
+    PerDocumentBalancer,
+    ShardCache,
+    cp_flex_attention,
+    lazy_shard,
+    shard,
+)
 from flexmask.inference import DecodeMasks, decode_mask, speculative_tree
 from flexmask.lazy import LazyBlockMask, lazy
 from flexmask.mask import And, Mask, Not, Or
@@ -34,6 +44,14 @@ from flexmask.plot import plot
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPShard",
+    "HeadTailBalancer",
+    "MaskAwareBalancer",
+    "PerDocumentBalancer",
+    "ShardCache",
+    "cp_flex_attention",
+    "lazy_shard",
+    "shard",
     "And",
     "CacheInfo",
     "DecodeMasks",
