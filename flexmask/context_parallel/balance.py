@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 
-import flexmask
+from flexmask.build.create import create_block_mask
 from flexmask.mask import Mask
+from flexmask.pieces import padding
 
 
 def _check_int(value: object, name: str, minimum: int) -> int:
@@ -159,7 +160,7 @@ def _block_costs(
     device: torch.device,
 ) -> Tensor:
     """Work of every query block, (rows, n_blocks): full blocks + partial_cost * partial."""
-    bm = flexmask.create_block_mask(mask, B, H, length, length, device, block)
+    bm = create_block_mask(mask, B, H, length, length, device, block)
     cost = bm.full_kv_num_blocks.to(torch.float64) + partial_cost * bm.kv_num_blocks
     cost = cost.sum(dim=1)  # heads share one permutation: their work adds up
     if not mask.batch_dependent:
@@ -226,7 +227,9 @@ class MaskAwareBalancer(_LoadBalancer):
         ]
         rows = max(c.shape[0] for c in costs)
         self.block_costs = sum(c.expand(rows, -1) for c in costs)
-        assignment, self.rank_costs = zip(*(self._deal(row) for row in self.block_costs), strict=False)
+        assignment, self.rank_costs = zip(
+            *(self._deal(row) for row in self.block_costs), strict=False
+        )
         self.rank_costs = torch.stack(self.rank_costs)
         blocks = torch.stack(assignment)  # (rows, n_blocks): block ids, rank by rank
         tokens = blocks[:, :, None] * block_size + torch.arange(block_size)
@@ -235,7 +238,7 @@ class MaskAwareBalancer(_LoadBalancer):
     def _padded(self, mask: Mask) -> Mask:
         if self.padded_length == self.seq_length:
             return mask
-        return mask & flexmask.padding(self.seq_length)
+        return mask & padding(self.seq_length)
 
     @property
     def imbalance(self) -> float:

@@ -19,11 +19,11 @@ from torch.distributed.tensor.experimental._context_parallel._cp_custom_ops impo
 )
 from torch.nn.attention.flex_attention import BlockMask
 
-import flexmask
+from flexmask.attention import flex_attention
 from flexmask.mask import Mask
 
 if TYPE_CHECKING:
-    from flexmask.context_parallel import CPShard, LazyShard
+    from flexmask.context_parallel.core import CPShard, LazyShard
 
 
 def _group_name(group: Any) -> str:
@@ -61,7 +61,7 @@ def cp_flex_attention(
     full_key, full_value = flex_cp_allgather(
         key.contiguous(), value.contiguous(), seq_dim, _group_name(group)
     )
-    return flexmask.flex_attention(query, full_key, full_value, block_mask=block_mask, **kwargs)
+    return flex_attention(query, full_key, full_value, block_mask=block_mask, **kwargs)
 
 
 def shard_buffers(
@@ -76,7 +76,7 @@ def shard_buffers(
     BlockMask / Mask / lazy-shard entries become this rank's prebuilt BlockMask (torch does
     not rebuild it). The drop-in for torchtitan-style ``cp_shard``.
     """
-    from flexmask.context_parallel import LazyShard
+    from flexmask.context_parallel.core import LazyShard
 
     is_map = isinstance(buffers, Mapping)
     names = list(buffers) if is_map else list(range(len(buffers)))

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-import flexmask
+from flexmask.build.create import create_block_mask
 from flexmask.mask import Mask
 
 
@@ -108,7 +108,7 @@ def _row_grids(
     tile = _tile(block, total, local_len, q_runs, kv_runs)
     full_parts, some_parts = [], []
     for start, length in zip(q_runs[1].tolist(), q_runs[2].tolist(), strict=False):
-        bm = flexmask.create_block_mask(mask, B, H, length, total, device, tile, q_offset=start)
+        bm = create_block_mask(mask, B, H, length, total, device, tile, q_offset=start)
         n_kv = bm.kv_indices.shape[-1]
         full = _dense(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv)
         some = _dense(bm.kv_num_blocks, bm.kv_indices, n_kv) | full
@@ -200,4 +200,3 @@ def _padded_lookup(index: Tensor, length: int) -> Tensor:
     if pad <= 0:
         return index.contiguous()
     return torch.cat([index, index[:, -1:].expand(-1, pad)], dim=-1).contiguous()
-
