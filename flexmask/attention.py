@@ -141,6 +141,9 @@ def flex_attention(
         True
     """
     resolved = resolve_block_mask(block_mask, query, key)
+    # The Mask behind the BlockMask, where flexmask built it: the block-sparse path reads
+    # partial blocks from its intervals and recognises plain causal from its key.
+    structure = block_mask.mask if isinstance(block_mask, LazyBlockMask) else block_mask
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     use_compile = compile_enabled() if compile is None else compile
     on_cpu = query.device.type == "cpu"
@@ -164,6 +167,7 @@ def flex_attention(
             scale=scale,
             enable_gqa=enable_gqa,
             return_lse=return_lse,
+            mask=structure if isinstance(structure, Mask) else None,
         )
     fn = (
         compiled_flex_attention() if use_compile else cast(Callable[..., Any], torch_flex_attention)
