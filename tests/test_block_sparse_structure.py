@@ -222,3 +222,39 @@ def test_flex_attention_passes_the_mask_behind_a_handle_or_expression(monkeypatc
     dense = create_mask(mask.mask_mod, 1, 1, 256, 256, device="cpu")
     for out in outs:
         torch.testing.assert_close(out, oracle(q, k, v, dense), atol=1e-10, rtol=0)
+
+
+def test_no_grad_cpu_call_compiles_only_when_asked(monkeypatch):
+    """No 20-40 s compile for a one-off CPU call: compile=None runs the block-sparse path
+    unless set_compile(True) or FLEXMASK_COMPILE asked for the compiled kernel."""
+    compiled_calls = []
+
+    def fake_compiled():
+        def run(q, k, v, **kwargs):
+            compiled_calls.append(kwargs["block_mask"])
+            return torch.zeros_like(q)
+
+        return run
+
+    monkeypatch.setattr(attention, "compiled_flex_attention", fake_compiled)
+    monkeypatch.delenv("FLEXMASK_COMPILE", raising=False)
+    mask = flexmask.causal() & flexmask.document([60, 68])
+    q, k, v, _ = qkv(1, 2, 128, 128)
+    dense = create_mask(mask.mask_mod, 1, 1, 128, 128, device="cpu")
+    try:
+        with torch.no_grad():
+            flexmask.set_compile(None)
+            out = flexmask.flex_attention(q, k, v, block_mask=mask)
+            assert compiled_calls == []
+            torch.testing.assert_close(out, oracle(q, k, v, dense), atol=1e-10, rtol=0)
+            monkeypatch.setenv("FLEXMASK_COMPILE", "1")
+            flexmask.flex_attention(q, k, v, block_mask=mask)
+            assert len(compiled_calls) == 1
+            monkeypatch.delenv("FLEXMASK_COMPILE")
+            flexmask.set_compile(True)
+            flexmask.flex_attention(q, k, v, block_mask=mask)
+            flexmask.set_compile(None)
+            flexmask.flex_attention(q, k, v, block_mask=mask, compile=True)
+            assert len(compiled_calls) == 3
+    finally:
+        flexmask.set_compile(None)
