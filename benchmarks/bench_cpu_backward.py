@@ -271,7 +271,16 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per case")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's); 1 on a shared machine keeps the many small ops "
+        "of the sparse path from waiting on a descheduled second thread",
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     grid = dict(FULL if args.full else QUICK if args.quick else SUBSET)
     if args.lengths:
         grid["lengths"] = tuple(args.lengths)

@@ -13,8 +13,9 @@ forward of activation checkpointing. So this kernel
 * **masks once, with one pass**: a group whose blocks are all full and inside ``KV_LEN`` takes
   no mask at all; otherwise one bool mask (full blocks, ``mask_mod`` on partial ones, the
   ``KV_LEN`` edge) is built at the mask's own batch/head size and applied by one
-  ``masked_fill_``. Softmax is written out in place (``amax``, ``sub_``, ``exp_``, ``sum``),
-  so rows with no key need no special pass: their ``lse`` is ``-inf`` and output 0.
+  ``masked_fill_``. Softmax is written out in place (``amax``, ``sub_``, ``exp_``, ``sum``;
+  the output is divided after the product, the probabilities only when kept), so rows with
+  no key need no special pass: their ``lse`` is ``-inf`` and output 0.
 * **has its own backward** (the FlashAttention equations): it keeps the output and the
   log-sum-exp, and per group either the probabilities (while they fit ``memory_budget``) or
   nothing, rebuilding them from ``lse`` in one matmul and one ``exp`` — not a whole second
@@ -233,13 +234,15 @@ def forward(
         probs.sub_(row_max).exp_()
         total = probs.sum(dim=-1, keepdim=True)
         group_lse = row_max + total.log()
-        probs.div_(torch.where(total == 0, 1.0, total))
-        _scatter_rows(out, g.blocks, torch.bmm(probs, values), layout)
+        total = torch.where(total == 0, 1.0, total)
+        # The output is normalised after the product (rows x Dv, not rows x columns): the
+        # probabilities themselves only when they are kept for the backward.
+        _scatter_rows(out, g.blocks, torch.bmm(probs, values).div_(total), layout)
         _scatter_rows(lse, g.blocks, group_lse, layout)
         size = probs.numel() * probs.element_size()
         if size <= save_budget:
             save_budget -= size
-            saved_probs.append(probs)
+            saved_probs.append(probs.div_(total))
             saved_masks.append(None)
         else:
             del probs
