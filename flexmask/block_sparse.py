@@ -63,8 +63,13 @@ DEFAULT_MAX_CHUNK_ELEMENTS = 1 << 22
 DEFAULT_MEMORY_BUDGET = 256 << 20
 
 # choose_backend: SDPA with a dense mask wins on a CPU above this share of listed blocks, or
-# below this many (query, key) pairs in all (measured: benchmarks/bench_cpu_backward.py).
+# below this many (query, key) pairs in all (measured: benchmarks/bench_cpu_backward.py, S 2k
+# and 8k). With several threads the sparse path's many separate ops each wait for the slowest
+# thread, which on a shared machine costs more than the work saved: measured on 2 loaded
+# cores it lost from 26% listed at 8k (an RL tree, 1.37x) and won below 20%. With one thread
+# there is no such wait and it won up to 43% listed (0.42-0.54x SDPA at 2k).
 SDPA_MIN_DENSITY = 0.25
+SDPA_MIN_DENSITY_ONE_THREAD = 0.45
 SDPA_MAX_PAIRS = 256 * 256
 
 # A chunk stops growing when fewer than this share of its (q block, column) pairs are listed:
@@ -234,14 +239,17 @@ def choose_backend(plan: _Plan, mask: Mask | None = None) -> Literal["sparse", "
 
     SDPA's fused CPU kernel does every (query, key) pair but without the sparse path's extra
     passes over the scores, so it wins when the listed blocks cover most of the grid
-    (``SDPA_MIN_DENSITY``) and on tiny problems (``SDPA_MAX_PAIRS``), where per-group overhead
+    (``SDPA_MIN_DENSITY``; ``SDPA_MIN_DENSITY_ONE_THREAD`` when torch runs one thread) and
+    on tiny problems (``SDPA_MAX_PAIRS``), where per-group overhead
     dominates; and on plain causal, where ``is_causal=True`` skips the upper triangle without
     any mask. Measured on 2 cores with B=1-4, H=4-8, D=64: see docs/cpu-training.md.
     """
     if plan.q_len * plan.kv_len <= SDPA_MAX_PAIRS or is_causal(plan, mask):
         return "sdpa"
     listed = (plan.kinds != _ABSENT).flatten(0, 2).any(dim=0)
-    return "sdpa" if float(listed.float().mean()) >= SDPA_MIN_DENSITY else "sparse"
+    one_thread = torch.get_num_threads() == 1
+    threshold = SDPA_MIN_DENSITY_ONE_THREAD if one_thread else SDPA_MIN_DENSITY
+    return "sdpa" if float(listed.float().mean()) >= threshold else "sparse"
 
 
 def dense_mask(plan: _Plan, mod_eval: str) -> Tensor:

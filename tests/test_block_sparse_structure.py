@@ -258,3 +258,22 @@ def test_no_grad_cpu_call_compiles_only_when_asked(monkeypatch):
             assert len(compiled_calls) == 3
     finally:
         flexmask.set_compile(None)
+
+
+def test_dense_threshold_follows_the_thread_count():
+    """A mask with ~35% of its blocks listed: SDPA with several threads, sparse with one."""
+    from flexmask.block_sparse import choose_backend
+
+    mask = flexmask.causal() & flexmask.sliding_window(700)
+    block_mask = flexmask.create_block_mask(mask, 1, 1, 2048, 2048)
+    listed = 1 - block_mask.sparsity() / 100
+    assert 0.25 <= listed < 0.45
+    plan = plan_of(block_mask, 2048, 2048)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert choose_backend(plan, mask) == "sdpa"
+        torch.set_num_threads(1)
+        assert choose_backend(plan, mask) == "sparse"
+    finally:
+        torch.set_num_threads(threads)
