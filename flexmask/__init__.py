@@ -30,13 +30,16 @@ from flexmask.mask import And, Mask, Not, Or
 from flexmask.packing import PackedBatch, PackedDataset, PackingCollator, TreePack, pack, pack_tree
 from flexmask.pieces import (
     causal,
+    chunked,
     document,
     empty,
     from_mask_mod,
     full,
     padding,
+    per_head,
     prefix,
     sliding_window,
+    spans,
     tree,
 )
 from flexmask.plot import plot
@@ -76,6 +79,7 @@ __all__ = [
     "Not",
     "Or",
     "causal",
+    "chunked",
     "create_block_mask",
     "same_blocks",
     "document",
@@ -83,8 +87,10 @@ __all__ = [
     "from_mask_mod",
     "full",
     "padding",
+    "per_head",
     "plot",
     "prefix",
     "sliding_window",
+    "spans",
     "tree",
 ]

@@ -287,6 +287,19 @@ class Mask(ABC):
         prefix, full): a union of such intervals is again one, ``[0, max hi]``."""
         return False
 
+    def _covers_diagonal(self) -> bool:
+        """True if, besides ``_attends_from_zero``, every query ``q`` attends at least up to
+        itself (``hi >= q``: causal, full): a union with ``_attends_around_self`` intervals is
+        then one interval too."""
+        return False
+
+    def _attends_around_self(self) -> bool:
+        """True if each query's interval is empty or holds the query itself, ``lo <= q <=
+        hi``, and the intervals are disjoint runs: an interval holding a later query ``p``
+        is ``p``'s own too (spans). Not monotone alone; see ``Or`` for the union with
+        ``_covers_diagonal`` masks."""
+        return False
+
     def __and__(self, other: object) -> Mask:
         return And.of(self, _as_mask(other, "&"))
 
@@ -557,8 +570,31 @@ class Or(_Nary):
     # A union of intervals that all start at 0 is the interval up to the largest end: a
     # prefix-LM, `causal() | prefix(n)`, is [0, max(q, n - 1)]. Its lo is 0 and its hi a max
     # of ends that never decrease and are >= q or constant, so it is monotone too.
+    #
+    # Around-self intervals (spans) join such a union when a child covers the diagonal
+    # (causal, full): text with images, `causal() | spans(ids)`. Proof that the union is one
+    # monotone interval [0, H(q)], H(q) = max(q, hi_1(q), ..., hi_n(q)) (hi = -inf where a
+    # child's interval is empty):
+    # * one interval: an around-self [lo, hi] has lo <= q, and the covering child attends
+    #   [0, >= q]; they overlap at q, so the union of all is [0, max hi] (after clipping to
+    #   the kv window a covering full() is [0, kv_end - 1], which holds every other interval);
+    # * lo = 0 never decreases and lo(q) = 0 <= q; H(q) >= q;
+    # * H never decreases: each g(q) = max(q, hi(q)) does. For q < p, if hi(q) <= p then
+    #   g(q) <= p <= g(p); else q's interval holds p (it holds q, ends past p, and is one
+    #   run), so it is p's own interval (disjoint runs) and hi(p) = hi(q). From-zero
+    #   children's hi never decrease already, and a max of non-decreasing functions does not
+    #   decrease. These are the closed form's conditions (build.closed_form), so the union
+    #   is written there; an `&` with document(...) stays monotone (an intersection).
     def _attends_from_zero(self) -> bool:
-        return all(c._attends_from_zero() for c in self.children)
+        children = self.children
+        if all(c._attends_from_zero() for c in children):
+            return True
+        return any(c._covers_diagonal() for c in children) and all(
+            c._attends_from_zero() or c._attends_around_self() for c in children
+        )
+
+    def _covers_diagonal(self) -> bool:
+        return self._attends_from_zero() and any(c._covers_diagonal() for c in self.children)
 
     def _has_intervals(self) -> bool:
         return self._attends_from_zero()
