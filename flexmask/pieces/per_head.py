@@ -123,7 +123,8 @@ class PerHead(Mask):
         mask_mod = PerHeadMod(tuple(p.mask_mod for p in parts), table, self.group_size)
         if all(p.evaluate is p.mask_mod for p in parts):
             return Lowered(mask_mod, mask_mod)
-        return Lowered(mask_mod, PerHeadMod(tuple(p.evaluate for p in parts), table, self.group_size))
+        evaluate = PerHeadMod(tuple(p.evaluate for p in parts), table, self.group_size)
+        return Lowered(mask_mod, evaluate)
 
     def mask_mod_for(self, q_len: int, kv_len: int, device: torch.device | str | None = None):
         """The mask_mod with every lookup padded to ``max(q_len, kv_len)``; it takes any head
@@ -202,7 +203,7 @@ def per_head(*masks: Mask, group_size: Any = 1) -> Mask:
         [[0, 1], [0, 0], [0, 1], [0, 0]]
     """
     if not masks:
-        raise ValueError("per_head needs at least one mask: per_head(mask_head_0, mask_head_1, ...)")
+        raise ValueError("per_head needs at least one mask: per_head(mask_0, mask_1, ...)")
     for i, mask in enumerate(masks):
         if not isinstance(mask, Mask):
             raise TypeError(

@@ -39,7 +39,7 @@ class Spans(Piece):
         per_row = is_nested(ids)
         rows_in = list(ids) if per_row else [ids]
         names = [f"ids[{i}]" if per_row else "ids" for i in range(len(rows_in))]
-        bounds = [_span_bounds(int_vector(r, name), name) for r, name in zip(rows_in, names)]
+        bounds = [_span_bounds(int_vector(r, name), name) for r, name in zip(rows_in, names, strict=True)]
         self.per_row = per_row
         # Each row's span starts and ends (exclusive), (R, max spans + 1), padded past every
         # position (the extra column keeps a row without spans searchable), span counts (R,)
