@@ -38,8 +38,10 @@ class Spans(Piece):
     def __init__(self, ids: Any) -> None:
         per_row = is_nested(ids)
         rows_in = list(ids) if per_row else [ids]
-        names = [f"ids[{i}]" if per_row else "ids" for i in range(len(rows_in))]
-        bounds = [_span_bounds(int_vector(r, name), name) for r, name in zip(rows_in, names, strict=True)]
+        bounds = []
+        for i, row in enumerate(rows_in):
+            name = f"ids[{i}]" if per_row else "ids"
+            bounds.append(_span_bounds(int_vector(row, name), name))
         self.per_row = per_row
         # Each row's span starts and ends (exclusive), (R, max spans + 1), padded past every
         # position (the extra column keeps a row without spans searchable), span counts (R,)
