@@ -129,6 +129,28 @@ def table(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def image_ids(S: int, seed: int) -> list[int]:
+    """Span ids of text with images: four 256-token images (Gemma 3's size), one early in
+    each quarter of the sequence, shifted by the row's seed; -1 for text."""
+    ids = [-1] * S
+    size = min(256, max(1, S // 8))
+    for k in range(4):
+        start = k * (S // 4) + (64 * seed) % max(1, S // 4 - size)
+        ids[start : start + size] = [k] * size
+    return ids
+
+
+def piece_cases(S: int, B: int) -> dict[str, flexmask.Mask]:
+    """Rows for the newer pieces, both written in closed form: Llama 4's chunked local
+    attention (8192-token chunks, a quarter of the sequence below 32k) and text with images
+    (``causal() | spans(ids)``)."""
+    ids = [image_ids(S, seed) for seed in range(B)]
+    return {
+        "chunked-causal": flexmask.causal() & flexmask.chunked(min(8192, max(1, S // 4))),
+        "causal|spans": flexmask.causal() | flexmask.spans(ids if B > 1 else ids[0]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 65536])
@@ -160,7 +182,7 @@ def main() -> None:
     results = []
     for B in args.batches:
         for S in args.sizes:
-            for name, mask in mask_cases(S, B).items():
+            for name, mask in {**mask_cases(S, B), **piece_cases(S, B)}.items():
                 if args.masks and name not in args.masks:
                     continue
                 # What the build did: the closed form (no tiles) or tiles, some refined.
