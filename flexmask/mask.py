@@ -163,7 +163,8 @@ class Extent(NamedTuple):
     any index may take (lookups are padded to it) and the device."""
 
     batch: int
-    heads: int
+    heads: int | None
+    """None where no head count is given (``mask_mod_for``, ``show``): any head index."""
     length: int
     device: torch.device
 
@@ -251,7 +252,7 @@ class Mask(ABC):
         """Validated arguments of a whole-mask evaluation (``to_dense``, ``show``), checked
         against the mask. Arithmetic on ints only: nothing is allocated on ``device``."""
         batch = (self.rows or 1) if B is None else check_int(B, "B", minimum=1)
-        heads = 1 if H is None else check_int(H, "H", minimum=1)
+        heads = None if H is None else check_int(H, "H", minimum=1)
         q = check_int(q_len, names[0], minimum=0)
         kv = check_int(kv_len, names[1], minimum=0)
         extent = Extent(batch, heads, max(q, kv), check_device(device, self.device))
@@ -387,13 +388,14 @@ class Mask(ABC):
         evaluate = self._lower(grid.length, grid.device).evaluate
         dev = grid.device
         rows = grid.batch if self.batch_dependent else 1
-        heads = grid.heads if self.head_dependent else 1
+        all_heads = grid.heads or 1
+        heads = all_heads if self.head_dependent else 1
         b = torch.arange(rows, device=dev).view(-1, 1, 1, 1)
         h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
         q = torch.arange(Q_LEN, device=dev).view(1, 1, -1, 1)
         kv = torch.arange(KV_LEN, device=dev).view(1, 1, 1, -1)
         dense = evaluate(b, h, q, kv).expand(rows, heads, Q_LEN, KV_LEN)
-        return dense.expand(grid.batch, grid.heads, Q_LEN, KV_LEN).contiguous()
+        return dense.expand(grid.batch, all_heads, Q_LEN, KV_LEN).contiguous()
 
     def show(self, q_len: int, kv_len: int | None = None, *, batch: int = 0, head: int = 0) -> str:
         """A text picture: ■ where q (row) attends kv (column), ⬚ where it does not.
@@ -414,7 +416,7 @@ class Mask(ABC):
         # A window shorter than the mask's data is a crop of the whole picture: validate and
         # pad lookups for the whole span, but evaluate only the q_len x kv_len window.
         span = max(q_len, kv_len, self.natural_length)
-        extent = self._extent(rows, head + 1, span, span, "cpu", names=("q_len", "kv_len"))
+        extent = self._extent(rows, None, span, span, "cpu", names=("q_len", "kv_len"))
         evaluate = self._lower(extent.length, extent.device).evaluate
         b = torch.tensor(batch if self.batch_dependent else 0).view(1, 1)
         h = torch.tensor(head if self.head_dependent else 0).view(1, 1)

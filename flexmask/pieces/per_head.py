@@ -87,7 +87,8 @@ class PerHead(Mask):
         return len(self.masks) * self.group_size
 
     def _check(self, extent: Extent) -> None:
-        if extent.heads % self.cycle:
+        # Only where a head count is given: a mask_mod or a picture takes any head index.
+        if extent.heads is not None and extent.heads % self.cycle:
             raise ValueError(
                 f"H={extent.heads} must be a multiple of len(masks) * group_size = "
                 f"{len(self.masks)} * {self.group_size} = {self.cycle} for per_head: head h "
@@ -125,22 +126,6 @@ class PerHead(Mask):
             return Lowered(mask_mod, mask_mod)
         evaluate = PerHeadMod(tuple(p.evaluate for p in parts), table, self.group_size)
         return Lowered(mask_mod, evaluate)
-
-    def mask_mod_for(self, q_len: int, kv_len: int, device: torch.device | str | None = None):
-        """The mask_mod with every lookup padded to ``max(q_len, kv_len)``; it takes any head
-        index (validated as for ``H = len(masks) * group_size``)."""
-        extent = self._extent(None, self.cycle, q_len, kv_len, device, names=("q_len", "kv_len"))
-        return self._lower(extent.length, extent.device).mask_mod
-
-    def show(self, q_len: int, kv_len: int | None = None, *, batch: int = 0, head: int = 0) -> str:
-        """The picture of one head: the mask that head uses."""
-        rows = self.rows or 1
-        if not 0 <= batch < rows:
-            raise ValueError(f"batch must be in [0, {rows}) for this mask, got {batch}")
-        if head < 0:
-            raise ValueError(f"head must be >= 0, got {head}")
-        mask = self.masks[(head // self.group_size) % len(self.masks)]
-        return mask.show(q_len, kv_len, batch=batch if mask.rows else 0, head=head)
 
     def __repr__(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size != 1 else ""
