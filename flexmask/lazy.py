@@ -7,14 +7,81 @@ training device, just before the forward that needs it.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.builder import make_grid
+from flexmask._validate import check_int
+from flexmask.blocks import BlockGrid
+from flexmask.builder import block_sizes, default_device
 from flexmask.cache import MaskCache, _key, default_cache
 from flexmask.mask import Mask
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A build's shape as Python ints: the part of a BlockGrid that ``Mask._check`` and the
+    cache key read. ``make_grid`` also lays out tile tensors on the device; a handle must not
+    touch the device before its first use (in a DataLoader worker that would initialise CUDA),
+    so it validates against this instead.
+    """
+
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    q_block: int
+    kv_block: int
+    device: torch.device
+
+    @property
+    def length(self) -> int:
+        return max(self.q_len, self.kv_len)
+
+    def as_grid(self) -> BlockGrid:
+        # Only for readers of the int fields above (Mask._check, the cache key).
+        return cast(BlockGrid, self)
+
+
+def check_device(device: Any, name: str = "device") -> torch.device | None:
+    """``device`` as a torch.device (None stays None), without touching the device."""
+    if device is None:
+        return None
+    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+        raise TypeError(
+            f"{name} must be a torch.device, a device name such as 'cpu' or 'cuda:0', or None, "
+            f"got {type(device).__name__} {device!r}"
+        )
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"{name} must be a torch.device or its name (e.g. 'cpu', 'cuda:0'), got {device!r}"
+        ) from err
+
+
+def _shape(
+    mask: Mask,
+    B: Any,
+    H: Any,
+    Q_LEN: Any,
+    KV_LEN: Any,
+    device: torch.device,
+    BLOCK_SIZE: Any,
+) -> _Shape:
+    """``make_grid``'s checks as arithmetic on Python ints: no tensor on any device."""
+    batch = 1 if B is None else check_int(B, "B", minimum=1)
+    heads = 1 if H is None else check_int(H, "H", minimum=1)
+    q_len = check_int(Q_LEN, "Q_LEN", minimum=1)
+    kv_len = check_int(KV_LEN, "KV_LEN", minimum=1)
+    q_block, kv_block = block_sizes(BLOCK_SIZE)
+    if mask.rows is not None and B is None:
+        batch = mask.rows
+    shape = _Shape(batch, heads, q_len, kv_len, q_block, kv_block, device)
+    mask._check(shape.as_grid())
+    return shape
 
 
 class LazyBlockMask:
@@ -62,13 +129,24 @@ class LazyBlockMask:
     ) -> None:
         if not isinstance(mask, Mask):
             raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
-        # Validate now (cheap, no build), so a bad batch fails in the worker that made it.
-        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+        if cache is not None and not isinstance(cache, MaskCache):
+            raise TypeError(
+                f"cache must be a flexmask.MaskCache or None (the process-wide cache), "
+                f"got {type(cache).__name__} {cache!r}"
+            )
+        device = check_device(device)
+        # Validate now, so a bad batch fails in the worker that made it: Python ints only,
+        # nothing allocated on the device (the build allocates, on first use).
+        # With no device given and none in the mask's data, no piece compares devices, so the
+        # check needs none: the default device is resolved at the build, in the process that
+        # builds (asking for it here could initialise CUDA in a worker).
+        where = device or mask.device or torch.device("meta")
+        shape = _shape(mask, B, H, Q_LEN, KV_LEN, where, BLOCK_SIZE)
         self.mask = mask
-        self.B, self.H = grid.batch, grid.heads
-        self.Q_LEN, self.KV_LEN = grid.q_len, grid.kv_len
-        self.device = None if device is None else torch.device(device)
-        self.BLOCK_SIZE = (grid.q_block, grid.kv_block)
+        self.B, self.H = shape.batch, shape.heads
+        self.Q_LEN, self.KV_LEN = shape.q_len, shape.kv_len
+        self.device = device
+        self.BLOCK_SIZE = (shape.q_block, shape.kv_block)
         self.cache = cache
         self._block_mask: BlockMask | None = None
         self.builds = 0
@@ -95,11 +173,12 @@ class LazyBlockMask:
         """
         self._block_mask = None
         if self.mask.carries_batch_data:
-            cache = self._cache()
-            grid = make_grid(
-                self.mask, self.B, self.H, self.Q_LEN, self.KV_LEN, self.device, self.BLOCK_SIZE
+            # The device the build used: make_grid's rule for device=None.
+            device = self.device or self.mask.device or default_device()
+            shape = _shape(
+                self.mask, self.B, self.H, self.Q_LEN, self.KV_LEN, device, self.BLOCK_SIZE
             )
-            cache.discard(_key(self.mask, grid))
+            self._cache().discard(_key(self.mask, shape.as_grid()))
 
     def release_after(self, module: torch.nn.Module) -> Any:
         """Releases this handle when ``module``'s next forward returns (a one-shot hook).
@@ -139,7 +218,8 @@ class LazyBlockMask:
     def __repr__(self) -> str:
         return (
             f"LazyBlockMask({self.mask!r}, B={self.B}, H={self.H}, Q_LEN={self.Q_LEN}, "
-            f"KV_LEN={self.KV_LEN}, built={self.built})"
+            f"KV_LEN={self.KV_LEN}, device={self.device!r}, BLOCK_SIZE={self.BLOCK_SIZE}, "
+            f"built={self.built})"
         )
 
 
