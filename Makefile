@@ -22,7 +22,7 @@ TORCH_INDEX_URL ?=
 # Parallel tests: pytest-xdist, one worker per core.
 PYTEST_WORKERS ?= auto
 
-.PHONY: install demo quickstart test test-slow lint docs bench clean-venv print-python
+.PHONY: install demo quickstart test test-slow lint docs bench clean-venv print-python print-torch-spec
 
 install: $(STAMP)
 
@@ -64,3 +64,6 @@ clean-venv:
 
 print-python:  # for scripts: the interpreter the targets use
 	@echo $(abspath $(PYTHON))
+
+print-torch-spec:  # for scripts: the torch requirement installed where none is found
+	@echo "$(TORCH_SPEC)"
