@@ -168,6 +168,7 @@ def main() -> None:
     for exercise in EXERCISES:
         exercise()
         print(f"ok  {exercise.__name__:<22} {', '.join(sorted(EXERCISES[exercise]))}")
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda})")
     print(
         f"smoke: {len(covered)} public names ok, flexmask {flexmask.__version__} from {installed}"
     )
