@@ -33,7 +33,7 @@ from common import (
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
-from flexmask.builder import build, make_grid
+from flexmask.build import build, make_grid
 
 FIRST_CALL = """
 import time

@@ -1,15 +1,20 @@
-"""CPU forward+backward: block_sparse_attention against dense SDPA with a bool mask.
+"""CPU forward+backward: flexmask's block-sparse path against dense SDPA with a bool mask.
 
 flex_attention has no backward on CPU, so the dense alternative is
 ``scaled_dot_product_attention(q, k, v, attn_mask=(1, 1, S, S) bool)``. Both are timed on the
-same inputs in one run; memory is the peak of tensors alive at once during the call, measured
-from the allocator (``_memory.peak_extra_bytes``), with SDPA's dense mask built inside the call
-so it is counted (building it is the price of using SDPA with a mask).
+same inputs in one run, interleaved (flexmask, SDPA, flexmask, ...) so a busy machine slows
+both alike; memory is the peak of tensors alive at once during the call, measured from the
+allocator (``_memory.peak_extra_bytes``), with SDPA's dense mask built inside the call so it
+is counted (building it is the price of using SDPA with a mask). flexmask runs with its
+defaults (``backend="auto"``: the grouped sparse kernel, or SDPA where that is faster); the
+row says which ran.
 
 Run from the repository root::
 
-    python benchmarks/bench_cpu_backward.py           # S = 4096 and 16384 (a few minutes)
-    python benchmarks/bench_cpu_backward.py --quick   # S = 1024 and 2048 (seconds)
+    python benchmarks/bench_cpu_backward.py           # representative subset (minutes)
+    python benchmarks/bench_cpu_backward.py --quick   # S = 1024, 2048, two masks (seconds)
+    python benchmarks/bench_cpu_backward.py --full    # issue #15's grid: S = 1k-16k,
+                                                      # B in {1, 4}, H in {4, 8}, six masks
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # _memory.py, and flexmask when 
 from _memory import peak_extra_bytes  # noqa: E402
 from common import fmt_bytes, fmt_time, markdown_table, ratio  # noqa: E402
 
-from flexmask.block_sparse import block_sparse_attention  # noqa: E402
+from flexmask.block_sparse import _plan, block_sparse_attention, choose_backend  # noqa: E402
 
 
 def document_causal(seq_len: int, num_docs: int, seed: int) -> tuple[Callable[..., Tensor], Tensor]:
@@ -57,6 +62,41 @@ def causal_mask(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+def sliding_window(window: int) -> Callable[..., Tensor]:
+    def sliding_window_mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return sliding_window_mask
+
+
+def rl_group(seq_len: int, completions: int = 8) -> Callable[..., Tensor]:
+    """A tree of depth 1, as in RL (GRPO) training: one prompt (a quarter of the sequence)
+    shared by ``completions`` answers; each answer sees the prompt and itself, causally."""
+    prompt = seq_len // 4
+    branch = torch.zeros(seq_len, dtype=torch.long)
+    branch[prompt:] = 1 + torch.arange(seq_len - prompt) * completions // (seq_len - prompt)
+
+    def rl_group_mask(b, h, q_idx, kv_idx):
+        same = (branch[kv_idx] == 0) | (branch[kv_idx] == branch[q_idx])
+        return same & (q_idx >= kv_idx)
+
+    return rl_group_mask
+
+
+def make_mask(name: str, seq_len: int) -> Callable[..., Tensor]:
+    """The mask_mod of a named mask: causal, doc-N (document-causal, N documents),
+    window-W (causal sliding window) or tree (an RL group)."""
+    if name == "causal":
+        return causal_mask
+    if name.startswith("doc-"):
+        return document_causal(seq_len, int(name[4:]), seed=seq_len)[0]
+    if name.startswith("window-"):
+        return sliding_window(int(name[7:]))
+    if name == "tree":
+        return rl_group(seq_len)
+    raise ValueError(f"mask must be causal, doc-N, window-W or tree, got {name!r}")
+
+
 def dense_mask(mask_mod: Callable, seq_len: int) -> Tensor:
     """The (1, 1, S, S) bool mask SDPA needs, by broadcasting (our mask_mods allow it)."""
     idx = torch.arange(seq_len)
@@ -64,42 +104,30 @@ def dense_mask(mask_mod: Callable, seq_len: int) -> Tensor:
     return mask_mod(zero, zero, idx[:, None], idx[None, :])[None, None]
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall seconds of ``fn()`` (the gradient check before it serves as warm-up)."""
-    times = []
-    for _ in range(repeats):
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def run_case(
-    name: str, mask_mod: Callable, seq_len: int, heads: int, head_dim: int, repeats: int
+    name: str, seq_len: int, batch: int, heads: int, head_dim: int, repeats: int
 ) -> list[dict]:
+    mask_mod = make_mask(name, seq_len)
     generator = torch.Generator().manual_seed(seq_len)
     q, k, v = (
-        torch.randn(1, heads, seq_len, head_dim, generator=generator).requires_grad_()
+        torch.randn(batch, heads, seq_len, head_dim, generator=generator).requires_grad_()
         for _ in range(3)
     )
-    grad_out = torch.randn(1, heads, seq_len, head_dim, generator=generator)
+    grad_out = torch.randn(batch, heads, seq_len, head_dim, generator=generator)
 
     start = time.perf_counter()
     block_mask: BlockMask = create_block_mask(mask_mod, 1, 1, seq_len, seq_len, device="cpu")
     build_s = time.perf_counter() - start
+    plan = _plan(q, k, v, block_mask, None, None, False, "auto")
+    backend = choose_backend(plan)
 
     def clear() -> None:
         for t in (q, k, v):
             t.grad = None
 
-    def block_sparse(recompute: bool) -> Callable[[], None]:
-        def fn() -> None:
-            clear()
-            out = block_sparse_attention(q, k, v, block_mask, recompute=recompute)
-            out.backward(grad_out)
-
-        return fn
+    def flexmask_path() -> None:
+        clear()
+        block_sparse_attention(q, k, v, block_mask).backward(grad_out)
 
     def sdpa() -> None:
         clear()
@@ -107,27 +135,40 @@ def run_case(
         out.backward(grad_out)
 
     # Same gradients, or the timings compare different things. Also the warm-up of both paths.
-    block_sparse(True)()
+    flexmask_path()
     grads = [t.grad.clone() for t in (q, k, v)]
     sdpa()
     max_err = max((g - t.grad).abs().max().item() for g, t in zip(grads, (q, k, v), strict=True))
 
+    impls = ((f"flexmask ({backend})", flexmask_path), ("sdpa + dense bool mask", sdpa))
+    times: dict[str, list[float]] = {impl: [] for impl, _ in impls}
+    for _ in range(repeats):  # interleaved: load changes hit both sides alike
+        for impl, fn in impls:
+            gc.collect()
+            begin = time.perf_counter()
+            fn()
+            times[impl].append(time.perf_counter() - begin)
     rows = []
-    for impl, fn in (
-        ("block_sparse (recompute)", block_sparse(True)),
-        ("block_sparse (keep activations)", block_sparse(False)),
-        ("sdpa + dense bool mask", sdpa),
-    ):
-        seconds = timed(fn, repeats)
+    for impl, fn in impls:
         gc.collect()
         peak, _ = peak_extra_bytes(fn)
         rows.append(
-            dict(mask=name, S=seq_len, impl=impl, seconds=seconds, peak=peak, max_err=max_err)
+            dict(
+                mask=name,
+                S=seq_len,
+                B=batch,
+                H=heads,
+                impl=impl,
+                seconds=statistics.median(times[impl]),
+                peak=peak,
+                max_err=max_err,
+            )
         )
     density = 100 - block_mask.sparsity()
     print(
-        f"  {name:>15} S={seq_len}: blocks computed {density:.1f}%, create_block_mask "
-        f"{build_s:.2f}s, max |grad diff| vs SDPA {max_err:.1e}",
+        f"  {name:>12} S={seq_len} B={batch} H={heads}: blocks listed {density:.1f}%, "
+        f"create_block_mask {build_s:.2f}s, flexmask/SDPA "
+        f"{rows[0]['seconds'] / rows[1]['seconds']:.2f}x, max |grad diff| {max_err:.1e}",
         flush=True,
     )
     return rows
@@ -146,13 +187,16 @@ def table(rows: list[dict]) -> str:
         return next(
             r
             for r in rows
-            if r["mask"] == row["mask"] and r["S"] == row["S"] and r["impl"].startswith("sdpa")
+            if (r["mask"], r["S"], r.get("B", 1), r.get("H"))
+            == (row["mask"], row["S"], row.get("B", 1), row.get("H"))
+            and r["impl"].startswith("sdpa")
         )
 
     return markdown_table(
         [
             "mask",
             "S",
+            "B×H",
             "implementation",
             "fwd+bwd",
             "peak extra memory",
@@ -164,6 +208,7 @@ def table(rows: list[dict]) -> str:
             [
                 r["mask"],
                 f"{r['S']:,}",
+                f"{r.get('B', 1)}×{r.get('H', '?')}",
                 r["impl"],
                 fmt_time(r["seconds"]),
                 fmt_bytes(r["peak"]),
@@ -176,34 +221,55 @@ def table(rows: list[dict]) -> str:
     )
 
 
+SUBSET = dict(
+    lengths=(2048, 8192),
+    batches=(1,),
+    heads=(4,),
+    masks=("causal", "doc-4", "doc-20", "doc-100", "window-1024", "tree"),
+)
+QUICK = dict(lengths=(1024, 2048), batches=(1,), heads=(4,), masks=("causal", "doc-20"))
+FULL = dict(
+    lengths=(1024, 2048, 4096, 8192, 16384),
+    batches=(1, 4),
+    heads=(4, 8),
+    masks=("causal", "doc-4", "doc-20", "doc-100", "window-1024", "tree"),
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="S = 1024, 2048 (seconds)")
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="S = 1024, 2048, two masks")
+    parser.add_argument("--full", action="store_true", help="issue #15's whole grid (hours)")
+    parser.add_argument("--lengths", type=int, nargs="*", help="override the sequence lengths")
+    parser.add_argument("--masks", nargs="*", help="causal, doc-N, window-W, tree")
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--docs", type=int, default=8, help="documents in the document mask")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per case")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
-    lengths = (1024, 2048) if args.quick else (4096, 16384)
+    grid = dict(FULL if args.full else QUICK if args.quick else SUBSET)
+    if args.lengths:
+        grid["lengths"] = tuple(args.lengths)
+    if args.masks:
+        grid["masks"] = tuple(args.masks)
 
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, B=1 H={args.heads} "
-        f"D={args.head_dim} fp32, forward+backward, load average {_load()}",
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, D={args.head_dim} fp32, "
+        f"forward+backward, load average {_load()}",
         flush=True,
     )
     rows: list[dict] = []
-    for seq_len in lengths:
-        repeats = args.repeats or (3 if seq_len <= 4096 else 1)
-        doc_mask, _ = document_causal(seq_len, args.docs, seed=seq_len)
-        rows += run_case("document-causal", doc_mask, seq_len, args.heads, args.head_dim, repeats)
-        rows += run_case("causal", causal_mask, seq_len, args.heads, args.head_dim, repeats)
+    for seq_len in grid["lengths"]:
+        for batch in grid["batches"]:
+            for heads in grid["heads"]:
+                repeats = args.repeats or (3 if seq_len * batch * heads <= 4096 * 4 else 1)
+                for name in grid["masks"]:
+                    rows += run_case(name, seq_len, batch, heads, args.head_dim, repeats)
 
     print(f"\nload average at the end {_load()}")
     print(table(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        settings = dict(heads=args.heads, head_dim=args.head_dim, docs=args.docs)
+        settings = dict(head_dim=args.head_dim, grid={k: list(v) for k, v in grid.items()})
         Path(args.json).write_text(json.dumps({**settings, "rows": rows}, indent=1))
 
 

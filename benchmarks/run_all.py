@@ -156,10 +156,12 @@ def lazy_section(data: dict[str, Any]) -> list[str]:
 def cpu_backward_section(data: dict[str, Any]) -> list[str]:
     table = bench_cpu_backward.table(data["rows"])
     return [
-        f"Forward + backward on the CPU (B=1, H={data['heads']}, D={data['head_dim']}, fp32, "
-        f"{data['docs']} documents): flexmask's block-sparse path against "
-        "`scaled_dot_product_attention` with a dense bool mask (built inside the timed call: it "
-        "is the price of using SDPA with a mask). Median time; peak of tensors alive at once.",
+        f"Forward + backward on the CPU (D={data['head_dim']}, fp32; masks: causal, "
+        "document-causal with N random documents, causal sliding window, an RL group tree): "
+        "`flexmask.block_sparse.block_sparse_attention` with its defaults (the implementation "
+        "column names the backend it chose) against `scaled_dot_product_attention` with a "
+        "dense bool mask (built inside the timed call: it is the price of using SDPA with a "
+        "mask), interleaved in one run. Median time; peak of tensors alive at once.",
         "",
         table,
     ]

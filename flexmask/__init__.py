@@ -12,8 +12,19 @@ Example:
 """
 
 from flexmask.attention import compile_enabled, flex_attention, set_compile
-from flexmask.builder import create_block_mask, same_blocks
+from flexmask.build import create_block_mask, same_blocks
 from flexmask.cache import CacheInfo, MaskCache, cache_clear, cache_info, default_cache
+from flexmask.context_parallel import (
+    CPShard,
+    HeadTailBalancer,
+    MaskAwareBalancer,
+    PerDocumentBalancer,
+    ShardCache,
+    cp_flex_attention,
+    lazy_shard,
+    shard,
+)
+from flexmask.inference import DecodeMasks, decode_mask, speculative_tree
 from flexmask.lazy import LazyBlockMask, lazy
 from flexmask.mask import And, Mask, Not, Or
 from flexmask.packing import PackedBatch, PackedDataset, PackingCollator, TreePack, pack, pack_tree
@@ -33,8 +44,19 @@ from flexmask.plot import plot
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPShard",
+    "HeadTailBalancer",
+    "MaskAwareBalancer",
+    "PerDocumentBalancer",
+    "ShardCache",
+    "cp_flex_attention",
+    "lazy_shard",
+    "shard",
     "And",
     "CacheInfo",
+    "DecodeMasks",
+    "decode_mask",
+    "speculative_tree",
     "LazyBlockMask",
     "PackedBatch",
     "PackedDataset",

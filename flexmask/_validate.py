@@ -5,28 +5,52 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import numbers
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+
 
 def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
-    """Returns ``value`` as an int, or raises TypeError/ValueError naming ``name``."""
+    """Returns ``value`` as an int, or raises TypeError/ValueError naming ``name``.
+
+    Accepts Python and numpy integers, and 0-d integer tensors and arrays. Values must fit in
+    int64: every size ends up in an int64 tensor, where a larger one would wrap silently.
+    """
+    if not isinstance(value, Tensor) and _is_array(value) and getattr(value, "ndim", None) == 0:
+        value = value[()]  # a 0-d numpy array: its scalar (a numpy integer, or not an integer)
     if isinstance(value, Tensor):
-        if value.dim() != 0 or value.dtype.is_floating_point or value.dtype == torch.bool:
+        if (
+            value.dim() != 0
+            or value.dtype.is_floating_point
+            or value.dtype.is_complex
+            or (value.dtype == torch.bool)
+        ):
             raise TypeError(
                 f"{name} must be an int or a 0-d integer tensor, got a tensor of shape "
                 f"{tuple(value.shape)} and dtype {value.dtype}"
             )
-        value = int(value.item())
+        value = value.item()
     elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     value = int(value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(
+            f"{name} must fit in a signed 64-bit integer [-2**63, 2**63 - 1], got {value}"
+        )
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def _is_array(value: Any) -> bool:
+    """A numpy array or another array-like that is not a tensor or a Python sequence."""
+    return hasattr(value, "__array__") and not isinstance(value, (Tensor, list, tuple))
 
 
 def int_vector(value: Any, name: str) -> Tensor:
@@ -36,9 +60,20 @@ def int_vector(value: Any, name: str) -> Tensor:
             raise ValueError(f"{name} must be 1-D, got a tensor of shape {tuple(value.shape)}")
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+        if value.dtype == torch.uint64:  # .to(int64) would wrap values >= 2**63: check them
+            return int_vector(value.tolist(), name)
         return value.detach().to("cpu", torch.int64, copy=True)  # the mask owns its data
-    if hasattr(value, "__array__") and not isinstance(value, (list, tuple)):
-        return int_vector(torch.as_tensor(value), name)
+    if _is_array(value):
+        import numpy as np  # only reached with an array in hand: numpy is installed
+
+        array = np.asarray(value)
+        if array.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got an array of shape {array.shape}")
+        if array.dtype.kind in "uO":  # uint64 would wrap; object arrays hold Python ints
+            return int_vector(array.tolist(), name)
+        if array.dtype.kind != "i":
+            raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
+        return torch.from_numpy(array.astype(np.int64, copy=True))
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be a list of ints or a 1-D integer tensor, got {value!r}")
     items = [check_int(v, f"{name}[{i}]") for i, v in enumerate(value)]
@@ -46,14 +81,29 @@ def int_vector(value: Any, name: str) -> Tensor:
 
 
 def is_nested(value: Any) -> bool:
-    """True for a per-row value: a 2-D tensor or a list whose items are lists/tensors."""
-    if isinstance(value, Tensor):
-        return value.dim() == 2
+    """True for a per-row value: a 2-D tensor or array, or a list whose items are lists,
+    1-D tensors or 1-D arrays."""
+    if isinstance(value, Tensor) or _is_array(value):
+        return getattr(value, "ndim", None) == 2
     if isinstance(value, (list, tuple)) and value:
         return all(
-            isinstance(v, (list, tuple)) or (isinstance(v, Tensor) and v.dim() == 1) for v in value
+            isinstance(v, (list, tuple))
+            or ((isinstance(v, Tensor) or _is_array(v)) and getattr(v, "ndim", None) == 1)
+            for v in value
         )
     return False
+
+
+def checked_sum(values: Tensor, name: str) -> int:
+    """The sum of int64 values as a Python int, or a ValueError naming ``name`` if it does
+    not fit in int64 (where the cumulative sums a piece keeps would wrap)."""
+    total = sum(values.tolist())  # Python ints: exact, whatever the values
+    if not INT64_MIN <= total <= INT64_MAX:
+        raise ValueError(
+            f"sum({name})={total} does not fit in a signed 64-bit integer: lengths that large "
+            f"are a mistake (a sequence is far shorter)"
+        )
+    return total
 
 
 def source_device(value: Any) -> torch.device | None:
@@ -69,7 +119,10 @@ def source_device(value: Any) -> torch.device | None:
 
 def scalar_or_rows(value: Any, name: str, *, minimum: int) -> tuple[Tensor, bool]:
     """One int for all rows, or one int per row. Returns (int64 values, per_row)."""
-    if isinstance(value, Tensor) and value.dim() == 0 or isinstance(value, numbers.Integral):
+    scalar = isinstance(value, numbers.Integral) or (
+        (isinstance(value, Tensor) or _is_array(value)) and getattr(value, "ndim", None) == 0
+    )
+    if scalar:
         return torch.tensor([check_int(value, name, minimum=minimum)]), False
     values = int_vector(value, name)
     if values.numel() == 0:
@@ -92,3 +145,49 @@ def digest(*tensors: Tensor) -> str:
             # copy (bytes(storage) takes ~50 s per 8 MB).
             h.update((ctypes.c_char * nbytes).from_address(t.data_ptr()))
     return h.hexdigest()
+
+
+def default_device() -> torch.device:
+    """torch's default for create_block_mask: the current accelerator, else the CPU."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        current = accelerator.current_accelerator()
+        return torch.device(current) if current is not None else torch.device("cpu")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_device(device: Any, fallback: torch.device | None = None) -> torch.device:
+    """``device`` as a torch.device; None gives ``fallback`` (the device of a mask's data),
+    else torch's default. No tensor is made: naming a device touches nothing on it."""
+    if device is None:
+        return fallback or default_device()
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be a torch device or its name, got {device!r}") from err
+
+
+def env_int(
+    name: str, default: int | None, *, minimum: int = 0, byte_suffixes: bool = False
+) -> int | None:
+    """An integer environment variable (unset or empty: ``default``), or a ValueError naming
+    the variable and what would be right. With ``byte_suffixes``, ``512M``/``2G``/``64K``."""
+    raw = os.environ.get(name, "")
+    text = raw.strip().lower()
+    if not text:
+        return default
+    scale = 1
+    for suffix, factor in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30)):
+        if byte_suffixes and text.endswith(suffix):
+            text, scale = text[:-1], factor
+    try:
+        value = int(text) * scale
+    except ValueError:
+        example = f"{name}=32" + (", 512M or 2G" if byte_suffixes else "")
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not a whole number (expected e.g. "
+            f"{example}, or unset it)"
+        ) from None
+    if value < minimum:
+        raise ValueError(f"environment variable {name}={raw!r} must be >= {minimum}")
+    return value

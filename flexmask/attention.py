@@ -133,9 +133,10 @@ def flex_attention(
     *,
     scale: float | None = None,
     enable_gqa: bool = False,
+    return_lse: bool = False,
     compile: bool | None = None,
     **kwargs: Any,
-) -> Tensor:
+) -> Tensor | tuple[Tensor, Tensor]:
     """FlexAttention with a lazy handle, a BlockMask or a mask expression.
 
     Args:
@@ -145,12 +146,16 @@ def flex_attention(
             process-wide cache for the shapes of ``query`` and ``key``), or None.
         score_mod: as for torch's flex_attention.
         scale, enable_gqa: as for torch's flex_attention.
+        return_lse: also return the log-sum-exp of the scores, ``(B, Hq, Q_LEN)``, as torch's
+            flex_attention does: natural log, float32 (float64 for float64 inputs), ``-inf``
+            for a query that attends nothing (its output is 0).
         compile: compile torch's kernel (once per process); None follows ``set_compile`` /
             FLEXMASK_COMPILE.
         **kwargs: passed to torch's flex_attention (e.g. ``kernel_options``).
 
     Returns:
-        The attention output, (B, Hq, Q_LEN, Dv).
+        The attention output, (B, Hq, Q_LEN, Dv); with ``return_lse`` the pair (output, lse).
+        A batch of size 0 gives empty tensors, like torch's.
 
     Example:
         >>> import flexmask, torch
@@ -177,10 +182,16 @@ def flex_attention(
             )
         if resolved is None:
             resolved = _full_block_mask(query, key)
-        out = block_sparse_attention(
-            query, key, value, resolved, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa
+        return block_sparse_attention(
+            query,
+            key,
+            value,
+            resolved,
+            score_mod=score_mod,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            return_lse=return_lse,
         )
-        return cast(Tensor, out)
     if use_compile:
         _announce_compile(query, key)
     fn = (
@@ -194,5 +205,6 @@ def flex_attention(
         block_mask=resolved,
         scale=scale,
         enable_gqa=enable_gqa,
+        return_lse=return_lse,
         **kwargs,
     )

@@ -29,6 +29,7 @@ How it is laid out, and why:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -38,6 +39,13 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
+from flexmask import block_sparse_kernel as kernel
+
+Backend = Literal["auto", "sparse", "sdpa"]
+"""Which kernel runs: see :func:`block_sparse_attention` and :func:`choose_backend`."""
+
+_BACKENDS = ("auto", "sparse", "sdpa")
+
 ModEval = Literal["auto", "broadcast", "vmap"]
 """How ``mask_mod``/``score_mod`` are evaluated: see :func:`block_sparse_attention`."""
 
@@ -46,6 +54,15 @@ _MOD_EVALS = ("auto", "broadcast", "vmap")
 # 4 Mi elements: 16 MiB per fp32 score-sized temporary. Softmax and its backward keep a handful
 # alive at once, so one chunk peaks near 100 MiB; smaller chunks add Python overhead per block.
 DEFAULT_MAX_CHUNK_ELEMENTS = 1 << 22
+
+# Probabilities kept for the backward by default (recompute=None): enough to skip the rebuild
+# for every group up to ~8k tokens x 4 heads of a sparse mask, small next to a training step.
+DEFAULT_MEMORY_BUDGET = 256 << 20
+
+# choose_backend: SDPA with a dense mask wins on a CPU above this share of listed blocks, or
+# below this many (query, key) pairs in all (measured: benchmarks/bench_cpu_backward.py).
+SDPA_MIN_DENSITY = 0.25
+SDPA_MAX_PAIRS = 256 * 256
 
 # A chunk stops growing when fewer than this share of its (q block, column) pairs are listed:
 # the union of columns is computed for every q block of the chunk, listed or not.
@@ -66,8 +83,10 @@ def block_sparse_attention(
     return_lse: bool = False,
     *,
     mod_eval: ModEval = "auto",
-    recompute: bool = True,
+    recompute: bool | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
     max_chunk_elements: int = DEFAULT_MAX_CHUNK_ELEMENTS,
+    backend: Backend = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Block-sparse attention with flex_attention's semantics, differentiable on any device.
 
@@ -107,10 +126,23 @@ def block_sparse_attention(
             switches to vmap if the mod raises or returns a result that does not broadcast to
             the scores' shape. A mod that *reduces* over its inputs returns a plausible shape
             under broadcasting yet a wrong value, which no check can see: pass ``"vmap"``.
-        recompute: rebuild each chunk in the backward instead of keeping its activations
-            (activation checkpointing). Keeps memory at ``O(Q_LEN x D)`` plus one chunk.
-        max_chunk_elements: soft bound on the number of scores one chunk of q blocks holds
-            (``B x Hq x rows x columns``); a single q block is never split, so it may exceed it.
+        recompute: what the backward rebuilds. ``None`` (default) keeps the probabilities of
+            as many groups of q blocks as fit ``memory_budget`` and rebuilds the rest from the
+            saved log-sum-exp (one matmul and one ``exp`` per group); ``True`` keeps none
+            (memory ``O(Q_LEN x D)`` plus one group); ``False`` keeps them all. With a
+            ``score_mod`` the backward goes through autograd: ``True``/``None`` checkpoint
+            each chunk, ``False`` keeps every chunk's activations.
+        memory_budget: bytes of probabilities kept for the backward when ``recompute`` is
+            None (default 256 MiB).
+        max_chunk_elements: soft bound on the number of scores one group (chunk) of q blocks
+            holds (``B x Hq x rows x columns``); a single q block is never split, so it may
+            exceed it.
+        backend: ``"sparse"`` runs the block-sparse kernel; ``"sdpa"`` builds the dense bool
+            mask the BlockMask means (``mask_mod`` evaluated on partial blocks only) and calls
+            ``scaled_dot_product_attention``; ``"auto"`` (default) picks SDPA where it is
+            faster on a CPU — a mask whose listed blocks cover most of the grid, or a tiny
+            one — and the sparse kernel otherwise (see :func:`choose_backend`). The result is
+            the same either way. ``return_lse`` and ``score_mod`` always run the sparse path.
 
     Returns:
         The output ``(B, Hq, Q_LEN, Dv)`` in ``query.dtype``, and with ``return_lse`` the pair
@@ -132,17 +164,221 @@ def block_sparse_attention(
         >>> out.shape, q.grad.shape
         (torch.Size([1, 2, 300, 16]), torch.Size([1, 2, 300, 16]))
     """
-    plan = _plan(query, key, value, block_mask, score_mod, scale, enable_gqa, mod_eval)
-    if isinstance(max_chunk_elements, bool) or not isinstance(max_chunk_elements, int):
+    if isinstance(max_chunk_elements, bool) or not isinstance(max_chunk_elements, numbers.Integral):
         raise TypeError(
             f"max_chunk_elements must be an int, got {type(max_chunk_elements).__name__}"
         )
+    max_chunk_elements = int(max_chunk_elements)  # numpy integers too
     if max_chunk_elements < 1:
         raise ValueError(f"max_chunk_elements must be >= 1, got {max_chunk_elements}")
+    if recompute is not None and not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be True, False or None, got {recompute!r}")
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 0:
+        raise ValueError(f"memory_budget must be an int of bytes >= 0, got {memory_budget!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    plan = _plan(query, key, value, block_mask, score_mod, scale, enable_gqa, mod_eval)
+    if plan.batch == 0:
+        return _empty_batch(query, key, value, return_lse)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
 
+    if score_mod is None and not return_lse:
+        if backend == "auto":
+            backend = choose_backend(plan)
+        if backend == "sdpa":
+            return _sdpa_attention(query, key, value, plan, mod_eval)
+    if score_mod is None:
+        save_budget = {None: memory_budget, True: 0, False: 1 << 62}[recompute]
+        out, lse = _grouped_attention(
+            query, key, value, plan, mod_eval, max_chunk_elements, save_budget, needs_grad
+        )
+        return (out, lse) if return_lse else out
+    return _chunked_attention(
+        query,
+        key,
+        value,
+        plan,
+        mod_eval,
+        recompute is not False,
+        max_chunk_elements,
+        needs_grad,
+        return_lse,
+    )
+
+
+def choose_backend(plan: _Plan) -> Literal["sparse", "sdpa"]:
+    """``"sdpa"`` where SDPA with a dense mask is faster on a CPU, else ``"sparse"``.
+
+    SDPA's fused CPU kernel does every (query, key) pair but without the sparse path's extra
+    passes over the scores, so it wins when the listed blocks cover most of the grid
+    (``SDPA_MIN_DENSITY``) and on tiny problems (``SDPA_MAX_PAIRS``), where per-group overhead
+    dominates. Measured on 2 cores with B=1-4, H=4-8, D=64: see docs/cpu-training.md.
+    """
+    if plan.q_len * plan.kv_len <= SDPA_MAX_PAIRS:
+        return "sdpa"
+    listed = (plan.kinds != _ABSENT).flatten(0, 2).any(dim=0)
+    return "sdpa" if float(listed.float().mean()) >= SDPA_MIN_DENSITY else "sparse"
+
+
+def dense_mask(plan: _Plan, mod_eval: str) -> Tensor:
+    """The bool mask ``(B | 1, Hq | 1, Q_LEN, KV_LEN)`` the plan's BlockMask means: full blocks
+    True, unlisted False, and ``mask_mod`` evaluated on the partial blocks only."""
+    kinds = plan.kinds  # (Bm, Hkv | 1, G | 1, NQ, NKV)
+    pairs = (kinds == _PARTIAL).flatten(0, 2).any(dim=0).nonzero()
+    rows, cols = pairs[:, 0], pairs[:, 1]
+    full = (kinds == _FULL)[..., :, None, :, None]
+    if rows.numel():
+        count, device = rows.numel(), kinds.device
+        q_idx = rows[:, None] * plan.q_block + torch.arange(plan.q_block, device=device)
+        kv_idx = cols[:, None] * plan.kv_block + torch.arange(plan.kv_block, device=device)
+        args = (
+            torch.arange(plan.batch, device=device).view(-1, 1, 1, 1, 1, 1),
+            torch.arange(plan.q_heads, device=device).view(1, plan.kv_heads, plan.group, 1, 1, 1),
+            q_idx.clamp(max=plan.q_len - 1).view(1, 1, 1, count, plan.q_block, 1),
+            kv_idx.clamp(max=plan.kv_len - 1).view(1, 1, 1, count, 1, plan.kv_block),
+        )
+        shape = (plan.batch, plan.kv_heads, plan.group, count, plan.q_block, plan.kv_block)
+        how = mod_eval
+        if how == "auto":
+            how = "broadcast" if _broadcasts(plan.mask_mod, args, shape) else "vmap"
+        by_mask_mod = _call_mod(plan.mask_mod, args, shape, how, "mask_mod")
+        picked = kinds[..., rows, cols][..., None, None]  # (Bm, Hk, Gm, count, 1, 1)
+        values = (picked == _FULL) | ((picked == _PARTIAL) & by_mask_mod)
+        dims = torch.broadcast_shapes(full.shape[:3], values.shape[:3])
+        blocked = (full.size(3), plan.q_block, full.size(5), plan.kv_block)
+        dense = full.expand(*dims, *blocked).clone()
+        dense[..., rows, :, cols, :] = values.expand(*dims, *values.shape[3:]).movedim(3, 0)
+    else:
+        dense = full.expand(*full.shape[:4], plan.q_block, full.size(5), plan.kv_block)
+    b, hk, g = dense.shape[:3]
+    dense = dense.reshape(b, hk * g, dense.size(3) * plan.q_block, -1)
+    return dense[:, :, : plan.q_len, : plan.kv_len]
+
+
+def _sdpa_attention(
+    query: Tensor, key: Tensor, value: Tensor, plan: _Plan, mod_eval: str
+) -> Tensor:
+    """SDPA with the dense mask; rows with no key get 0 and zero gradients, as in flex."""
+    mask = dense_mask(plan, mod_eval)
+    has_key = mask.any(dim=-1, keepdim=True)
+    all_have_keys = bool(has_key.all())
+    if not all_have_keys:
+        mask = mask | ~has_key  # attend anywhere, then zeroed: finite values and gradients
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=plan.scale, enable_gqa=plan.group > 1
+    )
+    return out if all_have_keys else out * has_key
+
+
+def _empty_batch(
+    query: Tensor, key: Tensor, value: Tensor, return_lse: bool
+) -> Tensor | tuple[Tensor, Tensor]:
+    """B = 0, as torch's flex_attention: empty output (and lse), still part of the graph."""
+    if not isinstance(value, Tensor) or value.dim() != 4:
+        raise ValueError("value must be 4-D (B, H, seq_len, head_dim)")
+    batch, q_heads, q_len, _ = query.shape
+    # Sums of empty tensors are 0: adding them links the empty result to every input.
+    link = query.sum() + key.sum() + value.sum()
+    out = query.new_zeros(batch, q_heads, q_len, value.size(-1)) + link.to(query.dtype)
+    if not return_lse:
+        return out
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return out, torch.zeros(batch, q_heads, q_len, dtype=lse_dtype) + link.to(lse_dtype)
+
+
+def _grouped_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    plan: _Plan,
+    mod_eval: str,
+    max_chunk_elements: int,
+    save_budget: int,
+    needs_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    """The grouped kernel (flexmask.block_sparse_kernel), in and out of its blocked layouts."""
+    layout = kernel.Layout(
+        batch=plan.batch,
+        kv_heads=plan.kv_heads,
+        group=plan.group,
+        q_len=plan.q_len,
+        kv_len=plan.kv_len,
+        q_block=plan.q_block,
+        kv_block=plan.kv_block,
+        scale=plan.scale,
+        working_dtype=plan.working_dtype,
+    )
+    groups = kernel.make_groups(plan.kinds.cpu(), layout, max_chunk_elements)
+    mask_fn = _group_mask_fn(plan, groups, query.device, mod_eval)
+    batch, kv_heads, group = plan.batch, plan.kv_heads, plan.group
+    q_blocks = _pad_to_blocks(query, plan.q_block).to(plan.working_dtype) * plan.scale
+    q_blocks = q_blocks.reshape(batch, kv_heads, group, -1, plan.q_block, plan.head_dim)
+    k_blocks = _pad_to_blocks(key, plan.kv_block).to(plan.working_dtype)
+    k_blocks = k_blocks.reshape(batch, kv_heads, -1, plan.kv_block, plan.head_dim)
+    v_blocks = _pad_to_blocks(value, plan.kv_block).to(plan.working_dtype)
+    v_blocks = v_blocks.reshape(batch, kv_heads, -1, plan.kv_block, plan.value_dim)
+    if needs_grad:
+        out, lse = kernel.BlockSparseFunction.apply(
+            q_blocks, k_blocks, v_blocks, groups, layout, mask_fn, save_budget
+        )
+    else:
+        with torch.no_grad():
+            out, lse, _, _ = kernel.forward(
+                q_blocks, k_blocks, v_blocks, groups, layout, mask_fn, 0
+            )
+    out = out.reshape(batch, plan.q_heads, -1, plan.value_dim)[:, :, : plan.q_len]
+    lse = lse.reshape(batch, plan.q_heads, -1)[:, :, : plan.q_len]
+    return out.to(query.dtype), lse
+
+
+def _group_mask_fn(
+    plan: _Plan, groups: list[kernel.Group], device: torch.device, mod_eval: str
+) -> kernel.MaskFn:
+    """mask_mod over a group's (q block, column) tiles, broadcasting or through vmap."""
+    b = torch.arange(plan.batch, device=device).view(-1, 1, 1, 1, 1, 1, 1)
+    h = torch.arange(plan.q_heads, device=device).view(1, plan.kv_heads, plan.group, 1, 1, 1, 1)
+    q_offsets = torch.arange(plan.q_block, device=device)
+    kv_offsets = torch.arange(plan.kv_block, device=device)
+
+    def arguments(group: kernel.Group) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
+        n, width = group.columns.shape
+        q_idx = group.blocks.to(device)[:, None] * plan.q_block + q_offsets
+        kv_idx = group.columns.to(device)[:, :, None] * plan.kv_block + kv_offsets
+        q_idx = q_idx.clamp(max=plan.q_len - 1).view(1, 1, 1, n, plan.q_block, 1, 1)
+        kv_idx = kv_idx.clamp(max=plan.kv_len - 1).view(1, 1, 1, n, 1, width, plan.kv_block)
+        shape = (plan.batch, plan.kv_heads, plan.group, n, plan.q_block, width, plan.kv_block)
+        return (b, h, q_idx, kv_idx), shape
+
+    how = mod_eval
+    if how == "auto":
+        how = "broadcast"
+        probe = next((g for g in groups if bool((g.kinds == _PARTIAL).any())), None)
+        if probe is not None:
+            with torch.no_grad():
+                if not _broadcasts(plan.mask_mod, *arguments(probe)):
+                    how = "vmap"
+
+    def mask_fn(group: kernel.Group) -> Tensor:
+        args, shape = arguments(group)
+        return _call_mod(plan.mask_mod, args, shape, how, "mask_mod")
+
+    return mask_fn
+
+
+def _chunked_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    plan: _Plan,
+    mod_eval: str,
+    recompute: bool,
+    max_chunk_elements: int,
+    needs_grad: bool,
+    return_lse: bool,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The autograd path, for a score_mod: chunks of consecutive q blocks, checkpointed."""
     chunks = _chunks(plan, max_chunk_elements)
     mask_eval, score_eval = _resolve_mod_evals(plan, chunks, query, mod_eval)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
 
     # Padded once to whole blocks. The query is split into the chunks' rows in one op, so the
     # backward assembles its gradient once instead of adding a full-size one per chunk.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
+import numbers
 import threading
 from typing import Any, NamedTuple
 
@@ -21,8 +21,10 @@ import cachetools
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.blocks import BlockGrid
-from flexmask.builder import build, make_grid
+from flexmask._validate import env_int
+from flexmask.build.create import build
+from flexmask.build.grid import BlockGrid, make_grid
+from flexmask.build.read import block_mask_nbytes
 from flexmask.mask import Mask
 
 ENV_SIZE = "FLEXMASK_CACHE_SIZE"
@@ -48,17 +50,6 @@ class CacheInfo(NamedTuple):
     def hit_rate(self) -> float:
         lookups = self.hits + self.misses
         return self.hits / lookups if lookups else 0.0
-
-
-def block_mask_nbytes(block_mask: BlockMask) -> int:
-    """Bytes held by a BlockMask's tensors, each storage counted once (views share one)."""
-    seen: dict[int, int] = {}
-    for name in BlockMask._TENSOR_ATTRS if hasattr(BlockMask, "_TENSOR_ATTRS") else ():
-        tensor = getattr(block_mask, name, None)
-        if isinstance(tensor, torch.Tensor):
-            storage = tensor.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 class _LRU(cachetools.LRUCache):
@@ -103,12 +94,14 @@ class MaskCache:
     """
 
     def __init__(self, maxsize: int = DEFAULT_SIZE, maxbytes: int | None = None) -> None:
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
+        if isinstance(maxsize, bool) or not isinstance(maxsize, numbers.Integral) or maxsize < 0:
             raise ValueError(f"maxsize must be an int >= 0 (0 disables caching), got {maxsize!r}")
         if maxbytes is not None and (
-            isinstance(maxbytes, bool) or not isinstance(maxbytes, int) or maxbytes < 0
+            isinstance(maxbytes, bool) or not isinstance(maxbytes, numbers.Integral) or maxbytes < 0
         ):
             raise ValueError(f"maxbytes must be None or an int >= 0, got {maxbytes!r}")
+        maxsize = int(maxsize)  # numpy integers too
+        maxbytes = None if maxbytes is None else int(maxbytes)
         self._lock = threading.Lock()
         self._data = _LRU(maxsize, maxbytes)
         self._hits = 0
@@ -126,9 +119,12 @@ class MaskCache:
         KV_LEN: int,
         device: torch.device | str | None = None,
         BLOCK_SIZE: int | tuple[int, int] = 128,
+        *,
+        q_offset: Any = 0,
+        kv_offset: Any = 0,
     ) -> tuple:
         """The cache key of a build, after validating its arguments against the mask."""
-        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
         return _key(mask, grid)
 
     def get(
@@ -140,15 +136,20 @@ class MaskCache:
         KV_LEN: int = 128,
         device: torch.device | str | None = None,
         BLOCK_SIZE: int | tuple[int, int] = 128,
+        *,
+        q_offset: Any = 0,
+        kv_offset: Any = 0,
     ) -> BlockMask:
-        """The BlockMask of ``mask`` for this shape: cached, or built and cached.
+        """The BlockMask of ``mask`` for this shape (and window: ``q_offset``/``kv_offset`` as
+        for ``create_block_mask``): cached, or built and cached.
 
         The result has batch (head) dimension 1 when the mask does not depend on the row
-        (head); flex_attention broadcasts it. A hit returns the very object cached.
+        (head): real tensors of that shape, not expanded views, which flex_attention
+        broadcasts. A hit returns the very object cached.
         """
         if not isinstance(mask, Mask):
             raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
-        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
         key = _key(mask, grid)
         with self._lock:
             found = self._data.get(key)
@@ -216,8 +217,9 @@ class MaskCache:
 
 
 def _reduced(mask: Mask, grid: BlockGrid) -> tuple[int, int]:
-    """B and H of what is built and cached: 1 where the mask ignores them."""
-    return (grid.batch if mask.batch_dependent else 1, grid.heads if mask.head_dependent else 1)
+    """B and H of what is built and cached: 1 where the mask (and its window) ignore them."""
+    by_row = mask.batch_dependent or grid.per_row_offsets
+    return (grid.batch if by_row else 1, grid.heads if mask.head_dependent else 1)
 
 
 def grid_for_key(mask: Mask, grid: BlockGrid) -> BlockGrid:
@@ -226,8 +228,20 @@ def grid_for_key(mask: Mask, grid: BlockGrid) -> BlockGrid:
     if (batch, heads) == (grid.batch, grid.heads):
         return grid
     return BlockGrid.make(
-        batch, heads, grid.q_len, grid.kv_len, grid.q_block, grid.kv_block, grid.device
+        batch,
+        heads,
+        grid.q_len,
+        grid.kv_len,
+        grid.q_block,
+        grid.kv_block,
+        grid.device,
+        q_offset=_offset_key(grid.q_offset),  # type: ignore[arg-type]
+        kv_offset=_offset_key(grid.kv_offset),  # type: ignore[arg-type]
     )
+
+
+def _offset_key(offset: int | torch.Tensor) -> int | list[int]:
+    return offset.view(-1).tolist() if isinstance(offset, torch.Tensor) else offset
 
 
 def _key(mask: Mask, grid: BlockGrid) -> tuple:
@@ -241,28 +255,13 @@ def _key(mask: Mask, grid: BlockGrid) -> tuple:
         (grid.q_block, grid.kv_block),
         (device.type, device.index),
         mask.key,
+        _as_key(_offset_key(grid.q_offset)),
+        _as_key(_offset_key(grid.kv_offset)),
     )
 
 
-def _env_int(name: str, default: int | None) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    text = raw.strip().lower()
-    scale = 1
-    for suffix, factor in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30)):
-        if name == ENV_BYTES and text.endswith(suffix):
-            text, scale = text[:-1], factor
-    try:
-        value = int(text) * scale
-    except ValueError:
-        raise ValueError(
-            f"environment variable {name}={raw!r} is not a whole number "
-            f"(expected e.g. {name}=32" + (", 512M or 2G)" if name == ENV_BYTES else ")")
-        ) from None
-    if value < 0:
-        raise ValueError(f"environment variable {name}={raw!r} must be >= 0")
-    return value
+def _as_key(offset: int | list[int]) -> int | tuple[int, ...]:
+    return tuple(offset) if isinstance(offset, list) else offset
 
 
 _default: MaskCache | None = None
@@ -277,9 +276,11 @@ def default_cache() -> MaskCache:
     global _default
     with _default_lock:
         if _default is None:
-            size = _env_int(ENV_SIZE, DEFAULT_SIZE)
+            size = env_int(ENV_SIZE, DEFAULT_SIZE)
             assert size is not None
-            _default = MaskCache(maxsize=size, maxbytes=_env_int(ENV_BYTES, None))
+            _default = MaskCache(
+                maxsize=size, maxbytes=env_int(ENV_BYTES, None, byte_suffixes=True)
+            )
         return _default
 
 

@@ -7,81 +7,39 @@ training device, just before the forward that needs it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask._validate import check_int
-from flexmask.blocks import BlockGrid
-from flexmask.builder import block_sizes, default_device
+from flexmask._validate import check_device, check_int
+from flexmask.build.grid import block_sizes, make_grid
 from flexmask.cache import MaskCache, _key, default_cache
-from flexmask.mask import Mask
+from flexmask.mask import Extent, Mask
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """A build's shape as Python ints: the part of a BlockGrid that ``Mask._check`` and the
-    cache key read. ``make_grid`` also lays out tile tensors on the device; a handle must not
-    touch the device before its first use (in a DataLoader worker that would initialise CUDA),
-    so it validates against this instead.
+def _validate(
+    mask: Mask, B: Any, H: Any, Q_LEN: Any, KV_LEN: Any, device: Any, BLOCK_SIZE: Any
+) -> tuple[int, int, int, int, tuple[int, int], torch.device | None]:
+    """``make_grid``'s checks as arithmetic on Python ints: nothing is allocated on any device
+    (a handle made in a DataLoader worker must not initialise CUDA there).
+
+    Returns (B, H, Q_LEN, KV_LEN, BLOCK_SIZE, device), device None where none was given.
     """
-
-    batch: int
-    heads: int
-    q_len: int
-    kv_len: int
-    q_block: int
-    kv_block: int
-    device: torch.device
-
-    @property
-    def length(self) -> int:
-        return max(self.q_len, self.kv_len)
-
-    def as_grid(self) -> BlockGrid:
-        # Only for readers of the int fields above (Mask._check, the cache key).
-        return cast(BlockGrid, self)
-
-
-def check_device(device: Any, name: str = "device") -> torch.device | None:
-    """``device`` as a torch.device (None stays None), without touching the device."""
-    if device is None:
-        return None
-    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
-        raise TypeError(
-            f"{name} must be a torch.device, a device name such as 'cpu' or 'cuda:0', or None, "
-            f"got {type(device).__name__} {device!r}"
-        )
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(
-            f"{name} must be a torch.device or its name (e.g. 'cpu', 'cuda:0'), got {device!r}"
-        ) from err
-
-
-def _shape(
-    mask: Mask,
-    B: Any,
-    H: Any,
-    Q_LEN: Any,
-    KV_LEN: Any,
-    device: torch.device,
-    BLOCK_SIZE: Any,
-) -> _Shape:
-    """``make_grid``'s checks as arithmetic on Python ints: no tensor on any device."""
     batch = 1 if B is None else check_int(B, "B", minimum=1)
     heads = 1 if H is None else check_int(H, "H", minimum=1)
-    q_len = check_int(Q_LEN, "Q_LEN", minimum=1)
-    kv_len = check_int(KV_LEN, "KV_LEN", minimum=1)
-    q_block, kv_block = block_sizes(BLOCK_SIZE)
+    q_len = check_int(Q_LEN, "Q_LEN", minimum=0)
+    kv_len = check_int(KV_LEN, "KV_LEN", minimum=0)
+    blocks = block_sizes(BLOCK_SIZE)
     if mask.rows is not None and B is None:
         batch = mask.rows
-    shape = _Shape(batch, heads, q_len, kv_len, q_block, kv_block, device)
-    mask._check(shape.as_grid())
-    return shape
+    given = None if device is None else check_device(device)
+    # With no device given and none in the mask's data no piece compares devices, so the
+    # check needs none: the default device is resolved by the build, in the process that
+    # builds (asking for it here could initialise CUDA in a worker).
+    where = given or mask.device or torch.device("meta")
+    mask._check(Extent(batch, heads, max(q_len, kv_len), where))
+    return batch, heads, q_len, kv_len, blocks, given
 
 
 class LazyBlockMask:
@@ -134,19 +92,16 @@ class LazyBlockMask:
                 f"cache must be a flexmask.MaskCache or None (the process-wide cache), "
                 f"got {type(cache).__name__} {cache!r}"
             )
-        device = check_device(device)
-        # Validate now, so a bad batch fails in the worker that made it: Python ints only,
-        # nothing allocated on the device (the build allocates, on first use).
-        # With no device given and none in the mask's data, no piece compares devices, so the
-        # check needs none: the default device is resolved at the build, in the process that
-        # builds (asking for it here could initialise CUDA in a worker).
-        where = device or mask.device or torch.device("meta")
-        shape = _shape(mask, B, H, Q_LEN, KV_LEN, where, BLOCK_SIZE)
+        # Validate now, so a bad batch fails in the worker that made it; Python ints only,
+        # nothing touches the device before the first use builds.
+        B, H, Q_LEN, KV_LEN, BLOCK_SIZE, device = _validate(
+            mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE
+        )
         self.mask = mask
-        self.B, self.H = shape.batch, shape.heads
-        self.Q_LEN, self.KV_LEN = shape.q_len, shape.kv_len
+        self.B, self.H = B, H
+        self.Q_LEN, self.KV_LEN = Q_LEN, KV_LEN
         self.device = device
-        self.BLOCK_SIZE = (shape.q_block, shape.kv_block)
+        self.BLOCK_SIZE = BLOCK_SIZE
         self.cache = cache
         self._block_mask: BlockMask | None = None
         self.builds = 0
@@ -171,14 +126,15 @@ class LazyBlockMask:
 
         A backward still pending keeps what it saved: autograd holds its own references.
         """
-        self._block_mask = None
-        if self.mask.carries_batch_data:
-            # The device the build used: make_grid's rule for device=None.
-            device = self.device or self.mask.device or default_device()
-            shape = _shape(
-                self.mask, self.B, self.H, self.Q_LEN, self.KV_LEN, device, self.BLOCK_SIZE
+        built, self._block_mask = self._block_mask is not None, None
+        # Only a handle that built has an entry to drop, and has used its device already:
+        # releasing an unbuilt handle (in a worker, say) touches no device.
+        if built and self.mask.carries_batch_data:
+            cache = self._cache()
+            grid = make_grid(
+                self.mask, self.B, self.H, self.Q_LEN, self.KV_LEN, self.device, self.BLOCK_SIZE
             )
-            self._cache().discard(_key(self.mask, shape.as_grid()))
+            cache.discard(_key(self.mask, grid))
 
     def release_after(self, module: torch.nn.Module) -> Any:
         """Releases this handle when ``module``'s next forward returns (a one-shot hook).

@@ -1,11 +1,14 @@
 """Masks are values: an expression tree of pieces joined by ``&``, ``|`` and ``~``.
 
-Every node knows three things, and the builder only ever asks for these:
+Every node knows what the build (``flexmask.build``) asks of it:
 
-* ``_check(grid)`` — is the node valid for these lengths and this batch size?
-* ``_classify(grid)`` — block codes (EMPTY / PARTIAL / FULL / UNDECIDED) from structure.
+* ``_check(extent)`` — is the node valid for this batch size and sequence extent?
 * ``_lower(length, device)`` — its ``mask_mod`` with lookups padded to ``length``, plus an
-  evaluator the builder may call with broadcasting index tensors to refine undecided blocks.
+  evaluator the build may call with broadcasting index tensors to refine undecided blocks;
+* and, for pieces, ``_classify(grid)`` (block codes from structure) and ``_intervals``.
+
+This module imports nothing from the build: ``&``, ``|`` and ``~`` combine block codes in
+``flexmask.build.classify``.
 
 Equality and hashing come from ``key``: the piece kinds and their data (small data as tuples,
 large data as a strong digest of dtype, shape and bytes), never tensor or closure identity.
@@ -15,12 +18,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from flexmask.blocks import UNDECIDED, BlockGrid, and_codes, not_codes, or_codes
+from flexmask._validate import check_device, check_int
+
+if TYPE_CHECKING:  # only for annotations: the build imports this module, not the reverse
+    from flexmask.build.grid import BlockGrid
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -32,6 +38,134 @@ class Lowered(NamedTuple):
     """What flex_attention and torch's create_block_mask call (scalar or vmapped indices)."""
     evaluate: MaskMod
     """The same predicate, callable with broadcasting index tensors of any shape."""
+
+
+class MaskModFn:
+    """Base of flexmask's mask_mods: a module-level callable object holding its tensors.
+
+    Unlike a closure, it pickles (``pickle``, ``torch.save``, ``copy.deepcopy`` of a BlockMask
+    work) and unpickles to a mask_mod that evaluates identically. Compiled ``flex_attention``
+    traces ``__call__`` like a function: dynamo guards the class and the held tensors'
+    dtypes and shapes, so a new object holding new same-shape tensors does not recompile.
+    Equality stays identity: two mask_mods are the same mask only by their Mask's key.
+    Subclasses define ``__call__(b, h, q_idx, kv_idx)``, index arithmetic only.
+    """
+
+    __slots__ = ()
+    _name = "mask_mod"
+
+    @property
+    def __name__(self) -> str:  # what torch's BlockMask repr prints
+        return self._name
+
+    def _fields(self) -> list[str]:
+        classes = reversed(type(self).__mro__)
+        names = [n for cls in classes for n in cls.__dict__.get("__slots__", ())]
+        return [f"{n}={_describe(getattr(self, n))}" for n in names]
+
+    def __repr__(self) -> str:
+        return f"{self._name}({', '.join(self._fields())})"
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, Tensor):
+        shape = ", ".join(map(str, value.shape))
+        return f"{str(value.dtype).removeprefix('torch.')}[{shape}]"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(_describe, value)) + ")"
+    return repr(value)
+
+
+class _NaryMod(MaskModFn):
+    __slots__ = ("mods",)
+
+    def __init__(self, mods: tuple[MaskMod, ...]) -> None:
+        self.mods = tuple(mods)
+
+    def __repr__(self) -> str:
+        return f"{self._name}({', '.join(map(repr, self.mods))})"
+
+
+class AndMod(_NaryMod):
+    """``mods[0] & mods[1] & ...``: the mask_mod of an ``&`` node."""
+
+    __slots__ = ()
+    _name = "and_masks"
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        result = self.mods[0](b, h, q_idx, kv_idx)
+        for mod in self.mods[1:]:
+            result = result & mod(b, h, q_idx, kv_idx)
+        return result
+
+
+class OrMod(_NaryMod):
+    """``mods[0] | mods[1] | ...``: the mask_mod of an ``|`` node."""
+
+    __slots__ = ()
+    _name = "or_masks"
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        result = self.mods[0](b, h, q_idx, kv_idx)
+        for mod in self.mods[1:]:
+            result = result | mod(b, h, q_idx, kv_idx)
+        return result
+
+
+def _combined(make: Callable[[tuple[MaskMod, ...]], MaskMod], parts: list[Lowered]) -> Lowered:
+    """A node's Lowered from its children's; one object when each child's evaluator is its
+    mask_mod (every piece but from_mask_mod)."""
+    mask_mod = make(tuple(part.mask_mod for part in parts))
+    if all(part.evaluate is part.mask_mod for part in parts):
+        return Lowered(mask_mod, mask_mod)
+    return Lowered(mask_mod, make(tuple(part.evaluate for part in parts)))
+
+
+class NotMod(MaskModFn):
+    """``~mod``: the mask_mod of a ``~`` node."""
+
+    __slots__ = ("mod",)
+    _name = "not_mask"
+
+    def __init__(self, mod: MaskMod) -> None:
+        self.mod = mod
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return ~self.mod(b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        return f"{self._name}({self.mod!r})"
+
+
+class ShiftedMod(MaskModFn):
+    """``mod(b, h, q_idx + q_offset, kv_idx + kv_offset)``: the mask_mod of a window of a
+    mask (``create_block_mask(..., q_offset=, kv_offset=)``). The offsets are int64 tensors —
+    0-d, or ``(B,)`` read at ``b`` when they differ by row — never Python ints, so new
+    offsets of the same shape do not recompile a compiled kernel."""
+
+    __slots__ = ("mod", "q_offset", "kv_offset", "per_row")
+    _name = "shifted_mask"
+
+    def __init__(self, mod: MaskMod, q_offset: Tensor, kv_offset: Tensor) -> None:
+        self.mod = mod
+        self.q_offset = q_offset
+        self.kv_offset = kv_offset
+        self.per_row = q_offset.dim() == 1
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if self.per_row:
+            return self.mod(b, h, q_idx + self.q_offset[b], kv_idx + self.kv_offset[b])
+        return self.mod(b, h, q_idx + self.q_offset, kv_idx + self.kv_offset)
+
+
+class Extent(NamedTuple):
+    """What a mask validates itself against: the batch size, heads, the furthest position
+    any index may take (lookups are padded to it) and the device."""
+
+    batch: int
+    heads: int
+    length: int
+    device: torch.device
 
 
 class Intervals(NamedTuple):
@@ -108,12 +242,21 @@ class Mask(ABC):
         """Device of the tensors the mask was made from, if any."""
         return None
 
-    def _check(self, grid: BlockGrid) -> None:  # noqa: B027 - optional hook: no checks by default
-        """Raises ValueError if the mask cannot apply to this grid."""
+    def _check(self, extent: Extent) -> None:  # noqa: B027 - optional hook: no checks by default
+        """Raises ValueError if the mask cannot apply to this extent."""
 
-    @abstractmethod
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        """Block codes from structure, broadcastable to (rows, heads, nq, nkv)."""
+    def _extent(
+        self, B: Any, H: Any, q_len: Any, kv_len: Any, device: Any, *, names=("Q_LEN", "KV_LEN")
+    ) -> Extent:
+        """Validated arguments of a whole-mask evaluation (``to_dense``, ``show``), checked
+        against the mask. Arithmetic on ints only: nothing is allocated on ``device``."""
+        batch = (self.rows or 1) if B is None else check_int(B, "B", minimum=1)
+        heads = 1 if H is None else check_int(H, "H", minimum=1)
+        q = check_int(q_len, names[0], minimum=0)
+        kv = check_int(kv_len, names[1], minimum=0)
+        extent = Extent(batch, heads, max(q, kv), check_device(device, self.device))
+        self._check(extent)
+        return extent
 
     @abstractmethod
     def _lower(self, length: int, device: torch.device) -> Lowered:
@@ -133,7 +276,7 @@ class Mask(ABC):
         return None
 
     def _has_monotone_intervals(self) -> bool:
-        """True if ``_intervals`` are monotone in the sense of ``flexmask.ranges``: on a
+        """True if ``_intervals`` are monotone in the sense of ``flexmask.build.closed_form``: on a
         prefix of the positions ``lo`` never decreases and ``lo(q) <= q``, ``hi`` never
         decreases and is ``>= q`` or constant; past the prefix, empty. The builder then
         writes the BlockMask in closed form from the intervals of the block edges."""
@@ -209,10 +352,8 @@ class Mask(ABC):
             >>> bool(mod(torch.tensor(0), torch.tensor(0), torch.tensor(4), torch.tensor(2)))
             True
         """
-        from flexmask.builder import make_grid
-
-        grid = make_grid(self, None, None, q_len, kv_len, device, (128, 128))
-        return self._lower(grid.length, grid.device).mask_mod
+        extent = self._extent(None, None, q_len, kv_len, device, names=("q_len", "kv_len"))
+        return self._lower(extent.length, extent.device).mask_mod
 
     def to_dense(
         self,
@@ -229,9 +370,7 @@ class Mask(ABC):
             >>> flexmask.sliding_window(2).to_dense(1, 1, 3, 3)[0, 0].int().tolist()
             [[1, 1, 0], [1, 1, 1], [0, 1, 1]]
         """
-        from flexmask.builder import make_grid
-
-        grid = make_grid(self, B, H, Q_LEN, KV_LEN, device, (128, 128))
+        grid = self._extent(B, H, Q_LEN, KV_LEN, device)
         evaluate = self._lower(grid.length, grid.device).evaluate
         dev = grid.device
         rows = grid.batch if self.batch_dependent else 1
@@ -264,9 +403,6 @@ class Mask(ABC):
             >>> len(flexmask.causal().show().splitlines())  # 8 rows by default
             8
         """
-        from flexmask._validate import check_int
-        from flexmask.builder import make_grid
-
         if q_len is None:
             q_len = min(max(self.natural_length, 8), 32)
         q_len = check_int(q_len, "q_len", minimum=1)
@@ -279,8 +415,8 @@ class Mask(ABC):
         # A window shorter than the mask's data is a crop of the whole picture: validate and
         # pad lookups for the whole span, but evaluate only the q_len x kv_len window.
         span = max(q_len, kv_len, self.natural_length)
-        grid = make_grid(self, rows, head + 1, span, span, "cpu", (128, 128))
-        evaluate = self._lower(grid.length, grid.device).evaluate
+        extent = self._extent(rows, head + 1, span, span, "cpu", names=("q_len", "kv_len"))
+        evaluate = self._lower(extent.length, extent.device).evaluate
         b = torch.tensor(batch if self.batch_dependent else 0).view(1, 1)
         h = torch.tensor(head if self.head_dependent else 0).view(1, 1)
         q = torch.arange(q_len).view(-1, 1)
@@ -378,9 +514,9 @@ class _Nary(Mask):
     def carries_batch_data(self) -> bool:
         return any(c.carries_batch_data for c in self.children)
 
-    def _check(self, grid: BlockGrid) -> None:
+    def _check(self, extent: Extent) -> None:
         for child in self.children:
-            child._check(grid)
+            child._check(extent)
 
     def __repr__(self) -> str:
         return "(" + f" {self._symbol} ".join(repr(c) for c in self.children) + ")"
@@ -395,39 +531,8 @@ class And(_Nary):
     _name = "and"
     _symbol = "&"
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        codes = self.children[0]._classify(grid)
-        for child in self.children[1:]:
-            codes = and_codes(codes, child._classify(grid))
-        # Two partial tiles met. If every child is an interval per query, their intersection
-        # settles those tiles here, so an expression above (an `|`, a `~`) sees exact codes.
-        if int(codes.max()) == UNDECIDED and self._has_intervals():
-            from flexmask.refine import refine_by_intervals
-
-            rows = grid.batch if self.batch_dependent else 1
-            codes = codes.expand(rows, *codes.shape[1:]).contiguous()
-            tiles = (codes == UNDECIDED).nonzero()
-            refine_by_intervals(codes, tiles, self, grid)
-        return codes
-
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        lowered = [c._lower(length, device) for c in self.children]
-        mods = tuple(low.mask_mod for low in lowered)
-        evals = tuple(low.evaluate for low in lowered)
-
-        def and_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            result = mods[0](b, h, q_idx, kv_idx)
-            for mod in mods[1:]:
-                result = result & mod(b, h, q_idx, kv_idx)
-            return result
-
-        def and_eval(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            result = evals[0](b, h, q_idx, kv_idx)
-            for ev in evals[1:]:
-                result = result & ev(b, h, q_idx, kv_idx)
-            return result
-
-        return Lowered(and_mask, and_eval)
+        return _combined(AndMod, [c._lower(length, device) for c in self.children])
 
     def _has_intervals(self) -> bool:
         return all(c._has_intervals() for c in self.children)
@@ -442,7 +547,7 @@ class And(_Nary):
         return _intersect(parts)
 
     def _has_monotone_intervals(self) -> bool:
-        # The properties of each child carry over to their intersection (flexmask.ranges).
+        # Each child's properties carry over to their intersection (build.closed_form).
         return all(c._has_monotone_intervals() for c in self.children)
 
 
@@ -460,30 +565,8 @@ class Or(_Nary):
     _name = "or"
     _symbol = "|"
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        codes = self.children[0]._classify(grid)
-        for child in self.children[1:]:
-            codes = or_codes(codes, child._classify(grid))
-        return codes
-
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        lowered = [c._lower(length, device) for c in self.children]
-        mods = tuple(low.mask_mod for low in lowered)
-        evals = tuple(low.evaluate for low in lowered)
-
-        def or_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            result = mods[0](b, h, q_idx, kv_idx)
-            for mod in mods[1:]:
-                result = result | mod(b, h, q_idx, kv_idx)
-            return result
-
-        def or_eval(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            result = evals[0](b, h, q_idx, kv_idx)
-            for ev in evals[1:]:
-                result = result | ev(b, h, q_idx, kv_idx)
-            return result
-
-        return Lowered(or_mask, or_eval)
+        return _combined(OrMod, [c._lower(length, device) for c in self.children])
 
     # A union of intervals that all start at 0 is the interval up to the largest end: a
     # prefix-LM, `causal() | prefix(n)`, is [0, max(q, n - 1)]. Its lo is 0 and its hi a max
@@ -543,23 +626,15 @@ class Not(Mask):
     def carries_batch_data(self) -> bool:
         return self.child.carries_batch_data
 
-    def _check(self, grid: BlockGrid) -> None:
-        self.child._check(grid)
-
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        return not_codes(self.child._classify(grid))
+    def _check(self, extent: Extent) -> None:
+        self.child._check(extent)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
         inner = self.child._lower(length, device)
-        mod, ev = inner.mask_mod, inner.evaluate
-
-        def not_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return ~mod(b, h, q_idx, kv_idx)
-
-        def not_eval(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return ~ev(b, h, q_idx, kv_idx)
-
-        return Lowered(not_mask, not_eval)
+        mask_mod = NotMod(inner.mask_mod)
+        if inner.evaluate is inner.mask_mod:
+            return Lowered(mask_mod, mask_mod)
+        return Lowered(mask_mod, NotMod(inner.evaluate))
 
     def __repr__(self) -> str:
         return f"~{self.child!r}"

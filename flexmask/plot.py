@@ -7,6 +7,7 @@ matplotlib is an optional extra (``pip install flexmask[plot]``); it is imported
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -14,13 +15,15 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
+from flexmask.build.codes import EMPTY, FULL, PARTIAL
+from flexmask.build.create import create_block_mask
+from flexmask.build.read import kv_codes
 from flexmask.lazy import LazyBlockMask
 from flexmask.mask import Mask
 
 if TYPE_CHECKING:
     import numpy as np
 
-EMPTY, PARTIAL, FULL = 0, 1, 2
 """The codes :func:`block_classes` returns."""
 
 CLASS_NAMES = ("empty", "partial", "full")
@@ -67,19 +70,7 @@ def block_classes(block_mask: BlockMask, batch: int = 0, head: int = 0) -> np.nd
         )
     b = _broadcast_index(batch, block_mask.kv_num_blocks.shape[0], "batch")
     h = _broadcast_index(head, block_mask.kv_num_blocks.shape[1], "head")
-    q_len, kv_len = block_mask.seq_lengths
-    q_block, kv_block = block_mask.BLOCK_SIZE
-    num_q, num_kv = -(-q_len // q_block), -(-kv_len // kv_block)
-    classes = torch.zeros(num_q, num_kv, dtype=torch.int8)
-    pairs = [(block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL)]
-    if block_mask.full_kv_num_blocks is not None and block_mask.full_kv_indices is not None:
-        pairs.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL))
-    for num_blocks, indices, code in pairs:
-        count = num_blocks[b, h, :num_q].to("cpu", torch.int64)
-        index = indices[b, h, :num_q].to("cpu", torch.int64)
-        listed = torch.arange(index.shape[-1]) < count.unsqueeze(-1)  # first `count` entries
-        rows = torch.arange(num_q).unsqueeze(-1).expand_as(index)
-        classes[rows[listed], index[listed]] = code
+    classes = kv_codes(block_mask)[b, h].to("cpu")
     return classes.numpy()
 
 
@@ -147,8 +138,13 @@ def plot(
     except ImportError as err:
         raise ImportError("flexmask.plot needs matplotlib: pip install flexmask[plot]") from err
 
-    if isinstance(max_elements, bool) or not isinstance(max_elements, int) or max_elements < 1:
+    if (
+        isinstance(max_elements, bool)
+        or not isinstance(max_elements, numbers.Integral)  # numpy integers too
+        or max_elements < 1
+    ):
         raise ValueError(f"max_elements must be an int >= 1, got {max_elements!r}")
+    max_elements = int(max_elements)
     block_mask, label = _block_mask_of(mask_or_block_mask, Q_LEN, KV_LEN, B, H, BLOCK_SIZE)
     classes = block_classes(block_mask, batch, head)
     elements = _element_picture(block_mask, classes, batch, head, max_elements)
@@ -197,8 +193,9 @@ def plot(
 
 
 def _broadcast_index(index: int, size: int, name: str) -> int:
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+    if isinstance(index, bool) or not isinstance(index, numbers.Integral) or index < 0:
         raise ValueError(f"{name} must be an int >= 0, got {index!r}")
+    index = int(index)
     if size == 1:
         return 0  # broadcast, as flex_attention does
     if index >= size:
@@ -217,8 +214,6 @@ def _block_mask_of(
     BLOCK_SIZE: int | tuple[int, int],
 ) -> tuple[BlockMask, str]:
     """The BlockMask to draw and a label for the title."""
-    from flexmask.builder import create_block_mask
-
     if isinstance(obj, BlockMask):
         name = getattr(obj.mask_mod, "__name__", "mask_mod")
         return obj, f"BlockMask({name})"

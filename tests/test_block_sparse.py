@@ -31,7 +31,9 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
-from flexmask.block_sparse import block_sparse_attention
+import flexmask
+from flexmask import block_sparse_kernel as kernel
+from flexmask.block_sparse import _plan, block_sparse_attention, choose_backend
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
@@ -167,17 +169,41 @@ def grads(out, grad_out, inputs):
 
 
 def assert_matches_oracles(q, k, v, grad_out, block_mask, dense, atol, **kwargs):
+    """Output, gradients and lse of the sparse kernel (with an lse gradient too), and output
+    and gradients of the SDPA backend, against the dense oracles."""
     enable_gqa = q.size(1) != k.size(1)
     out, lse = block_sparse_attention(
         q, k, v, block_mask, enable_gqa=enable_gqa, return_lse=True, **kwargs
     )
     expected = sdpa_oracle(q, k, v, dense)
     torch.testing.assert_close(out, expected, atol=atol, rtol=0)
+    retained = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+    oracle = torch.autograd.grad(expected, (q, k, v), grad_out, retain_graph=True)
+    for got, want in zip(retained, oracle, strict=True):
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    expected_lse = lse_oracle(q, k, dense)
+    torch.testing.assert_close(lse, expected_lse, atol=atol, rtol=0)
+    # The lse is differentiable: a loss on both outputs, against the same loss on the oracles.
+    lse_weight = torch.randn(lse.shape, generator=torch.Generator().manual_seed(1), dtype=lse.dtype)
+
+    def loss(o, lse_):
+        return (o * grad_out).sum() + (lse_.masked_fill(lse_ == -math.inf, 0) * lse_weight).sum()
+
     for got, want in zip(
-        grads(out, grad_out, (q, k, v)), grads(expected, grad_out, (q, k, v)), strict=True
+        torch.autograd.grad(loss(out, lse), (q, k, v)),
+        torch.autograd.grad(loss(expected, expected_lse), (q, k, v), retain_graph=True),
+        strict=True,
     ):
         torch.testing.assert_close(got, want, atol=atol, rtol=0)
-    torch.testing.assert_close(lse, lse_oracle(q, k, dense), atol=atol, rtol=0)
+    kwargs.pop("backend", None)
+    by_sdpa = block_sparse_attention(
+        q, k, v, block_mask, enable_gqa=enable_gqa, backend="sdpa", **kwargs
+    )
+    torch.testing.assert_close(by_sdpa, expected, atol=atol, rtol=0)
+    for got, want in zip(
+        grads(by_sdpa, grad_out, (q, k, v)), grads(expected, grad_out, (q, k, v)), strict=True
+    ):
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
     return out, lse
 
 
@@ -406,7 +432,7 @@ def test_unlisted_blocks_are_skipped_even_where_mask_mod_allows():
 
 def test_kv_blocks_far_apart_are_gathered():
     """Columns that are not one contiguous run take the gather path instead of a slice."""
-    from flexmask.block_sparse import _chunks, _plan
+    from flexmask.block_sparse import _chunks
 
     def sink_and_recent(b, h, q_idx, kv_idx):  # attention sinks plus a causal local window
         return (kv_idx < 16) | ((q_idx >= kv_idx) & (q_idx - kv_idx < 16))
@@ -416,7 +442,10 @@ def test_kv_blocks_far_apart_are_gathered():
     )
     q, k, v, grad_out = random_qkv(2, 2, 2, 200, 200)
     plan = _plan(q, k, v, block_mask, None, None, False, "auto")
-    assert any(c.first_column is None for c in _chunks(plan, 1 << 22))
+    assert any(c.first_column is None for c in _chunks(plan, 1 << 22))  # score_mod path
+    layout = kernel.Layout(2, 2, 1, 200, 200, 16, 16, 1.0, torch.float64)
+    groups = kernel.make_groups(plan.kinds, layout, 1 << 22)
+    assert any(bool((g.columns.diff(dim=-1) > 1).any()) for g in groups)  # grouped kernel
     dense = create_mask(sink_and_recent, 2, 2, 200, 200, device="cpu")
     assert_matches_oracles(q, k, v, grad_out, block_mask, dense, atol=1e-10)
 
@@ -712,3 +741,83 @@ def test_mask_mod_must_return_bool():
     )
     with pytest.raises(TypeError, match="mask_mod must return a bool tensor"):
         block_sparse_attention(**arguments)
+
+
+# --- memory budget, backend choice, return_lse and B=0 ---------------------------------------
+
+
+@pytest.mark.parametrize("memory_budget", [0, 40_000, 1 << 30])
+def test_memory_budget_keeps_some_groups_and_rebuilds_the_rest(memory_budget):
+    case = next(c for c in CASES if c[0] == "document-gqa")
+    block_mask, dense, q, k, v, grad_out = build_case(case)
+    assert_matches_oracles(
+        q,
+        k,
+        v,
+        grad_out,
+        block_mask,
+        dense,
+        atol=1e-10,
+        memory_budget=memory_budget,
+        max_chunk_elements=20_000,
+    )
+
+
+def test_backend_choice_follows_density_and_size():
+    def choice(mask_mod, seq_len):
+        block_mask = create_block_mask(mask_mod, None, None, seq_len, seq_len, device="cpu")
+        q = k = v = torch.zeros(1, 1, seq_len, 8)
+        return choose_backend(_plan(q, k, v, block_mask, None, None, False, "auto"))
+
+    lengths = [40] * 51 + [2048 - 40 * 51]
+    assert choice(generate_doc_causal(document_ids(lengths)), 2048) == "sparse"
+    assert choice(causal, 2048) == "sdpa"  # half the blocks: SDPA's fused kernel wins
+    assert choice(generate_doc_causal(document_ids([10] * 20)), 200) == "sdpa"  # tiny
+
+
+@pytest.mark.parametrize("backend", ["auto", "sparse", "sdpa"])
+def test_every_backend_matches_the_oracle(backend):
+    """A dense mask (causal) and a sparse one, each through every backend, float32."""
+    for mask_mod in (causal, generate_doc_causal(document_ids([100, 300, 112]))):
+        block_mask = create_block_mask(mask_mod, None, None, 512, 512, device="cpu", BLOCK_SIZE=64)
+        q, k, v, grad_out = random_qkv(1, 2, 2, 512, 512, dtype=torch.float32)
+        dense = create_mask(mask_mod, 1, 2, 512, 512, device="cpu")
+        out = block_sparse_attention(q, k, v, block_mask, backend=backend)
+        expected = sdpa_oracle(q, k, v, dense)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+        for got, want in zip(
+            grads(out, grad_out, (q, k, v)), grads(expected, grad_out, (q, k, v)), strict=True
+        ):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_flexmask_flex_attention_returns_lse_like_torch():
+    """return_lse on the CPU path: torch's shape, dtype and values, -inf where nothing is seen."""
+    case = next(c for c in CASES if c[0] == "empty-rows")
+    block_mask, dense, q, k, v, _ = build_case(case)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            out, lse = flexmask.flex_attention(q, k, v, block_mask, return_lse=True, compile=False)
+        flex_out, flex_lse = flex_forward(q, k, v, block_mask)
+        assert lse.shape == flex_lse.shape and lse.dtype == flex_lse.dtype
+        torch.testing.assert_close(out, flex_out, atol=1e-10, rtol=0)
+        torch.testing.assert_close(lse, flex_lse, atol=1e-10, rtol=0)
+        torch.testing.assert_close(lse, lse_oracle(q, k, dense), atol=1e-10, rtol=0)
+        assert torch.isneginf(lse[~dense.any(-1)]).all()
+    low = flexmask.flex_attention(
+        *(t.detach().float() for t in (q, k, v)), block_mask, return_lse=True, compile=False
+    )[1]
+    assert low.dtype == torch.float32
+
+
+def test_batch_of_zero_gives_empty_results_like_torch():
+    block_mask = create_block_mask(causal, None, None, 100, 100, device="cpu", BLOCK_SIZE=32)
+    q, k, v, _ = random_qkv(0, 2, 2, 100, 100, dtype=torch.float32)
+    out, lse = flexmask.flex_attention(q, k, v, block_mask, return_lse=True)  # needs grad
+    flex_out, flex_lse = flex_forward(q, k, v, block_mask)
+    assert out.shape == flex_out.shape == (0, 2, 100, 10)
+    # torch 2.13 returns no lse at all for B=0 (None); an empty one keeps the tuple usable.
+    assert flex_lse is None or flex_lse.shape == (0, 2, 100)
+    assert lse.shape == (0, 2, 100) and lse.dtype == torch.float32
+    out.sum().backward()
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
-from flexmask.builder import classify_blocks, make_grid
+from flexmask.build.classify import classify_blocks
+from flexmask.build.grid import make_grid
 from tests import oracle
 from tests.strategies import expressions
 
@@ -153,14 +154,22 @@ def test_attn_gym_mask_mod_as_leaf():
     assert torch.equal(mask.to_dense(1, 1, 200, 200), expected.to_dense(1, 1, 200, 200))
 
 
-def test_rows_and_heads_independent_masks_are_broadcast_views():
-    mask = flexmask.causal() & flexmask.document([300, 212])
-    bm = flexmask.create_block_mask(mask, 8, 16, 512, 512, "cpu")
-    assert bm.kv_indices.shape == (8, 16, 4, 4)
-    assert bm.kv_indices.stride()[:2] == (0, 0)
-    per_row = flexmask.causal() & flexmask.padding([512, 300])
-    bm = flexmask.create_block_mask(per_row, 2, 4, 512, 512, "cpu")
-    assert bm.kv_indices.stride(0) != 0 and bm.kv_indices.stride(1) == 0
+def test_rows_and_heads_are_whole_tensors_of_their_own():
+    # Drop-in: torch's tensors are (B, H, ...) contiguous; an in-place edit of one row and
+    # head changes that one entry only, also where the mask ignores rows and heads.
+    for mask in (
+        flexmask.causal() & flexmask.document([300, 212]),
+        flexmask.causal() & flexmask.padding([512, 300]),
+        flexmask.tree([-1, 0, 1, 0, 3]) | flexmask.prefix(100),
+    ):
+        bm = flexmask.create_block_mask(mask, 2, 4, 512, 512, "cpu")
+        for name in oracle.BLOCK_FIELDS:
+            tensor = getattr(bm, name)
+            assert tensor.shape[:2] == (2, 4) and tensor.is_contiguous(), name
+            before = tensor.clone()
+            tensor[1, 2, 0] = 7 if tensor.dim() == 3 else tensor[1, 2, 0].flip(0)
+            changed = (tensor != before).reshape(2, 4, -1).any(-1)
+            assert changed.sum() <= 1 and not changed[0].any(), name
 
 
 def test_refinement_touches_only_undecided_tiles():

@@ -183,11 +183,11 @@ def test_int_validation_builds_what_torch_builds(cache):
     [
         ({"cache": "x"}, TypeError, "cache must be a flexmask.MaskCache"),
         ({"cache": {}}, TypeError, "cache must be a flexmask.MaskCache"),
-        ({"device": "bogus"}, ValueError, "device must be a torch.device or its name"),
-        ({"device": 1.5}, TypeError, "device must be a torch.device"),
+        ({"device": "bogus"}, ValueError, "device must be a torch device or its name"),
+        ({"device": 1.5}, ValueError, "device must be a torch device or its name"),
         ({"B": 0}, ValueError, "B must be >= 1"),
         ({"H": "2"}, TypeError, "H must be an int"),
-        ({"Q_LEN": 0}, ValueError, "Q_LEN must be >= 1"),
+        ({"Q_LEN": -1}, ValueError, "Q_LEN must be >= 0"),
         ({"KV_LEN": 2.0}, TypeError, "KV_LEN must be an int"),
         ({"BLOCK_SIZE": (64,)}, ValueError, "BLOCK_SIZE must be an int or a"),
         ({"BLOCK_SIZE": 0}, ValueError, "BLOCK_SIZE must be >= 1"),
@@ -242,5 +242,5 @@ def test_dataloader_worker_touches_no_device():
 def test_collator_rejects_a_bad_device_at_construction():
     from flexmask.packing import PackingCollator
 
-    with pytest.raises(ValueError, match="device must be a torch.device or its name"):
+    with pytest.raises(ValueError, match="device must be a torch device or its name"):
         PackingCollator(max_len=8, device="gpu0")

@@ -518,7 +518,7 @@ def test_packed_and_tree_packed_match_one_sequence_at_a_time(sequences, block_si
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     for got in (packed_grads, tree_grads):
         for a, b in zip(got, expected_grads, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)  # fp32 sums of 10+ terms
 
     # The packed labels are exactly the targets of those log-probs, position by position.
     by_label = logits.detach().log_softmax(-1).gather(-1, batch.labels.clamp(min=0)[..., None])

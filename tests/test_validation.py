@@ -11,7 +11,7 @@ import flexmask
 @pytest.mark.parametrize(
     "make, error, match",
     [
-        (lambda: flexmask.document([3, 0, 2]), ValueError, r"seq_lens\[1\] must be a positive"),
+        (lambda: flexmask.document([3, -2, 2]), ValueError, r"seq_lens\[1\] must be a document"),
         (lambda: flexmask.document([3, -1]), ValueError, r"seq_lens\[1\]"),
         (lambda: flexmask.document([]), ValueError, "at least one document"),
         (lambda: flexmask.document([[2], []]), ValueError, r"seq_lens\[1\].*at least one"),
@@ -20,11 +20,12 @@ import flexmask
         (lambda: flexmask.document([True, 2]), TypeError, r"seq_lens\[0\]"),
         (lambda: flexmask.document(torch.ones(2, 2, 2, dtype=torch.long)), ValueError, "1-D"),
         (lambda: flexmask.document("abc"), TypeError, "seq_lens"),
-        (lambda: flexmask.padding(0), ValueError, "lengths must be >= 1"),
-        (lambda: flexmask.padding([3, 0]), ValueError, r"lengths\[1\] must be >= 1"),
+        (lambda: flexmask.padding(-1), ValueError, "lengths must be >= 0"),
+        (lambda: flexmask.padding([3, -1]), ValueError, r"lengths\[1\] must be >= 0"),
         (lambda: flexmask.padding(2.0), TypeError, "lengths"),
-        (lambda: flexmask.prefix(-2), ValueError, "length must be >= 1"),
-        (lambda: flexmask.sliding_window(0), ValueError, "size must be >= 1"),
+        (lambda: flexmask.prefix(-2), ValueError, "length must be >= 0"),
+        (lambda: flexmask.sliding_window(-1), ValueError, "size must be >= 0"),
+        (lambda: flexmask.sliding_window(2**63), ValueError, "size must fit in a signed 64-bit"),
         (lambda: flexmask.tree([]), ValueError, "at least one token"),
         (lambda: flexmask.tree([-1, 1]), ValueError, r"parents\[1\]=1 is not a valid parent"),
         (lambda: flexmask.tree([-1, 0, 5]), ValueError, r"parents\[2\]=5"),
@@ -54,8 +55,9 @@ def test_bad_pieces(make, error, match):
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(Q_LEN=0), ValueError, "Q_LEN must be >= 1"),
-        (dict(KV_LEN=-5), ValueError, "KV_LEN must be >= 1"),
+        (dict(Q_LEN=-1), ValueError, "Q_LEN must be >= 0"),
+        (dict(KV_LEN=-5), ValueError, "KV_LEN must be >= 0"),
+        (dict(Q_LEN=2**63), ValueError, "Q_LEN must fit in a signed 64-bit"),
         (dict(Q_LEN=10.0), TypeError, "Q_LEN must be an int"),
         (dict(B=0), ValueError, "B must be >= 1"),
         (dict(H="2"), TypeError, "H must be an int"),

@@ -5,19 +5,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.blocks import BlockGrid
-from flexmask.mask import Mask
+from flexmask.mask import Extent, Mask, MaskModFn
 
 
 class Piece(Mask):
     """A leaf of the mask algebra. Subclasses set ``_key``, ``_rows``, ``_device``, ``_natural``."""
 
-    __slots__ = ("_key", "_rows", "_device", "_natural")
+    __slots__ = ("_key", "_rows", "_device", "_natural", "_placed")
     _arg = "the mask's data"
     _interval_shape: str | None = None
-    """What the piece's ``_intervals`` promise (see ``flexmask.ranges``): None — no intervals;
-    "monotone" — one interval per query, monotone; "from_zero" — monotone, non-empty and
-    starting at key 0 (so ``|``-unions of such pieces are intervals too)."""
+    """What the piece's ``_intervals`` promise (``flexmask.build.closed_form``): None — none;
+    "monotone" — one interval per query, monotone; "from_zero" — monotone and starting at
+    key 0, possibly empty as ``[0, -1]`` (so ``|``-unions of such pieces are intervals too:
+    ``[0, max hi]``)."""
 
     def __init__(
         self,
@@ -30,6 +30,29 @@ class Piece(Mask):
         self._rows = rows
         self._device = device
         self._natural = natural
+        self._placed: dict[tuple[str, torch.device], Tensor] = {}
+
+    def _on(self, name: str, device: torch.device) -> Tensor:
+        """The piece's tensor ``name`` on ``device``, moved there once (the device seam): a
+        build on an accelerator copies each piece's data once, not at every lookup."""
+        tensor: Tensor = getattr(self, name)
+        device = torch.device(device)
+        if tensor.device == device:
+            return tensor
+        placed = self._placed.get((name, device))
+        if placed is None:
+            placed = self._placed[(name, device)] = tensor.to(device)
+        return placed
+
+    def __getstate__(self) -> dict[str, object]:
+        # The copies on devices are a cache of this process: never pickled.
+        slots = [n for cls in type(self).__mro__ for n in getattr(cls, "__slots__", ())]
+        return {n: getattr(self, n) for n in slots if n != "_placed" and hasattr(self, n)}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self._placed = {}
 
     def _has_intervals(self) -> bool:
         return self._interval_shape is not None
@@ -56,16 +79,16 @@ class Piece(Mask):
     def natural_length(self) -> int:
         return self._natural
 
-    def _check(self, grid: BlockGrid) -> None:
-        if self._rows is not None and self._rows != grid.batch:
+    def _check(self, extent: Extent) -> None:
+        if self._rows is not None and self._rows != extent.batch:
             raise ValueError(
-                f"{self._arg} is given for {self._rows} batch rows but B={grid.batch}: pass one "
+                f"{self._arg} is given for {self._rows} batch rows but B={extent.batch}: pass one "
                 f"value per row, or a single value shared by every row"
             )
-        if self._device is not None and _device_key(self._device) != _device_key(grid.device):
+        if self._device is not None and _device_key(self._device) != _device_key(extent.device):
             raise ValueError(
-                f"{self._arg} lives on {self._device} but the mask is built on {grid.device}: "
-                f"pass device={str(self._device)!r} or move the input to {grid.device}"
+                f"{self._arg} lives on {self._device} but the mask is built on {extent.device}: "
+                f"pass device={str(self._device)!r} or move the input to {extent.device}"
             )
 
 
@@ -81,6 +104,28 @@ def _device_key(device: torch.device) -> tuple[str, int]:
     return device.type, index or 0
 
 
-def per_row_view(values: Tensor, per_row: bool, device: torch.device) -> Tensor:
+def per_row_view(values: Tensor, per_row: bool) -> Tensor:
     """(R, 1, 1, 1) view of per-row values for block classification."""
-    return values.to(device).view(-1, 1, 1, 1) if per_row else values.to(device).view(1, 1, 1, 1)
+    return values.view(-1, 1, 1, 1) if per_row else values.view(1, 1, 1, 1)
+
+
+class PieceMod(MaskModFn):
+    """A piece's mask_mod. Its data is given per batch row (``per_row``: tables indexed by
+    ``b`` first) or shared by every row (0-d values, 1-d tables); the two helpers pick, so
+    each piece writes its predicate once."""
+
+    __slots__ = ("per_row",)
+
+    def __init__(self, per_row: bool = False) -> None:
+        self.per_row = per_row
+
+    def _fields(self) -> list[str]:
+        return [f for f in super()._fields() if self.per_row or f != "per_row=False"]
+
+    def _value(self, values: Tensor, b: Tensor) -> Tensor:
+        """Row b's value: ``values`` is (R,) per row, 0-d when shared."""
+        return values[b] if self.per_row else values
+
+    def _lookup(self, table: Tensor, b: Tensor, idx: Tensor) -> Tensor:
+        """Row b's table entry at idx: ``table`` is (R, n) per row, (n,) when shared."""
+        return table[b, idx] if self.per_row else table[idx]

@@ -8,18 +8,25 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import scalar_or_rows, source_device
-from flexmask.blocks import BlockGrid
+from flexmask.build.grid import BlockGrid
+from flexmask.mask import Extent
 from flexmask.pieces._base import Piece, per_row_view
 
 
 class RowValuePiece(Piece):
-    """Holds ``values``: int64 of shape (R,) with ``per_row``, else shape (1,)."""
+    """Holds ``values``: int64 of shape (R,) with ``per_row``, else shape (1,).
+
+    Values are ints >= 0 (0 is well defined for every such piece: it attends nothing, or
+    nothing beyond another piece) that fit in int64. With ``_limit_by_length`` a value past
+    the sequence is refused when the mask is built; without it, such a value means "the
+    whole sequence" and is clamped to it wherever arithmetic is done on it.
+    """
 
     __slots__ = ("values", "per_row")
     _kind = ""
     _limit_by_length = True  # a value larger than the sequence is a caller's mistake
 
-    def __init__(self, value: Any, name: str, minimum: int = 1) -> None:
+    def __init__(self, value: Any, name: str, minimum: int = 0) -> None:
         values, per_row = scalar_or_rows(value, name, minimum=minimum)
         self.values = values
         self.per_row = per_row
@@ -36,27 +43,32 @@ class RowValuePiece(Piece):
     def carries_batch_data(self) -> bool:
         return self.per_row  # one value per row describes this batch; one for all is static
 
-    def _check(self, grid: BlockGrid) -> None:
-        super()._check(grid)
-        if self._limit_by_length and int(self.values.max()) > grid.length:
+    def _check(self, extent: Extent) -> None:
+        super()._check(extent)
+        if self._limit_by_length and int(self.values.max()) > extent.length:
             raise ValueError(
                 f"{self._arg} must be at most the sequence length max(Q_LEN, KV_LEN)="
-                f"{grid.length}, got {int(self.values.max())}"
+                f"{extent.length}, got {int(self.values.max())}"
             )
 
     def _row_values(self, grid: BlockGrid) -> Tensor:
         """(R, 1, 1, 1) values on the grid's device, for block classification."""
-        return per_row_view(self.values, self.per_row, grid.device)
+        return per_row_view(self._on("values", grid.device), self.per_row)
 
     def _at_rows(self, row: Tensor, grid: BlockGrid) -> Tensor:
-        """(k, 1) values for the given (k, 1) batch rows."""
-        values = self.values.to(grid.device)
+        """(k, 1) values for the given (k, 1) batch rows, clamped to the sequence length.
+
+        A value >= ``grid.length`` already covers every position (no distance or index in
+        the grid reaches it), so the clamp changes no mask; it keeps interval arithmetic such
+        as ``q_idx - size + 1`` far from int64 overflow for sizes up to ``2**63 - 1``.
+        """
+        values = self._on("values", grid.device).clamp(max=grid.length)
         return values[row] if self.per_row else values[0].expand_as(row)
 
     def _captured(self, device: torch.device) -> Tensor:
         """What the mask_mod captures: 0-d (shared) or (R,) (per row); never a Python int,
         so new values of the same shape do not recompile."""
-        values = self.values.to(device)
+        values = self._on("values", device)
         return values if self.per_row else values[0]
 
     def __repr__(self) -> str:

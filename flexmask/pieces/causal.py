@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.blocks import BlockGrid, codes_from
+from flexmask.build.codes import codes_from
+from flexmask.build.grid import BlockGrid
 from flexmask.mask import Intervals, Lowered
-from flexmask.pieces._base import Piece
+from flexmask.pieces._base import Piece, PieceMod
 
 
 class Causal(Piece):
@@ -31,16 +32,24 @@ class Causal(Piece):
         return codes_from(grid.kv_first <= grid.q_last, grid.kv_last <= grid.q_first)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return q_idx >= kv_idx
-
-        return Lowered(causal, causal)
+        mod = CausalMod()
+        return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         return Intervals(torch.zeros_like(q_idx), q_idx)
 
     def __repr__(self) -> str:
         return "causal()"
+
+
+class CausalMod(PieceMod):
+    """causal's mask_mod: ``q_idx >= kv_idx``."""
+
+    __slots__ = ()
+    _name = "causal"
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return q_idx >= kv_idx
 
 
 def causal() -> Causal:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.blocks import EMPTY, FULL, BlockGrid, constant_codes
+from flexmask.build.codes import EMPTY, FULL, constant_codes
+from flexmask.build.grid import BlockGrid
 from flexmask.mask import Intervals, Lowered
-from flexmask.pieces._base import Piece
+from flexmask.pieces._base import Piece, PieceMod
 
 
 class Full(Piece):
@@ -30,14 +31,12 @@ class Full(Piece):
         return constant_codes(FULL, grid.device)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        def full_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return (q_idx >= 0) & (kv_idx >= 0)
-
-        return Lowered(full_mask, full_mask)
+        mod = FullMod()
+        return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         lo = torch.zeros_like(q_idx)
-        return Intervals(lo, lo + grid.kv_len)
+        return Intervals(lo, lo + grid.kv_end)
 
     def __repr__(self) -> str:
         return "full()"
@@ -63,10 +62,8 @@ class Empty(Piece):
         return constant_codes(EMPTY, grid.device)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        def empty_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return (q_idx < 0) & (kv_idx < 0)
-
-        return Lowered(empty_mask, empty_mask)
+        mod = EmptyMod()
+        return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         hi = torch.zeros_like(q_idx)
@@ -74,6 +71,26 @@ class Empty(Piece):
 
     def __repr__(self) -> str:
         return "empty()"
+
+
+class FullMod(PieceMod):
+    """full's mask_mod: true at every (in-range) index."""
+
+    __slots__ = ()
+    _name = "full"
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx >= 0) & (kv_idx >= 0)
+
+
+class EmptyMod(PieceMod):
+    """empty's mask_mod: false everywhere."""
+
+    __slots__ = ()
+    _name = "empty"
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx < 0) & (kv_idx < 0)
 
 
 def full() -> Full:

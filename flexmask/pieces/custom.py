@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import marshal
+import types
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from flexmask.blocks import UNDECIDED, BlockGrid, constant_codes
-from flexmask.mask import Lowered, MaskMod
+from flexmask.build.codes import UNDECIDED, constant_codes
+from flexmask.build.grid import BlockGrid
+from flexmask.mask import Lowered, MaskMod, MaskModFn
 from flexmask.pieces._base import Piece
 
 
@@ -39,30 +44,72 @@ class FromMaskMod(Piece):
         return constant_codes(UNDECIDED, grid.device)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        return Lowered(self.fn, _vmapped(self.fn))
+        return Lowered(self.fn, VmappedMod(self.fn))
 
     def __repr__(self) -> str:
         return f"from_mask_mod({getattr(self.fn, '__name__', 'fn')}, key={self._key[1]!r})"
 
 
-def _vmapped(fn: MaskMod) -> MaskMod:
+class VmappedMod(MaskModFn):
     """Evaluates a scalar-style mask_mod on broadcasting index tensors, as torch's create_mask
     does: one vmap over the flattened broadcast, with tensor indexing turned into index ops."""
-    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 
-    def evaluate(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    __slots__ = ("fn",)
+    _name = "vmapped"
+
+    def __init__(self, fn: MaskMod) -> None:
+        self.fn = fn
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
         shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
         flat = [t.expand(shape).reshape(-1) for t in (b, h, q_idx, kv_idx)]
         with TransformGetItemToIndex():
-            out = torch.vmap(fn)(*flat)
+            out = torch.vmap(self.fn)(*flat)
         if out.dtype != torch.bool:
             raise TypeError(
-                f"mask_mod {getattr(fn, '__name__', fn)!r} must return a bool tensor, "
+                f"mask_mod {getattr(self.fn, '__name__', self.fn)!r} must return a bool tensor, "
                 f"got dtype {out.dtype}"
             )
         return out.view(shape)
 
-    return evaluate
+    def __repr__(self) -> str:
+        return f"vmapped({getattr(self.fn, '__name__', self.fn)})"
+
+
+# What a default value may be for the function to name itself: immutable values marshal
+# writes in full. A tensor, list or object default can change in place, unseen.
+_FIXED_TYPES = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _is_fixed(value: object) -> bool:
+    if isinstance(value, (tuple, frozenset)):
+        return all(_is_fixed(v) for v in value)
+    return type(value) in _FIXED_TYPES
+
+
+def _code_key(fn: Callable[..., Any]) -> tuple | None:
+    """The key of a module-level function, from everything about it that can change: its
+    code object (bytecode, constants, names, nested code, file and line) and its defaults.
+    None when something it depends on is not provably fixed (captured cells, a lambda or a
+    nested function, a callable without code, a mutable default)."""
+    code = getattr(fn, "__code__", None)
+    qualname = getattr(fn, "__qualname__", "<lambda>")
+    if not isinstance(code, types.CodeType) or getattr(fn, "__closure__", None):
+        return None
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        return None
+    defaults = (getattr(fn, "__defaults__", None), getattr(fn, "__kwdefaults__", None))
+    kwdefaults = tuple(sorted((defaults[1] or {}).items()))
+    if not _is_fixed(defaults[0] or ()) or not _is_fixed(kwdefaults):
+        return None
+    # marshal version 0: no back-references or interning flags, whose bytes depend on
+    # reference counts, so one function always gives one digest.
+    h = hashlib.blake2b(digest_size=16)
+    h.update(marshal.dumps(code, 0))
+    h.update(marshal.dumps((defaults[0], kwdefaults), 0))
+    return ("fn", fn.__module__, qualname, h.hexdigest())
 
 
 def from_mask_mod(
@@ -83,8 +130,13 @@ def from_mask_mod(
         key: a hashable content key: two leaves with equal keys must be the same mask (it is
             what the BlockMask cache is keyed on). Give the data the closure captures, e.g.
             ``key=("my_doc_mask", tuple(offsets.tolist()))``. May be omitted only for a
-            module-level function with no captured data (not a lambda or nested function):
-            its module and qualified name are the key.
+            module-level function with no captured data (not a lambda or nested function)
+            whose defaults, if any, are immutable values (numbers, strings, None, tuples of
+            these). Its key is then its module, qualified name and a digest of its code
+            object (bytecode, constants, names, nested code, file and line) and defaults, so
+            a function redefined with a new body (a notebook cell run again) is a new mask.
+            What the key cannot see: module globals and other functions the body reads. If
+            those change, pass a key that names them.
         batch_dependent: False if ``fn`` never reads ``b``: it is then evaluated for one row
             and broadcast. The default assumes it may, which is always correct.
         head_dependent: False if ``fn`` never reads ``h`` (likewise evaluated once).
@@ -99,20 +151,15 @@ def from_mask_mod(
     if not callable(fn):
         raise TypeError(f"fn must be a mask_mod callable, got {type(fn).__name__}")
     if key is None:
-        closure = getattr(fn, "__closure__", None)
-        has_defaults = bool(getattr(fn, "__defaults__", None))
-        qualname = getattr(fn, "__qualname__", "<lambda>")
-        anonymous = "<lambda>" in qualname or "<locals>" in qualname
-        if not hasattr(fn, "__code__") or closure or has_defaults or anonymous:
+        key = _code_key(fn)
+        if key is None:
             raise TypeError(
                 f"from_mask_mod({getattr(fn, '__name__', fn)!r}) needs key=...: only a "
-                f"module-level function without captured data names itself; a closure's "
-                f"identity is not a "
-                f"content key (caches keyed "
-                f"on closures never hit, or return stale masks). Pass e.g. "
+                f"module-level function without captured data, whose defaults (if any) are "
+                f"immutable values, names itself; a closure's identity is not a content key "
+                f"(caches keyed on closures never hit, or return stale masks). Pass e.g. "
                 f"key=('name', tuple_of_the_captured_values)."
             )
-        key = ("fn", fn.__module__, fn.__qualname__)
     try:
         hash(key)
     except TypeError as err:

@@ -7,10 +7,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask._validate import digest, int_vector, is_nested, source_device
-from flexmask.blocks import BlockGrid, codes_from
-from flexmask.mask import Intervals, Lowered
-from flexmask.pieces._base import Piece
+from flexmask._validate import checked_sum, digest, int_vector, is_nested, source_device
+from flexmask.build.codes import codes_from
+from flexmask.build.grid import BlockGrid
+from flexmask.mask import Extent, Intervals, Lowered
+from flexmask.pieces._base import Piece, PieceMod
 
 _PAST = 1 << 62  # pads document starts and ends: past every position
 
@@ -44,7 +45,11 @@ class Document(Piece):
             for i, r in enumerate(rows_in)
         ]
         self.per_row = per_row
-        self._totals = [int(r.sum()) for r in self.seq_lens]
+        # Summed in Python ints before any int64 cumsum can wrap.
+        self._totals = [
+            checked_sum(r, f"seq_lens[{i}]" if per_row else "seq_lens")
+            for i, r in enumerate(self.seq_lens)
+        ]
         # Each row's document starts and ends (R, max documents), padded past every
         # position (never a match), and document counts (R,): what every lookup needs.
         self._ends = torch.nn.utils.rnn.pad_sequence(
@@ -66,20 +71,20 @@ class Document(Piece):
             natural=natural,
         )
 
-    def _check(self, grid: BlockGrid) -> None:
-        super()._check(grid)
+    def _check(self, extent: Extent) -> None:
+        super()._check(extent)
         for i, total in enumerate(self._totals):
-            if total > grid.length:
+            if total > extent.length:
                 where = f"seq_lens[{i}]" if self.per_row else "seq_lens"
                 raise ValueError(
                     f"sum({where})={total} is larger than the sequence length "
-                    f"max(Q_LEN, KV_LEN)={grid.length}: documents must fit in the sequence"
+                    f"max(Q_LEN, KV_LEN)={extent.length}: documents must fit in the sequence"
                 )
 
     def _classify(self, grid: BlockGrid) -> Tensor:
         device = grid.device
-        num_docs = self._num_docs.to(device)
-        ends = self._ends.to(device)
+        num_docs = self._on("_num_docs", device)
+        ends = self._on("_ends", device)
         # Document of a token: the first document whose end lies after it. Only tile edges are
         # looked up (4 x blocks), never every token. Tokens past the data get id num_docs.
         edges = torch.cat(
@@ -113,26 +118,14 @@ class Document(Piece):
         # int32 ids, -1 past the documents; sized by the sequence length, never by the number
         # of documents, so a compiled kernel sees one shape for every batch of this length.
         doc_id = self._doc_ids(length, device)
-        last = length  # index of the trailing sentinel entry (-1: no document)
-        if self.per_row:
-
-            def document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                q_doc = doc_id[b, q_idx.clamp(max=last)]
-                return (q_doc == doc_id[b, kv_idx.clamp(max=last)]) & (q_doc >= 0)
-        else:
-            doc_id_1d = doc_id[0]
-
-            def document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                q_doc = doc_id_1d[q_idx.clamp(max=last)]
-                return (q_doc == doc_id_1d[kv_idx.clamp(max=last)]) & (q_doc >= 0)
-
-        return Lowered(document, document)
+        mod = DocumentMod(doc_id if self.per_row else doc_id[0], self.per_row)
+        return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         # Only the queried positions: the document of each is one search among its row's
         # document ends; past the documents, the empty interval [1, 0].
-        starts, ends = self._starts.to(grid.device), self._ends.to(grid.device)
-        num_docs = self._num_docs.to(grid.device)
+        starts, ends = self._on("_starts", grid.device), self._on("_ends", grid.device)
+        num_docs = self._on("_num_docs", grid.device)
         lookup_row = row.view(-1) if self.per_row else torch.zeros_like(row.view(-1))
         row_ends = ends[lookup_row]
         doc = torch.searchsorted(row_ends, q_idx.contiguous(), right=True)
@@ -145,8 +138,8 @@ class Document(Piece):
     def _doc_ids(self, length: int, device: torch.device) -> Tensor:
         """Document index of positions 0..length, -1 past the documents: (R, length + 1)
         int32, one cumsum over end markers (O(length)), no search."""
-        ends = self._ends.to(device).clamp(max=length)
-        num_docs = self._num_docs.to(device).view(-1, 1)
+        ends = self._on("_ends", device).clamp(max=length)
+        num_docs = self._on("_num_docs", device).view(-1, 1)
         # +1 at each document's end, except the last one's, where the count drops from
         # (documents - 1) to -1. Padding entries add 0.
         d = torch.arange(ends.shape[1], device=device)
@@ -161,17 +154,37 @@ class Document(Piece):
         return f"document({self.seq_lens[0].tolist()})"
 
 
+class DocumentMod(PieceMod):
+    """document's mask_mod: q and kv have the same document id, and q has one.
+
+    ``doc_id`` is int32 ``(R, length + 1)`` per row, ``(length + 1,)`` shared; its last entry
+    is a -1 sentinel that indices past the lookup are clamped onto.
+    """
+
+    __slots__ = ("doc_id",)
+    _name = "document"
+
+    def __init__(self, doc_id: Tensor, per_row: bool) -> None:
+        super().__init__(per_row)
+        self.doc_id = doc_id
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        last = self.doc_id.shape[-1] - 1
+        q_doc = self._lookup(self.doc_id, b, q_idx.clamp(max=last))
+        return (q_doc == self._lookup(self.doc_id, b, kv_idx.clamp(max=last))) & (q_doc >= 0)
+
+
 def _check_lens(value: Any, name: str) -> Tensor:
     lens = int_vector(value, name)
     if lens.numel() == 0:
-        raise ValueError(f"{name} must list at least one document length, got an empty list")
-    bad = (lens <= 0).nonzero()
+        raise ValueError(
+            f"{name} must list at least one document length, got an empty list (a row with "
+            f"no documents is [0])"
+        )
+    bad = (lens < 0).nonzero()
     if bad.numel():
         i = int(bad[0, 0])
-        raise ValueError(
-            f"{name}[{i}] must be a positive document length, got {int(lens[i])} "
-            f"(drop empty documents before building the mask)"
-        )
+        raise ValueError(f"{name}[{i}] must be a document length >= 0, got {int(lens[i])}")
     return lens
 
 
@@ -183,11 +196,14 @@ def document(seq_lens: Any) -> Document:
     packed-sequence mask.
 
     Args:
-        seq_lens: positive document lengths — one list (or 1-D integer tensor) for every batch
-            row, or a list of lists (or a 2-D tensor) with one list per row.
+        seq_lens: document lengths >= 0 — one list (or 1-D integer tensor or array) for every
+            batch row, or a list of lists (or a 2-D tensor or array, or a list of 1-D ones)
+            with one list per row. A length of 0 is an empty sample: it holds no token and
+            changes nothing else.
 
     Raises:
-        ValueError: an empty list, a length <= 0, or (when built) a sum larger than the sequence.
+        ValueError: an empty list, a negative length, a sum that does not fit in int64, or
+            (when built) a sum larger than the sequence; each names the ``seq_lens`` entry.
         TypeError: non-integer lengths.
 
     Example:

@@ -7,8 +7,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.blocks import BlockGrid, codes_from
+from flexmask.build.codes import codes_from
+from flexmask.build.grid import BlockGrid
 from flexmask.mask import Intervals, Lowered
+from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
 
 
@@ -40,18 +42,8 @@ class Padding(RowValuePiece):
         return codes_from(nonempty, full)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        lengths = self._captured(device)
-        if self.per_row:
-
-            def padding(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                row_len = lengths[b]
-                return (q_idx < row_len) & (kv_idx < row_len)
-        else:
-
-            def padding(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return (q_idx < lengths) & (kv_idx < lengths)
-
-        return Lowered(padding, padding)
+        mod = PaddingMod(self._captured(device), self.per_row)
+        return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         row_len = self._at_rows(row, grid)
@@ -62,12 +54,34 @@ class Padding(RowValuePiece):
         return Intervals(lo, hi)
 
 
+class PaddingMod(PieceMod):
+    """padding's mask_mod: ``q_idx < lengths[b] and kv_idx < lengths[b]``."""
+
+    __slots__ = ("lengths",)
+    _name = "padding"
+
+    def __init__(self, lengths: Tensor, per_row: bool) -> None:
+        super().__init__(per_row)
+        self.lengths = lengths
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        row_len = self._value(self.lengths, b)
+        return (q_idx < row_len) & (kv_idx < row_len)
+
+
 def padding(lengths: Any) -> Padding:
     """Mask out padding: tokens at or after ``lengths[b]`` neither attend nor are attended.
 
     Args:
-        lengths: real length >= 1 (at most the sequence length) of each batch row, or one int
-            for every row.
+        lengths: real length of each batch row, or one int for every row: from 0 (a fully
+            padded row, which attends nothing) to the sequence length. A length past the
+            sequence is refused when the mask is built, since it describes tokens that are
+            not there (most likely lengths of another batch).
+
+    Raises:
+        ValueError: a negative length or one that does not fit in int64; when built, a
+            length larger than ``max(Q_LEN, KV_LEN)``, naming ``lengths``.
+        TypeError: a length that is not an integer.
 
     Example:
         >>> import flexmask

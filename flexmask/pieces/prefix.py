@@ -7,8 +7,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.blocks import BlockGrid, codes_from
+from flexmask.build.codes import codes_from
+from flexmask.build.grid import BlockGrid
 from flexmask.mask import Intervals, Lowered
+from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
 
 
@@ -27,27 +29,35 @@ class Prefix(RowValuePiece):
     _interval_shape = "from_zero"
     _arg = "length"
     _kind = "prefix"
+    _limit_by_length = False  # a prefix past the sequence covers all of it: full attention
 
     def _classify(self, grid: BlockGrid) -> Tensor:
         length = self._row_values(grid)
         return codes_from(grid.kv_first < length, grid.kv_last < length)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        prefix_len = self._captured(device)
-        if self.per_row:
-
-            def prefix(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return kv_idx < prefix_len[b]
-        else:
-
-            def prefix(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return kv_idx < prefix_len
-
-        return Lowered(prefix, prefix)
+        mod = PrefixMod(self._captured(device), self.per_row)
+        return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+        # [0, length - 1]: for length 0 the empty [0, -1], still starting at key 0, so a
+        # union with causal or full stays exact (causal() | prefix(0) is causal).
         hi = (self._at_rows(row, grid) - 1).expand_as(q_idx)
         return Intervals(torch.zeros_like(q_idx), hi)
+
+
+class PrefixMod(PieceMod):
+    """prefix's mask_mod: ``kv_idx < length[b]``."""
+
+    __slots__ = ("length",)
+    _name = "prefix"
+
+    def __init__(self, length: Tensor, per_row: bool) -> None:
+        super().__init__(per_row)
+        self.length = length
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return kv_idx < self._value(self.length, b)
 
 
 def prefix(length: Any) -> Prefix:
@@ -56,7 +66,13 @@ def prefix(length: Any) -> Prefix:
     ``causal() | prefix(n)`` is a prefix-LM: bidirectional over the first n tokens, causal after.
 
     Args:
-        length: prefix length >= 1 (at most the sequence length), one int or one per batch row.
+        length: prefix length >= 0, one int or one per batch row. 0 attends nothing
+            (``causal() | prefix(0)`` is causal); a prefix at least the sequence length
+            covers every key (full attention), up to ``2**63 - 1``.
+
+    Raises:
+        ValueError: a negative length, or one that does not fit in int64.
+        TypeError: a length that is not an integer.
 
     Example:
         >>> import flexmask

@@ -7,8 +7,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.blocks import BlockGrid, codes_from
+from flexmask.build.codes import codes_from
+from flexmask.build.grid import BlockGrid
 from flexmask.mask import Intervals, Lowered
+from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
 
 
@@ -39,21 +41,31 @@ class SlidingWindow(RowValuePiece):
         return codes_from(nearest < size, farthest < size)
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
-        size = self._captured(device)
-        if self.per_row:
-
-            def sliding_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return (q_idx - kv_idx).abs() < size[b]
-        else:
-
-            def sliding_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return (q_idx - kv_idx).abs() < size
-
-        return Lowered(sliding_window, sliding_window)
+        mod = SlidingWindowMod(self._captured(device), self.per_row)
+        return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
-        size = self._at_rows(row, grid)
-        return Intervals(q_idx - size + 1, q_idx + size - 1)
+        size = self._at_rows(row, grid)  # clamped to the sequence: no overflow below
+        # A window of 0 attends nothing: the explicit empty interval [1, 0], not
+        # [q + 1, q - 1], whose lo > q would break the closed form's lo(q) <= q.
+        some = size > 0
+        lo = torch.where(some, q_idx - size + 1, 1)
+        hi = torch.where(some, q_idx + size - 1, 0)
+        return Intervals(lo, hi)
+
+
+class SlidingWindowMod(PieceMod):
+    """sliding_window's mask_mod: ``|q_idx - kv_idx| < size[b]``."""
+
+    __slots__ = ("size",)
+    _name = "sliding_window"
+
+    def __init__(self, size: Tensor, per_row: bool) -> None:
+        super().__init__(per_row)
+        self.size = size
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx - kv_idx).abs() < self._value(self.size, b)
 
 
 def sliding_window(size: Any) -> SlidingWindow:
@@ -62,7 +74,13 @@ def sliding_window(size: Any) -> SlidingWindow:
     Combine with ``causal()`` for causal local attention.
 
     Args:
-        size: window size >= 1, one int for every row or a list with one per batch row.
+        size: window size >= 0, one int for every row or a list with one per batch row.
+            0 attends nothing; a window at least the sequence length is full attention
+            (any size up to ``2**63 - 1``, e.g. ``sys.maxsize`` for "no window").
+
+    Raises:
+        ValueError: a negative size, or one that does not fit in int64.
+        TypeError: a size that is not an integer.
 
     Example:
         >>> import flexmask

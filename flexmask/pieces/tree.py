@@ -8,9 +8,10 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import digest, int_vector, is_nested, source_device
-from flexmask.blocks import EMPTY, UNDECIDED, BlockGrid, codes_from
-from flexmask.mask import Lowered
-from flexmask.pieces._base import Piece
+from flexmask.build.codes import EMPTY, UNDECIDED, codes_from
+from flexmask.build.grid import BlockGrid
+from flexmask.mask import Extent, Lowered
+from flexmask.pieces._base import Piece, PieceMod
 
 
 class Tree(Piece):
@@ -58,13 +59,13 @@ class Tree(Piece):
             natural=max(p.numel() for p in self.parents),
         )
 
-    def _check(self, grid: BlockGrid) -> None:
-        super()._check(grid)
+    def _check(self, extent: Extent) -> None:
+        super()._check(extent)
         longest = max(p.numel() for p in self.parents)
-        if longest > grid.length:
+        if longest > extent.length:
             raise ValueError(
                 f"parents has {longest} tokens, more than the sequence length "
-                f"max(Q_LEN, KV_LEN)={grid.length}"
+                f"max(Q_LEN, KV_LEN)={extent.length}"
             )
 
     def _lookups(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -88,7 +89,7 @@ class Tree(Piece):
         nkv, kv_block = grid.num_kv_blocks, grid.kv_block
         sizes = torch.tensor([p.numel() for p in self.parents], device=device).view(-1, 1, 1, 1)
         _, end = self._lookups(grid.length, device)
-        end = end[:, : grid.kv_len].to(torch.int64)
+        end = end[:, grid.kv_offset : grid.kv_end].to(torch.int64)
         pad = nkv * kv_block - grid.kv_len
         # Per kv block: the largest and smallest subtree end over its in-range tokens.
         max_end = torch.nn.functional.pad(end, (0, pad), value=0)
@@ -116,28 +117,39 @@ class Tree(Piece):
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
         rank, end = self._lookups(length, device)
-        last = length
         if self.per_row:
-
-            def tree(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                q_rank = rank[b, q_idx.clamp(max=last)]
-                kv = kv_idx.clamp(max=last)
-                return (rank[b, kv] <= q_rank) & (q_rank < end[b, kv])
+            mod = TreeMod(rank, end, per_row=True)
         else:
-            rank_1d, end_1d = rank[0], end[0]
-
-            def tree(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                q_rank = rank_1d[q_idx.clamp(max=last)]
-                kv = kv_idx.clamp(max=last)
-                return (rank_1d[kv] <= q_rank) & (q_rank < end_1d[kv])
-
-        return Lowered(tree, tree)
+            mod = TreeMod(rank[0], end[0], per_row=False)
+        return Lowered(mod, mod)
 
     def __repr__(self) -> str:
         if self.per_row:
             return f"tree(<{len(self.parents)} rows>)"
         p = self.parents[0]
         return f"tree({p.tolist()})" if p.numel() <= 16 else f"tree(<{p.numel()} tokens>)"
+
+
+class TreeMod(PieceMod):
+    """tree's mask_mod: kv is q or an ancestor, ``rank[kv] <= rank[q] < end[kv]``.
+
+    ``rank`` and ``end`` are int32 ``(R, length + 1)`` per row, ``(length + 1,)`` shared;
+    indices past the lookup are clamped onto the last entry, which attends nowhere.
+    """
+
+    __slots__ = ("rank", "end")
+    _name = "tree"
+
+    def __init__(self, rank: Tensor, end: Tensor, per_row: bool) -> None:
+        super().__init__(per_row)
+        self.rank = rank
+        self.end = end
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        last = self.rank.shape[-1] - 1
+        q_rank = self._lookup(self.rank, b, q_idx.clamp(max=last))
+        kv = kv_idx.clamp(max=last)
+        return (self._lookup(self.rank, b, kv) <= q_rank) & (q_rank < self._lookup(self.end, b, kv))
 
 
 def _check_parents(value: Any, name: str) -> Tensor:

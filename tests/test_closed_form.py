@@ -1,6 +1,6 @@
-"""The closed-form path (flexmask.ranges): its preconditions hold for every intersection of
-interval pieces, and what it writes equals torch's create_block_mask on a plain dense
-reference, and the general path's (classify every tile, rank the grid)."""
+"""The closed-form path (flexmask.build.closed_form): its preconditions hold for every
+intersection of interval pieces, and what it writes equals torch's create_block_mask on a
+plain dense reference, and the general path's (classify every tile, rank the grid)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import BlockMask
 
 import flexmask
-from flexmask import ranges
-from flexmask.builder import assemble, classify_blocks, make_grid, ordered_from_codes
+from flexmask.build import closed_form
+from flexmask.build.classify import classify_blocks
+from flexmask.build.grid import make_grid
+from flexmask.build.write import assemble, ordered_from_codes
 from tests import oracle
 from tests.strategies import interval_intersections
 
@@ -43,7 +45,7 @@ def _case(data):
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_intervals_are_the_dense_rows_and_monotone(data):
-    # The closed form rests on three properties of every query's interval (flexmask.ranges).
+    # The closed form rests on three properties of every query's interval (build.closed_form).
     # Check them on every query of random intersections, and that each interval is exactly
     # that query's row of the plain reference.
     batch, mask, dense, q_len, kv_len = _case(data)
@@ -78,10 +80,6 @@ def test_closed_form_equals_torch_and_the_general_path(data):
     reference = oracle.torch_blocks(np.repeat(dense(q_len, kv_len)[:, None], heads, 1), block)
     oracle.assert_same_block_mask(ours, reference, repr(mask))
     oracle.assert_same_block_mask(_general(mask, batch, heads, q_len, kv_len, block), reference)
-    for num, idx in zip(BLOCK_FIELDS[::2], BLOCK_FIELDS[1::2], strict=True):
-        count, indices = getattr(ours, num), getattr(ours, idx)
-        past = torch.arange(indices.shape[-1]) >= count.unsqueeze(-1)
-        assert bool((indices[past] == indices.shape[-1] - 1).all()), f"{idx}: tail not m - 1"
 
 
 def _rows(*per_row):
@@ -193,8 +191,8 @@ def test_only_intersections_of_interval_pieces_take_the_closed_form():
 
 
 def test_closed_form_asks_only_for_block_edges(monkeypatch):
-    # The cost claim: intervals at 2 queries per q block, plus one block per row where the
-    # attending prefix ends; never every query, never a tile grid.
+    # The cost claim: intervals at 2 queries per q block, plus two blocks per row where the
+    # attending queries begin and end; never every query, never a tile grid.
     S, block, rows = 4096, 128, 3
     mask = flexmask.causal() & flexmask.padding([S, 1000, 77])
     asked = []
@@ -206,19 +204,19 @@ def test_closed_form_asks_only_for_block_edges(monkeypatch):
 
     monkeypatch.setattr(type(mask), "_intervals", spy)
     monkeypatch.setattr(
-        "flexmask.builder.classify_blocks",
+        "flexmask.build.create.classify_blocks",
         lambda *a: pytest.fail("the closed form must not classify tiles"),
     )
     flexmask.create_block_mask(mask, rows, 1, S, S, "cpu", block)
     nq = S // block
-    assert sum(asked) <= rows * (2 * nq + block)
+    assert sum(asked) <= rows * (2 * nq + 2 * block)
 
 
 def test_runs_never_decrease():
     # Column runs are found by binary search over the row runs: they must be sorted.
     mask = flexmask.causal() & flexmask.document([[700, 300, 24], [1, 1023]])
     grid = make_grid(mask, 2, 1, 1024, 1024, "cpu", 64)
-    runs = ranges.row_runs(mask, grid)
+    runs = closed_form.row_runs(mask, grid)
     for t in runs:
         assert bool((t[:, 1:] >= t[:, :-1]).all())
 
@@ -228,8 +226,14 @@ def test_same_blocks_compares_listed_blocks_only():
     ours = flexmask.create_block_mask(mask, 1, 1, 512, 512, "cpu")
     dense = oracle.causal(512, 512) & oracle.document([300, 200], 512, 512)
     theirs = oracle.torch_blocks(oracle.stack([dense]), 128)
-    assert not torch.equal(ours.kv_indices, theirs.kv_indices)  # the tails differ...
-    assert flexmask.same_blocks(ours, theirs)  # ...the listed blocks do not
+    assert flexmask.same_blocks(ours, theirs)
+    tail = ours.kv_indices.clone()
+    tail[0, 0, 0, 1:] = tail[0, 0, 0, 1:].flip(-1)  # past the count of row 0 (one block)
+    other_tail = BlockMask.from_kv_blocks(
+        ours.kv_num_blocks, tail, ours.full_kv_num_blocks, ours.full_kv_indices
+    )
+    assert not torch.equal(other_tail.kv_indices, theirs.kv_indices)  # the tails differ...
+    assert flexmask.same_blocks(other_tail, theirs)  # ...the listed blocks do not
     other = flexmask.create_block_mask(flexmask.causal(), 1, 1, 512, 512, "cpu")
     assert not flexmask.same_blocks(ours, other)  # other counts
     moved = ours.kv_indices.clone()

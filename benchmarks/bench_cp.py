@@ -1,0 +1,170 @@
+"""Context-parallel shards: per-rank build time against torch, and balancer imbalance.
+
+Run: python benchmarks/bench_cp.py [--sizes 32768,65536,131072] [--worlds 2,4,8]
+     [--torch-max-elements 2e9] [--million]
+
+Ranks are simulated in one process: each builds only its own shard (flexmask.shard, and
+torch's _create_cp_block_mask compiled — its first call, with compilation, reported apart).
+torch evaluates (S / W) x S elements per rank; sizes past --torch-max-elements are skipped
+for torch (it needs ~10 bytes per element). The mask is a document-causal pack of 16
+random documents, head-tail balanced (torch's default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+import torch.distributed.tensor.experimental._context_parallel._attention as torch_cp
+from common import best_time, settle_allocator  # noqa: F401  (sys.path set by common)
+from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
+
+import flexmask
+from flexmask.context_parallel import (
+    HeadTailBalancer,
+    MaskAwareBalancer,
+    PerDocumentBalancer,
+    imbalance,
+)
+
+
+class SimMesh:
+    def __init__(self, world: int, rank: int) -> None:
+        self.world, self.rank, self.device_type = world, rank, "cpu"
+
+    def size(self) -> int:
+        return self.world
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+
+def documents(seq: int, count: int, unit: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, seq // unit), count - 1))
+    return [(b - a) * unit for a, b in zip([0, *cuts], [*cuts, seq // unit], strict=False)]
+
+
+def build_times(sizes, worlds, torch_max, repeat):
+    print(
+        "| S | W | flexmask ms/rank (max over ranks) | torch compiled ms/rank | torch first call s |"
+    )
+    print("|---:|---:|---:|---:|---:|")
+    for seq in sizes:
+        mask = flexmask.causal() & flexmask.document(documents(seq, 16, 256))
+        for world in worlds:
+            ours = max(
+                best_time(
+                    lambda r=r: flexmask.shard(
+                        mask,
+                        1,
+                        1,
+                        seq,
+                        world_size=world,
+                        rank=r,
+                        balancer=HeadTailBalancer(seq, world),
+                    ),
+                    repeat=repeat,
+                )
+                for r in range(world)
+            )
+            theirs = first = "skipped"
+            if seq * seq / world <= torch_max:
+                torch_cp._compiled_create_block_mask = None  # first call compiles
+                start = time.perf_counter()
+                torch_cp._create_cp_block_mask(
+                    mask.mask_mod,
+                    1,
+                    1,
+                    seq,
+                    seq,
+                    SimMesh(world, 0),
+                    _HeadTailLoadBalancer(seq, world, "cpu"),
+                )
+                first = f"{time.perf_counter() - start:.1f}"
+                times = []
+                for r in range(world):  # best of 2 after a warm-up (that rank's recompile)
+                    lb = _HeadTailLoadBalancer(seq, world, "cpu")
+                    times.append(
+                        best_time(
+                            lambda r=r, lb=lb: torch_cp._create_cp_block_mask(
+                                mask.mask_mod, 1, 1, seq, seq, SimMesh(world, r), lb
+                            ),
+                            repeat=2,
+                        )
+                    )
+                theirs = f"{1e3 * statistics.median(times):.0f}"
+            print(f"| {seq} | {world} | {1e3 * ours:.2f} | {theirs} | {first} |", flush=True)
+
+
+def million(repeat):
+    seq, world = 1 << 20, 8
+    mask = flexmask.causal() & flexmask.document(documents(seq, 64, 256))
+    per_rank = [
+        best_time(
+            lambda r=r: flexmask.shard(
+                mask, 1, 1, seq, world_size=world, rank=r, balancer=HeadTailBalancer(seq, world)
+            ),
+            repeat=repeat,
+        )
+        for r in range(world)
+    ]
+    print(
+        f"\nS = 1M, W = 8, flexmask per-rank shard: max {1e3 * max(per_rank):.1f} ms, "
+        f"median {1e3 * statistics.median(per_rank):.1f} ms (target < 10 ms)"
+    )
+
+
+def imbalances(seq, world):
+    rng = random.Random(1)
+    lengths = documents(seq, 12, 2 * world * 64, seed=2)
+    docs = flexmask.causal() & flexmask.document(lengths)
+    parents = [-1] + [
+        rng.randrange(max(0, i - 512), i) if rng.random() > 0.002 else -1 for i in range(1, seq)
+    ]
+    tree = flexmask.tree(parents)
+    window = flexmask.causal() & flexmask.sliding_window(512)
+    print(
+        f"\nImbalance (max rank cost / mean; cost = full + partial blocks), S = {seq}, "
+        f"W = {world}, BLOCK_SIZE = 128\n"
+    )
+    print("| masks | head-tail | per-document | mask-aware |")
+    print("|---|---:|---:|---:|")
+    for name, masks in (
+        ("documents", [docs]),
+        ("tree", [tree]),
+        ("documents + sliding window", [docs, window]),
+    ):
+        head_tail = imbalance(masks, 1, 1, seq, world, "head_tail")
+        per_doc = imbalance(masks, 1, 1, seq, world, PerDocumentBalancer([lengths], world))
+        aware = MaskAwareBalancer(masks, 1, 1, seq, world)
+        print(f"| {name} | {head_tail:.3f} | {per_doc:.3f} | {aware.imbalance:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="32768,65536,131072")
+    parser.add_argument("--worlds", default="2,4,8")
+    parser.add_argument("--torch-max-elements", type=float, default=2e9)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--million", action="store_true", help="also S = 1M, W = 8")
+    parser.add_argument("--imbalance-seq", type=int, default=32768)
+    args = parser.parse_args()
+    settle_allocator()
+    # torch's rewritten mask_mod captures the rank as a Python int: one graph per rank.
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    worlds = [int(w) for w in args.worlds.split(",") if w]
+    build_times(sizes, worlds, args.torch_max_elements, args.repeat)
+    if args.million:
+        million(args.repeat)
+    imbalances(args.imbalance_seq, 4)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""BlockMask tensors in closed form for masks whose queries each attend one kv interval.
+
+An ``&`` of interval pieces (causal, document, sliding window, prefix, padding, full, empty,
+and ``|``-unions of causal, prefix and full such as the prefix-LM ``causal() | prefix(n)``,
+whose intervals all start at key 0) gives query ``q`` of each batch row one kv interval
+``[lo(q), hi(q)]``. Each of these pieces declares (``Piece._interval_shape``, read through
+``Mask._has_monotone_intervals``) that, on a prefix of the positions (its domain; past it the
+piece attends nowhere),
+
+* ``lo`` never decreases and ``lo(q) <= q``, and
+* ``hi`` never decreases and is either ``>= q`` or constant.
+
+Then, along each batch row of their intersection (also after clipping to ``[0, KV_LEN)``):
+
+1. the queries that attend somewhere are a prefix: a query attends nowhere only when ``lo``
+   exceeds a constant ``hi`` (a ``hi >= q`` can't be below ``lo <= q``), and ``lo`` grows;
+2. ``lo`` and ``hi`` never decrease over that prefix (a max and a min of such functions);
+3. consecutive intervals touch: ``lo(q + 1) <= q + 1 <= hi(q) + 1`` for a ``hi >= q``, and
+   ``lo(q + 1) <= hi(q + 1) = hi(q)`` for a constant one.
+
+So for the q block ``i`` with queries ``a..z``, its non-empty tiles are one run — the union of
+touching monotone intervals is ``[lo(a), hi(last attending query)]`` — and its full tiles are
+another — the complete tiles inside ``[max lo, min hi] = [lo(z), hi(a)]``, when every query
+attends and the block is complete. The runs' ends never decrease down the block rows, so each
+kv column's blocks are runs too, found by binary search. The whole BlockMask follows from the
+intervals at the two edge queries of every q block: no tile grid, no ranking, no evaluation,
+and the work is O(rows x blocks) plus writing the output.
+
+``tests/test_closed_form.py`` checks the three properties on every query of random intersections,
+and the tensors against torch's ``create_block_mask``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from flexmask.build.grid import BlockGrid
+from flexmask.build.write import Ordered
+from flexmask.mask import Mask
+
+
+class Runs(NamedTuple):
+    """Per block row ``(R, n)``: the run ``[first, last]`` of non-empty blocks and the run
+    ``[full_first, full_last]`` of full blocks inside it (empty when first > last). All four
+    never decrease along ``n``."""
+
+    first: Tensor
+    last: Tensor
+    full_first: Tensor
+    full_last: Tensor
+
+
+def _clipped(mask: Mask, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> tuple[Tensor, Tensor]:
+    lo, hi = mask._intervals(q_idx, row, grid)  # type: ignore[misc]
+    shape = q_idx.shape
+    return lo.clamp(min=grid.kv_offset).expand(shape), hi.clamp(max=grid.kv_end - 1).expand(shape)
+
+
+def row_runs(mask: Mask, grid: BlockGrid) -> Runs:
+    """The runs of every q block row of a mask with monotone intervals, from the intervals
+    of each block's first and last query, and of every query of two blocks per row: where
+    the attending queries begin and where they end.
+
+    Clipped to the grid's kv window ``[k0, k1]``, the queries that attend are a range, not
+    only a prefix: ``hi >= k0`` holds on a suffix (hi never decreases), ``lo <= hi`` and
+    ``lo <= k1`` on a prefix. Inside that range the clipped intervals stay monotone and
+    touching. So a block whose edge queries both attend is attended by all its queries; only
+    the block where ``hi`` first reaches ``k0`` and the first block whose last query stops
+    attending can be cut inside — those two are evaluated query by query.
+    """
+    dev = grid.device
+    nq, nkv, kb, qb = grid.num_q_blocks, grid.num_kv_blocks, grid.kv_block, grid.q_block
+    rows, _ = grid.reduced(mask)
+    first_q = grid.q_first.view(-1, nq).expand(rows, nq)  # per-row offsets: (B, nq)
+    last_q = grid.q_last.view(-1, nq).expand(rows, nq)
+    row = torch.arange(rows, device=dev).view(rows, 1)
+    lo, hi = _clipped(mask, torch.cat([first_q, last_q], 1), row, grid)
+    lo_a, lo_z = lo[:, :nq], lo[:, nq:]
+    hi_a, hi_z = hi[:, :nq], hi[:, nq:]
+    a_attends, z_attends = lo_a <= hi_a, lo_z <= hi_z
+    # The two blocks that may be cut inside (argmax: the first such block, 0 if none — any
+    # block evaluated query by query is exact, so a spare one costs nothing but its work).
+    begins = (hi_z >= grid.kv_offset).to(torch.int8).argmax(1, keepdim=True)
+    stops = (a_attends & ~z_attends).to(torch.int8).argmax(1, keepdim=True)
+    special = torch.cat([begins, stops], 1)  # (rows, 2)
+    inside = first_q.gather(1, special).unsqueeze(-1) + torch.arange(qb, device=dev)
+    q_end = grid.q_end.view(-1, 1, 1) if isinstance(grid.q_end, Tensor) else grid.q_end
+    inside = inside.clamp(max=q_end - 1).view(rows, 2 * qb)  # repeats the last query
+    lo_in, hi_in = (t.view(rows, 2, qb) for t in _clipped(mask, inside, row, grid))
+    attends = lo_in <= hi_in
+    first_in = attends.to(torch.int8).argmax(-1, keepdim=True)
+    last_in = (qb - 1) - attends.flip(-1).to(torch.int8).argmax(-1, keepdim=True)
+    some = a_attends.scatter(1, special, attends.any(-1))
+    every = (a_attends & z_attends).scatter(1, special, attends.all(-1))
+    lo_first = lo_a.scatter(1, special, lo_in.gather(-1, first_in).squeeze(-1))
+    hi_reach = hi_z.scatter(1, special, hi_in.gather(-1, last_in).squeeze(-1))
+    # Empty rows before the attending range get the empty run [0, -1], those after it
+    # [nkv, nkv - 1]: run ends then never decrease down the rows (``column_runs``).
+    before = some.cumsum(1) == 0
+    first = torch.where(some, grid.kv_tile(lo_first), torch.where(before, 0, nkv))
+    last = torch.where(some, grid.kv_tile(hi_reach), torch.where(before, -1, nkv - 1))
+    # Full: tiles inside [lo(z), hi(a)], in complete blocks whose queries all attend. As hi
+    # is clipped below the grid's kv end, the last tile counts only if it is complete.
+    complete = every & (first_q + qb <= grid.q_end)
+    before = complete.cumsum(1) == 0
+    full_first = grid.kv_tile(lo_z + (kb - 1))
+    full_last = grid.kv_tile(hi_a + 1).sub_(1)
+    full_first = torch.where(complete, full_first, torch.where(before, 0, nkv))
+    full_last = torch.where(complete, full_last, torch.where(before, -1, nkv - 1))
+    return Runs(first, last, full_first, full_last)
+
+
+def column_runs(runs: Runs, grid: BlockGrid) -> Runs:
+    """The same runs down each kv block column: block row i is in column j's non-empty run
+    iff ``first[i] <= j <= last[i]``; both bounds never decrease in i, so the rows that
+    qualify are a range found by two binary searches (likewise for the full run)."""
+    rows = runs.first.shape[0]
+    j = torch.arange(grid.num_kv_blocks, device=grid.device).expand(rows, -1).contiguous()
+    first = torch.searchsorted(runs.last.contiguous(), j)
+    last = torch.searchsorted(runs.first.contiguous(), j, right=True).sub_(1)
+    full_first = torch.searchsorted(runs.full_last.contiguous(), j)
+    full_last = torch.searchsorted(runs.full_first.contiguous(), j, right=True).sub_(1)
+    return Runs(first, last, full_first, full_last)
+
+
+def _line_runs(runs: Runs, m: int) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """Every line written whole, in torch's order: the set blocks ascending, then the unset
+    ones ascending (what ``torch.argsort(dense, descending=True, stable=True)`` gives).
+
+    Returns ``(partial_starts, partial_lens)``, ``(N, 5)``: the partial blocks (up to two runs,
+    the non-empty run minus the full run) then the rest of the line (three runs: before the
+    non-empty run, the full run, after the non-empty run); and ``(full_starts, full_lens)``,
+    ``(N, 3)``: the full run, then the blocks before and after it. Each line's lengths add up
+    to ``m``, so the lines laid end to end are the whole tensor.
+    """
+    has_full = runs.full_first <= runs.full_last
+    # Without full blocks, put the empty full run just past the non-empty one, so that the
+    # partial blocks come out as one run and the unset ones as the runs around it.
+    full_first = torch.where(has_full, runs.full_first, runs.last + 1)
+    full_last = torch.where(has_full, runs.full_last, runs.last)
+    # An empty line (first > last) lists nothing: its unset blocks are [0, first) and
+    # [last + 1, m), which touch (first <= last + 1 on both sides, ``column_runs``).
+    before = (full_first - runs.first).clamp_(min=0)
+    after = (runs.last - full_last).clamp_(min=0)
+    full_len = (full_last - full_first + 1).clamp_(min=0)
+    head = runs.first.clamp(max=m)
+    tail = (m - 1 - runs.last).clamp_(min=0)
+    zero = torch.zeros_like(head)
+    partial = (
+        torch.stack([runs.first, full_last + 1, zero, full_first, runs.last + 1], -1),
+        torch.stack([before, after, head, full_len, tail], -1),
+    )
+    full = (
+        torch.stack([full_first, zero, full_last + 1], -1),
+        torch.stack([full_len, full_first.clamp(max=m), (m - 1 - full_last).clamp_(min=0)], -1),
+    )
+    return partial, full
+
+
+def _expand_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
+    """Writes runs ``(N, r)`` laid end to end into ``out`` (flat int32 of ``lens.sum()``
+    entries): entry ``e`` of run ``k`` holds ``starts[k] + e``. A cumsum of ones, with each
+    run's jump in value added where it begins — empty runs jump at the same place and their
+    jumps add up — so the cost is one pass over the output, no gather and no sort."""
+    starts, lens = starts.reshape(-1), lens.reshape(-1)
+    total = out.numel()
+    if total == 0:
+        return
+    first_entry = lens.cumsum(0) - lens
+    shift = starts - first_entry  # value minus entry index, constant along a run
+    jump = torch.diff(shift, prepend=torch.zeros_like(shift[:1]))
+    inside = first_entry < total  # empty runs at the very end jump nowhere
+    out.fill_(1)
+    out[0] = 0
+    out.scatter_add_(0, first_entry.clamp(max=total - 1), (jump * inside).to(out.dtype))
+    out.cumsum_(0)
+
+
+def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
+    """Both sides' tensors (kv side per q block row, q side per kv block column), shaped
+    ``(R, 1, n[, m])`` for R = B when the mask depends on the row, else 1.
+
+    Every line of both sides (R x nq kv-side rows of nkv blocks, then R x nkv q-side
+    columns of nq blocks) is a set of at most two runs of partial blocks and one run of full
+    blocks. Each index tensor is written whole, equal to torch's: the listed blocks
+    ascending, then the unlisted ones ascending (``BlockMask._adjust`` reads the unlisted
+    tail, so it must be torch's). Each tensor is runs laid end to end (``_line_runs``),
+    expanded in one pass: O(entries) with a small constant, no tile grid and no sort.
+    """
+    rows, _ = grid.reduced(mask)
+    nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
+    # The outputs first: allocated before the build's temporaries, they do not land on
+    # memory the temporaries just returned to the system (fewer fresh pages on the CPU).
+    kv_p, q_p, kv_f, q_f = (
+        torch.empty((rows, n, m), dtype=torch.int32, device=dev)
+        for n, m in ((nq, nkv), (nkv, nq), (nq, nkv), (nkv, nq))
+    )
+    runs = row_runs(mask, grid)
+    cols = column_runs(runs, grid)
+    (kv_ps, kv_pl), (kv_fs, kv_fl) = _line_runs(Runs(*(t.reshape(-1) for t in runs)), nkv)
+    (q_ps, q_pl), (q_fs, q_fl) = _line_runs(Runs(*(t.reshape(-1) for t in cols)), nq)
+    for out, starts, lens in (
+        (kv_p, kv_ps, kv_pl),
+        (q_p, q_ps, q_pl),
+        (kv_f, kv_fs, kv_fl),
+        (q_f, q_fs, q_fl),
+    ):
+        _expand_runs(out.view(-1), starts, lens)
+    counts = (
+        kv_pl[:, :2].sum(1, dtype=torch.int32).view(rows, 1, nq),
+        q_pl[:, :2].sum(1, dtype=torch.int32).view(rows, 1, nkv),
+        kv_fl[:, 0].to(torch.int32).view(rows, 1, nq),
+        q_fl[:, 0].to(torch.int32).view(rows, 1, nkv),
+    )
+    return (
+        Ordered(counts[0], kv_p.unsqueeze(1), counts[2], kv_f.unsqueeze(1)),
+        Ordered(counts[1], q_p.unsqueeze(1), counts[3], q_f.unsqueeze(1)),
+    )

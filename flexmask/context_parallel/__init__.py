@@ -1,0 +1,39 @@
+"""Context parallelism on torch.distributed: every rank builds only its own BlockMask shard.
+
+``flexmask.shard(mask, B, H, Q_LEN, KV_LEN, world_size=W, rank=r, balancer=...)`` returns
+rank ``r``'s ``CPShard``: its BlockMask — rows ``[r S/W, (r+1) S/W)`` of the permuted mask,
+columns in the permuted (all-gathered) key order, exactly the blocks torch's
+``_create_cp_block_mask`` gives for the same mask_mod and balancer — and the permutation to
+shard q/k/v, labels and positions with. No collective: the same inputs give every rank the
+same permutation and the same cache key.
+"""
+
+from flexmask.context_parallel.balance import (
+    HeadTailBalancer,
+    MaskAwareBalancer,
+    PerDocumentBalancer,
+)
+from flexmask.context_parallel.core import (
+    CPShard,
+    LazyShard,
+    ShardCache,
+    imbalance,
+    lazy_shard,
+    shard,
+)
+from flexmask.context_parallel.distributed import cp_flex_attention, shard_buffers, unshard
+
+__all__ = [
+    "CPShard",
+    "HeadTailBalancer",
+    "LazyShard",
+    "MaskAwareBalancer",
+    "PerDocumentBalancer",
+    "ShardCache",
+    "cp_flex_attention",
+    "imbalance",
+    "lazy_shard",
+    "shard",
+    "shard_buffers",
+    "unshard",
+]

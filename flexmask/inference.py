@@ -1,0 +1,408 @@
+"""Inference masks: the training mask evaluated on the window of a decode or prefill step.
+
+A step feeds row b's queries at positions ``[cache_lens[b], cache_lens[b] + q_len)`` against a
+KV cache of fixed ``capacity``. Its BlockMask is the window of the training expression: rows
+``[cache_lens[b], cache_lens[b] + q_len)``, columns ``[0, capacity)``. Documents, a tree or
+padding describe the whole (growing) sequence; causal is aligned so the new queries see the
+whole cache and nothing past themselves.
+
+Fixed shapes, values in tensors: the BlockMask's tensors are ``(B, H, ceil(q_len / block),
+ceil(capacity / block))`` at every step, and its mask_mod (a ``ShiftedMod``) holds the cache
+lengths as a ``(B,)`` tensor and the mask's lookups padded to ``capacity``. So compiled
+``flex_attention`` traces the first step and never recompiles as the cache grows.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexmask._validate import check_int, int_vector
+from flexmask.build.create import create_block_mask
+from flexmask.mask import Mask, MaskMod, ShiftedMod
+from flexmask.pieces import causal, tree
+
+_BLOCK_FIELDS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
+
+
+def _block_pair(block_size: Any) -> tuple[int, int]:
+    if isinstance(block_size, (tuple, list)):
+        if len(block_size) != 2:
+            raise ValueError(f"block_size must be an int or a (q, kv) pair, got {block_size!r}")
+        return (
+            check_int(block_size[0], "block_size[0]", minimum=1),
+            check_int(block_size[1], "block_size[1]", minimum=1),
+        )
+    size = check_int(block_size, "block_size", minimum=1)
+    return size, size
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) or (isinstance(value, Tensor) and value.dim() == 0)
+
+
+def _lens(cache_lens: Any, mask: Mask, name: str = "cache_lens") -> list[int]:
+    """Per-row cache lengths as Python ints: one int for every row (``mask.rows`` rows, else
+    one), or one per row."""
+    if _is_scalar(cache_lens):
+        value = check_int(cache_lens, name, minimum=0)
+        return [value] * (mask.rows or 1)
+    if not isinstance(cache_lens, (Sequence, Tensor)) and not hasattr(cache_lens, "__array__"):
+        raise TypeError(
+            f"{name} must be an int or one int per batch row (list or 1-D integer tensor), "
+            f"got {type(cache_lens).__name__}"
+        )
+    values = int_vector(cache_lens, name).tolist()
+    if not values:
+        raise ValueError(f"{name} must hold one value per batch row, got an empty list")
+    for i, v in enumerate(values):
+        if v < 0:
+            raise ValueError(f"{name}[{i}] must be >= 0, got {v}")
+    if mask.rows is not None and mask.rows != len(values):
+        raise ValueError(
+            f"{name} gives {len(values)} rows but the mask's data is given for "
+            f"{mask.rows} rows: pass one value per row of the mask"
+        )
+    return values
+
+
+def _check_window(lens: list[int], q_len: int, capacity: int) -> None:
+    for i, length in enumerate(lens):
+        if length + q_len > capacity:
+            raise ValueError(
+                f"cache_lens[{i}]={length} plus q_len={q_len} is past capacity={capacity}: "
+                f"the step's queries must fit in the cache (raise capacity to the next bucket)"
+            )
+
+
+def _device(mask: Mask, device: Any) -> torch.device:
+    if device is None:
+        return mask.device or torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be a torch device or its name, got {device!r}") from err
+
+
+def _with_mask_mod(block_mask: BlockMask, mask_mod: MaskMod) -> BlockMask:
+    """The same tensors with another mask_mod (one mask_mod class for every step)."""
+    q_len, kv_len = block_mask.seq_lengths
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    return BlockMask(
+        seq_lengths=(q_len, kv_len),
+        **{name: getattr(block_mask, name) for name in _BLOCK_FIELDS},
+        BLOCK_SIZE=(q_block, kv_block),
+        mask_mod=mask_mod,
+    )
+
+
+def decode_mask(
+    mask: Mask,
+    cache_lens: Any,
+    q_len: int = 1,
+    capacity: int | None = None,
+    *,
+    heads: int = 1,
+    block_size: int | tuple[int, int] = 128,
+    device: torch.device | str | None = None,
+) -> BlockMask:
+    """The BlockMask of one decode or chunked-prefill step, from the training mask.
+
+    Row b's queries sit at positions ``[cache_lens[b], cache_lens[b] + q_len)`` of its
+    sequence; keys are the whole cache ``[0, capacity)``. The result equals torch's
+    ``create_block_mask`` of ``lambda b, h, q, kv: mask.mask_mod(b, h, q + cache_lens[b], kv)``
+    with ``Q_LEN=q_len, KV_LEN=capacity`` (whole tensors), built from structure in
+    O(blocks of the new rows). Its mask_mod takes local query indices and holds the cache
+    lengths as a ``(B,)`` tensor, so compiled flex_attention does not recompile as they grow.
+
+    ::
+
+        causal(), cache_lens=[3, 1], q_len=2, capacity=6
+        row 0:  ■ ■ ■ ■ ⬚ ⬚      row 1:  ■ ■ ⬚ ⬚ ⬚ ⬚
+                ■ ■ ■ ■ ■ ⬚              ■ ■ ■ ⬚ ⬚ ⬚
+
+    Args:
+        mask: the training expression; its data (documents, tree, padding) describes the
+            whole sequence up to ``capacity``.
+        cache_lens: tokens already in the cache — one int for every row (the BlockMask then
+            has B = 1 and broadcasts, unless the mask's data is per row), or one per row.
+        q_len: new queries per row in this step (1 for decode, the chunk for prefill).
+        capacity: the fixed KV cache length (bucket it: one compile per capacity).
+            None: the smallest that fits, ``max(cache_lens) + q_len``.
+        heads: H of the BlockMask.
+        block_size: tile size, an int or a (q, kv) pair; for paged KV the kv size must be the
+            page size.
+        device: where to build (None: the mask's device, else the CPU).
+
+    Returns:
+        A torch BlockMask of shape ``(B, heads, ...)`` with ``seq_lengths == (q_len, capacity)``.
+
+    Raises:
+        ValueError: a negative cache length, ``q_len < 1``, or a row whose window runs past
+            ``capacity``. TypeError: non-integer arguments.
+
+    Example:
+        >>> import flexmask
+        >>> bm = flexmask.decode_mask(flexmask.causal(), [300, 40], q_len=1, capacity=512)
+        >>> bm.kv_num_blocks.tolist(), bm.seq_lengths
+        ([[[3]], [[1]]], (1, 512))
+    """
+    if not isinstance(mask, Mask):
+        raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
+    lens = _lens(cache_lens, mask)
+    q_len = check_int(q_len, "q_len", minimum=1)
+    if capacity is None:
+        capacity = max(lens) + q_len
+    capacity = check_int(capacity, "capacity", minimum=1)
+    heads = check_int(heads, "heads", minimum=1)
+    _check_window(lens, q_len, capacity)
+    dev = _device(mask, device)
+    offsets = torch.tensor(lens, dtype=torch.int64, device=dev)
+    if _is_scalar(cache_lens) and mask.rows is None:
+        offsets = offsets[0]  # one length for every row: a (1, H, ...) BlockMask, broadcast
+    return _build(mask, offsets, q_len, capacity, heads, _block_pair(block_size), dev)
+
+
+def _build(
+    mask: Mask,
+    offsets: Tensor,
+    q_len: int,
+    capacity: int,
+    heads: int,
+    blocks: tuple[int, int],
+    device: torch.device,
+) -> BlockMask:
+    """The window's BlockMask with a ShiftedMod over ``offsets`` (held, not copied): B is
+    their count when per row (1-D), else 1."""
+    batch = offsets.numel()
+    # The window's mask_mod holds these very offsets (DecodeMasks updates them in place).
+    shifted = ShiftedMod(
+        mask.mask_mod_for(capacity, capacity, device), offsets, torch.zeros_like(offsets)
+    )
+    built = create_block_mask(
+        mask, batch, heads, q_len, capacity, device, blocks, q_offset=offsets.reshape(-1)
+    )
+    return _with_mask_mod(built, shifted)
+
+
+class DecodeMasks:
+    """The BlockMask of every step of one generation, advanced as the cache grows.
+
+    Each ``advance`` moves every row's cache length forward and returns the next step's
+    BlockMask. For ``causal()`` with ``q_len`` below the q block size (decode), the step's
+    block row is blocks ``0 .. (cache_len + q_len - 1) // block`` of the cache, listed in
+    order: ``advance`` reuses the BlockMask, writes the new lengths into its mask_mod's
+    offset tensor in place, and touches the block counts only for rows that cross a kv block
+    boundary (an *append*). Other masks, or ``append=False``, build each step with
+    ``decode_mask``. Both paths give tensors equal to torch's build of the shifted mask_mod.
+
+    On the append path the BlockMask is one object updated in place: use the one ``advance``
+    returns, not an earlier step's.
+
+    Args:
+        mask, cache_lens, capacity, q_len, heads, block_size, device: as for ``decode_mask``;
+            ``capacity`` is required (it fixes the shapes of every step).
+        append: reuse and append where possible (default); False builds every step.
+
+    Example:
+        >>> import flexmask
+        >>> steps = flexmask.DecodeMasks(flexmask.causal(), [126, 3], capacity=512)
+        >>> steps.block_mask.kv_num_blocks.flatten().tolist()
+        [1, 1]
+        >>> steps.advance().kv_num_blocks.flatten().tolist()   # row 0 now at 127
+        [1, 1]
+        >>> steps.advance().kv_num_blocks.flatten().tolist()   # row 0 crosses into block 1
+        [2, 1]
+        >>> steps.cache_lens, steps.builds, steps.appends, steps.reuses
+        ([128, 5], 1, 1, 1)
+    """
+
+    def __init__(
+        self,
+        mask: Mask,
+        cache_lens: Any,
+        capacity: int,
+        *,
+        q_len: int = 1,
+        heads: int = 1,
+        block_size: int | tuple[int, int] = 128,
+        device: torch.device | str | None = None,
+        append: bool = True,
+    ) -> None:
+        if not isinstance(mask, Mask):
+            raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
+        self.mask = mask
+        self._lens = _lens(cache_lens, mask)
+        self.q_len = check_int(q_len, "q_len", minimum=1)
+        self.capacity = check_int(capacity, "capacity", minimum=1)
+        self.heads = check_int(heads, "heads", minimum=1)
+        self._blocks = _block_pair(block_size)
+        self.device = _device(mask, device)
+        _check_window(self._lens, self.q_len, self.capacity)
+        # Append applies where each step's block row is "every kv block up to the last query",
+        # with a single, incomplete q block (so no block is full): causal decode.
+        self.appendable = bool(append) and mask == causal() and q_len < self._blocks[0]
+        self.builds = 0
+        """Steps built from structure (including the first)."""
+        self.appends = 0
+        """Steps that reused the BlockMask and appended a kv block to some row."""
+        self.reuses = 0
+        """Steps that reused the BlockMask, writing only the new cache lengths."""
+        self._block_mask = self._build_step()
+
+    @property
+    def block_mask(self) -> BlockMask:
+        """The current step's BlockMask."""
+        return self._block_mask
+
+    @property
+    def cache_lens(self) -> list[int]:
+        """Each row's tokens in the cache before the current step's queries."""
+        return list(self._lens)
+
+    def _offsets(self) -> Tensor:
+        return torch.tensor(self._lens, dtype=torch.int64, device=self.device)
+
+    def _build_step(self) -> BlockMask:
+        self.builds += 1
+        return _build(
+            self.mask,
+            self._offsets(),
+            self.q_len,
+            self.capacity,
+            self.heads,
+            self._blocks,
+            self.device,
+        )
+
+    def _last_blocks(self, lens: list[int]) -> list[int]:
+        return [(length + self.q_len - 1) // self._blocks[1] for length in lens]
+
+    def advance(self, step: Any = 1) -> BlockMask:
+        """Moves every row's cache forward by ``step`` tokens (an int, or one per row) and
+        returns the next step's BlockMask.
+
+        Raises:
+            ValueError: a negative step, or a row whose next window runs past ``capacity``.
+        """
+        steps = _lens(step, self.mask, "step") if not isinstance(step, numbers.Integral) else None
+        if steps is None:
+            steps = [check_int(step, "step", minimum=0)] * len(self._lens)
+        if len(steps) != len(self._lens):
+            raise ValueError(
+                f"step gives {len(steps)} rows but the generation has {len(self._lens)}: pass "
+                f"one int, or one per row"
+            )
+        new_lens = [length + s for length, s in zip(self._lens, steps, strict=True)]
+        _check_window(new_lens, self.q_len, self.capacity)
+        crossed = self._last_blocks(new_lens) != self._last_blocks(self._lens)
+        self._lens = new_lens
+        if not self.appendable:
+            self._block_mask = self._build_step()
+            return self._block_mask
+        bm = self._block_mask
+        offsets = self._offsets()
+        bm.mask_mod.q_offset.copy_(offsets)  # type: ignore[attr-defined]
+        if crossed:
+            self.appends += 1
+            last = (offsets + (self.q_len - 1)).div_(self._blocks[1], rounding_mode="floor")
+            count = (last + 1).to(torch.int32).view(-1, 1, 1)
+            bm.kv_num_blocks.copy_(count.expand_as(bm.kv_num_blocks))
+            q_num_blocks = bm.q_num_blocks
+            assert q_num_blocks is not None  # every BlockMask built here has its q side
+            columns = torch.arange(q_num_blocks.shape[-1], device=self.device)
+            q_num_blocks.copy_((columns < count).to(torch.int32).expand_as(q_num_blocks))
+        else:
+            self.reuses += 1
+        return bm
+
+
+def speculative_tree(prefix_lens: Any, draft_parents: Any) -> Mask:
+    """A prefix followed by a draft tree, as one ``flexmask.tree`` over positions
+    ``[0, prefix_len + len(draft))``: prefix tokens attend causally, a draft token attends
+    the whole prefix, its draft ancestors and itself. Positions past the draft attend nothing.
+
+    ::
+
+        prefix_lens=2, draft_parents=[-1, 0, -1]   (draft: a → b, and c)
+                          ■ ⬚ ⬚ ⬚ ⬚
+                          ■ ■ ⬚ ⬚ ⬚
+                          ■ ■ ■ ⬚ ⬚      a
+                          ■ ■ ■ ■ ⬚      b (child of a)
+                          ■ ■ ⬚ ⬚ ■      c
+
+    Verify the draft in one forward with ``decode_mask(mask, prefix_lens, q_len=len(draft),
+    capacity=...)``; combine with ``document`` (``& flexmask.document(...)``) when the prefix
+    packs several documents.
+
+    Args:
+        prefix_lens: tokens before the draft (>= 1) — one int for every row, or one per row.
+        draft_parents: each draft token's parent within the draft (``parents[i] < i``), or -1
+            for a child of the last prefix token — one list for every row, or one per row.
+
+    Returns:
+        A ``flexmask.tree`` mask (per row when either argument is).
+
+    Example:
+        >>> import flexmask
+        >>> print(flexmask.speculative_tree(2, [-1, 0, -1]).show(5))
+        ■ ⬚ ⬚ ⬚ ⬚
+        ■ ■ ⬚ ⬚ ⬚
+        ■ ■ ■ ⬚ ⬚
+        ■ ■ ■ ■ ⬚
+        ■ ■ ⬚ ⬚ ■
+    """
+    per_row_drafts = isinstance(draft_parents, (list, tuple, Tensor)) and any(
+        isinstance(d, (list, tuple)) or (isinstance(d, Tensor) and d.dim() == 1)
+        for d in draft_parents
+    )
+    drafts = list(draft_parents) if per_row_drafts else None
+    if isinstance(prefix_lens, numbers.Integral) or (
+        isinstance(prefix_lens, Tensor) and prefix_lens.dim() == 0
+    ):
+        prefixes = None
+        shared_prefix = check_int(prefix_lens, "prefix_lens", minimum=1)
+    else:
+        prefixes = int_vector(prefix_lens, "prefix_lens").tolist()
+        for i, p in enumerate(prefixes):
+            if p < 1:
+                raise ValueError(f"prefix_lens[{i}] must be >= 1, got {p}")
+    rows = len(drafts) if drafts is not None else (len(prefixes) if prefixes else 1)
+    if drafts is not None and prefixes is not None and len(drafts) != len(prefixes):
+        raise ValueError(
+            f"prefix_lens gives {len(prefixes)} rows but draft_parents {len(drafts)}: pass one "
+            f"of each per row, or one shared"
+        )
+    parents = []
+    for row in range(rows):
+        prefix = prefixes[row] if prefixes is not None else shared_prefix
+        name = f"draft_parents[{row}]" if drafts is not None else "draft_parents"
+        draft = int_vector(drafts[row] if drafts is not None else draft_parents, name)
+        if draft.numel() == 0:
+            raise ValueError(f"{name} must hold at least one draft token, got an empty list")
+        index = torch.arange(draft.numel())
+        bad = ((draft >= index) | (draft < -1)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(
+                f"{name}[{i}]={int(draft[i])} is not a valid parent: a draft token's parent "
+                f"is an earlier draft token (0 <= parent < {i}) or -1 for the prefix's last"
+            )
+        chain = torch.arange(-1, prefix - 1)  # the prefix: each token's parent is the previous
+        parents.append(torch.cat([chain, torch.where(draft < 0, prefix - 1, draft + prefix)]))
+    per_row = drafts is not None or prefixes is not None
+    return tree(parents if per_row else parents[0])

@@ -1,0 +1,322 @@
+"""Context parallelism: shards against torch's _create_cp_block_mask and the dense oracle,
+balancers against torch's, and forward/backward on 2 and 4 gloo processes."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.tensor.experimental._context_parallel._attention as torch_cp
+from torch.distributed.tensor.experimental._attention import (
+    _HeadTailLoadBalancer,
+    _PerDocumentHeadTailLoadBalancer,
+)
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+import flexmask
+from flexmask.context_parallel import (
+    HeadTailBalancer,
+    MaskAwareBalancer,
+    PerDocumentBalancer,
+    ShardCache,
+    imbalance,
+    lazy_shard,
+)
+from tests import oracle
+
+
+class FakeMesh:
+    """The three things _create_cp_block_mask reads from a DeviceMesh: ranks in one process."""
+
+    def __init__(self, world: int, rank: int) -> None:
+        self.world, self.rank, self.device_type = world, rank, "cpu"
+
+    def size(self) -> int:
+        return self.world
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+
+def torch_shard(mask, B, H, S, world, rank, balancer):
+    """torch's own _create_cp_block_mask, eager (its compile swapped out: same blocks)."""
+    saved = torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance
+    torch_cp._compiled_create_block_mask = torch_create_block_mask
+    torch_cp._cp_options.enable_load_balance = balancer is not None
+    try:
+        return torch_cp._create_cp_block_mask(
+            mask.mask_mod, B, H, S, S, FakeMesh(world, rank), balancer
+        )
+    finally:
+        torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance = saved
+
+
+def expanded(block_mask, B, H):
+    """A copy of ``block_mask`` with B and H broadcast out (torch keeps them)."""
+    out = {}
+    for field in oracle.BLOCK_FIELDS:
+        t = getattr(block_mask, field)
+        out[field] = t.expand(B, H, *t.shape[2:]).contiguous()
+    return type(block_mask)(
+        block_mask.seq_lengths,
+        *(out[f] for f in oracle.BLOCK_FIELDS),
+        BLOCK_SIZE=block_mask.BLOCK_SIZE,
+        mask_mod=block_mask.mask_mod,
+    )
+
+
+def document_dense(lengths, S):
+    ids = np.repeat(np.arange(len(lengths)), lengths)
+    ids = np.concatenate([ids, np.full(S - len(ids), -1)])
+    same = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
+    return same & np.tril(np.ones((S, S), dtype=bool))
+
+
+def random_lengths(rng, total, multiple, count):
+    cuts = sorted(rng.sample(range(1, total // multiple), count - 1))
+    edges = [0, *cuts, total // multiple]
+    return [(b - a) * multiple for a, b in zip(edges, edges[1:], strict=False)]
+
+
+def random_tree(rng, n):
+    return [-1] + [
+        rng.randrange(max(0, i - 40), i) if rng.random() > 0.05 else -1 for i in range(1, n)
+    ]
+
+
+def dense_case(name, S, rng):
+    """(mask, dense (S, S) numpy reference, document lengths or None)."""
+    if name == "document":
+        lengths = random_lengths(rng, S, 8, 5)
+        return flexmask.causal() & flexmask.document(lengths), document_dense(lengths, S), lengths
+    if name == "tree":
+        parents = random_tree(rng, S)
+        return flexmask.tree(parents), oracle.tree(parents, S, S), None
+    if name == "sliding_window":
+        return (
+            flexmask.causal() & flexmask.sliding_window(100),
+            oracle.causal(S, S) & oracle.sliding_window(100, S, S),
+            None,
+        )
+    if name == "prefix_lm":
+        return (
+            flexmask.causal() | flexmask.prefix(200),
+            oracle.causal(S, S) | oracle.prefix(200, S, S),
+            None,
+        )
+    raise AssertionError(name)
+
+
+CASES = ["document", "tree", "sliding_window", "prefix_lm"]
+
+
+def check_against_oracle(shard, dense, B, H):
+    """The shard equals torch's blocks of the plain dense rows under the permutation."""
+    S = shard.padded_length
+    padded = np.zeros((S, S), dtype=bool)
+    padded[: dense.shape[0], : dense.shape[1]] = dense
+    perm = shard.indices[0].numpy()
+    rows = padded[perm][:, perm][shard.local]
+    reference = oracle.torch_blocks(oracle.stack([rows] * B, H), shard.block_mask.BLOCK_SIZE)
+    oracle.assert_same_block_mask(expanded(shard.block_mask, B, H), reference, own_storage=False)
+
+
+def test_balancers_equal_torch():
+    rng = random.Random(0)
+    for S, W in [(8, 2), (2048, 4), (4096, 8)]:
+        for restore in (False, True):
+            ours = HeadTailBalancer(S, W)._generate_indices(restore)
+            theirs = _HeadTailLoadBalancer(S, W, "cpu")._generate_indices(restore)
+            assert torch.equal(ours, theirs.long())
+    for W in (2, 4):
+        docs = [random_lengths(rng, 4096, 2 * W, 7), random_lengths(rng, 4096, 2 * W, 3)]
+        for restore in (False, True):
+            ours = PerDocumentBalancer(docs, W)._generate_indices(restore)
+            theirs = _PerDocumentHeadTailLoadBalancer(docs, W, "cpu")._generate_indices(restore)
+            assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_equals_torch_and_oracle(name, world):
+    rng = random.Random(hash((name, world)) % 1000)
+    S = 1024
+    mask, dense, lengths = dense_case(name, S, rng)
+    balancers = [lambda: HeadTailBalancer(S, world), lambda: None]
+    if lengths is not None:
+        balancers.append(lambda: PerDocumentBalancer([lengths], world))
+    for make in balancers:
+        for rank in range(world):
+            lb = make()
+            ours = flexmask.shard(mask, 1, 2, S, world_size=world, rank=rank, balancer=lb)
+            reference = torch_shard(mask, 1, 2, S, world, rank, lb)
+            oracle.assert_same_block_mask(
+                expanded(ours.block_mask, 1, 2),
+                reference,
+                f"{name} {lb} rank {rank}",
+                own_storage=False,
+            )
+            if rank == world - 1:
+                check_against_oracle(ours, dense, 1, 1)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_any_block_size_and_length_against_oracle(name):
+    """Lengths torch's CP refuses: not a multiple of W * BLOCK_SIZE, odd block sizes, padding."""
+    rng = random.Random(7)
+    for S, world, block, balancer in [
+        (600, 2, 64, "head_tail"),
+        (1000, 4, 48, "head_tail"),
+        (777, 3, 32, "mask_aware"),
+        (500, 2, 100, None),
+    ]:
+        mask, dense, _ = dense_case(name, S, rng)
+        for rank in range(world):
+            shard = flexmask.shard(
+                mask, 1, 1, S, world_size=world, rank=rank, balancer=balancer, BLOCK_SIZE=block
+            )
+            assert shard.padded_length % world == 0 and shard.padded_length >= S
+            check_against_oracle(shard, dense, 1, 1)
+
+
+def test_mask_aware_balancer_beats_head_tail_on_documents_and_trees():
+    rng = random.Random(3)
+    S, W = 2048, 4
+    lengths = random_lengths(rng, S, 128, 5)
+    docs = flexmask.causal() & flexmask.document(lengths)
+    tree = flexmask.tree(random_tree(rng, S))
+    window = flexmask.causal() & flexmask.sliding_window(256)
+    for masks in ([docs], [tree], [docs, window]):
+        aware = MaskAwareBalancer(masks, 1, 1, S, W)
+        measured = imbalance(masks, 1, 1, S, W, aware)
+        assert measured == pytest.approx(aware.imbalance)
+        assert measured <= imbalance(masks, 1, 1, S, W, "head_tail") + 1e-9
+        assert measured < 1.05
+        # every token exactly once
+        assert torch.equal(aware._generate_indices()[0].sort().values, torch.arange(S))
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match="rank"):
+        flexmask.shard(flexmask.causal(), 1, 1, 256, world_size=2, rank=2)
+    with pytest.raises(ValueError, match="KV_LEN"):
+        flexmask.shard(flexmask.causal(), 1, 1, 256, 128, world_size=2, rank=0)
+    with pytest.raises(ValueError, match="balancer"):
+        flexmask.shard(flexmask.causal(), 1, 1, 256, world_size=2, rank=0, balancer="ptrr")
+    with pytest.raises(ValueError, match="seq_length_per_doc"):
+        PerDocumentBalancer([[10, 6]], 2)
+    with pytest.raises(TypeError, match="mask"):
+        flexmask.shard(lambda b, h, q, kv: q >= kv, 1, 1, 256, world_size=2, rank=0)
+
+
+def test_cache_and_lazy_keys_are_rank_aware():
+    cache = ShardCache(maxsize=8)
+
+    def make(rank, world=2, balancer="head_tail", lengths=(300, 212)):
+        mask = flexmask.causal() & flexmask.document(list(lengths))
+        return lazy_shard(
+            mask,
+            1,
+            1,
+            512,
+            cache=cache,
+            world_size=world,
+            rank=rank,
+            balancer=balancer,
+            BLOCK_SIZE=64,
+        )
+
+    keys = {
+        make(0).key,
+        make(1).key,
+        make(0, 4).key,
+        make(0, balancer=None).key,
+        make(0, lengths=(212, 300)).key,
+    }
+    assert len(keys) == 5
+    assert make(1).key == make(1).key  # fresh objects, same inputs: the same key everywhere
+    a, b = make(1), make(1)
+    assert a.block_mask is b.block_mask and cache.info().hits == 1
+    a.release()
+    assert a.key not in cache
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, S, failures):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _distributed_checks(rank, world, S)
+    except BaseException as exc:  # reported to the parent, which fails the test
+        import traceback
+
+        failures.put(f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _distributed_checks(rank, world, S):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    from flexmask.context_parallel import shard_buffers, unshard
+
+    mesh = init_device_mesh("cpu", (world,))
+    rng = random.Random(11)
+    lengths = random_lengths(rng, S, 2 * world, 4)
+    cases = [
+        (flexmask.causal() & flexmask.document(lengths), PerDocumentBalancer([lengths], world)),
+        (flexmask.tree(random_tree(rng, S)), "mask_aware"),
+        (flexmask.causal() & flexmask.document(lengths), "head_tail"),
+    ]
+    for mask, balancer in cases:
+        torch.manual_seed(0)  # every rank draws the same global tensors
+        q, k, v = (torch.randn(1, 2, S, 16, requires_grad=True) for _ in range(3))
+        ref = flexmask.flex_attention(q, k, v, block_mask=mask, compile=False)
+        ref.backward(torch.ones_like(ref))
+
+        shard = flexmask.shard(mask, 1, 2, S, mesh=mesh, balancer=balancer, BLOCK_SIZE=64)
+        local_q, local_k, local_v, bm = shard_buffers(
+            shard, mesh, [q.detach(), k.detach(), v.detach(), mask], [2, 2, 2, 0]
+        )
+        assert bm is shard.block_mask
+        assert torch.equal(local_q, shard.shard_tensor(q.detach(), 2))
+        for t in (local_q, local_k, local_v):
+            t.requires_grad_(True)
+        out = flexmask.cp_flex_attention(local_q, local_k, local_v, shard, mesh, compile=False)
+        out.backward(torch.ones_like(out))
+        gathered = unshard(
+            shard, mesh, [out.detach(), local_q.grad, local_k.grad, local_v.grad], [2, 2, 2, 2]
+        )
+        for got, want in zip(gathered, (ref, q.grad, k.grad, v.grad), strict=False):
+            torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-5)
+        restored = context_parallel_unshard(mesh, [local_q.detach()], [2], shard.balancer)[0]
+        assert torch.equal(restored.narrow(2, 0, S), q.detach())
+
+
+def _spawn(world, S):
+    ctx = torch.multiprocessing.get_context("spawn")
+    failures = ctx.SimpleQueue()
+    torch.multiprocessing.spawn(_worker, args=(world, _free_port(), S, failures), nprocs=world)
+    problems = []
+    while not failures.empty():
+        problems.append(failures.get())
+    assert not problems, "\n".join(problems)
+
+
+def test_two_gloo_ranks_match_single_process():
+    _spawn(2, 512)
+
+
+@pytest.mark.slow
+def test_four_gloo_ranks_match_single_process():
+    _spawn(4, 1024)
