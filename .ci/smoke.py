@@ -127,6 +127,78 @@ def packing() -> None:
     assert sum(len(b.placement) for b in streamed) == len(sequences)
 
 
+def windows_and_decoding() -> None:
+    # A window of a mask (q_offset/kv_offset) equals torch's build of the shifted mask_mod.
+    docs = doc_of([40, 30, 20])
+
+    def shifted(b, h, q, kv):
+        return (kv + 8 <= q + 32) & (torch.tensor(docs)[q + 32] == torch.tensor(docs)[kv + 8])
+
+    mask = flexmask.causal() & flexmask.document([40, 30, 20])
+    ours = flexmask.create_block_mask(mask, 1, 1, 48, 88, "cpu", 16, q_offset=32, kv_offset=8)
+    theirs = torch_create_block_mask(shifted, 1, 1, 48, 88, "cpu", BLOCK_SIZE=16)
+    assert flexmask.same_blocks(ours, theirs) and torch.equal(ours.kv_indices, theirs.kv_indices)
+    # Decode: new queries at each row's cache length see the whole cache, causally.
+    bm = flexmask.decode_mask(flexmask.causal(), [40, 7], q_len=1, capacity=S, block_size=32)
+    assert bm.kv_num_blocks[:, 0, 0].tolist() == [2, 1]
+    steps = flexmask.DecodeMasks(flexmask.causal(), [31, 3], capacity=S, block_size=32)
+    assert steps.block_mask.kv_num_blocks[:, 0, 0].tolist() == [1, 1]  # queries at 31 and 3
+    assert steps.advance().kv_num_blocks[:, 0, 0].tolist() == [2, 1]  # at 32: a new block
+    draft = flexmask.speculative_tree(3, [-1, 0, 0])  # prefix of 3, then a root and 2 children
+    dense = draft.to_dense(1, 1, 6, 6)[0, 0]
+    assert dense[5].tolist() == [True, True, True, True, False, True]  # not its sibling
+
+
+def context_parallel() -> None:
+    W, L = 2, S
+    mask = flexmask.causal() & flexmask.document([50, 46])
+    whole = mask.to_dense(1, 1, L, L)[0, 0]
+    cache = flexmask.ShardCache(maxsize=4)
+    for balancer in ("head_tail", flexmask.HeadTailBalancer(L, W)):
+        for rank in range(W):
+            part = flexmask.shard(
+                mask,
+                1,
+                1,
+                L,
+                world_size=W,
+                rank=rank,
+                balancer=balancer,
+                BLOCK_SIZE=16,
+                device="cpu",
+                cache=cache,
+            )
+            assert isinstance(part, flexmask.CPShard)
+            order = part.indices[0]
+            rows = order[part.local]
+            expected = whole[rows][:, order]  # this rank's rows, keys in the permuted order
+            got = torch.nn.attention.flex_attention.create_mask(
+                part.block_mask.mask_mod, 1, 1, len(rows), L, "cpu"
+            )[0, 0]
+            assert torch.equal(got, expected)
+    assert flexmask.lazy_shard(mask, 1, 1, L, cache=cache, world_size=W, rank=0, BLOCK_SIZE=16)
+    per_doc = flexmask.PerDocumentBalancer([[48, 48]], W)
+    assert sorted(per_doc._generate_indices()[0].tolist()) == list(range(L))
+    aware = flexmask.MaskAwareBalancer(mask, 1, 1, L, W, block_size=16)
+    assert aware.imbalance >= 1.0
+    # cp_flex_attention on a one-process gloo group equals plain attention.
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(str(Path(tmp) / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            one = flexmask.shard(
+                mask, 1, 1, L, world_size=1, rank=0, balancer=None, BLOCK_SIZE=16, device="cpu"
+            )
+            q, k, v = (torch.randn(1, 2, L, 8) for _ in range(3))
+            out = flexmask.cp_flex_attention(q, k, v, one, compile=False)
+            reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=whole)
+            torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+        finally:
+            dist.destroy_process_group()
+
+
 def plotting() -> None:
     if importlib.util.find_spec("matplotlib") is None:  # an optional extra: a clear error
         try:
@@ -151,6 +223,11 @@ EXERCISES: dict[Callable[[], None], set[str]] = {
     },
     packing: {"pack", "pack_tree", "PackedBatch", "TreePack", "PackingCollator", "PackedDataset"},
     plotting: {"plot"},
+    windows_and_decoding: {"decode_mask", "DecodeMasks", "speculative_tree"},
+    context_parallel: {
+        "shard", "CPShard", "ShardCache", "lazy_shard", "cp_flex_attention",
+        "HeadTailBalancer", "PerDocumentBalancer", "MaskAwareBalancer",
+    },
 }  # fmt: skip
 
 
