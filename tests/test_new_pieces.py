@@ -310,3 +310,22 @@ def test_the_sync_detector_can_fail():
         torch.tensor([3, 0]).nonzero()
         int(torch.tensor(2))
     assert len(mode.seen) == 2
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        flexmask.causal() & flexmask.chunked([64, 100]),
+        (flexmask.causal() | flexmask.spans([[0] * 10 + [-1] * 20 + [1] * 30, [-1] * 5 + [0] * 90]))
+        & flexmask.document([[50, 200], [250]]),
+    ],
+    ids=["chunked", "causal|spans"],
+)
+def test_closed_form_of_the_new_pieces_builds_on_a_device_with_no_values(mask):
+    # "meta" tensors hold shapes only: a build that read any value would fail.
+    meta = flexmask.create_block_mask(mask, 2, 3, 200, 250, "meta", 32, q_offset=[10, 40])
+    cpu = flexmask.create_block_mask(mask, 2, 3, 200, 250, "cpu", 32, q_offset=[10, 40])
+    for field in oracle.BLOCK_FIELDS:
+        got, want = getattr(meta, field), getattr(cpu, field)
+        assert got.device.type == "meta"
+        assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())

@@ -84,8 +84,8 @@ class Spans(Piece):
         lasts = torch.cat([grid.q_last.reshape(-1, nq), grid.kv_last.reshape(-1, nkv)], 1)
         # Rows: the spans' (per-row ids) or the window's (per-row offsets), whichever differ.
         rows = max(self._starts.shape[0], firsts.shape[0])
-        starts = self._starts.to(grid.device).expand(rows, -1).contiguous()
-        ends = self._ends.to(grid.device).expand(rows, -1).contiguous()
+        starts = self._on("_starts", grid.device).expand(rows, -1).contiguous()
+        ends = self._on("_ends", grid.device).expand(rows, -1).contiguous()
         firsts = firsts.expand(rows, -1).contiguous()
         lasts = lasts.expand(rows, -1).contiguous()
         # The spans meeting [first, last] are the index range [first span ending after
@@ -106,17 +106,17 @@ class Spans(Piece):
     def _lower(self, length: int, device: torch.device) -> Lowered:
         # int32 span ids padded with -1 to length + 1 (the last entry is the sentinel indices
         # past the lookup are clamped onto): one shape for every batch of this length.
-        ids = torch.full((self._span_ids.shape[0], length + 1), -1, dtype=torch.int32)
-        ids[:, : self._span_ids.shape[1]] = self._span_ids
-        ids = ids.to(device)
+        span_ids = self._on("_span_ids", device)
+        ids = torch.full((span_ids.shape[0], length + 1), -1, dtype=torch.int32, device=device)
+        ids[:, : span_ids.shape[1]] = span_ids
         mod = SpansMod(ids if self.per_row else ids[0], self.per_row)
         return Lowered(mod, mod)
 
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         device = grid.device
         lookup_row = row.view(-1) if self.per_row else torch.zeros_like(row.view(-1))
-        starts = self._starts.to(device)[lookup_row]
-        ends = self._ends.to(device)[lookup_row]
+        starts = self._on("_starts", device)[lookup_row]
+        ends = self._on("_ends", device)[lookup_row]
         q_idx = q_idx.expand(lookup_row.shape[0], -1)
         k = torch.searchsorted(ends, q_idx.contiguous(), right=True).clamp(max=ends.shape[1] - 1)
         start = starts.gather(1, k)
