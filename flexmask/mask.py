@@ -301,6 +301,12 @@ class Mask(ABC):
         ``_covers_diagonal`` masks."""
         return False
 
+    def _head_parts(self, heads: int) -> tuple[tuple[Mask, ...], list[Tensor]] | None:
+        """For a mask that is one of several masks on each head (``per_head``): the distinct
+        masks and, for each, the heads (of ``heads``) that use it; the build then builds each
+        once. None for every other mask."""
+        return None
+
     def __and__(self, other: object) -> Mask:
         return And.of(self, _as_mask(other, "&"))
 

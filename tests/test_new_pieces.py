@@ -329,3 +329,26 @@ def test_closed_form_of_the_new_pieces_builds_on_a_device_with_no_values(mask):
         got, want = getattr(meta, field), getattr(cpu, field)
         assert got.device.type == "meta"
         assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+
+
+def test_per_head_builds_each_distinct_mask_once_in_closed_form(monkeypatch):
+    from flexmask.build import closed_form
+
+    local = flexmask.causal() & flexmask.chunked([48, 100])
+    mask = flexmask.per_head(flexmask.causal(), local, local, flexmask.causal())
+    built = []
+    original = closed_form.ordered_sides
+
+    def spy(part, grid):
+        built.append(part)
+        return original(part, grid)
+
+    monkeypatch.setattr(closed_form, "ordered_sides", spy)
+    _no_tiles(monkeypatch)
+    ours = _ours(mask, 2, 8, 300, 270, (64, 32))
+    assert built == [flexmask.causal(), local]
+    rows = [oracle.causal(300, 270) & oracle.chunked(n, 300, 270) for n in (48, 100)]
+    dense = np.stack(
+        [[oracle.causal(300, 270) if h % 4 in (0, 3) else r for h in range(8)] for r in rows]
+    )
+    oracle.assert_same_block_mask(ours, oracle.torch_blocks(dense, (64, 32)))

@@ -31,8 +31,10 @@ class PerHead(Mask):
                                              ■ ■ ⬚           ■ ■ ■
                                              ■ ■ ■           ■ ■ ■
 
-    Equal masks are kept once (``distinct``): the build classifies each distinct mask once
-    and writes its codes to every head that uses it; the mask_mod evaluates each once.
+    Equal masks are kept once (``distinct``): the build makes each distinct mask's tensors
+    once (``Mask._head_parts``; in closed form where it has one) and copies them to the heads
+    that use it — inside ``&``/``|``/``~``, each distinct mask's tile codes; the mask_mod
+    evaluates each distinct mask once.
     """
 
     __slots__ = ("masks", "group_size", "distinct", "head_table", "_key", "_rows", "_device")
@@ -96,6 +98,9 @@ class PerHead(Mask):
             )
         for mask in self.distinct:
             mask._check(extent)
+
+    def _head_parts(self, heads: int) -> tuple[tuple[Mask, ...], list[Tensor]]:
+        return self.distinct, self._heads_of(heads)
 
     def _heads_of(self, heads: int) -> list[Tensor]:
         """For each distinct mask, the heads (of H) that use it."""
