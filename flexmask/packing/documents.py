@@ -17,10 +17,12 @@ from flexmask.packing.tokens import (
     Device,
     Policy,
     Strategy,
+    _aligned,
     _best_fit,
     _check_choice,
     _check_int,
     _first_fit,
+    _loss_masks,
     _next_fit,
     _ranges,
     _token_lists,
@@ -246,6 +248,9 @@ def pack(
     pad_id: int = 0,
     ignore_index: int = -100,
     strategy: Strategy = "first_fit_decreasing",
+    labels: Iterable[Sequence[int] | torch.Tensor] | None = None,
+    loss_mask: Iterable[Sequence[bool] | torch.Tensor] | None = None,
+    split_across_pack: bool = False,
 ) -> PackedBatch:
     """Packs token sequences into rows of at most ``max_len`` tokens.
 
@@ -254,6 +259,14 @@ def pack(
     ``labels`` never cross a document boundary, so a causal model computes the same thing for a
     packed document as for the sequence alone. Nothing is dropped: every input token is in
     exactly one packed position (see :attr:`PackedBatch.placement`).
+
+    Which tokens are trained on: by default every next token inside a document. ``labels``
+    (unshifted, aligned with the tokens, as Hugging Face and torchtune write them) or
+    ``loss_mask`` (``True`` where a token is a training target) choose otherwise; either way the
+    packed ``labels`` are shifted here, per document, so ``labels[b, p]`` is the target of the
+    logit at ``p``: the next token's label, or ``ignore_index`` where that token is masked, at a
+    document's last token and at padding. A document's first token is never a target (nothing
+    before it in the document predicts it).
 
     Args:
         sequences: lists/tuples of ints, or 1-d integer tensors/arrays; none may be empty.
@@ -272,7 +285,21 @@ def pack(
             * ``"next_fit"``: input order, a new row whenever the next piece does not fit.
               Keeps documents in input order; the loosest packing.
 
-            Ties keep input order, so packing is deterministic.
+            Ties keep input order, so packing is deterministic. Ignored with
+            ``split_across_pack``.
+        labels: one label list per sequence, as long as the sequence and aligned with it
+            (``labels[i][t]`` is the target for token ``t``, ``ignore_index`` to skip it), e.g.
+            torchtune's ``labels`` with the prompt at ``-100``. Not shifted: packing shifts.
+        loss_mask: one bool list per sequence, as long as the sequence: ``True`` where the token
+            is trained on (the completion), ``False`` where it is not (the prompt). torchtune's
+            ``mask`` means the opposite: pass ``~mask``. At most one of ``labels``/``loss_mask``.
+        split_across_pack: like torchtune's ``split_across_pack=True``: lay sequences end to end
+            in input order and cut at every row end, so every row but the last is full. The
+            part of a sequence after a cut is its own document: it cannot attend to the part
+            before it, its ``position_ids`` restart at 0 (it is computed exactly as that chunk
+            alone would be; torchtune instead keeps counting, giving positions whose context
+            the mask hides), and the token before the cut has no label. ``unpack`` joins the
+            parts again. ``policy`` must stay ``"split"``.
 
     Returns:
         A :class:`PackedBatch`.
@@ -282,7 +309,8 @@ def pack(
             (floats, bools and strings are refused), or ``max_len``/``pad_id``/``ignore_index``
             is not an int.
         ValueError: ``sequences`` or one of them is empty, ``max_len < 1``, an unknown
-            ``policy``/``strategy``, or a sequence longer than ``max_len`` under ``"reject"``.
+            ``policy``/``strategy``, a sequence longer than ``max_len`` under ``"reject"``,
+            ``labels``/``loss_mask`` not one per sequence of the same length, or both given.
 
     Example:
         >>> from flexmask.packing import pack
@@ -297,32 +325,64 @@ def pack(
         [[0, 1, 2, 0], [0, 1, 0, 0]]
         >>> batch.placement[2]
         [Chunk(row=0, start=3, length=1)]
+
+        Train on the completion only (prompt = the first two tokens of each sequence):
+
+        >>> pack([[1, 2, 3, 4], [5, 6, 7]], max_len=8,
+        ...      loss_mask=[[0, 0, 1, 1], [0, 0, 1]]).labels.tolist()
+        [[-100, 3, 4, -100, -100, 7, -100, -100]]
+        >>> pack([[1, 2, 3], [4, 5, 6]], max_len=4, split_across_pack=True).tokens.tolist()
+        [[1, 2, 3, 4], [5, 6, 0, 0]]
     """
     max_len = _check_int("max_len", max_len, minimum=1)
     pad_id = _check_int("pad_id", pad_id)
     ignore_index = _check_int("ignore_index", ignore_index)
     _check_choice("policy", policy, _POLICIES)
     _check_choice("strategy", strategy, _STRATEGIES)
+    if not isinstance(split_across_pack, bool):
+        raise TypeError(f"split_across_pack must be a bool, got {split_across_pack!r}")
+    if split_across_pack and policy != "split":
+        raise ValueError(
+            f"split_across_pack=True cuts every sequence at row ends; policy={policy!r} cannot "
+            'apply (leave policy="split", or pass split_across_pack=False)'
+        )
+    if labels is not None and loss_mask is not None:
+        raise ValueError(
+            "pass labels or loss_mask, not both (a loss mask is labels equal to the tokens where "
+            "True and ignore_index where False)"
+        )
     token_lists = _token_lists(sequences)
+    target_lists = None
+    if labels is not None:
+        target_lists = _aligned("labels", labels, token_lists)
+    elif loss_mask is not None:
+        masks = _loss_masks("loss_mask", loss_mask, token_lists)
+        target_lists = [
+            [t if keep else ignore_index for t, keep in zip(seq, mask, strict=True)]
+            for seq, mask in zip(token_lists, masks, strict=True)
+        ]
 
     # Pieces: (sequence index, chunk start inside the sequence, length), in input order.
-    pieces: list[tuple[int, int, int]] = []
-    for i, seq in enumerate(token_lists):
-        if len(seq) > max_len and policy == "reject":
-            raise ValueError(
-                f"sequences[{i}] has {len(seq)} tokens, more than max_len={max_len}; raise "
-                'max_len, shorten the sequence, or pass policy="split" to cut it into chunks'
-            )
-        pieces.extend((i, s, min(max_len, len(seq) - s)) for s in range(0, len(seq), max_len))
-
-    if strategy == "next_fit":
+    if split_across_pack:
+        pieces, rows = _cut_across_rows(token_lists, max_len)
         order = list(range(len(pieces)))
-        rows = _next_fit([p[2] for p in pieces], max_len)
     else:
-        # sorted() is stable: equal lengths keep input order.
-        order = sorted(range(len(pieces)), key=lambda k: -pieces[k][2])
-        fit = _first_fit if strategy == "first_fit_decreasing" else _best_fit
-        rows = fit([pieces[k][2] for k in order], max_len)
+        pieces = []
+        for i, seq in enumerate(token_lists):
+            if len(seq) > max_len and policy == "reject":
+                raise ValueError(
+                    f"sequences[{i}] has {len(seq)} tokens, more than max_len={max_len}; raise "
+                    'max_len, shorten the sequence, or pass policy="split" to cut it into chunks'
+                )
+            pieces.extend((i, s, min(max_len, len(seq) - s)) for s in range(0, len(seq), max_len))
+        if strategy == "next_fit":
+            order = list(range(len(pieces)))
+            rows = _next_fit([p[2] for p in pieces], max_len)
+        else:
+            # sorted() is stable: equal lengths keep input order.
+            order = sorted(range(len(pieces)), key=lambda k: -pieces[k][2])
+            fit = _first_fit if strategy == "first_fit_decreasing" else _best_fit
+            rows = fit([pieces[k][2] for k in order], max_len)
 
     # Lay pieces out in the order they were assigned, so each row's documents sit in that order.
     num_rows = max(rows) + 1
@@ -343,9 +403,13 @@ def pack(
     # Pieces in input order are `flat` split by `piece_lens`: label = next token in the piece,
     # position = offset in the piece; then one scatter puts them all in place.
     flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
+    if target_lists is None:
+        targets = flat
+    else:
+        targets = torch.tensor(list(itertools.chain.from_iterable(target_lists)), dtype=torch.int64)
     piece_lens = torch.tensor([p[2] for p in pieces], dtype=torch.int64)
     piece_ends = torch.cumsum(piece_lens, 0)
-    labels_flat = torch.roll(flat, -1)
+    labels_flat = torch.roll(targets, -1)
     labels_flat[piece_ends - 1] = ignore_index
     positions_flat = torch.arange(len(flat)) - torch.repeat_interleave(
         piece_ends - piece_lens, piece_lens, output_size=len(flat)
@@ -353,16 +417,36 @@ def pack(
     dest = _ranges(torch.tensor(dest_start, dtype=torch.int64), piece_lens)
 
     tokens = torch.full((num_rows * max_len,), pad_id, dtype=torch.int64)
-    labels = torch.full((num_rows * max_len,), ignore_index, dtype=torch.int64)
+    packed_labels = torch.full((num_rows * max_len,), ignore_index, dtype=torch.int64)
     position_ids = torch.zeros(num_rows * max_len, dtype=torch.int64)
     tokens[dest] = flat
-    labels[dest] = labels_flat
+    packed_labels[dest] = labels_flat
     position_ids[dest] = positions_flat
     return PackedBatch(
         tokens=tokens.view(num_rows, max_len),
-        labels=labels.view(num_rows, max_len),
+        labels=packed_labels.view(num_rows, max_len),
         position_ids=position_ids.view(num_rows, max_len),
         seq_lens=seq_lens,
         placement=placement,
         max_len=max_len,
     )
+
+
+def _cut_across_rows(
+    token_lists: list[list[int]], max_len: int
+) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """Sequences end to end in input order, cut at every row end: the pieces and their rows."""
+    pieces: list[tuple[int, int, int]] = []
+    rows: list[int] = []
+    row, fill = 0, 0
+    for i, seq in enumerate(token_lists):
+        start = 0
+        while start < len(seq):
+            if fill == max_len:
+                row, fill = row + 1, 0
+            take = min(max_len - fill, len(seq) - start)
+            pieces.append((i, start, take))
+            rows.append(row)
+            start += take
+            fill += take
+    return pieces, rows

@@ -38,9 +38,11 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _token_list(seq: Any, index: int) -> list[int]:
-    """Validates ``sequences[index]`` and returns it as a list of Python ints."""
-    where = f"sequences[{index}]"
+def _token_list(
+    seq: Any, index: int, name: str = "sequences", *, allow_empty: bool = False
+) -> list[int]:
+    """Validates ``name[index]`` and returns it as a list of Python ints."""
+    where = f"{name}[{index}]"
     if isinstance(seq, (str, bytes)):
         raise TypeError(
             f"{where} is a {type(seq).__name__}; pass token ids (tokenize the text first)"
@@ -84,6 +86,8 @@ def _token_list(seq: Any, index: int) -> list[int]:
             "a 1-d integer tensor"
         )
     if not tokens:
+        if allow_empty:
+            return []
         raise ValueError(f"{where} is empty; every sequence needs at least one token")
     lo, hi = min(tokens), max(tokens)
     if lo < _INT64_MIN or hi > _INT64_MAX:
@@ -105,20 +109,77 @@ def _token_value(token: Any, where: str) -> int:
     )
 
 
-def _token_lists(sequences: Any) -> list[list[int]]:
+def _token_lists(
+    sequences: Any, name: str = "sequences", *, allow_empty: bool = False
+) -> list[list[int]]:
     if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):
         raise TypeError(
-            f"sequences must be an iterable of token sequences, got {type(sequences).__name__}"
+            f"{name} must be an iterable of token sequences, got {type(sequences).__name__}"
         )
     if isinstance(sequences, torch.Tensor) and sequences.dim() < 2:
         raise ValueError(
-            f"sequences is a {sequences.dim()}-d tensor; pass a list of 1-d tensors or a 2-d "
+            f"{name} is a {sequences.dim()}-d tensor; pass a list of 1-d tensors or a 2-d "
             "tensor with one sequence per row (to pack one sequence, pass [tensor])"
         )
-    token_lists = [_token_list(seq, i) for i, seq in enumerate(sequences)]
+    token_lists = [
+        _token_list(seq, i, name, allow_empty=allow_empty) for i, seq in enumerate(sequences)
+    ]
     if not token_lists:
-        raise ValueError("sequences is empty; pass at least one sequence to pack")
+        raise ValueError(f"{name} is empty; pass at least one sequence to pack")
     return token_lists
+
+
+def _aligned(name: str, values: Any, token_lists: list[list[int]]) -> list[list[int]]:
+    """Per-sequence integer lists (labels), one per sequence and each as long as its sequence."""
+    lists = _token_lists(values, name, allow_empty=True)
+    _check_aligned(name, lists, token_lists)
+    return lists
+
+
+def _loss_masks(name: str, values: Any, token_lists: list[list[int]]) -> list[list[bool]]:
+    """Per-sequence masks of bools (or 0/1), one per sequence and each as long as its sequence."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(
+            f"{name} must be an iterable with one mask per sequence, got {type(values).__name__}"
+        )
+    masks = []
+    for i, mask in enumerate(values):
+        where = f"{name}[{i}]"
+        if isinstance(mask, torch.Tensor) or hasattr(mask, "__array__"):
+            mask = torch.as_tensor(mask)
+            if mask.dim() != 1:
+                raise ValueError(f"{where} must be 1-d, got shape {tuple(mask.shape)}")
+            if mask.dtype.is_floating_point or mask.dtype.is_complex:
+                raise TypeError(f"{where} has dtype {mask.dtype}; pass bools (or 0/1 ints)")
+            mask = mask.tolist()
+        elif not isinstance(mask, Sequence) or isinstance(mask, (str, bytes)):
+            raise TypeError(
+                f"{where} is a {type(mask).__name__}; each mask must be a list of bools or a "
+                "1-d bool tensor"
+            )
+        if not set(map(type, mask)) <= {bool, int}:
+            bad = next(v for v in mask if type(v) not in (bool, int))
+            raise TypeError(f"{where} holds {bad!r}; a loss mask holds only True/False (or 1/0)")
+        if not set(mask) <= {0, 1}:  # True == 1 and False == 0
+            bad = next(v for v in mask if v not in (0, 1))
+            raise ValueError(f"{where} holds {bad!r}; a loss mask holds only True/False (or 1/0)")
+        masks.append([bool(v) for v in mask])
+    _check_aligned(name, masks, token_lists)
+    return masks
+
+
+def _check_aligned(name: str, lists: Sequence[Sequence[Any]], token_lists: list[list[int]]) -> None:
+    if len(lists) != len(token_lists):
+        raise ValueError(
+            f"{name} has {len(lists)} entries but there are {len(token_lists)} sequences; pass "
+            "one per sequence"
+        )
+    for i, (values, tokens) in enumerate(zip(lists, token_lists, strict=True)):
+        if len(values) != len(tokens):
+            raise ValueError(
+                f"{name}[{i}] has {len(values)} entries but sequences[{i}] has {len(tokens)} "
+                "tokens; they must be aligned one to one"
+            )
 
 
 # --------------------------------------------------------------------------------------------
