@@ -16,7 +16,17 @@ from flexmask.builder import create_block_mask, same_blocks
 from flexmask.cache import CacheInfo, MaskCache, cache_clear, cache_info, default_cache
 from flexmask.lazy import LazyBlockMask, lazy
 from flexmask.mask import And, Mask, Not, Or
-from flexmask.packing import PackedBatch, PackedDataset, PackingCollator, TreePack, pack, pack_tree
+from flexmask.packing import (
+    PackedBatch,
+    PackedDataset,
+    PackingCollator,
+    SequenceLogProbs,
+    TreeBatch,
+    TreePack,
+    pack,
+    pack_tree,
+    pack_trees,
+)
 from flexmask.pieces import (
     causal,
     document,
@@ -39,9 +49,12 @@ __all__ = [
     "PackedBatch",
     "PackedDataset",
     "PackingCollator",
+    "SequenceLogProbs",
+    "TreeBatch",
     "TreePack",
     "pack",
     "pack_tree",
+    "pack_trees",
     "MaskCache",
     "cache_clear",
     "cache_info",

@@ -16,6 +16,7 @@ the process that uses it (see :class:`PackingCollator`).
 
 from flexmask.packing.documents import Chunk, PackedBatch, pack
 from flexmask.packing.loader import PackedDataset, PackingCollator
+from flexmask.packing.rl import SequenceLogProbs, TreeBatch, pack_trees
 from flexmask.packing.trie import TreePack, pack_tree
 
 __all__ = [
@@ -23,7 +24,10 @@ __all__ = [
     "PackedBatch",
     "PackedDataset",
     "PackingCollator",
+    "SequenceLogProbs",
+    "TreeBatch",
     "TreePack",
     "pack",
     "pack_tree",
+    "pack_trees",
 ]

@@ -214,6 +214,34 @@ def pack_tree(
                 f"tokens; pass pad_to >= {num_tokens} or None"
             )
 
+    flat_tokens, parents, depths, paths = _lay_out(root, token_lists)
+    num_tokens = len(flat_tokens)
+
+    length = num_tokens if pad_to is None else pad_to
+    tokens = torch.full((length,), pad_id, dtype=torch.int64)
+    tokens[:num_tokens] = flat_tokens
+    position_ids = torch.zeros(length, dtype=torch.int64)
+    position_ids[:num_tokens] = depths
+    offsets = [0, *itertools.accumulate(map(len, token_lists))]
+    return TreePack(
+        tokens=tokens,
+        parents=parents,
+        position_ids=position_ids,
+        num_tokens=num_tokens,
+        unpacked_tokens=offsets[-1],
+        _paths=paths,
+        _path_offsets=offsets,
+    )
+
+
+def _lay_out(
+    root: _Edge, token_lists: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The trie in preorder: every node's token, parent and depth, and every sequence's path.
+
+    Returns ``(tokens, parents, depths, paths)``: ``paths`` holds the positions of each
+    sequence's tokens, sequences one after another in input order.
+    """
     # Preorder over edges (iterative: paths can be far deeper than the recursion limit). An
     # edge's tokens are a chain, so each edge is one contiguous run of the token layout.
     runs: list[list[int]] = []
@@ -249,23 +277,11 @@ def pack_tree(
         for edge, take in _walk(root, seq):
             path_starts.append(edge.start)
             path_lens.append(take)
-    paths = _ranges(torch.tensor(path_starts), torch.tensor(path_lens))
-
-    length = num_tokens if pad_to is None else pad_to
-    tokens = torch.full((length,), pad_id, dtype=torch.int64)
-    tokens[:num_tokens] = torch.tensor(list(itertools.chain.from_iterable(runs)))
-    position_ids = torch.zeros(length, dtype=torch.int64)
-    position_ids[:num_tokens] = depths
-    offsets = [0, *itertools.accumulate(map(len, token_lists))]
-    return TreePack(
-        tokens=tokens,
-        parents=parents,
-        position_ids=position_ids,
-        num_tokens=num_tokens,
-        unpacked_tokens=offsets[-1],
-        _paths=paths,
-        _path_offsets=offsets,
+    paths = _ranges(
+        torch.tensor(path_starts, dtype=torch.int64), torch.tensor(path_lens, dtype=torch.int64)
     )
+    tokens = torch.tensor(list(itertools.chain.from_iterable(runs)), dtype=torch.int64)
+    return tokens, parents, depths, paths
 
 
 class _Edge:
@@ -334,3 +350,18 @@ def _walk(root: _Edge, seq: list[int]) -> Iterator[tuple[_Edge, int]]:
         take = min(len(node.tokens), len(seq) - at)
         yield node, take
         at += take
+
+
+def _shared(root: _Edge, seq: list[int]) -> int:
+    """How many leading tokens of ``seq`` the trie already holds (the nodes it would reuse)."""
+    node, at = root, 0
+    while at < len(seq):
+        child = node.children.get(seq[at])
+        if child is None:
+            return at
+        matched = _matching(child.tokens, seq, at)
+        at += matched
+        if matched < len(child.tokens):
+            return at
+        node = child
+    return at
