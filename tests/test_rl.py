@@ -257,3 +257,31 @@ def test_log_probs_rejects_bad_logits_and_temperature():
         with pytest.raises(ValueError, match="temperature must be a number > 0"):
             batch.log_probs(torch.zeros(1, 4, 5), temperature=bad)
     assert np.isfinite(batch.log_probs(torch.zeros(1, 4, 5)).log_probs.numpy()).all()
+
+
+@FAST
+@given(data=groups(vocab=5), step=st.integers(1, 3))
+def test_micro_batches_of_rows_add_up_to_the_whole_batch(data, step):
+    sequences, prompt_lens = data
+    budget = max(max(map(len, sequences), default=1), 1) + 1
+    batch = pack_trees(sequences, budget, prompt_lens=prompt_lens, num_rows=2)
+    logits = torch.randn(batch.num_rows, budget, 5)
+    whole = batch.log_probs(logits, entropy=True)
+    parts = [
+        batch.log_probs(logits[a : a + step], entropy=True, rows=slice(a, a + step))
+        for a in range(0, batch.num_rows, step)
+    ]
+    torch.testing.assert_close(sum(p.log_probs for p in parts), whole.log_probs)
+    torch.testing.assert_close(sum(p.entropy for p in parts), whole.entropy)
+    assert torch.equal(sum(p.mask.int() for p in parts), whole.mask.int())
+    for a, part in zip(range(0, batch.num_rows, step), parts, strict=True):
+        inside = [a <= r < a + step for r in batch.row_of]
+        assert not part.mask[[not x for x in inside]].any()
+
+
+def test_rows_must_be_a_plain_slice_matching_the_logits():
+    batch = pack_trees([[1, 2], [3, 4]], 2)
+    with pytest.raises(TypeError, match="rows must be a slice"):
+        batch.log_probs(torch.zeros(1, 2, 5), rows=1)
+    with pytest.raises(ValueError, match=r"\(1, 2, V\)"):
+        batch.log_probs(torch.zeros(2, 2, 5), rows=slice(1, 2))

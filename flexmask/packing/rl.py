@@ -170,7 +170,11 @@ class TreeBatch:
         return list(gathered.split(lengths))
 
     def log_probs(
-        self, logits: torch.Tensor, temperature: float = 1.0, entropy: bool = False
+        self,
+        logits: torch.Tensor,
+        temperature: float = 1.0,
+        entropy: bool = False,
+        rows: slice | None = None,
     ) -> SequenceLogProbs:
         """Every sequence's trained-token log-probs (and entropies) from the packed logits.
 
@@ -181,10 +185,14 @@ class TreeBatch:
         logits' dtype.
 
         Args:
-            logits: ``(B, max_tokens, V)`` model output for :attr:`tokens`.
+            logits: ``(B, max_tokens, V)`` model output for :attr:`tokens`, or for the rows
+                ``rows`` selects.
             temperature: the sampling temperature; logits are divided by it first, as the
                 sampler did, so the log-probs are those of the policy that sampled.
             entropy: also return the entropy of each predicting distribution.
+            rows: a micro-batch: ``logits`` cover only ``tokens[rows]`` (a ``slice`` of
+                rows, step 1). Sequences of other rows come back as all-masked zero rows,
+                so summing the micro-batches' losses gives the whole batch's.
 
         Returns:
             A :class:`SequenceLogProbs` of shape ``(num_sequences, T)``, ``T`` the most
@@ -209,9 +217,15 @@ class TreeBatch:
                     else type(logits).__name__
                 )
             )
-        if tuple(logits.shape[:2]) != (self.num_rows, self.max_tokens):
+        first, stop = 0, self.num_rows
+        if rows is not None:
+            if not isinstance(rows, slice) or rows.step not in (None, 1):
+                raise TypeError(f"rows must be a slice of rows with step 1, got {rows!r}")
+            first, stop, _ = rows.indices(self.num_rows)
+            stop = max(first, stop)
+        if tuple(logits.shape[:2]) != (stop - first, self.max_tokens):
             raise ValueError(
-                f"logits must have shape (B, max_tokens, V) = ({self.num_rows}, "
+                f"logits must have shape (B, max_tokens, V) = ({stop - first}, "
                 f"{self.max_tokens}, V), got {tuple(logits.shape)}"
             )
         if (
@@ -226,14 +240,25 @@ class TreeBatch:
                 f"{self._max_target}; pass logits over the whole vocabulary"
             )
         device = logits.device
-        scaled = logits.flatten(0, 1).index_select(0, self._predictor.to(device)).float()
+        predictor, inverse = self._predictor, self._predictor_inverse
+        target, target_row, target_col = self._target, self._target_row, self._target_col
+        if (first, stop) != (0, self.num_rows):
+            # Keep the targets predicted inside the micro-batch's rows (a sequence lives in
+            # one row, so whole sequences are kept or dropped).
+            lo, hi = first * self.max_tokens, stop * self.max_tokens
+            kept_positions = (predictor >= lo) & (predictor < hi)
+            kept = kept_positions[inverse]
+            renumber = torch.cumsum(kept_positions, 0) - 1
+            predictor, inverse = predictor[kept_positions] - lo, renumber[inverse[kept]]
+            target, target_row, target_col = target[kept], target_row[kept], target_col[kept]
+        scaled = logits.flatten(0, 1).index_select(0, predictor.to(device)).float()
         if temperature != 1.0:
             scaled = scaled / temperature
         log_z = scaled.logsumexp(-1)
-        inverse = self._predictor_inverse.to(device)
-        picked = scaled[inverse, self._target.to(device)] - log_z[inverse]
+        inverse = inverse.to(device)
+        picked = scaled[inverse, target.to(device)] - log_z[inverse]
         shape = (self.num_sequences, self._width)
-        where = (self._target_row.to(device), self._target_col.to(device))
+        where = (target_row.to(device), target_col.to(device))
         log_probs = picked.new_zeros(shape).index_put(where, picked)
         mask = torch.zeros(shape, dtype=torch.bool, device=device).index_put(
             where, torch.ones_like(picked, dtype=torch.bool)
