@@ -233,3 +233,28 @@ def test_packed_prompt_masked_loss_equals_each_sequence_alone():
         target = torch.where(mask, seq, -100)[1:]
         alone = alone + F.cross_entropy(out[:-1], target, reduction="sum")
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-6)
+
+
+def test_collator_and_dataset_carry_labels_from_mapping_items():
+    from torch.utils.data import DataLoader
+
+    from flexmask.packing import PackedDataset, PackingCollator
+
+    items = [
+        {"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]},
+        {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
+        {"input_ids": [8, 9], "labels": [-100, 9]},
+    ]
+    expected = pack(
+        [it["input_ids"] for it in items], 6, labels=[it["labels"] for it in items]
+    ).labels
+    collate = PackingCollator(6, key="input_ids", labels_key="labels")
+    batch = next(iter(DataLoader(items, batch_size=3, collate_fn=collate)))
+    assert torch.equal(batch.labels, expected)
+    masks = [dict(it, mask=[lab != -100 for lab in it["labels"]]) for it in items]
+    streamed = list(PackedDataset(masks, 6, buffer_size=3, key="input_ids", loss_mask_key="mask"))
+    assert len(streamed) == 1 and torch.equal(streamed[0].labels, expected)
+    with pytest.raises(ValueError, match="pass key= too"):
+        PackingCollator(6, labels_key="labels")
+    with pytest.raises(ValueError, match="not both"):
+        PackingCollator(6, key="input_ids", labels_key="labels", loss_mask_key="mask")

@@ -35,7 +35,10 @@ class PackingCollator:
         block_size: the BlockMask's ``BLOCK_SIZE``.
         key: when dataset items are mappings (e.g. ``{"input_ids": [...]}``), the key holding
             the tokens; ``None`` means items are token sequences themselves.
-        policy, pad_id, ignore_index, strategy: passed to :func:`pack`.
+        policy, pad_id, ignore_index, strategy, split_across_pack: passed to :func:`pack`.
+        labels_key, loss_mask_key: with ``key``, the item keys holding per-token ``labels``
+            or a ``loss_mask`` (see :func:`pack`; at most one), e.g. for SFT items
+            ``{"input_ids": [...], "labels": [...]}``.
 
     Example:
         >>> from flexmask.packing import PackingCollator
@@ -59,6 +62,9 @@ class PackingCollator:
         pad_id: int = 0,
         ignore_index: int = -100,
         strategy: Strategy = "first_fit_decreasing",
+        labels_key: str | None = None,
+        loss_mask_key: str | None = None,
+        split_across_pack: bool = False,
     ) -> None:
         # Validated here so a bad setting fails at construction, not later inside a worker.
         self.max_len = _check_int("max_len", max_len, minimum=1)
@@ -70,8 +76,27 @@ class PackingCollator:
         self.pad_id = _check_int("pad_id", pad_id)
         self.ignore_index = _check_int("ignore_index", ignore_index)
         self.strategy = _check_choice("strategy", strategy, _STRATEGIES)
+        if (labels_key or loss_mask_key) and key is None:
+            raise ValueError(
+                "labels_key/loss_mask_key read mapping items: pass key= too (e.g. "
+                "key='input_ids', labels_key='labels')"
+            )
+        if labels_key and loss_mask_key:
+            raise ValueError("pass labels_key or loss_mask_key, not both")
+        if not isinstance(split_across_pack, bool):
+            raise TypeError(f"split_across_pack must be a bool, got {split_across_pack!r}")
+        self.labels_key = labels_key
+        self.loss_mask_key = loss_mask_key
+        self.split_across_pack = split_across_pack
 
     def __call__(self, items: Sequence[Any]) -> PackedBatch:
+        targets: dict[str, Any] = {}
+        if self.labels_key is not None:
+            targets["labels"] = [_select(item, self.labels_key, j) for j, item in enumerate(items)]
+        if self.loss_mask_key is not None:
+            targets["loss_mask"] = [
+                _select(item, self.loss_mask_key, j) for j, item in enumerate(items)
+            ]
         if self.key is not None:
             items = [_select(item, self.key, j) for j, item in enumerate(items)]
         batch = pack(
@@ -81,6 +106,8 @@ class PackingCollator:
             pad_id=self.pad_id,
             ignore_index=self.ignore_index,
             strategy=self.strategy,  # type: ignore[arg-type]
+            split_across_pack=self.split_across_pack,
+            **targets,
         )
         handle = batch.lazy(self.num_heads, self.device, self.block_size)
         return dataclasses.replace(batch, handle=handle)
@@ -116,8 +143,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
         sequences: an iterable of token sequences (or of mappings, with ``key``).
         max_len: row length, see :func:`pack`.
         buffer_size: sequences packed together; more gives tighter packing and bigger batches.
-        num_heads, device, block_size, key, policy, pad_id, ignore_index, strategy: as in
-            :class:`PackingCollator`.
+        num_heads, device, block_size, key, policy, pad_id, ignore_index, strategy,
+            labels_key, loss_mask_key, split_across_pack: as in :class:`PackingCollator`.
 
     Example:
         >>> from flexmask.packing import PackedDataset
@@ -141,6 +168,9 @@ class PackedDataset(torch.utils.data.IterableDataset):
         pad_id: int = 0,
         ignore_index: int = -100,
         strategy: Strategy = "first_fit_decreasing",
+        labels_key: str | None = None,
+        loss_mask_key: str | None = None,
+        split_across_pack: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):
@@ -159,6 +189,9 @@ class PackedDataset(torch.utils.data.IterableDataset):
             pad_id=pad_id,
             ignore_index=ignore_index,
             strategy=strategy,
+            labels_key=labels_key,
+            loss_mask_key=loss_mask_key,
+            split_across_pack=split_across_pack,
         )
 
     def __iter__(self) -> Iterator[PackedBatch]:
