@@ -29,10 +29,9 @@ from cachetools import LRUCache
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask import pieces
+from flexmask import create_block_mask, pieces
 from flexmask._validate import digest
 from flexmask.attention import flex_attention
-from flexmask.builder import create_block_mask
 from flexmask.lazy import LazyBlockMask
 from flexmask.mask import Mask
 from flexmask.packing import PackedBatch, TreeBatch, TreePack
