@@ -30,6 +30,7 @@ from flexmask.mask import And, Mask, MaskMod, Not, Or
 # Undecided tiles are processed this many elements at a time (1 Mi per intermediate).
 REFINE_CHUNK_ELEMENTS = 1 << 20
 
+
 class Classified(NamedTuple):
     """Final tile codes (EMPTY / PARTIAL / FULL) and how many tiles needed evaluation."""
 
@@ -37,6 +38,7 @@ class Classified(NamedTuple):
     """(R, Hh, nq, nkv) int8, R = B if the mask depends on the row else 1; Hh likewise."""
     refined: int
     """Tiles the structure left undecided and the mask_mod was evaluated on."""
+
 
 def classify(mask: Mask, grid: BlockGrid) -> Tensor:
     """Block codes of every tile from structure, broadcastable to (rows, heads, nq, nkv):
@@ -61,6 +63,7 @@ def classify(mask: Mask, grid: BlockGrid) -> Tensor:
             refine_by_intervals(codes, (codes == UNDECIDED).nonzero(), mask, grid)
         return codes
     return mask._classify(grid)  # type: ignore[attr-defined]
+
 
 def classify_blocks(mask: Mask, grid: BlockGrid) -> Classified:
     """Every tile's final code: structure first, the mask_mod only on undecided tiles."""
@@ -93,6 +96,7 @@ def refine_by_evaluation(codes: Tensor, tiles: Tensor, evaluate: MaskMod, grid: 
         for chunk in torch.split(part, per_chunk):
             codes[tuple(chunk.unbind(1))] = _evaluate_tiles(chunk, evaluate, grid, clip)
 
+
 def refine_by_intervals(codes: Tensor, tiles: Tensor, mask: Mask, grid: BlockGrid) -> None:
     """Exact codes of undecided tiles from each query's kv interval: O(q_block) per tile.
 
@@ -118,6 +122,7 @@ def refine_by_intervals(codes: Tensor, tiles: Tensor, mask: Mask, grid: BlockGri
         some, every = meets.any(1), covers.all(1)
         code = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(CODE_DTYPE)
         codes[tuple(chunk.unbind(1))] = code
+
 
 def _evaluate_tiles(chunk: Tensor, evaluate: MaskMod, grid: BlockGrid, clip: bool) -> Tensor:
     """Codes of k tiles from one evaluation on (k, q_block, kv_block) broadcasting indices."""

@@ -17,6 +17,7 @@ from flexmask.build.codes import FULL, PARTIAL
 from flexmask.build.grid import BlockGrid
 from flexmask.mask import MaskMod
 
+
 class Ordered(NamedTuple):
     """torch's tensors of one side of a BlockMask: counts ``(..., n)`` and indices
     ``(..., n, m)`` of the partial blocks, then of the full ones; int32."""
@@ -25,6 +26,7 @@ class Ordered(NamedTuple):
     partial_idx: Tensor
     full_num: Tensor
     full_idx: Tensor
+
 
 def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """(num_blocks, indices) of a bool grid, byte-identical to torch's stable argsort order:
@@ -41,6 +43,7 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     indices.scatter_(-1, rank, (col1 - 1).expand(blocks.shape))
     return count.squeeze(-1).contiguous(), indices
 
+
 def ordered_from_codes(codes: Tensor) -> tuple[Ordered, Ordered]:
     """torch's (kv side, q side) ordered tensors from final tile codes ``(R, Hh, nq, nkv)``."""
     partial = codes == PARTIAL
@@ -51,6 +54,7 @@ def ordered_from_codes(codes: Tensor) -> tuple[Ordered, Ordered]:
         *_ordered(full.transpose(-2, -1).contiguous()),
     )
     return kv, q
+
 
 def empty_sides(rows: int, heads: int, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     """A grid with no q or no kv blocks (Q_LEN or KV_LEN 0): nothing listed; every line is
@@ -68,6 +72,7 @@ def empty_sides(rows: int, heads: int, grid: BlockGrid) -> tuple[Ordered, Ordere
         Ordered(kv_num, kv_idx, kv_num.clone(), kv_idx.clone()),
         Ordered(q_num, q_idx, q_num.clone(), q_idx.clone()),
     )
+
 
 def assemble(kv: Ordered, q: Ordered, grid: BlockGrid, mask_mod: MaskMod) -> BlockMask:
     """torch's BlockMask from both sides' ordered tensors, each ``(B, H, ...)`` contiguous
