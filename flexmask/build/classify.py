@@ -2,10 +2,11 @@
 
 Leaves (pieces) classify their own tiles (``Piece._classify``); ``&``, ``|`` and ``~`` combine
 codes here. A sub-expression with monotone intervals (an ``&`` of interval pieces inside a
-union, say) takes its exact codes from its closed-form row runs instead. Tiles two partial codes leave UNDECIDED are refined at a cost proportional to
-their count, cheapest first: when the expression (or an ``&`` inside it) has one kv interval
-per query, from those intervals — O(q_block) per tile; otherwise by evaluating the mask on
-those tiles alone — O(q_block * kv_block) per tile, never the whole Q×KV grid.
+union, say) takes its exact codes from its closed-form row runs instead. Tiles two partial
+codes leave UNDECIDED are refined at a cost proportional to their count, cheapest first: when
+the expression (or an ``&`` inside it) has one kv interval per query, from those intervals —
+O(q_block) per tile; otherwise by evaluating the mask on those tiles alone —
+O(q_block * kv_block) per tile, never the whole Q×KV grid.
 """
 
 from __future__ import annotations
