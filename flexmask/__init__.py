@@ -27,16 +27,29 @@ from flexmask.context_parallel import (
 from flexmask.inference import DecodeMasks, decode_mask, speculative_tree
 from flexmask.lazy import LazyBlockMask, lazy
 from flexmask.mask import And, Mask, Not, Or
-from flexmask.packing import PackedBatch, PackedDataset, PackingCollator, TreePack, pack, pack_tree
+from flexmask.packing import (
+    PackedBatch,
+    PackedDataset,
+    PackingCollator,
+    SequenceLogProbs,
+    TreeBatch,
+    TreePack,
+    pack,
+    pack_tree,
+    pack_trees,
+)
 from flexmask.pieces import (
     causal,
+    chunked,
     document,
     empty,
     from_mask_mod,
     full,
     padding,
+    per_head,
     prefix,
     sliding_window,
+    spans,
     tree,
 )
 from flexmask.plot import plot
@@ -61,9 +74,12 @@ __all__ = [
     "PackedBatch",
     "PackedDataset",
     "PackingCollator",
+    "SequenceLogProbs",
+    "TreeBatch",
     "TreePack",
     "pack",
     "pack_tree",
+    "pack_trees",
     "MaskCache",
     "cache_clear",
     "cache_info",
@@ -76,6 +92,7 @@ __all__ = [
     "Not",
     "Or",
     "causal",
+    "chunked",
     "create_block_mask",
     "same_blocks",
     "document",
@@ -83,8 +100,10 @@ __all__ = [
     "from_mask_mod",
     "full",
     "padding",
+    "per_head",
     "plot",
     "prefix",
     "sliding_window",
+    "spans",
     "tree",
 ]

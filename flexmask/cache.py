@@ -185,6 +185,14 @@ class MaskCache:
         with self._lock:
             return len(self._data)
 
+    def __repr__(self) -> str:
+        info = self.info()
+        return (
+            f"MaskCache(maxsize={info.maxsize}, maxbytes={info.maxbytes}, "
+            f"entries={info.entries}, bytes={info.bytes}, hits={info.hits}, "
+            f"misses={info.misses})"
+        )
+
     def info(self) -> CacheInfo:
         """Hits, misses, evictions (by the bounds), entries and bytes held, and entries
         discarded (by ``discard``)."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
@@ -64,8 +63,8 @@ def _tile(block: int, total: int, local_end: int, q: tuple, kv: tuple) -> int:
     values = [block]
     for (local, orig, lengths), end in ((q, local_end), (kv, total)):
         ends_both = (orig + lengths == total) & (local + lengths == end)
-        values += [local.numpy(), orig.numpy(), lengths[~ends_both].numpy()]
-    return int(np.gcd.reduce(np.concatenate([np.atleast_1d(np.asarray(v)) for v in values])))
+        values += local.tolist() + orig.tolist() + lengths[~ends_both].tolist()
+    return math.gcd(*values)  # plain ints: numpy is not a dependency
 
 
 def _dense(num: Tensor, indices: Tensor, n: int) -> Tensor:
