@@ -17,6 +17,8 @@ factor).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,10 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask.build.closed_form import Runs, _expand_runs, _line_runs, row_runs
 from flexmask.build.create import create_block_mask
+from flexmask.build.grid import BlockGrid, make_grid
+from flexmask.build.write import Ordered
 from flexmask.mask import Mask
 
 
@@ -58,11 +63,14 @@ def runs(perm: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return local, perm.cpu()[local], lengths
 
 
-def _tile(block: int, total: int, local_end: int, q: tuple, kv: tuple) -> int:
+def _tile(block: int, total: int, local_end: int, q: tuple | None, kv: tuple | None) -> int:
     """The largest tile dividing ``block`` and every run boundary (a run that ends at the end
     in both orders may end mid-tile: the last tile is cut there in both)."""
     values = [block]
-    for (local, orig, lengths), end in ((q, local_end), (kv, total)):
+    for run, end in ((q, local_end), (kv, total)):
+        if run is None:
+            continue
+        local, orig, lengths = run
         ends_both = (orig + lengths == total) & (local + lengths == end)
         values += [local.numpy(), orig.numpy(), lengths[~ends_both].numpy()]
     return int(np.gcd.reduce(np.concatenate([np.atleast_1d(np.asarray(v)) for v in values])))
@@ -89,32 +97,199 @@ def ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
     return num.contiguous(), indices
 
 
-def _row_grids(
+@dataclass(frozen=True)
+class KeyOrder:
+    """The gathered keys of one permutation row: the same on every rank, so built once per
+    balancer (``flexmask.context_parallel.core`` caches it with the permutation).
+
+    Attributes:
+        perm: the permutation row (int64, CPU); runs: its runs (``runs``).
+        blocks: where the runs fall on block boundaries (but at the very end), the original
+            kv block of each permuted block; else None.
+        segments: then the runs in blocks: (permuted start, original start, length).
+    """
+
+    perm: Tensor
+    runs: tuple[Tensor, Tensor, Tensor]
+    blocks: Tensor | None
+    segments: tuple[Tensor, Tensor, Tensor] | None
+
+    @classmethod
+    def of(cls, perm: Tensor, block: int) -> KeyOrder:
+        kv_runs = runs(perm)
+        total = perm.numel()
+        if _tile(block, total, total, None, kv_runs) != block:
+            return cls(perm, kv_runs, None, None)
+        blocks = perm[::block].div(block, rounding_mode="floor")
+        return cls(perm, kv_runs, blocks, runs(blocks))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where one permutation row puts rank ``rank``'s queries, against its ``keys``.
+
+    ``aligned``: every run of the rows and of the keys starts and ends on a block boundary
+    (but at the very end) and the rank's query blocks ascend in the original order. Then
+    local q block ``i`` is original block ``q_blocks[i]``.
+    """
+
+    q_runs: tuple[Tensor, Tensor, Tensor]
+    tile: int
+    keys: KeyOrder
+    q_blocks: Tensor | None = None
+
+    @property
+    def aligned(self) -> bool:
+        return self.q_blocks is not None
+
+    @classmethod
+    def of(cls, keys: KeyOrder, rank: int, world: int, block: int) -> _Layout:
+        total = keys.perm.numel()
+        local_len = total // world
+        q_perm = keys.perm[rank * local_len : (rank + 1) * local_len]
+        q_runs = runs(q_perm)
+        tile = _tile(block, total, local_len, q_runs, keys.runs)
+        if tile != block:
+            return cls(q_runs, tile, keys)
+        q_blocks = q_perm[::block].div(block, rounding_mode="floor")
+        if q_blocks.numel() > 1 and not bool((q_blocks[1:] > q_blocks[:-1]).all()):
+            return cls(q_runs, tile, keys)
+        return cls(q_runs, tile, keys, q_blocks)
+
+
+def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
+    """Both sides of an aligned shard of a closed-form mask, from the runs of its rows.
+
+    The rank's query blocks, ascending, are a grid of their own (``closed_form.row_runs``
+    needs only rows in ascending order: the intervals stay monotone along any subset of
+    them). Each row's non-empty and full runs of original kv blocks cut every key segment
+    into at most two partial runs and one full run in permuted order; each permuted kv
+    column's rows are two binary searches, as in ``closed_form.column_runs``. Both sides
+    are then runs laid end to end, expanded in one pass: no tile grid, no mask evaluation,
+    O(rank's blocks) plus the runs.
+    """
+    keys = layout.keys
+    assert layout.q_blocks is not None and keys.blocks is not None and keys.segments is not None
+    q_first = (layout.q_blocks * whole.q_block).to(whole.device)
+    q_last = torch.clamp(q_first + (whole.q_block - 1), max=whole.q_len - 1)
+    grid = replace(
+        whole, q_first=q_first.view(1, 1, -1, 1), q_last=q_last.view(1, 1, -1, 1), refined=[0]
+    )
+    row = row_runs(mask, grid)  # (R, nq local) runs of original kv blocks
+    rows, nq = row.first.shape
+    nkv = whole.num_kv_blocks
+    kv_blocks = keys.blocks.to(whole.device)
+    kv_p, kv_f = (
+        torch.empty((rows, nq, nkv), dtype=torch.int32, device=whole.device) for _ in range(2)
+    )
+    q_p, q_f = (
+        torch.empty((rows, nkv, nq), dtype=torch.int32, device=whole.device) for _ in range(2)
+    )
+    num_segments = keys.segments[0].numel()
+    if 8 * num_segments <= nkv:
+        (kv_ps, kv_pl), (kv_fs, kv_fl) = _segment_line_runs(row, keys.segments, whole.device)
+        _expand_runs(kv_p.view(-1), kv_ps, kv_pl)
+        _expand_runs(kv_f.view(-1), kv_fs, kv_fl)
+        kv_counts = (
+            kv_pl[..., : 2 * num_segments].sum(-1, dtype=torch.int32),
+            kv_fl[..., :num_segments].sum(-1, dtype=torch.int32),
+        )
+    else:  # keys cut into many segments: one compare per element beats runs per segment
+        c = kv_blocks.view(1, 1, nkv)
+        full = (row.full_first.unsqueeze(-1) <= c) & (c <= row.full_last.unsqueeze(-1))
+        some = (row.first.unsqueeze(-1) <= c) & (c <= row.last.unsqueeze(-1))
+        num_p, kv_p = ordered(some & ~full)
+        num_f, kv_f = ordered(full)
+        kv_counts = (num_p, num_f)
+    # Column j is original kv block kv_blocks[j]: its rows are ranges (row runs ascend).
+    c = kv_blocks.view(1, nkv).expand(rows, nkv).contiguous()
+    columns = Runs(
+        torch.searchsorted(row.last.contiguous(), c),
+        torch.searchsorted(row.first.contiguous(), c, right=True).sub_(1),
+        torch.searchsorted(row.full_last.contiguous(), c),
+        torch.searchsorted(row.full_first.contiguous(), c, right=True).sub_(1),
+    )
+    (q_ps, q_pl), (q_fs, q_fl) = _line_runs(Runs(*(t.reshape(-1) for t in columns)), nq)
+    _expand_runs(q_p.view(-1), q_ps, q_pl)
+    _expand_runs(q_f.view(-1), q_fs, q_fl)
+    q_counts = (
+        q_pl[:, :2].sum(1, dtype=torch.int32).view(rows, nkv),
+        q_fl[:, 0].to(torch.int32).view(rows, nkv),
+    )
+    return (
+        Ordered(
+            kv_counts[0].view(rows, 1, nq),
+            kv_p.view(rows, 1, nq, nkv),
+            kv_counts[1].view(rows, 1, nq),
+            kv_f.view(rows, 1, nq, nkv),
+        ),
+        Ordered(
+            q_counts[0].view(rows, 1, nkv),
+            q_p.view(rows, 1, nkv, nq),
+            q_counts[1].view(rows, 1, nkv),
+            q_f.view(rows, 1, nkv, nq),
+        ),
+    )
+
+
+def _segment_line_runs(
+    row: Runs, segments: tuple[Tensor, Tensor, Tensor], device: torch.device
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """Each kv-side line as runs in permuted order, torch's: the partial blocks of every
+    segment (two runs each), then the unset ones (three each); the full blocks (one run
+    each), then the rest (two each). ``row``'s runs are of original blocks; a segment holds
+    original blocks ``[orig, orig + length)`` at permuted ``[start, start + length)``."""
+    start, orig, length = (t.to(device).view(1, 1, -1) for t in segments)
+    last_in = length - 1
+    a = (row.first.unsqueeze(-1) - orig).clamp_(min=0)
+    z = torch.minimum(row.last.unsqueeze(-1) - orig, last_in)
+    fa = (row.full_first.unsqueeze(-1) - orig).clamp_(min=0)
+    fz = torch.minimum(row.full_last.unsqueeze(-1) - orig, last_in)
+    # An empty run is [0, -1]; an empty full run sits just past the non-empty one, so that
+    # the partial blocks are [a, fa) and (fz, z] and the unset ones [0, a), [fa, fz], (z, L).
+    some, has_full = a <= z, fa <= fz
+    a, z = torch.where(some, a, 0), torch.where(some, z, -1)
+    fa, fz = torch.where(has_full, fa, z + 1), torch.where(has_full, fz, z)
+    full_len = fz - fa + 1
+
+    def laid(listed: list[tuple[Tensor, Tensor]], unlisted: list[tuple[Tensor, Tensor]]):
+        # (R, nq, segments, runs) flattened: segment by segment, the listed ones first.
+        return tuple(
+            torch.cat([torch.stack([r[k] for r in group], -1).flatten(-2) for group in parts], -1)
+            for k in range(2)
+            for parts in [(listed, unlisted)]
+        )
+
+    partial = laid(
+        [(a + start, fa - a), (fz + 1 + start, z - fz)],
+        [(start.expand_as(a), a), (fa + start, full_len), (z + 1 + start, last_in - z)],
+    )
+    full = laid(
+        [(fa + start, full_len)],
+        [(start.expand_as(a), fa), (fz + 1 + start, last_in - fz)],
+    )
+    return partial, full
+
+
+def _tile_sides(
     mask: Mask,
     B: int | None,
     H: int | None,
     perm: Tensor,
-    rank: int,
-    world: int,
+    layout: _Layout,
     block: int,
     device: torch.device,
-    row: int | None,
-) -> tuple[Tensor, Tensor]:
-    """(partial, full) bool grids of one permutation row: (rows, heads, n_q, n_kv) at block."""
-    total = perm.numel()
-    local_len = total // world
-    q_perm = perm[rank * local_len : (rank + 1) * local_len]
-    q_runs, kv_runs = runs(q_perm), runs(perm)
-    tile = _tile(block, total, local_len, q_runs, kv_runs)
+) -> tuple[Ordered, Ordered]:
+    """Both sides from tile grids: one offset build per query run at the layout's tile, key
+    tiles re-ordered by the permutation, tiles read back as blocks: (R, heads, ...)."""
+    total, tile = perm.numel(), layout.tile
     full_parts, some_parts = [], []
-    for start, length in zip(q_runs[1].tolist(), q_runs[2].tolist(), strict=False):
+    for start, length in zip(layout.q_runs[1].tolist(), layout.q_runs[2].tolist(), strict=False):
         bm = create_block_mask(mask, B, H, length, total, device, tile, q_offset=start)
         n_kv = bm.kv_indices.shape[-1]
         full = _dense(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv)
         some = _dense(bm.kv_num_blocks, bm.kv_indices, n_kv) | full
-        if row is not None:
-            full, some = full[row : row + 1], some[row : row + 1]
-        elif not mask.batch_dependent:  # B reduced to 1 where the mask ignores it
+        if not mask.batch_dependent:  # B reduced to 1 where the mask ignores it
             full, some = full[:1], some[:1]
         if not mask.head_dependent:
             full, some = full[:, :1], some[:, :1]
@@ -126,7 +301,10 @@ def _row_grids(
     full, some = full[..., kv_tiles], some[..., kv_tiles]
     if tile != block:
         full, some = _coarsen(full, tile, block), _coarsen(some, tile, block, any_=True)
-    return some & ~full, full
+    partial = some & ~full
+    kv = Ordered(*ordered(partial), *ordered(full))
+    q = Ordered(*ordered(partial.transpose(-2, -1)), *ordered(full.transpose(-2, -1)))
+    return kv, q
 
 
 def _coarsen(grid: Tensor, tile: int, block: int, any_: bool = False) -> Tensor:
@@ -148,47 +326,49 @@ def build_shard(
     world: int,
     block: int,
     device: torch.device,
+    keys: Sequence[KeyOrder] | None = None,
 ) -> BlockMask:
-    """The BlockMask of rank ``rank``'s rows of ``mask`` under the permutation ``indices``."""
+    """The BlockMask of rank ``rank``'s rows of ``mask`` under the permutation ``indices``
+    (``keys``: its rows' ``KeyOrder``s at ``block``, if already made)."""
     total = indices.shape[-1]
-    if indices.shape[0] == 1:
-        partial, full = _row_grids(mask, B, H, indices[0], rank, world, block, device, None)
-    else:
-        grids = [
-            _row_grids(
-                mask,
-                B,
-                H,
-                indices[row],
-                rank,
-                world,
-                block,
-                device,
-                row if mask.batch_dependent else 0,
-            )
-            for row in range(indices.shape[0])
-        ]
-        partial = torch.cat([g[0] for g in grids])
-        full = torch.cat([g[1] for g in grids])
     local_len = total // world
-    kv_num, kv_idx = ordered(partial)
-    full_kv_num, full_kv_idx = ordered(full)
-    q_num, q_idx = ordered(partial.transpose(-2, -1))
-    full_q_num, full_q_idx = ordered(full.transpose(-2, -1))
+    # Validates the mask against the whole sequence once; every row's build reuses it.
+    whole = make_grid(mask, B, H, total, total, device, block)
+    sides = []
+    for row in range(indices.shape[0]):
+        keep = None if indices.shape[0] == 1 else (row if mask.batch_dependent else 0)
+        perm = indices[row]
+        layout = _Layout.of(
+            KeyOrder.of(perm, block) if keys is None else keys[row], rank, world, block
+        )
+        if layout.aligned and mask._has_monotone_intervals() and not mask.head_dependent:
+            kv, q = _closed_form_sides(mask, whole, layout)
+        else:
+            kv, q = _tile_sides(mask, B, H, perm, layout, block, device)
+        if keep is not None:
+            kv, q = (Ordered(*(t[keep : keep + 1] for t in side)) for side in (kv, q))
+        elif not mask.batch_dependent:  # B reduced to 1 where the mask ignores it
+            kv, q = (Ordered(*(t[:1] for t in side)) for side in (kv, q))
+        sides.append((kv, q))
+    if len(sides) == 1:
+        kv, q = sides[0]
+    else:
+        kv = Ordered(*(torch.cat(parts) for parts in zip(*(s[0] for s in sides), strict=True)))
+        q = Ordered(*(torch.cat(parts) for parts in zip(*(s[1] for s in sides), strict=True)))
     q_index = _padded_lookup(
         indices[:, rank * local_len : (rank + 1) * local_len], math.ceil(local_len / block) * block
     )
     kv_index = _padded_lookup(indices, math.ceil(total / block) * block)
     return BlockMask(
         (local_len, total),
-        kv_num,
-        kv_idx,
-        full_kv_num,
-        full_kv_idx,
-        q_num,
-        q_idx,
-        full_q_num,
-        full_q_idx,
+        kv.partial_num,
+        kv.partial_idx,
+        kv.full_num,
+        kv.full_idx,
+        q.partial_num,
+        q.partial_idx,
+        q.full_num,
+        q.full_idx,
         BLOCK_SIZE=(block, block),
         mask_mod=ShardMaskMod(mask.mask_mod, q_index.to(device), kv_index.to(device)),
     )
