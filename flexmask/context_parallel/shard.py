@@ -26,10 +26,11 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask.build.classify import classify_blocks
 from flexmask.build.closed_form import Runs, _expand_runs, _line_runs, row_runs
-from flexmask.build.create import create_block_mask
+from flexmask.build.codes import EMPTY, FULL
 from flexmask.build.grid import BlockGrid, make_grid
-from flexmask.build.write import Ordered
+from flexmask.build.write import Ordered, ordered_from_codes
 from flexmask.mask import Mask
 
 
@@ -74,14 +75,6 @@ def _tile(block: int, total: int, local_end: int, q: tuple | None, kv: tuple | N
         ends_both = (orig + lengths == total) & (local + lengths == end)
         values += [local.numpy(), orig.numpy(), lengths[~ends_both].numpy()]
     return int(np.gcd.reduce(np.concatenate([np.atleast_1d(np.asarray(v)) for v in values])))
-
-
-def _dense(num: Tensor, indices: Tensor, n: int) -> Tensor:
-    """Blocks listed by (num, indices) as a dense bool grid (..., rows, n)."""
-    listed = torch.arange(indices.shape[-1], device=indices.device) < num.unsqueeze(-1)
-    out = torch.zeros(*indices.shape[:-1], n + 1, dtype=torch.bool, device=indices.device)
-    out.scatter_(-1, torch.where(listed, indices.long(), n), True)
-    return out[..., :n]
 
 
 def ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
@@ -133,7 +126,9 @@ class _Layout:
     local q block ``i`` is original block ``q_blocks[i]``.
     """
 
+    q_perm: Tensor
     q_runs: tuple[Tensor, Tensor, Tensor]
+    block: int
     tile: int
     keys: KeyOrder
     q_blocks: Tensor | None = None
@@ -150,11 +145,11 @@ class _Layout:
         q_runs = runs(q_perm)
         tile = _tile(block, total, local_len, q_runs, keys.runs)
         if tile != block:
-            return cls(q_runs, tile, keys)
+            return cls(q_perm, q_runs, block, tile, keys)
         q_blocks = q_perm[::block].div(block, rounding_mode="floor")
         if q_blocks.numel() > 1 and not bool((q_blocks[1:] > q_blocks[:-1]).all()):
-            return cls(q_runs, tile, keys)
-        return cls(q_runs, tile, keys, q_blocks)
+            return cls(q_perm, q_runs, block, tile, keys)
+        return cls(q_perm, q_runs, block, tile, keys, q_blocks)
 
 
 def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
@@ -272,35 +267,32 @@ def _segment_line_runs(
 
 
 def _tile_sides(
-    mask: Mask,
-    B: int | None,
-    H: int | None,
-    perm: Tensor,
-    layout: _Layout,
-    block: int,
-    device: torch.device,
+    mask: Mask, B: int | None, H: int | None, layout: _Layout, device: torch.device
 ) -> tuple[Ordered, Ordered]:
-    """Both sides from tile grids: one offset build per query run at the layout's tile, key
-    tiles re-ordered by the permutation, tiles read back as blocks: (R, heads, ...)."""
-    total, tile = perm.numel(), layout.tile
-    full_parts, some_parts = [], []
-    for start, length in zip(layout.q_runs[1].tolist(), layout.q_runs[2].tolist(), strict=False):
-        bm = create_block_mask(mask, B, H, length, total, device, tile, q_offset=start)
-        n_kv = bm.kv_indices.shape[-1]
-        full = _dense(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv)
-        some = _dense(bm.kv_num_blocks, bm.kv_indices, n_kv) | full
-        if not mask.batch_dependent:  # B reduced to 1 where the mask ignores it
-            full, some = full[:1], some[:1]
-        if not mask.head_dependent:
-            full, some = full[:, :1], some[:, :1]
-        full_parts.append(full)
-        some_parts.append(some)
-    full, some = torch.cat(full_parts, dim=2), torch.cat(some_parts, dim=2)
-    # Permuted key tile j is original key tile perm[j * tile] // tile.
-    kv_tiles = perm[::tile].to(full.device) // tile
-    full, some = full[..., kv_tiles], some[..., kv_tiles]
-    if tile != block:
-        full, some = _coarsen(full, tile, block), _coarsen(some, tile, block, any_=True)
+    """Both sides from one classification of the rank's tiles (R, heads, ...).
+
+    The rank's rows, cut at the layout's tile, are tiles of the whole mask (the tile divides
+    every run boundary): one grid holds them in local order, against every original key
+    tile, and pieces classify it as any grid (``flexmask.build.classify``; only tiles the
+    structure leaves undecided are refined). Key tiles are then put in permuted order and,
+    when the tile is below ``BLOCK_SIZE``, read back as blocks.
+    """
+    tile, perm, block = layout.tile, layout.keys.perm, layout.block
+    total = perm.numel()
+    whole = make_grid(mask, B, H, total, total, device, tile)
+    # Only the original last tile can be incomplete, and only the rank holding the last
+    # position ends on it (``_tile``): the grid demotes its last row exactly then.
+    q_first = layout.q_perm[::tile].to(device)
+    q_last = torch.clamp(q_first + (tile - 1), max=total - 1)
+    grid = replace(
+        whole, q_first=q_first.view(1, 1, -1, 1), q_last=q_last.view(1, 1, -1, 1), refined=[0]
+    )
+    codes = classify_blocks(mask, grid).codes
+    codes = codes[..., perm[::tile].div(tile, rounding_mode="floor").to(device)]
+    if tile == block:
+        return ordered_from_codes(codes)
+    full = _coarsen(codes == FULL, tile, block)
+    some = _coarsen(codes != EMPTY, tile, block, any_=True)
     partial = some & ~full
     kv = Ordered(*ordered(partial), *ordered(full))
     q = Ordered(*ordered(partial.transpose(-2, -1)), *ordered(full.transpose(-2, -1)))
@@ -344,7 +336,7 @@ def build_shard(
         if layout.aligned and mask._has_monotone_intervals() and not mask.head_dependent:
             kv, q = _closed_form_sides(mask, whole, layout)
         else:
-            kv, q = _tile_sides(mask, B, H, perm, layout, block, device)
+            kv, q = _tile_sides(mask, B, H, layout, device)
         if keep is not None:
             kv, q = (Ordered(*(t[keep : keep + 1] for t in side)) for side in (kv, q))
         elif not mask.batch_dependent:  # B reduced to 1 where the mask ignores it
