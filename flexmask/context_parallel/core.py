@@ -100,6 +100,14 @@ class CPShard:
         return out.narrow(seq_dim, 0, self.seq_length)
 
 
+# Permutations and their key orders by balancer content key and block size, and mask-aware
+# balancers made from "mask_aware" by mask and group: every rank of a
+# step (and, simulated in one process, every rank) shares them; a few steps' worth is kept.
+_PERMUTATIONS: cachetools.LRUCache = cachetools.LRUCache(maxsize=8)
+_PERMUTATIONS_LOCK = threading.Lock()
+_BALANCERS: cachetools.LRUCache = cachetools.LRUCache(maxsize=8)
+
+
 def _resolve_balancer(
     balancer: Any,
     mask: Mask,
@@ -115,7 +123,16 @@ def _resolve_balancer(
     if balancer == "head_tail":
         return HeadTailBalancer(seq_length, world, device)
     if balancer == "mask_aware":
-        return MaskAwareBalancer(mask, B, H, seq_length, world, block, device=device)
+        # Costing every query block is a whole-mask build: made once per mask and group,
+        # not once per rank (ranks simulated in one process, or a shard rebuilt per step).
+        key = ("mask_aware", mask.key, B, H, seq_length, world, block, device.type, device.index)
+        with _PERMUTATIONS_LOCK:
+            found = _BALANCERS.get(key)
+        if found is None:
+            found = MaskAwareBalancer(mask, B, H, seq_length, world, block, device=device)
+            with _PERMUTATIONS_LOCK:
+                _BALANCERS[key] = found
+        return found
     raise ValueError(
         f"balancer must be 'head_tail', 'mask_aware', None or a torch _LoadBalancer (e.g. "
         f"flexmask.PerDocumentBalancer(...)), got {balancer!r}"
@@ -198,12 +215,6 @@ def _plan(
         mask.key,
     )
     return world, rank, block, device, lb, padded, key
-
-
-# Permutations and their key orders, by balancer content key and block size: every rank of a
-# step (and, simulated in one process, every rank) shares them; a few steps' worth is kept.
-_PERMUTATIONS: cachetools.LRUCache = cachetools.LRUCache(maxsize=8)
-_PERMUTATIONS_LOCK = threading.Lock()
 
 
 def _permutation(
