@@ -9,6 +9,7 @@ BlockMask; a compiled no-grad CPU call runs torch's fused kernel.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -29,6 +30,9 @@ ENV_COMPILE = "FLEXMASK_COMPILE"
 
 _compiled: Callable[..., Any] | None = None
 _compiled_lock = threading.Lock()
+_logger = logging.getLogger("flexmask")
+_announced: set[tuple] = set()
+"""Shapes whose first compiled call has been announced in this process."""
 _compile_default: bool | None = None
 
 
@@ -68,6 +72,29 @@ def compiled_flex_attention() -> Callable[..., Any]:
         if _compiled is None:
             _compiled = torch.compile(torch_flex_attention, dynamic=False)
         return _compiled
+
+
+def _announce_compile(query: Tensor, key: Tensor) -> None:
+    """One log line, once per process and shape, before a call that may compile for minutes.
+
+    A WARNING, so it shows without any logging set up: the wait would otherwise look like a
+    hang. ``logging.getLogger("flexmask").setLevel(logging.ERROR)`` silences it.
+    """
+    shape = (query.device.type, tuple(query.shape), tuple(key.shape), query.dtype)
+    with _compiled_lock:
+        if shape in _announced:
+            return
+        _announced.add(shape)
+    _logger.warning(
+        "flexmask: compiling flex_attention for query %s, key %s (%s) on %s; the first call "
+        "of each shape takes ~20-50 s on a CPU (%s=0 or flexmask.set_compile(False) turns "
+        "compilation off)",
+        tuple(query.shape),
+        tuple(key.shape),
+        str(query.dtype).removeprefix("torch."),
+        query.device.type,
+        ENV_COMPILE,
+    )
 
 
 def resolve_block_mask(
@@ -165,6 +192,8 @@ def flex_attention(
             enable_gqa=enable_gqa,
             return_lse=return_lse,
         )
+    if use_compile:
+        _announce_compile(query, key)
     fn = (
         compiled_flex_attention() if use_compile else cast(Callable[..., Any], torch_flex_attention)
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import threading
 from typing import Any, NamedTuple
 
@@ -93,12 +94,14 @@ class MaskCache:
     """
 
     def __init__(self, maxsize: int = DEFAULT_SIZE, maxbytes: int | None = None) -> None:
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
+        if isinstance(maxsize, bool) or not isinstance(maxsize, numbers.Integral) or maxsize < 0:
             raise ValueError(f"maxsize must be an int >= 0 (0 disables caching), got {maxsize!r}")
         if maxbytes is not None and (
-            isinstance(maxbytes, bool) or not isinstance(maxbytes, int) or maxbytes < 0
+            isinstance(maxbytes, bool) or not isinstance(maxbytes, numbers.Integral) or maxbytes < 0
         ):
             raise ValueError(f"maxbytes must be None or an int >= 0, got {maxbytes!r}")
+        maxsize = int(maxsize)  # numpy integers too
+        maxbytes = None if maxbytes is None else int(maxbytes)
         self._lock = threading.Lock()
         self._data = _LRU(maxsize, maxbytes)
         self._hits = 0
@@ -181,6 +184,14 @@ class MaskCache:
     def __len__(self) -> int:
         with self._lock:
             return len(self._data)
+
+    def __repr__(self) -> str:
+        info = self.info()
+        return (
+            f"MaskCache(maxsize={info.maxsize}, maxbytes={info.maxbytes}, "
+            f"entries={info.entries}, bytes={info.bytes}, hits={info.hits}, "
+            f"misses={info.misses})"
+        )
 
     def info(self) -> CacheInfo:
         """Hits, misses, evictions (by the bounds), entries and bytes held, and entries

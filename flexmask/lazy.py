@@ -12,9 +12,34 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.build.grid import make_grid
+from flexmask._validate import check_device, check_int
+from flexmask.build.grid import block_sizes, make_grid
 from flexmask.cache import MaskCache, _key, default_cache
-from flexmask.mask import Mask
+from flexmask.mask import Extent, Mask
+
+
+def _validate(
+    mask: Mask, B: Any, H: Any, Q_LEN: Any, KV_LEN: Any, device: Any, BLOCK_SIZE: Any
+) -> tuple[int, int, int, int, tuple[int, int], torch.device | None]:
+    """``make_grid``'s checks as arithmetic on Python ints: nothing is allocated on any device
+    (a handle made in a DataLoader worker must not initialise CUDA there).
+
+    Returns (B, H, Q_LEN, KV_LEN, BLOCK_SIZE, device), device None where none was given.
+    """
+    batch = 1 if B is None else check_int(B, "B", minimum=1)
+    heads = 1 if H is None else check_int(H, "H", minimum=1)
+    q_len = check_int(Q_LEN, "Q_LEN", minimum=0)
+    kv_len = check_int(KV_LEN, "KV_LEN", minimum=0)
+    blocks = block_sizes(BLOCK_SIZE)
+    if mask.rows is not None and B is None:
+        batch = mask.rows
+    given = None if device is None else check_device(device)
+    # With no device given and none in the mask's data no piece compares devices, so the
+    # check needs none: the default device is resolved by the build, in the process that
+    # builds (asking for it here could initialise CUDA in a worker).
+    where = given or mask.device or torch.device("meta")
+    mask._check(Extent(batch, heads, max(q_len, kv_len), where))
+    return batch, heads, q_len, kv_len, blocks, given
 
 
 class LazyBlockMask:
@@ -62,13 +87,21 @@ class LazyBlockMask:
     ) -> None:
         if not isinstance(mask, Mask):
             raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
-        # Validate now (cheap, no build), so a bad batch fails in the worker that made it.
-        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+        if cache is not None and not isinstance(cache, MaskCache):
+            raise TypeError(
+                f"cache must be a flexmask.MaskCache or None (the process-wide cache), "
+                f"got {type(cache).__name__} {cache!r}"
+            )
+        # Validate now, so a bad batch fails in the worker that made it; Python ints only,
+        # nothing touches the device before the first use builds.
+        B, H, Q_LEN, KV_LEN, BLOCK_SIZE, device = _validate(
+            mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE
+        )
         self.mask = mask
-        self.B, self.H = grid.batch, grid.heads
-        self.Q_LEN, self.KV_LEN = grid.q_len, grid.kv_len
-        self.device = None if device is None else torch.device(device)
-        self.BLOCK_SIZE = (grid.q_block, grid.kv_block)
+        self.B, self.H = B, H
+        self.Q_LEN, self.KV_LEN = Q_LEN, KV_LEN
+        self.device = device
+        self.BLOCK_SIZE = BLOCK_SIZE
         self.cache = cache
         self._block_mask: BlockMask | None = None
         self.builds = 0
@@ -93,8 +126,10 @@ class LazyBlockMask:
 
         A backward still pending keeps what it saved: autograd holds its own references.
         """
-        self._block_mask = None
-        if self.mask.carries_batch_data:
+        built, self._block_mask = self._block_mask is not None, None
+        # Only a handle that built has an entry to drop, and has used its device already:
+        # releasing an unbuilt handle (in a worker, say) touches no device.
+        if built and self.mask.carries_batch_data:
             cache = self._cache()
             grid = make_grid(
                 self.mask, self.B, self.H, self.Q_LEN, self.KV_LEN, self.device, self.BLOCK_SIZE
@@ -139,7 +174,8 @@ class LazyBlockMask:
     def __repr__(self) -> str:
         return (
             f"LazyBlockMask({self.mask!r}, B={self.B}, H={self.H}, Q_LEN={self.Q_LEN}, "
-            f"KV_LEN={self.KV_LEN}, built={self.built})"
+            f"KV_LEN={self.KV_LEN}, device={self.device!r}, BLOCK_SIZE={self.BLOCK_SIZE}, "
+            f"built={self.built})"
         )
 
 

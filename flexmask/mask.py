@@ -382,8 +382,17 @@ class Mask(ABC):
         dense = evaluate(b, h, q, kv).expand(rows, heads, Q_LEN, KV_LEN)
         return dense.expand(grid.batch, grid.heads, Q_LEN, KV_LEN).contiguous()
 
-    def show(self, q_len: int, kv_len: int | None = None, *, batch: int = 0, head: int = 0) -> str:
+    def show(
+        self, q_len: int | None = None, kv_len: int | None = None, *, batch: int = 0, head: int = 0
+    ) -> str:
         """A text picture: ■ where q (row) attends kv (column), ⬚ where it does not.
+
+        Args:
+            q_len: rows to draw. None: the mask's own length (the sum of its document
+                lengths, its tree size...), at least 8 and at most 32 — a crop of longer
+                masks; pass a length to see more.
+            kv_len: columns to draw (None: ``q_len``).
+            batch, head: which row and head of per-row or per-head masks.
 
         Example:
             >>> import flexmask
@@ -391,8 +400,13 @@ class Mask(ABC):
             ■ ⬚ ⬚
             ■ ■ ⬚
             ■ ■ ■
+            >>> len(flexmask.causal().show().splitlines())  # 8 rows by default
+            8
         """
-        kv_len = q_len if kv_len is None else kv_len
+        if q_len is None:
+            q_len = min(max(self.natural_length, 8), 32)
+        q_len = check_int(q_len, "q_len", minimum=1)
+        kv_len = q_len if kv_len is None else check_int(kv_len, "kv_len", minimum=1)
         rows = self.rows or 1
         if not 0 <= batch < rows:
             raise ValueError(f"batch must be in [0, {rows}) for this mask, got {batch}")

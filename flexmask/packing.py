@@ -28,6 +28,7 @@ import torch
 # Attribute access is deferred to call time (``flexmask.causal()``), so this module can be
 # imported while the package itself is still initialising.
 import flexmask
+from flexmask._validate import check_device
 
 if TYPE_CHECKING:
     from flexmask.lazy import LazyBlockMask
@@ -937,7 +938,8 @@ class PackingCollator:
         self.max_len = _check_int("max_len", max_len, minimum=1)
         self.num_heads = _check_int("num_heads", num_heads, minimum=1)
         self.block_size = _check_int("block_size", block_size, minimum=1)
-        self.device = device
+        # A name or torch.device, checked; nothing touches the device until a handle builds.
+        self.device = None if device is None else check_device(device)
         self.key = key
         self.policy = _check_choice("policy", policy, _POLICIES)
         self.pad_id = _check_int("pad_id", pad_id)

@@ -156,7 +156,13 @@ EDGE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("mask, rows, q_len, kv_len, block", EDGE_CASES, ids=repr)
+# ids from the mask and shape, not repr of each value: a lambda's repr holds its address,
+# which differs between pytest-xdist workers and fails their collection.
+@pytest.mark.parametrize(
+    "mask, rows, q_len, kv_len, block",
+    EDGE_CASES,
+    ids=[f"{m!r}-{q}x{kv}-{b}" for m, _, q, kv, b in EDGE_CASES],
+)
 def test_edge_cases_equal_torch(mask, rows, q_len, kv_len, block):
     dense = oracle.stack(rows(q_len, kv_len), heads=2)
     ours = flexmask.create_block_mask(mask, dense.shape[0], 2, q_len, kv_len, "cpu", block)

@@ -382,6 +382,7 @@ def _spawn(world, S):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.slow  # 35-80 s on 2 busy cores: make test-slow and CI run it
 def test_two_gloo_ranks_match_single_process():
     _spawn(2, 512)
 

@@ -66,6 +66,43 @@ def code_blocks(path: Path) -> list[Block]:
     return blocks
 
 
+INLINE_CODE_LINE = re.compile(r"^\s*`[^`]*`\s*(<br\s*/?>)?\s*$")
+
+
+def unfenced_code(text: str) -> list[tuple[int, str]]:
+    """Lines of code outside any fence: (1-based line, text). Such code renders mangled and
+    is never run by these tests.
+
+    Caught: a ``>>>`` prompt; an inline code span followed by ``<br>`` (code pasted line by
+    line); two or more lines in a row that are each only an inline code span; an indented
+    (4-space) code block after a blank line.
+    """
+    lines = text.splitlines()
+    found: list[tuple[int, str]] = []
+    fence: str | None = None
+    previous = ""
+    for number, line in enumerate(lines, 1):
+        if fence is None and (match := FENCE.match(line)):
+            fence = match.group(1)
+            continue
+        if fence is not None:
+            if re.match(rf"^{fence}```\s*$", line):
+                fence, previous = None, ""
+            continue
+        code_line = INLINE_CODE_LINE.match(line)
+        if (
+            line.lstrip().startswith(">>>")
+            or (code_line and code_line.group(1))
+            or (
+                code_line and INLINE_CODE_LINE.match(previous) and line.strip() and previous.strip()
+            )
+            or (re.match(r"^( {4}|\t)\S", line) and previous.strip() == "")
+        ):
+            found.append((number, line))
+        previous = line
+    return found
+
+
 def run_blocks(blocks: list[Block], path: Path, namespace: dict) -> None:
     parser = doctest.DocTestParser()
     for block in blocks:
@@ -96,6 +133,29 @@ def docs_env(monkeypatch, tmp_path):
 def test_page_samples_run(page, docs_env):
     blocks = [b for b in code_blocks(page) if b.lang in ("python", "pycon") and not b.skip]
     run_blocks(blocks, page, {"__name__": f"docs.{page.stem}"})
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_every_code_sample_is_fenced(page):
+    found = unfenced_code(page.read_text(encoding="utf-8"))
+    assert not found, "code outside a ``` fence (it renders mangled and never runs):\n" + "\n".join(
+        f"{page.relative_to(ROOT)}:{n}: {line}" for n, line in found
+    )
+
+
+@pytest.mark.parametrize(
+    "text, lines",
+    [
+        ("Prose.\n\n`import torch`<br>\n`x = 1`\n", [3, 4]),  # pasted line by line
+        ("Prose.\n\n`import torch`\n`x = torch.zeros(2)`\n", [4]),
+        ("Prose.\n>>> import flexmask\n", [2]),
+        ("Prose.\n\n    x = 1\n", [3]),
+        ("`flexmask.padding(lengths)`\n\nProse with `code` and a<br>\n", []),  # a signature
+        ("* item\n\n```python\n>>> 1\n    x = 1\n```\n", []),  # fenced: fine
+    ],
+)
+def test_unfenced_code_is_caught(text, lines):
+    assert [n for n, _ in unfenced_code(text)] == lines
 
 
 def test_only_allowed_blocks_are_skipped():

@@ -42,6 +42,7 @@ def run_example(name: str, *args: str, pythonpath: Path | None = None) -> str:
     return result.stdout
 
 
+@pytest.mark.slow  # 35-80 s on 2 busy cores: make test-slow and CI run it
 def test_demo_quick_trains_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "out"
     stdout = run_example("demo.py", "--quick", "--out", str(out))
@@ -82,6 +83,7 @@ def test_demo_quick_trains_and_reports(tmp_path: Path) -> None:
     assert report["png"] == str(png)
 
 
+@pytest.mark.slow  # 35-80 s on 2 busy cores: make test-slow and CI run it
 def test_demo_without_workers_or_tqdm(tmp_path: Path) -> None:
     # A module named tqdm that fails to import, ahead of the real one on the path.
     (tmp_path / "tqdm.py").write_text("raise ImportError('tqdm hidden by the test')\n")

@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexmask
 from tests import oracle
@@ -120,3 +121,126 @@ def test_lazy_validates_at_creation():
         flexmask.lazy(flexmask.padding([3, 4]), 3, 1, 8, 8, "cpu")
     with pytest.raises(TypeError, match="flexmask Mask"):
         flexmask.lazy("causal", 1, 1, 8, 8)
+
+
+# ----------------------------------------------------------- no device touched before first use
+class DeviceLog(TorchDispatchMode):
+    """Records the device of every tensor any aten op returns (factories included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.devices.append(t.device.type)
+        return out
+
+
+# Every kind of piece and per-row data: each _check runs at creation.
+HANDLE_MASKS = [
+    flexmask.causal() & flexmask.document([60, 40, 20]),
+    flexmask.causal() & flexmask.document([[60, 40], [100]]),
+    flexmask.tree([-1, 0, 1, 1, 0]),
+    flexmask.padding([50, 90]) & flexmask.prefix(10) | flexmask.sliding_window(16),
+    ~flexmask.full() | flexmask.empty(),
+]
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda", "cuda:1", None])
+@pytest.mark.parametrize("mask", HANDLE_MASKS, ids=range(len(HANDLE_MASKS)))
+def test_creation_and_release_touch_no_device(mask, device, cache):
+    # "cuda" on this CPU-only build cannot allocate: creating there must still succeed.
+    with DeviceLog() as log:
+        handle = flexmask.lazy(mask, None, 2, 128, 120, device, BLOCK_SIZE=(64, 32), cache=cache)
+        repr(handle)
+        handle.release()  # an unbuilt handle releases without building anything either
+    assert not handle.built and cache.info().misses == 0
+    assert set(log.devices) <= {"cpu"}, log.devices
+    assert (mask.rows or 1) == handle.B and handle.BLOCK_SIZE == (64, 32)
+    assert handle.device == (None if device is None else torch.device(device))
+    if not torch.cuda.is_available():
+        assert not torch.cuda.is_initialized()
+
+
+def test_int_validation_builds_what_torch_builds(cache):
+    # B=None takes the row count from per-row data; the handle's shape must be the build's.
+    handle = flexmask.lazy(
+        flexmask.causal() & flexmask.padding([70, 200, 9]), None, 1, 200, 200, cache=cache
+    )
+    assert (handle.B, handle.H, handle.Q_LEN, handle.KV_LEN) == (3, 1, 200, 200)
+    rows = [oracle.causal(200, 200) & oracle.padding(n, 200, 200) for n in (70, 200, 9)]
+    reference = oracle.torch_blocks(oracle.stack(rows), 128)
+    oracle.assert_same_block_mask(handle.block_mask, reference)
+    handle.release()
+    assert cache.info().entries == 0 and cache.info().discarded == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"cache": "x"}, TypeError, "cache must be a flexmask.MaskCache"),
+        ({"cache": {}}, TypeError, "cache must be a flexmask.MaskCache"),
+        ({"device": "bogus"}, ValueError, "device must be a torch device or its name"),
+        ({"device": 1.5}, ValueError, "device must be a torch device or its name"),
+        ({"B": 0}, ValueError, "B must be >= 1"),
+        ({"H": "2"}, TypeError, "H must be an int"),
+        ({"Q_LEN": -1}, ValueError, "Q_LEN must be >= 0"),
+        ({"KV_LEN": 2.0}, TypeError, "KV_LEN must be an int"),
+        ({"BLOCK_SIZE": (64,)}, ValueError, "BLOCK_SIZE must be an int or a"),
+        ({"BLOCK_SIZE": 0}, ValueError, "BLOCK_SIZE must be >= 1"),
+    ],
+)
+def test_every_handle_argument_is_checked_at_creation(kwargs, error, match):
+    args = {"B": 1, "H": 1, "Q_LEN": 64, "KV_LEN": 64} | kwargs
+    with pytest.raises(error, match=match):
+        flexmask.lazy(flexmask.causal(), **args)
+
+
+def test_documents_longer_than_the_sequence_fail_at_creation_on_any_device():
+    with pytest.raises(ValueError, match="larger than the sequence length"):
+        flexmask.lazy(flexmask.document([100, 100]), 1, 1, 128, 128, device="meta")
+    with pytest.raises(ValueError, match="lives on cpu but the mask is built on meta"):
+        flexmask.lazy(flexmask.padding(torch.tensor([3, 4])), None, 1, 8, 8, device="meta")
+
+
+class _LoggedCollator:
+    """Runs a collator inside a DeviceLog, in the worker, and returns what it saw."""
+
+    def __init__(self, collator) -> None:
+        self.collator = collator
+
+    def __call__(self, items):
+        with DeviceLog() as log:
+            batch = self.collator(items)
+        return batch, sorted(set(log.devices)), torch.cuda.is_initialized()
+
+
+def test_dataloader_worker_touches_no_device():
+    from flexmask.packing import PackingCollator
+
+    collator = PackingCollator(max_len=16, num_heads=2, device="cuda", block_size=8)
+    assert collator.device == torch.device("cuda")
+    data = [[1, 2, 3], [4, 5], [6] * 9, [7, 8, 9, 10]]
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=4, num_workers=1, collate_fn=_LoggedCollator(collator)
+    )
+    ((batch, devices, cuda_initialised),) = list(loader)
+    assert devices == ["cpu"] and not cuda_initialised
+    handle = batch.handle
+    assert not handle.built and handle.device == torch.device("cuda")
+    assert (handle.B, handle.H, handle.Q_LEN, handle.BLOCK_SIZE) == (2, 2, 16, (8, 8))
+    # Built here, in the main process, on a device that can allocate: torch's blocks (H=1:
+    # the mask is the same for every head, so the BlockMask broadcasts over heads).
+    rows = [oracle.causal(16, 16) & oracle.document(lens, 16, 16) for lens in batch.seq_lens]
+    built = flexmask.lazy(handle.mask, handle.B, 2, 16, 16, "cpu", 8).block_mask
+    oracle.assert_same_block_mask(built, oracle.torch_blocks(oracle.stack(rows), 8))
+
+
+def test_collator_rejects_a_bad_device_at_construction():
+    from flexmask.packing import PackingCollator
+
+    with pytest.raises(ValueError, match="device must be a torch device or its name"):
+        PackingCollator(max_len=8, device="gpu0")

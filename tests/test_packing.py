@@ -489,6 +489,7 @@ def log_probs_and_grads(model, per_sequence_logits, sequences):
     return [lp.detach() for lp in log_probs], grads
 
 
+@pytest.mark.slow  # minutes: a tiny model's forward and backward, three ways, per example
 @needs_flex_attention
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(

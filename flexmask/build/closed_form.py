@@ -83,13 +83,17 @@ def row_runs(mask: Mask, grid: BlockGrid) -> Runs:
     a_attends, z_attends = lo_a <= hi_a, lo_z <= hi_z
     # The two blocks that may be cut inside (argmax: the first such block, 0 if none — any
     # block evaluated query by query is exact, so a spare one costs nothing but its work).
-    begins = (hi_z >= grid.kv_offset).to(torch.int8).argmax(1, keepdim=True)
     stops = (a_attends & ~z_attends).to(torch.int8).argmax(1, keepdim=True)
-    special = torch.cat([begins, stops], 1)  # (rows, 2)
+    if isinstance(grid.kv_offset, int) and grid.kv_offset == 0:
+        special = stops  # kv from 0: the attending queries are a prefix, no block begins late
+    else:
+        begins = (hi_z >= grid.kv_offset).to(torch.int8).argmax(1, keepdim=True)
+        special = torch.cat([begins, stops], 1)  # (rows, 2)
+    count = special.shape[1]
     inside = first_q.gather(1, special).unsqueeze(-1) + torch.arange(qb, device=dev)
     q_end = grid.q_end.view(-1, 1, 1) if isinstance(grid.q_end, Tensor) else grid.q_end
-    inside = inside.clamp(max=q_end - 1).view(rows, 2 * qb)  # repeats the last query
-    lo_in, hi_in = (t.view(rows, 2, qb) for t in _clipped(mask, inside, row, grid))
+    inside = inside.clamp(max=q_end - 1).view(rows, count * qb)  # repeats the last query
+    lo_in, hi_in = (t.view(rows, count, qb) for t in _clipped(mask, inside, row, grid))
     attends = lo_in <= hi_in
     first_in = attends.to(torch.int8).argmax(-1, keepdim=True)
     last_in = (qb - 1) - attends.flip(-1).to(torch.int8).argmax(-1, keepdim=True)

@@ -10,7 +10,6 @@ head-tail, ``W * block_size`` for the mask-aware one); tokens past the real leng
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 from collections.abc import Sequence
 
@@ -18,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 
+from flexmask._validate import digest
 from flexmask.build.create import create_block_mask
 from flexmask.mask import Mask
 from flexmask.pieces import padding
@@ -290,5 +290,4 @@ def balancer_key(balancer: _LoadBalancer | None) -> tuple:
     if isinstance(key, tuple):
         return key
     indices = balancer._generate_indices()
-    digest = hashlib.blake2b(indices.cpu().to(torch.int64).numpy().tobytes(), digest_size=16)
-    return (type(balancer).__qualname__, tuple(indices.shape), digest.hexdigest())
+    return (type(balancer).__qualname__, tuple(indices.shape), digest(indices.to(torch.int64)))

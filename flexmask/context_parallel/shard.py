@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
@@ -73,8 +72,8 @@ def _tile(block: int, total: int, local_end: int, q: tuple | None, kv: tuple | N
             continue
         local, orig, lengths = run
         ends_both = (orig + lengths == total) & (local + lengths == end)
-        values += [local.numpy(), orig.numpy(), lengths[~ends_both].numpy()]
-    return int(np.gcd.reduce(np.concatenate([np.atleast_1d(np.asarray(v)) for v in values])))
+        values += local.tolist() + orig.tolist() + lengths[~ends_both].tolist()
+    return math.gcd(*values)  # plain ints: numpy is not a dependency
 
 
 def ordered(dense: Tensor) -> tuple[Tensor, Tensor]:

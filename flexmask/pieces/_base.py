@@ -11,7 +11,7 @@ from flexmask.mask import Extent, Mask, MaskModFn
 class Piece(Mask):
     """A leaf of the mask algebra. Subclasses set ``_key``, ``_rows``, ``_device``, ``_natural``."""
 
-    __slots__ = ("_key", "_rows", "_device", "_natural")
+    __slots__ = ("_key", "_rows", "_device", "_natural", "_placed")
     _arg = "the mask's data"
     _interval_shape: str | None = None
     """What the piece's ``_intervals`` promise (``flexmask.build.closed_form``): None — none;
@@ -30,6 +30,29 @@ class Piece(Mask):
         self._rows = rows
         self._device = device
         self._natural = natural
+        self._placed: dict[tuple[str, torch.device], Tensor] = {}
+
+    def _on(self, name: str, device: torch.device) -> Tensor:
+        """The piece's tensor ``name`` on ``device``, moved there once (the device seam): a
+        build on an accelerator copies each piece's data once, not at every lookup."""
+        tensor: Tensor = getattr(self, name)
+        device = torch.device(device)
+        if tensor.device == device:
+            return tensor
+        placed = self._placed.get((name, device))
+        if placed is None:
+            placed = self._placed[(name, device)] = tensor.to(device)
+        return placed
+
+    def __getstate__(self) -> dict[str, object]:
+        # The copies on devices are a cache of this process: never pickled.
+        slots = [n for cls in type(self).__mro__ for n in getattr(cls, "__slots__", ())]
+        return {n: getattr(self, n) for n in slots if n != "_placed" and hasattr(self, n)}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self._placed = {}
 
     def _has_intervals(self) -> bool:
         return self._interval_shape is not None
@@ -81,9 +104,9 @@ def _device_key(device: torch.device) -> tuple[str, int]:
     return device.type, index or 0
 
 
-def per_row_view(values: Tensor, per_row: bool, device: torch.device) -> Tensor:
+def per_row_view(values: Tensor, per_row: bool) -> Tensor:
     """(R, 1, 1, 1) view of per-row values for block classification."""
-    return values.to(device).view(-1, 1, 1, 1) if per_row else values.to(device).view(1, 1, 1, 1)
+    return values.view(-1, 1, 1, 1) if per_row else values.view(1, 1, 1, 1)
 
 
 class PieceMod(MaskModFn):

@@ -53,7 +53,7 @@ class RowValuePiece(Piece):
 
     def _row_values(self, grid: BlockGrid) -> Tensor:
         """(R, 1, 1, 1) values on the grid's device, for block classification."""
-        return per_row_view(self.values, self.per_row, grid.device)
+        return per_row_view(self._on("values", grid.device), self.per_row)
 
     def _at_rows(self, row: Tensor, grid: BlockGrid) -> Tensor:
         """(k, 1) values for the given (k, 1) batch rows, clamped to the sequence length.
@@ -62,13 +62,13 @@ class RowValuePiece(Piece):
         the grid reaches it), so the clamp changes no mask; it keeps interval arithmetic such
         as ``q_idx - size + 1`` far from int64 overflow for sizes up to ``2**63 - 1``.
         """
-        values = self.values.to(grid.device).clamp(max=grid.length)
+        values = self._on("values", grid.device).clamp(max=grid.length)
         return values[row] if self.per_row else values[0].expand_as(row)
 
     def _captured(self, device: torch.device) -> Tensor:
         """What the mask_mod captures: 0-d (shared) or (R,) (per row); never a Python int,
         so new values of the same shape do not recompile."""
-        values = self.values.to(device)
+        values = self._on("values", device)
         return values if self.per_row else values[0]
 
     def __repr__(self) -> str:

@@ -83,8 +83,8 @@ class Document(Piece):
 
     def _classify(self, grid: BlockGrid) -> Tensor:
         device = grid.device
-        num_docs = self._num_docs.to(device)
-        ends = self._ends.to(device)
+        num_docs = self._on("_num_docs", device)
+        ends = self._on("_ends", device)
         # Document of a token: the first document whose end lies after it. Only tile edges are
         # looked up (4 x blocks), never every token. Tokens past the data get id num_docs.
         edges = torch.cat(
@@ -124,8 +124,8 @@ class Document(Piece):
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         # Only the queried positions: the document of each is one search among its row's
         # document ends; past the documents, the empty interval [1, 0].
-        starts, ends = self._starts.to(grid.device), self._ends.to(grid.device)
-        num_docs = self._num_docs.to(grid.device)
+        starts, ends = self._on("_starts", grid.device), self._on("_ends", grid.device)
+        num_docs = self._on("_num_docs", grid.device)
         lookup_row = row.view(-1) if self.per_row else torch.zeros_like(row.view(-1))
         row_ends = ends[lookup_row]
         doc = torch.searchsorted(row_ends, q_idx.contiguous(), right=True)
@@ -138,8 +138,8 @@ class Document(Piece):
     def _doc_ids(self, length: int, device: torch.device) -> Tensor:
         """Document index of positions 0..length, -1 past the documents: (R, length + 1)
         int32, one cumsum over end markers (O(length)), no search."""
-        ends = self._ends.to(device).clamp(max=length)
-        num_docs = self._num_docs.to(device).view(-1, 1)
+        ends = self._on("_ends", device).clamp(max=length)
+        num_docs = self._on("_num_docs", device).view(-1, 1)
         # +1 at each document's end, except the last one's, where the count drops from
         # (documents - 1) to -1. Padding entries add 0.
         d = torch.arange(ends.shape[1], device=device)

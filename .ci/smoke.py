@@ -1,0 +1,255 @@
+"""Smoke test of an installed wheel: every public name of flexmask, in an environment that holds
+only the declared dependencies, run from outside the repository.
+
+Usage (what .ci/run does): build the wheel, install it into a fresh virtual environment, then
+``cd`` somewhere else and run ``python /path/to/.ci/smoke.py``. Each exercise checks its result
+against an independent reference (torch's create_block_mask on a plain mask_mod, SDPA on a
+dense mask, plain Python), not only that it runs. A name added to ``flexmask.__all__`` without
+an exercise here fails the run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+import flexmask
+
+S = 96
+
+
+def dense_of(mask_mod: Callable, rows: int = 1) -> torch.Tensor:
+    """(rows, 1, S, S) bool from a mask_mod, one element at a time: the plain reference."""
+    out = torch.zeros(rows, 1, S, S, dtype=torch.bool)
+    for b in range(rows):
+        for q in range(S):
+            for kv in range(S):
+                out[b, 0, q, kv] = bool(mask_mod(b, 0, q, kv))
+    return out
+
+
+def doc_of(lens: list[int]) -> list[int]:
+    return [d for d, n in enumerate(lens) for _ in range(n)] + [-1] * (S - sum(lens))
+
+
+def check_mask(mask: flexmask.Mask, reference: Callable, rows: int = 1) -> None:
+    assert torch.equal(mask.to_dense(rows, 1, S, S), dense_of(reference, rows)), mask
+    ours = flexmask.create_block_mask(mask, rows, 1, S, S, device="cpu", BLOCK_SIZE=32)
+    table = dense_of(reference, rows)
+    theirs = torch_create_block_mask(
+        lambda b, h, q, kv: table[b, 0, q, kv], rows, 1, S, S, device="cpu", BLOCK_SIZE=32
+    )
+    assert flexmask.same_blocks(ours, theirs), mask
+
+
+def masks() -> None:
+    docs = doc_of([40, 30, 20])
+    check_mask(flexmask.causal(), lambda b, h, q, kv: kv <= q)
+    check_mask(
+        flexmask.document([40, 30, 20]), lambda b, h, q, kv: docs[q] == docs[kv] and docs[q] >= 0
+    )
+    parents = [-1, 0, 1, 1, 0, 4]
+
+    def ancestor(q: int, kv: int) -> bool:
+        while q != -1:
+            if q == kv:
+                return True
+            q = parents[q] if q < len(parents) else -1
+        return False
+
+    check_mask(flexmask.tree(parents), lambda b, h, q, kv: q < len(parents) and ancestor(q, kv))
+    lens = [50, 96]
+    check_mask(flexmask.padding(lens), lambda b, h, q, kv: q < lens[b] and kv < lens[b], rows=2)
+    check_mask(flexmask.sliding_window(8), lambda b, h, q, kv: abs(q - kv) < 8)
+    check_mask(flexmask.prefix(10), lambda b, h, q, kv: kv < 10)
+    check_mask(flexmask.full(), lambda b, h, q, kv: True)
+    check_mask(flexmask.empty(), lambda b, h, q, kv: False)
+    check_mask(
+        flexmask.from_mask_mod(
+            lambda b, h, q, kv: (q // 16) == (kv // 16),
+            key=("blocks", 16),
+            batch_dependent=False,
+            head_dependent=False,
+        ),
+        lambda b, h, q, kv: q // 16 == kv // 16,
+    )
+    a, b = flexmask.causal(), flexmask.prefix(10)
+    assert isinstance(a & b, flexmask.And) and isinstance(a | b, flexmask.Or)
+    assert isinstance(~a, flexmask.Not) and isinstance(a, flexmask.Mask)
+    check_mask(
+        ~(a & b) | flexmask.prefix(3), lambda b_, h, q, kv: not (kv <= q and kv < 10) or kv < 3
+    )
+
+
+def attention_and_handles() -> None:
+    mask = flexmask.causal() & flexmask.document([40, 56])
+    q, k, v = (torch.randn(1, 2, S, 8) for _ in range(3))
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask.to_dense(1, 1, S, S)
+    )
+    cache = flexmask.MaskCache(maxsize=4)
+    handle = flexmask.lazy(mask, 1, 2, S, S, "cpu", 32, cache=cache)
+    assert isinstance(handle, flexmask.LazyBlockMask) and not handle.built
+    assert pickle.loads(pickle.dumps(handle)).mask == mask
+    flexmask.set_compile(False)
+    assert not flexmask.compile_enabled()
+    with handle:
+        out = flexmask.flex_attention(q, k, v, block_mask=handle)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    flexmask.set_compile(None)
+    info = cache.info()
+    assert isinstance(info, flexmask.CacheInfo) and (info.misses, info.discarded) == (1, 1)
+    flexmask.cache_clear()
+    flexmask.default_cache().get(flexmask.causal(), 1, 1, S, S, "cpu")
+    assert flexmask.cache_info().misses == 1 and "MaskCache(" in repr(flexmask.default_cache())
+
+
+def packing() -> None:
+    sequences = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [1, 2, 5]]
+    batch = flexmask.pack(sequences, max_len=6)
+    assert isinstance(batch, flexmask.PackedBatch)
+    assert sorted(n for row in batch.seq_lens for n in row) == [2, 3, 3, 4]
+    assert batch.mask.to_dense(batch.num_rows, 1, 6, 6).any()  # the digest path: no numpy
+    assert [t.tolist() for t in batch.unpack(batch.tokens)] == sequences
+    tp = flexmask.pack_tree(sequences)
+    assert isinstance(tp, flexmask.TreePack) and tp.num_tokens == 10  # [1, 2] shared
+    assert tp.mask.to_dense(1, 1, 10, 10)[0, 0].sum() > 0
+    collated = flexmask.PackingCollator(max_len=6, device="cuda")(sequences)  # nothing built
+    assert not collated.handle.built and collated.handle.device == torch.device("cuda")
+    streamed = list(flexmask.PackedDataset(sequences, max_len=6, buffer_size=2))
+    assert sum(len(b.placement) for b in streamed) == len(sequences)
+
+
+def windows_and_decoding() -> None:
+    # A window of a mask (q_offset/kv_offset) equals torch's build of the shifted mask_mod.
+    docs = doc_of([40, 30, 20])
+
+    def shifted(b, h, q, kv):
+        return (kv + 8 <= q + 32) & (torch.tensor(docs)[q + 32] == torch.tensor(docs)[kv + 8])
+
+    mask = flexmask.causal() & flexmask.document([40, 30, 20])
+    ours = flexmask.create_block_mask(mask, 1, 1, 48, 88, "cpu", 16, q_offset=32, kv_offset=8)
+    theirs = torch_create_block_mask(shifted, 1, 1, 48, 88, "cpu", BLOCK_SIZE=16)
+    assert flexmask.same_blocks(ours, theirs) and torch.equal(ours.kv_indices, theirs.kv_indices)
+    # Decode: new queries at each row's cache length see the whole cache, causally.
+    bm = flexmask.decode_mask(flexmask.causal(), [40, 7], q_len=1, capacity=S, block_size=32)
+    assert bm.kv_num_blocks[:, 0, 0].tolist() == [2, 1]
+    steps = flexmask.DecodeMasks(flexmask.causal(), [31, 3], capacity=S, block_size=32)
+    assert steps.block_mask.kv_num_blocks[:, 0, 0].tolist() == [1, 1]  # queries at 31 and 3
+    assert steps.advance().kv_num_blocks[:, 0, 0].tolist() == [2, 1]  # at 32: a new block
+    draft = flexmask.speculative_tree(3, [-1, 0, 0])  # prefix of 3, then a root and 2 children
+    dense = draft.to_dense(1, 1, 6, 6)[0, 0]
+    assert dense[5].tolist() == [True, True, True, True, False, True]  # not its sibling
+
+
+def context_parallel() -> None:
+    W, L = 2, S
+    mask = flexmask.causal() & flexmask.document([50, 46])
+    whole = mask.to_dense(1, 1, L, L)[0, 0]
+    cache = flexmask.ShardCache(maxsize=4)
+    for balancer in ("head_tail", flexmask.HeadTailBalancer(L, W)):
+        for rank in range(W):
+            part = flexmask.shard(
+                mask,
+                1,
+                1,
+                L,
+                world_size=W,
+                rank=rank,
+                balancer=balancer,
+                BLOCK_SIZE=16,
+                device="cpu",
+                cache=cache,
+            )
+            assert isinstance(part, flexmask.CPShard)
+            order = part.indices[0]
+            rows = order[part.local]
+            expected = whole[rows][:, order]  # this rank's rows, keys in the permuted order
+            got = torch.nn.attention.flex_attention.create_mask(
+                part.block_mask.mask_mod, 1, 1, len(rows), L, "cpu"
+            )[0, 0]
+            assert torch.equal(got, expected)
+    assert flexmask.lazy_shard(mask, 1, 1, L, cache=cache, world_size=W, rank=0, BLOCK_SIZE=16)
+    per_doc = flexmask.PerDocumentBalancer([[48, 48]], W)
+    assert sorted(per_doc._generate_indices()[0].tolist()) == list(range(L))
+    aware = flexmask.MaskAwareBalancer(mask, 1, 1, L, W, block_size=16)
+    assert aware.imbalance >= 1.0
+    # cp_flex_attention on a one-process gloo group equals plain attention.
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(str(Path(tmp) / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            one = flexmask.shard(
+                mask, 1, 1, L, world_size=1, rank=0, balancer=None, BLOCK_SIZE=16, device="cpu"
+            )
+            q, k, v = (torch.randn(1, 2, L, 8) for _ in range(3))
+            out = flexmask.cp_flex_attention(q, k, v, one, compile=False)
+            reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=whole)
+            torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+        finally:
+            dist.destroy_process_group()
+
+
+def plotting() -> None:
+    if importlib.util.find_spec("matplotlib") is None:  # an optional extra: a clear error
+        try:
+            flexmask.plot(flexmask.causal(), "never.png", Q_LEN=S)
+        except ImportError as err:
+            assert "pip install flexmask[plot]" in str(err), err
+            return
+        raise AssertionError("plot without matplotlib must raise ImportError")
+    with tempfile.TemporaryDirectory() as tmp:
+        png = flexmask.plot(flexmask.causal(), Path(tmp) / "m.png", Q_LEN=S)
+        assert Path(png).stat().st_size > 0
+
+
+EXERCISES: dict[Callable[[], None], set[str]] = {
+    masks: {
+        "causal", "document", "tree", "padding", "sliding_window", "prefix", "full", "empty",
+        "from_mask_mod", "create_block_mask", "same_blocks", "And", "Or", "Not", "Mask",
+    },
+    attention_and_handles: {
+        "lazy", "LazyBlockMask", "flex_attention", "set_compile", "compile_enabled",
+        "MaskCache", "CacheInfo", "cache_clear", "cache_info", "default_cache",
+    },
+    packing: {"pack", "pack_tree", "PackedBatch", "TreePack", "PackingCollator", "PackedDataset"},
+    plotting: {"plot"},
+    windows_and_decoding: {"decode_mask", "DecodeMasks", "speculative_tree"},
+    context_parallel: {
+        "shard", "CPShard", "ShardCache", "lazy_shard", "cp_flex_attention",
+        "HeadTailBalancer", "PerDocumentBalancer", "MaskAwareBalancer",
+    },
+}  # fmt: skip
+
+
+def main() -> None:
+    here = Path.cwd().resolve()
+    installed = Path(flexmask.__file__).resolve().parent
+    assert "site-packages" in installed.parts, f"flexmask comes from {installed}, not a wheel"
+    assert not (here / "flexmask").exists(), "run from outside the repository"
+    assert (installed / "py.typed").is_file(), "py.typed is not shipped"
+    # Only the declared dependencies: numpy is not one of them.
+    assert importlib.util.find_spec("numpy") is None, "numpy is installed: not a clean env"
+    covered = set().union(*EXERCISES.values())
+    missing = set(flexmask.__all__) - covered
+    assert not missing, f"public names without a smoke exercise: {sorted(missing)}"
+    for exercise in EXERCISES:
+        exercise()
+        print(f"ok  {exercise.__name__:<22} {', '.join(sorted(EXERCISES[exercise]))}")
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda})")
+    print(
+        f"smoke: {len(covered)} public names ok, flexmask {flexmask.__version__} from {installed}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""From a mask expression to a torch BlockMask, without evaluating the whole Q×KV grid.
+
+The one data path, one module per stage (``flexmask.build``):
+
+1. ``grid`` — validate the arguments and lay out the tiles of the window;
+2. ``closed_form`` — an ``&`` of interval pieces: both sides' runs from the intervals at
+   block edges, no tile grid; otherwise
+3. ``classify`` — every tile's code from structure (``codes``), refining undecided tiles;
+4. ``write`` — torch's tensors, byte-identical to its ``create_block_mask``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+from flexmask._validate import check_device, env_int
+from flexmask.build import closed_form
+from flexmask.build.classify import classify_blocks
+from flexmask.build.grid import BlockGrid, make_grid
+from flexmask.build.write import Ordered, assemble, empty_sides, ordered_from_codes
+from flexmask.mask import Mask, MaskMod, ShiftedMod
+
+ENV_BUILD_THREADS = "FLEXMASK_BUILD_THREADS"
+
+def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
+    """Both sides' ordered tensors: in closed form from the intervals at block edges where
+    the mask's intervals are monotone (``closed_form``), else from the classified tiles."""
+    if grid.num_q_blocks == 0 or grid.num_kv_blocks == 0:
+        grid.refined[0] = 0
+        return empty_sides(*grid.reduced(mask), grid)
+    if mask._has_monotone_intervals():
+        grid.refined[0] = 0
+        return closed_form.ordered_sides(mask, grid)
+    return ordered_from_codes(classify_blocks(mask, grid).codes)
+
+def build_threads() -> int:
+    """Intra-op threads a CPU build runs with: FLEXMASK_BUILD_THREADS, default 1."""
+    threads = env_int(ENV_BUILD_THREADS, 1, minimum=1)
+    assert threads is not None  # a default is given
+    return threads
+
+@contextlib.contextmanager
+def _cpu_threads(device: torch.device) -> Iterator[None]:
+    # A tile build is a few dozen tensor ops, each one pass over the tile grid. With every
+    # core busy (DataLoader workers, say) each parallel op waits for a descheduled thread:
+    # benchmarks/bench_threads.py measured a 32k tree build at 2.5 ms on one thread and
+    # 12 ms on torch's default two, with two busy processes on a 2-core machine.
+    wanted = build_threads()
+    previous = torch.get_num_threads()
+    if device.type != "cpu" or wanted >= previous:
+        yield
+        return
+    torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+def build(mask: Mask, grid: BlockGrid) -> BlockMask:
+    """Builds the BlockMask of a validated mask on a validated grid."""
+    with _cpu_threads(torch.device(grid.device)):
+        # The lookups the mask_mod keeps are allocated before the build's temporaries.
+        mask_mod = window_mask_mod(mask._lower(grid.length, grid.device).mask_mod, grid)
+        if grid.per_row_offsets and not mask._has_monotone_intervals():
+            kv, q = _row_by_row(mask, grid)
+        else:
+            kv, q = ordered_sides(mask, grid)
+        return assemble(kv, q, grid, mask_mod)
+
+def window_mask_mod(mask_mod: MaskMod, grid: BlockGrid) -> MaskMod:
+    """The mask_mod of the grid's window: local indices shifted by the offsets (held as
+    tensors); the mask's own where the window starts at (0, 0)."""
+    if not grid.per_row_offsets and grid.q_offset == 0 and grid.kv_offset == 0:
+        return mask_mod
+
+    def held(offset: int | Tensor) -> Tensor:
+        if isinstance(offset, Tensor):
+            return offset.view(-1).expand(grid.batch).contiguous()
+        return torch.tensor(offset, dtype=torch.int64, device=grid.device)
+
+    return ShiftedMod(mask_mod, held(grid.q_offset), held(grid.kv_offset))
+
+def _row_by_row(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
+    """Per-row windows on the tile path: each row's window built with its own offsets and
+    its row kept (B builds; the closed form takes per-row offsets in one)."""
+    q_off = grid.q_offset.view(-1).tolist()  # type: ignore[union-attr]
+    kv_off = grid.kv_offset.view(-1).tolist()  # type: ignore[union-attr]
+    parts = []
+    for row in range(grid.batch):
+        one = BlockGrid.make(
+            grid.batch,
+            grid.heads,
+            grid.q_len,
+            grid.kv_len,
+            grid.q_block,
+            grid.kv_block,
+            grid.device,
+            q_offset=q_off[row],
+            kv_offset=kv_off[row],
+            reach=grid.length,  # the lookups every row's window shares
+        )
+        sides = ordered_sides(mask, one)
+        parts.append([t[row : row + 1] if t.shape[0] > 1 else t for side in sides for t in side])
+    stacked = [torch.cat(column) for column in zip(*parts, strict=True)]
+    return Ordered(*stacked[:4]), Ordered(*stacked[4:])
+
+def create_block_mask(
+    mask: Mask | MaskMod,
+    B: int | None = None,
+    H: int | None = None,
+    Q_LEN: int = 128,
+    KV_LEN: int = 128,
+    device: torch.device | str | None = None,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
+    *,
+    q_offset: int | Sequence[int] | Tensor = 0,
+    kv_offset: int | Sequence[int] | Tensor = 0,
+) -> BlockMask:
+    """Drop-in for ``torch.nn.attention.flex_attention.create_block_mask``, built from structure.
+
+    For a flexmask expression the result lists the blocks torch's
+    ``create_block_mask(mask.mask_mod, ...)`` lists — the same counts, the same blocks per row
+    in the same order, the same full/partial split (``same_blocks``) — without evaluating the
+    mask on every element. An ``&`` of interval pieces (causal, document, sliding window,
+    prefix, padding) is written in closed form from the intervals at block edges
+    (``flexmask.build.closed_form``); any other expression has its tiles classified from each piece's data
+    and is evaluated only on tiles the structure leaves undecided. A mask that does not depend
+    on the batch row (or head) is built once and broadcast as a view. A plain mask_mod
+    callable is passed to torch.
+
+    Args:
+        mask: a flexmask expression, or any mask_mod (forwarded to torch unchanged).
+        B: batch size (None: 1, or the row count of per-row data).
+        H: number of heads (None: 1).
+        Q_LEN: query length. KV_LEN: key/value length. Neither needs to be a block multiple.
+        device: where to build (None: the device of the mask's tensors, else torch's default).
+        BLOCK_SIZE: tile size, an int or a (Q, KV) pair.
+        q_offset, kv_offset: build the window of queries ``[q_offset, q_offset + Q_LEN)`` and
+            keys ``[kv_offset, kv_offset + KV_LEN)`` of the mask (a context-parallel shard, a
+            decode step): ints >= 0, or one per batch row (a list or a ``(B,)`` tensor). The
+            BlockMask is torch's ``create_block_mask`` of the shifted mask_mod
+            ``mod(b, h, q + q_offset[b], kv + kv_offset[b])``; its mask_mod takes local
+            indices and holds the offsets as tensors (new offsets do not recompile).
+
+    Returns:
+        A ``torch.nn.attention.flex_attention.BlockMask`` whose ``mask_mod`` captures only
+        lookups sized by the sequence length.
+
+    Example:
+        >>> import flexmask
+        >>> mask = flexmask.causal() & flexmask.document([300, 200])
+        >>> bm = flexmask.create_block_mask(mask, 1, 1, 512, 512, device="cpu")
+        >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
+        ([[[1, 1, 3, 2]]], [[[0, 1, 0, 0]]])
+    """
+    if not isinstance(mask, Mask):
+        if callable(mask):
+            if not (isinstance(q_offset, int) and q_offset == 0) or not (
+                isinstance(kv_offset, int) and kv_offset == 0
+            ):
+                raise TypeError(
+                    "q_offset/kv_offset need a flexmask Mask (a plain mask_mod has no structure "
+                    "to window): wrap it with flexmask.from_mask_mod(fn, key=...)"
+                )
+            return torch_create_block_mask(
+                mask,
+                B,
+                H,
+                Q_LEN,
+                KV_LEN,
+                device=check_device(device),
+                BLOCK_SIZE=BLOCK_SIZE,
+            )
+        raise TypeError(
+            f"mask must be a flexmask Mask or a mask_mod callable, got {type(mask).__name__}"
+        )
+    grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
+    return build(mask, grid)

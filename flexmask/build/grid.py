@@ -1,0 +1,216 @@
+"""The grid of a build: validated arguments laid out as tiles, on one device, for one window.
+
+The grid describes rows ``[q_offset, q_offset + Q_LEN)`` and columns
+``[kv_offset, kv_offset + KV_LEN)`` of a (possibly larger) mask; every token bound it holds is
+a position of the whole mask, so pieces classify windows with no change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flexmask._validate import check_device, check_int
+from flexmask.build.codes import FULL, PARTIAL
+from flexmask.mask import Extent, Mask
+
+@dataclass(frozen=True)
+class BlockGrid:
+    """The tiles of one build: lengths, block sizes and every tile's first and last token.
+
+    Token bounds are clipped to the lengths, so ``q_last`` of the final q block is
+    ``q_len - 1`` even when ``q_len`` is not a multiple of ``q_block``. Shapes broadcast over
+    (rows, heads, q blocks, kv blocks): ``q_first``/``q_last`` are ``(1, 1, nq, 1)``,
+    ``kv_first``/``kv_last`` are ``(1, 1, 1, nkv)``.
+    """
+
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    q_block: int
+    kv_block: int
+    device: torch.device
+    q_first: Tensor
+    q_last: Tensor
+    kv_first: Tensor
+    kv_last: Tensor
+    q_offset: int | Tensor = 0
+    """The grid's rows are positions ``[q_offset, q_offset + q_len)`` of the mask: an int, or
+    per batch row a ``(B, 1)`` int64 tensor (then ``q_first``/``q_last`` are ``(B, 1, nq, 1)``)."""
+    kv_offset: int | Tensor = 0
+    """Its columns are positions ``[kv_offset, kv_offset + kv_len)``; likewise."""
+    reach: int = 0
+    """One past the furthest position of any row (lookups are padded to it)."""
+    refined: list[int] = field(default_factory=lambda: [0], compare=False)
+    """Tiles refined so far in this build (a one-item list: the grid itself is frozen)."""
+
+    @classmethod
+    def make(
+        cls,
+        batch: int,
+        heads: int,
+        q_len: int,
+        kv_len: int,
+        q_block: int,
+        kv_block: int,
+        device: torch.device,
+        q_offset: int | list[int] = 0,
+        kv_offset: int | list[int] = 0,
+        reach: int = 0,
+    ) -> BlockGrid:
+        """The tiles of ``[q_offset, q_offset + q_len) x [kv_offset, kv_offset + kv_len)``;
+        offsets are ints, or lists with one per batch row (validated by the caller).
+        Lookups are padded to the furthest position of any row, at least ``reach``."""
+        num_q = -(-q_len // q_block)
+        num_kv = -(-kv_len // kv_block)
+        per_row = isinstance(q_offset, list) or isinstance(kv_offset, list)
+        rows = batch if per_row else 1
+
+        def offset(value: int | list[int]) -> int | Tensor:
+            if not per_row:
+                return value  # type: ignore[return-value]
+            rows = value if isinstance(value, list) else [value] * batch
+            return torch.tensor(rows, dtype=torch.int64).to(device).view(-1, 1)
+
+        q_off, kv_off = offset(q_offset), offset(kv_offset)
+        q_reach = max(q_offset) if isinstance(q_offset, list) else q_offset
+        kv_reach = max(kv_offset) if isinstance(kv_offset, list) else kv_offset
+        reach = max(q_reach + q_len, kv_reach + kv_len, reach)
+        # Token bounds are positions of the whole mask: tiles start at the offsets.
+        q_first = torch.arange(num_q, device=device) * q_block + q_off
+        kv_first = torch.arange(num_kv, device=device) * kv_block + kv_off
+        q_last = torch.minimum(q_first + (q_block - 1), torch.as_tensor(q_off + q_len - 1))
+        kv_last = torch.minimum(kv_first + (kv_block - 1), torch.as_tensor(kv_off + kv_len - 1))
+        return cls(
+            batch=batch,
+            heads=heads,
+            q_len=q_len,
+            kv_len=kv_len,
+            q_block=q_block,
+            kv_block=kv_block,
+            device=device,
+            q_first=q_first.view(rows, 1, num_q, 1),
+            q_last=q_last.view(rows, 1, num_q, 1),
+            kv_first=kv_first.view(rows, 1, 1, num_kv),
+            kv_last=kv_last.view(rows, 1, 1, num_kv),
+            q_offset=q_off,
+            kv_offset=kv_off,
+            reach=reach,
+        )
+
+    @property
+    def per_row_offsets(self) -> bool:
+        """True when the window differs between batch rows (offsets per row)."""
+        return isinstance(self.q_offset, Tensor)
+
+    def reduced(self, mask: Mask) -> tuple[int, int]:
+        """Rows and heads a build of ``mask`` writes: B (H) where the mask — or, for rows, the
+        window — differs by row (head), else 1; flex_attention broadcasts the rest."""
+        rows = self.batch if mask.batch_dependent or self.per_row_offsets else 1
+        return rows, self.heads if mask.head_dependent else 1
+
+    @property
+    def extent(self) -> Extent:
+        """What a mask validates itself against (``Mask._check``)."""
+        return Extent(self.batch, self.heads, self.length, self.device)
+
+    @property
+    def num_q_blocks(self) -> int:
+        return self.q_first.shape[2]
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_first.shape[3]
+
+    @property
+    def q_end(self) -> int | Tensor:
+        """One past the grid's last query position (in the whole mask; per row a tensor)."""
+        return self.q_offset + self.q_len
+
+    @property
+    def kv_end(self) -> int | Tensor:
+        """One past the grid's last kv position (in the whole mask; per row a tensor)."""
+        return self.kv_offset + self.kv_len
+
+    @property
+    def length(self) -> int:
+        """Lookups are padded to this length: every position a kernel may reach is below it."""
+        return self.reach
+
+    def kv_tile(self, position: Tensor) -> Tensor:
+        """The kv tile (column) of whole-mask kv positions (floor; may be out of range)."""
+        return (position - self.kv_offset).div(self.kv_block, rounding_mode="floor")
+
+    def demote_incomplete(self, codes: Tensor) -> Tensor:
+        """FULL → PARTIAL on tiles that run past either end, in place (codes is contiguous).
+
+        torch pads the last tiles with masked elements, so only complete tiles can be FULL.
+        Only the last tile row and column can be incomplete, so only they are touched.
+        """
+        edges = []
+        if self.q_len % self.q_block:
+            edges.append(codes[:, :, -1, :])
+        if self.kv_len % self.kv_block:
+            edges.append(codes[:, :, :, -1])
+        for edge in edges:
+            edge.masked_fill_(edge == FULL, PARTIAL)
+        return codes
+
+def block_sizes(BLOCK_SIZE: Any) -> tuple[int, int]:
+    """(q_block, kv_block) from an int or a pair, validated."""
+    if isinstance(BLOCK_SIZE, (tuple, list)):
+        if len(BLOCK_SIZE) != 2:
+            raise ValueError(f"BLOCK_SIZE must be an int or a (Q, KV) pair, got {BLOCK_SIZE!r}")
+        q_block = check_int(BLOCK_SIZE[0], "BLOCK_SIZE[0]", minimum=1)
+        kv_block = check_int(BLOCK_SIZE[1], "BLOCK_SIZE[1]", minimum=1)
+        return q_block, kv_block
+    size = check_int(BLOCK_SIZE, "BLOCK_SIZE", minimum=1)
+    return size, size
+
+def make_grid(
+    mask: Mask,
+    B: Any,
+    H: Any,
+    Q_LEN: Any,
+    KV_LEN: Any,
+    device: torch.device | str | None,
+    BLOCK_SIZE: Any,
+    q_offset: Any = 0,
+    kv_offset: Any = 0,
+) -> BlockGrid:
+    """Validates the build arguments against the mask and lays out its tiles (of the window
+    at the offsets)."""
+    batch = 1 if B is None else check_int(B, "B", minimum=1)
+    heads = 1 if H is None else check_int(H, "H", minimum=1)
+    q_len = check_int(Q_LEN, "Q_LEN", minimum=0)
+    kv_len = check_int(KV_LEN, "KV_LEN", minimum=0)
+    q_block, kv_block = block_sizes(BLOCK_SIZE)
+    device = check_device(device, mask.device)
+    if mask.rows is not None and B is None:
+        batch = mask.rows
+    q_off = offsets(q_offset, "q_offset", batch)
+    kv_off = offsets(kv_offset, "kv_offset", batch)
+    grid = BlockGrid.make(
+        batch, heads, q_len, kv_len, q_block, kv_block, device, q_offset=q_off, kv_offset=kv_off
+    )
+    mask._check(grid.extent)
+    return grid
+
+def offsets(value: Any, name: str, batch: int) -> int | list[int]:
+    """A window offset: one int >= 0, or one per batch row (a list, or a (B,) tensor or
+    array). Per-row values that are all equal collapse to one int."""
+    if isinstance(value, Tensor) and value.dim() == 0 or not hasattr(value, "__len__"):
+        return check_int(value, name, minimum=0)
+    if isinstance(value, Tensor) and value.dim() != 1:
+        raise ValueError(f"{name} must be an int or hold one offset per batch row, shape (B,)")
+    values = [check_int(v, f"{name}[{i}]", minimum=0) for i, v in enumerate(value)]
+    if len(values) != batch:
+        raise ValueError(
+            f"{name} holds {len(values)} offsets but B={batch}: pass one per batch row, or one "
+            f"int for every row"
+        )
+    return values[0] if len(set(values)) == 1 else values

@@ -1,0 +1,98 @@
+"""Writing torch's BlockMask tensors: the last stage of a build.
+
+Both sides (kv blocks per q block row, q blocks per kv block column), partial and full, each
+line listing its blocks ascending and then the unlisted ones ascending — byte-identical to
+torch's ``create_block_mask`` — as contiguous ``(B, H, ...)`` tensors with a storage each.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexmask.build.codes import FULL, PARTIAL
+from flexmask.build.grid import BlockGrid
+from flexmask.mask import MaskMod
+
+class Ordered(NamedTuple):
+    """torch's tensors of one side of a BlockMask: counts ``(..., n)`` and indices
+    ``(..., n, m)`` of the partial blocks, then of the full ones; int32."""
+
+    partial_num: Tensor
+    partial_idx: Tensor
+    full_num: Tensor
+    full_idx: Tensor
+
+def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """(num_blocks, indices) of a bool grid, byte-identical to torch's stable argsort order:
+    the set columns ascending, then the unset ones ascending. A cumsum ranks each column and
+    one scatter writes it — O(columns), no sort."""
+    n = blocks.shape[-1]
+    ones = blocks.cumsum(-1, dtype=torch.int32)  # set columns up to and including each one
+    count = ones[..., -1:]
+    col1 = torch.arange(1, n + 1, dtype=torch.int32, device=blocks.device)
+    # One-based rank: a set column is the ones-th; an unset one follows all `count` set ones
+    # and the (col1 - ones) unset ones up to it.
+    rank = torch.where(blocks, ones, (count + col1) - ones).to(torch.int64).sub_(1)
+    indices = torch.empty(blocks.shape, dtype=torch.int32, device=blocks.device)
+    indices.scatter_(-1, rank, (col1 - 1).expand(blocks.shape))
+    return count.squeeze(-1).contiguous(), indices
+
+def ordered_from_codes(codes: Tensor) -> tuple[Ordered, Ordered]:
+    """torch's (kv side, q side) ordered tensors from final tile codes ``(R, Hh, nq, nkv)``."""
+    partial = codes == PARTIAL
+    full = codes == FULL
+    kv = Ordered(*_ordered(partial), *_ordered(full))
+    q = Ordered(
+        *_ordered(partial.transpose(-2, -1).contiguous()),
+        *_ordered(full.transpose(-2, -1).contiguous()),
+    )
+    return kv, q
+
+def empty_sides(rows: int, heads: int, grid: BlockGrid) -> tuple[Ordered, Ordered]:
+    """A grid with no q or no kv blocks (Q_LEN or KV_LEN 0): nothing listed; every line is
+    its unlisted blocks ascending, as torch writes them."""
+    nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
+
+    def side(n: int, m: int) -> tuple[Tensor, Tensor]:
+        count = torch.zeros((rows, heads, n), dtype=torch.int32, device=dev)
+        order = torch.arange(m, dtype=torch.int32, device=dev).expand(rows, heads, n, m)
+        return count, order.contiguous()
+
+    kv_num, kv_idx = side(nq, nkv)
+    q_num, q_idx = side(nkv, nq)
+    return (
+        Ordered(kv_num, kv_idx, kv_num.clone(), kv_idx.clone()),
+        Ordered(q_num, q_idx, q_num.clone(), q_idx.clone()),
+    )
+
+def assemble(kv: Ordered, q: Ordered, grid: BlockGrid, mask_mod: MaskMod) -> BlockMask:
+    """torch's BlockMask from both sides' ordered tensors, each ``(B, H, ...)`` contiguous
+    with a storage of its own, as torch's: an in-place edit of one row or head changes that
+    one, and ``PagedAttention`` can view them.
+
+    Sides come as counts ``(R, Hh, n)`` and indices ``(R, Hh, n, m)`` with R in {1, B},
+    Hh in {1, H}; rows and heads the mask ignores are copied out here. (The cache builds
+    on a grid with B or H reduced to 1 instead: flex_attention broadcasts those.)
+    """
+    b, h, nq, nkv = grid.batch, grid.heads, grid.num_q_blocks, grid.num_kv_blocks
+
+    def whole(t: Tensor, *shape: int) -> Tensor:
+        return t.expand(b, h, *shape).contiguous()
+
+    return BlockMask(
+        seq_lengths=(grid.q_len, grid.kv_len),
+        kv_num_blocks=whole(kv.partial_num, nq),
+        kv_indices=whole(kv.partial_idx, nq, nkv),
+        full_kv_num_blocks=whole(kv.full_num, nq),
+        full_kv_indices=whole(kv.full_idx, nq, nkv),
+        q_num_blocks=whole(q.partial_num, nkv),
+        q_indices=whole(q.partial_idx, nkv, nq),
+        full_q_num_blocks=whole(q.full_num, nkv),
+        full_q_indices=whole(q.full_idx, nkv, nq),
+        BLOCK_SIZE=(grid.q_block, grid.kv_block),
+        mask_mod=mask_mod,
+    )
