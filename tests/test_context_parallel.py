@@ -165,8 +165,11 @@ def test_shard_equals_torch_and_oracle(name, world):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_any_block_size_and_length_against_oracle(name):
-    """Lengths torch's CP refuses: not a multiple of W * BLOCK_SIZE, odd block sizes, padding."""
+def test_any_block_size_and_length_against_oracle(name, monkeypatch):
+    """Lengths torch's CP refuses: not a multiple of W * BLOCK_SIZE, odd block sizes, padding.
+    Closed-form masks take the runs or the pieces path, never tiles."""
+    if name != "tree":
+        _no_tile_path(monkeypatch)
     rng = random.Random(7)
     for S, world, block, balancer in [
         (600, 2, 64, "head_tail"),
@@ -184,8 +187,8 @@ def test_any_block_size_and_length_against_oracle(name):
 
 
 def _no_tile_path(monkeypatch):
-    """Makes the tile path (offset builds per query run) fail: aligned closed-form shards
-    must be written from runs."""
+    """Makes the tile path (a classification of the rank's tiles) fail: closed-form shards
+    are written from runs (aligned) or pieces (not)."""
     module = __import__("sys").modules["flexmask.context_parallel.shard"]
 
     def refuse(*args, **kwargs):
@@ -219,28 +222,56 @@ def test_aligned_closed_form_shards_are_written_from_runs(name, monkeypatch):
 def test_per_row_permutations_of_per_row_documents(monkeypatch):
     """One permutation per batch row on per-row documents: the mask-aware balancer's (whole
     blocks, ascending per rank: the runs path) and torch's per-document one (document by
-    document, chunks of 8 tokens: the tile path). Every row equals its dense rows."""
+    document, chunks of 8 tokens: the pieces path). Every row equals its dense rows."""
     rng = random.Random(5)
     S, world, block = 2048, 2, 32
     lengths = [random_lengths(rng, S, 128, 4), random_lengths(rng, S, 8, 6)]
     mask = flexmask.causal() & flexmask.document(lengths)
-    for balancer, fast in [("mask_aware", True), (PerDocumentBalancer(lengths, world), False)]:
-        with monkeypatch.context() as patch:
-            if fast:
-                _no_tile_path(patch)
-            for rank in range(world):
-                shard = flexmask.shard(
-                    mask, 2, 1, S, world_size=world, rank=rank, balancer=balancer, BLOCK_SIZE=block
-                )
-                assert shard.indices.shape == (2, S)
-                rows = []
-                for b in range(2):
-                    perm = shard.indices[b].numpy()
-                    rows.append(document_dense(lengths[b], S)[perm][:, perm][shard.local])
-                reference = oracle.torch_blocks(oracle.stack(rows), block)
-                oracle.assert_same_block_mask(
-                    shard.block_mask, reference, f"{balancer} rank {rank}", own_storage=False
-                )
+    _no_tile_path(monkeypatch)
+    for balancer in ["mask_aware", PerDocumentBalancer(lengths, world)]:
+        for rank in range(world):
+            shard = flexmask.shard(
+                mask, 2, 1, S, world_size=world, rank=rank, balancer=balancer, BLOCK_SIZE=block
+            )
+            assert shard.indices.shape == (2, S)
+            rows = []
+            for b in range(2):
+                perm = shard.indices[b].numpy()
+                rows.append(document_dense(lengths[b], S)[perm][:, perm][shard.local])
+            reference = oracle.torch_blocks(oracle.stack(rows), block)
+            oracle.assert_same_block_mask(
+                shard.block_mask, reference, f"{balancer} rank {rank}", own_storage=False
+            )
+
+
+def test_random_closed_form_shards_against_oracle(monkeypatch):
+    """Random lengths, worlds, block sizes and balancers on document & sliding-window masks
+    (runs and pieces paths alike; the tile path refused): every rank equals the oracle."""
+    _no_tile_path(monkeypatch)
+    rng = random.Random(2024)
+    for _ in range(12):
+        world = rng.choice([1, 2, 3, 4])
+        block = rng.choice([8, 16, 24, 32, 64])
+        S = rng.randrange(64, 700)
+        lengths = random_lengths(rng, S - S % 2 + 2, 2, rng.randrange(1, 6))
+        window = rng.randrange(1, 200)
+        mask = flexmask.causal() & flexmask.document(lengths) & flexmask.sliding_window(window)
+        dense = document_dense(lengths, sum(lengths)) & oracle.sliding_window(
+            window, sum(lengths), sum(lengths)
+        )
+        balancer = rng.choice(["head_tail", "mask_aware", None])
+        for rank in range(world):
+            shard = flexmask.shard(
+                mask,
+                1,
+                1,
+                sum(lengths),
+                world_size=world,
+                rank=rank,
+                balancer=balancer,
+                BLOCK_SIZE=block,
+            )
+            check_against_oracle(shard, dense, 1, 1)
 
 
 def test_permutation_is_made_once_per_balancer():

@@ -265,6 +265,82 @@ def _segment_line_runs(
     return partial, full
 
 
+def _piece_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
+    """Both sides of a closed-form mask whose runs are not whole blocks, or whose rows do not
+    ascend (torch's per-document order): from pieces, not tiles.
+
+    Cut at block boundaries and at run boundaries, the rank's rows are q pieces and the
+    permuted keys kv pieces, each a range of consecutive original positions inside one
+    block. A q piece's attending queries have touching monotone intervals, so what it
+    attends is one interval (the smallest ``lo`` and largest ``hi`` of its attending
+    queries), and it covers a kv range iff its largest ``lo`` and smallest ``hi`` do.
+    Every (q piece, kv piece) pair is then two comparisons, and a block is non-empty if
+    any of its pairs is, full if all are and the block is complete. The work is
+    O(S / W) intervals plus (blocks + runs)² / W pairs: no tile grid, no mask evaluation.
+    """
+    block, perm, q_perm = layout.block, layout.keys.perm, layout.q_perm
+    total, local_len, dev = perm.numel(), q_perm.numel(), whole.device
+    rows, _ = whole.reduced(mask)
+
+    def pieces(order: Tensor, run_starts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        n = order.numel()
+        cut = torch.zeros(n, dtype=torch.bool)
+        cut[::block] = True
+        cut[run_starts] = True
+        starts = torch.nonzero(cut).flatten()
+        lengths = torch.diff(starts, append=torch.tensor([n]))
+        return starts, lengths, starts.div(block, rounding_mode="floor")
+
+    q_starts, q_lens, q_block_of = pieces(q_perm, layout.q_runs[0])
+    kv_starts, kv_lens, kv_block_of = pieces(perm, layout.keys.runs[0])
+    # Every local query's interval, clipped to the keys; reduced over its piece.
+    q_idx = q_perm.to(dev).view(1, -1).expand(rows, -1).contiguous()
+    row = torch.arange(rows, device=dev).view(rows, 1)
+    lo, hi = mask._intervals(q_idx, row, whole)  # type: ignore[misc]
+    lo, hi = lo.clamp(min=0).expand_as(q_idx), hi.clamp(max=total - 1).expand_as(q_idx)
+    attends = lo <= hi
+    piece = torch.zeros(local_len, dtype=torch.int64)
+    piece[q_starts[1:]] = 1
+    piece = piece.cumsum(0).to(dev).view(1, -1).expand(rows, -1)
+    n_q = q_starts.numel()
+
+    def reduce(values: Tensor, how: str, fill: int) -> Tensor:
+        out = torch.full((rows, n_q), fill, dtype=values.dtype, device=dev)
+        return out.scatter_reduce_(1, piece, values, how, include_self=False)
+
+    some_lo = reduce(torch.where(attends, lo, total), "amin", total)
+    some_hi = reduce(torch.where(attends, hi, -1), "amax", -1)
+    every = reduce(attends.to(torch.int64), "amin", 0).bool()
+    cover_lo, cover_hi = reduce(lo, "amax", total), reduce(hi, "amin", -1)
+    ka = perm[kv_starts].to(dev).view(1, 1, -1)
+    kz = ka + kv_lens.to(dev).view(1, 1, -1) - 1
+    some = torch.maximum(some_lo.unsqueeze(-1), ka) <= torch.minimum(some_hi.unsqueeze(-1), kz)
+    full = every.unsqueeze(-1) & (cover_lo.unsqueeze(-1) <= ka) & (cover_hi.unsqueeze(-1) >= kz)
+    # Pairs to blocks: counts per block on both axes (pieces of a block are consecutive).
+    nq, nkv = -(-local_len // block), -(-total // block)
+    q_of, kv_of = q_block_of.to(dev), kv_block_of.to(dev)
+
+    def blocks(pairs: Tensor) -> Tensor:
+        per_kv = torch.zeros((rows, n_q, nkv), dtype=torch.int32, device=dev)
+        per_kv.index_add_(2, kv_of, pairs.to(torch.int32))
+        out = torch.zeros((rows, nq, nkv), dtype=torch.int32, device=dev)
+        return out.index_add_(1, q_of, per_kv)
+
+    q_count = torch.bincount(q_of, minlength=nq)
+    kv_count = torch.bincount(kv_of, minlength=nkv)
+    q_complete = torch.zeros(nq, dtype=torch.int64, device=dev).index_add_(0, q_of, q_lens.to(dev))
+    kv_complete = torch.zeros(nkv, dtype=torch.int64, device=dev)
+    kv_complete.index_add_(0, kv_of, kv_lens.to(dev))
+    complete = (q_complete == block).view(-1, 1) & (kv_complete == block).view(1, -1)
+    some_b = blocks(some) > 0
+    full_b = (blocks(full) == q_count.view(-1, 1) * kv_count.view(1, -1)) & complete
+    partial = (some_b & ~full_b).unsqueeze(1)
+    full_b = full_b.unsqueeze(1)
+    kv = Ordered(*ordered(partial), *ordered(full_b))
+    q = Ordered(*ordered(partial.transpose(-2, -1)), *ordered(full_b.transpose(-2, -1)))
+    return kv, q
+
+
 def _tile_sides(
     mask: Mask, B: int | None, H: int | None, layout: _Layout, device: torch.device
 ) -> tuple[Ordered, Ordered]:
@@ -332,8 +408,11 @@ def build_shard(
         layout = _Layout.of(
             KeyOrder.of(perm, block) if keys is None else keys[row], rank, world, block
         )
-        if layout.aligned and mask._has_monotone_intervals() and not mask.head_dependent:
+        closed_form = mask._has_monotone_intervals() and not mask.head_dependent
+        if closed_form and layout.aligned:
             kv, q = _closed_form_sides(mask, whole, layout)
+        elif closed_form:
+            kv, q = _piece_sides(mask, whole, layout)
         else:
             kv, q = _tile_sides(mask, B, H, layout, device)
         if keep is not None:
