@@ -85,7 +85,7 @@ def ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
     col = torch.arange(n, dtype=torch.int32, device=dense.device)
     position = torch.where(dense, count - 1, num.unsqueeze(-1) + col - count)
     indices = torch.empty_like(position)
-    indices.scatter_(-1, position.long(), col.expand_as(position).contiguous())
+    indices.scatter_(-1, position.long(), col.expand_as(position))
     return num.contiguous(), indices
 
 
