@@ -2,16 +2,22 @@
 
 Rank ``r`` keeps rows ``[r * S / W, (r + 1) * S / W)`` of the permuted mask and attends every
 column in the permuted (all-gathered) key order. Those rows are a few runs of consecutive
-original queries and the permuted columns a few runs of consecutive original keys: the shard
-is one offset build per query run (rows ``[start, start + length)`` of the mask, every key),
-its key tiles re-ordered by the column runs, then written as a BlockMask with each row's
-blocks listed ascending (unset blocks after, ascending: torch's order).
+original queries and the permuted columns a few runs of consecutive original keys. The
+shard is written with each row's blocks listed ascending (unset blocks after, ascending:
+torch's order), in one of three ways, all exact:
 
-When every run starts and ends on a block boundary the offset builds are at ``BLOCK_SIZE``
-and the cost is the rank's own blocks. Otherwise they are at the largest tile ``g`` that
-divides every run boundary and ``BLOCK_SIZE``, and each block is read from its ``(BLOCK_SIZE /
-g)**2`` tiles: full if all are full, empty if all are empty (still exact, slower by that
-factor).
+* runs (``_closed_form_sides``): a closed-form mask (``flexmask.build.closed_form``) whose
+  runs are whole blocks and whose rows ascend — the rank's blocks are a grid of their own,
+  each row's block runs cut each key run into permuted runs, and both sides are written as
+  runs laid end to end: O(the rank's blocks), no tile grid;
+* pieces (``_piece_sides``): a closed-form mask otherwise — the rows and keys cut at block
+  and run boundaries, two comparisons per pair of pieces, then blocks;
+* tiles (``_tile_sides``): any other mask — one classification of the rank's tiles (at the
+  largest tile dividing every run boundary and ``BLOCK_SIZE``), key tiles permuted, and
+  each block read from its tiles.
+
+A row's ``KeyOrder`` (the key runs) is the same on every rank: ``core`` caches it with the
+balancer's permutation.
 """
 
 from __future__ import annotations
