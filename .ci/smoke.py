@@ -199,6 +199,23 @@ def context_parallel() -> None:
             dist.destroy_process_group()
 
 
+def rl_trees() -> None:
+    # Four sequences sharing a prompt [1, 2] (one empty) in one tree of 8 tokens; each
+    # sequence's completion log-probs equal those gathered from the tree's logits by hand.
+    seqs = [[1, 2, 3, 4], [1, 2, 5], [], [1, 2, 6, 7, 8]]
+    batch = flexmask.pack_trees(seqs, max_tokens=8, prompt_lens=[2, 2, 0, 2])
+    assert isinstance(batch, flexmask.TreeBatch) and batch.saved_tokens == 4
+    assert batch.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    logits = torch.randn(batch.num_rows, 8, 10)
+    got = batch.log_probs(logits)
+    assert isinstance(got, flexmask.SequenceLogProbs)
+    log_softmax = logits[0].log_softmax(-1)
+    # Sequence 3 is tokens 0, 1, 5, 6, 7 of the tree: completion 6, 7, 8 predicted at 1, 5, 6.
+    expected = log_softmax[[1, 5, 6], [6, 7, 8]]
+    torch.testing.assert_close(got.log_probs[3][got.mask[3]], expected)
+    assert not got.mask[2].any()  # the empty sequence: a zero row
+
+
 def plotting() -> None:
     if importlib.util.find_spec("matplotlib") is None:  # an optional extra: a clear error
         try:
@@ -223,6 +240,7 @@ EXERCISES: dict[Callable[[], None], set[str]] = {
     },
     packing: {"pack", "pack_tree", "PackedBatch", "TreePack", "PackingCollator", "PackedDataset"},
     plotting: {"plot"},
+    rl_trees: {"pack_trees", "TreeBatch", "SequenceLogProbs"},
     windows_and_decoding: {"decode_mask", "DecodeMasks", "speculative_tree"},
     context_parallel: {
         "shard", "CPShard", "ShardCache", "lazy_shard", "cp_flex_attention",

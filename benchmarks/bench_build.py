@@ -7,6 +7,12 @@ memory) or would take minutes (compiled is O(B x S^2)); the table says so.
 
     python benchmarks/bench_build.py                      # the full table (~10 min, 2 cores)
     python benchmarks/bench_build.py --sizes 1024 4096 --batches 1 --quick
+    python benchmarks/bench_build.py --masks tree tree-insertion composed --sizes 4096 32768 \
+        --batches 1 --quick --eager-limit-gb 1 --compiled-limit 0 --no-fresh
+
+The "floor" column is what writing the output alone costs: allocating torch's four index
+tensors of that shape, ``(B, H, nq, nkv)`` int32, and filling them, measured in the same run;
+"vs floor" is the build over it (the target is within 2x).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 from _memory import peak_extra_bytes
 from common import (
     best_time,
+    documents,
     fmt_bytes,
     fmt_time,
     machine,
@@ -65,6 +72,54 @@ print(min(times), sorted(times)[len(times) // 2])
 """
 
 
+def insertion_tree(S: int, seed: int, sequences: int = 16) -> list[int]:
+    """A trie of ``sequences`` sequences with tokens numbered as inserted (AReaL's layout):
+    each sequence shares a random prefix of a random earlier one, then appends its own
+    tokens. Not a preorder: a branch inserted later lands after unrelated sequences."""
+    gen = torch.Generator().manual_seed(seed)
+    parents: list[int] = []
+    paths: list[list[int]] = []
+    per = max(1, S // sequences)
+    while len(parents) < S:
+        path: list[int] = []
+        if paths:
+            base = paths[int(torch.randint(0, len(paths), (1,), generator=gen))]
+            path = base[: int(torch.randint(0, len(base) + 1, (1,), generator=gen))]
+        for _ in range(min(per, S - len(parents))):
+            parents.append(path[-1] if path else -1)
+            path.append(len(parents) - 1)
+        paths.append(path)
+    return parents
+
+
+def build_cases(S: int, B: int) -> dict[str, flexmask.Mask]:
+    """The shared cases (``common.mask_cases``) and the tile path's: a tree in insertion
+    order, and unions of interval pieces."""
+    docs = [documents(S, seed) for seed in range(B)]
+    cases = mask_cases(S, B)
+    cases["tree-insertion"] = flexmask.tree(
+        [insertion_tree(S, s) for s in range(B)] if B > 1 else insertion_tree(S, 0)
+    )
+    cases["window|prefix"] = flexmask.sliding_window(max(1, S // 8)) | flexmask.prefix(min(S, 64))
+    cases["doc-causal|prefix"] = (
+        flexmask.causal() & flexmask.document(docs if B > 1 else docs[0])
+    ) | flexmask.prefix(min(S, 64))
+    return cases
+
+
+def write_floor(B: int, H: int, nq: int, nkv: int, repeat: int) -> float:
+    """Best time to allocate and fill torch's four index tensors of a build's shape."""
+
+    def write() -> list[torch.Tensor]:
+        out = []
+        for n, m in ((nq, nkv), (nkv, nq), (nq, nkv), (nkv, nq)):
+            out.append(torch.empty((B, H, n, m), dtype=torch.int32).fill_(1))
+        return out
+
+    # Cheap, and on a shared machine single runs stall: the best of many.
+    return best_time(write, repeat=max(repeat, 20))
+
+
 def _fresh_process(code: str) -> list[float]:
     """The numbers a snippet prints, run in a fresh Python process."""
     out = subprocess.run(
@@ -107,6 +162,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             "vs eager",
             "vs compiled",
             "tiles evaluated",
+            "floor",
+            "vs floor",
         ],
         [
             [
@@ -123,6 +180,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                 ratio(r["eager_s"], r["flexmask_s"]),
                 ratio(r["compiled_s"], r["flexmask_s"]),
                 f"{r['refined_tiles']:,}/{r['tiles']:,}" if r["path"] == "tiles" else "none",
+                fmt_time(r.get("floor_s")),
+                ratio(r["flexmask_s"], r.get("floor_s")),
             ]
             for r in rows
         ],
@@ -147,6 +206,9 @@ def main() -> None:
         help="skip compiled torch where B*S^2 exceeds this many elements",
     )
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument(
+        "--no-fresh", action="store_true", help="skip the fresh-process first-call/cold lines"
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     repeat = 3 if args.quick else 10
@@ -160,7 +222,7 @@ def main() -> None:
     results = []
     for B in args.batches:
         for S in args.sizes:
-            for name, mask in mask_cases(S, B).items():
+            for name, mask in build_cases(S, B).items():
                 if args.masks and name not in args.masks:
                     continue
                 # What the build did: the closed form (no tiles) or tiles, some refined.
@@ -175,6 +237,7 @@ def main() -> None:
                 ours_mem, _ = peak_extra_bytes(
                     lambda m=mask, B=B, S=S: flexmask.create_block_mask(m, B, 1, S, S, "cpu")
                 )
+                floor = write_floor(B, 1, grid.num_q_blocks, grid.num_kv_blocks, repeat)
                 row = dict(
                     mask=name,
                     path=path,
@@ -184,6 +247,7 @@ def main() -> None:
                     tiles=grid.num_q_blocks * grid.num_kv_blocks * B,
                     flexmask_s=ours,
                     flexmask_bytes=ours_mem,
+                    floor_s=floor,
                     eager_s=None,
                     eager_bytes=None,
                     compiled_s=None,
@@ -220,12 +284,16 @@ def main() -> None:
                 print(
                     f"  B={B} S={S:>6} {name:16} flexmask {fmt_time(ours):>9} "
                     f"eager {fmt_time(row['eager_s']):>9} compiled {fmt_time(row['compiled_s']):>9}"
-                    f" refined {refined}/{row['tiles']}",
+                    f" refined {refined}/{row['tiles']} floor {fmt_time(floor)}"
+                    f" ({ratio(ours, floor)})",
                     flush=True,
                 )
 
     print()
     print(table(results))
+    if args.no_fresh:
+        save_json(args.json, {"machine": machine(), "results": results})
+        return
     imp, first = first_call(32768)
     print(
         f"\nFresh process, document-causal S=32768 B=1: import flexmask {fmt_time(imp)}, "

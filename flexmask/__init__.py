@@ -27,7 +27,17 @@ from flexmask.context_parallel import (
 from flexmask.inference import DecodeMasks, decode_mask, speculative_tree
 from flexmask.lazy import LazyBlockMask, lazy
 from flexmask.mask import And, Mask, Not, Or
-from flexmask.packing import PackedBatch, PackedDataset, PackingCollator, TreePack, pack, pack_tree
+from flexmask.packing import (
+    PackedBatch,
+    PackedDataset,
+    PackingCollator,
+    SequenceLogProbs,
+    TreeBatch,
+    TreePack,
+    pack,
+    pack_tree,
+    pack_trees,
+)
 from flexmask.pieces import (
     causal,
     document,
@@ -61,9 +71,12 @@ __all__ = [
     "PackedBatch",
     "PackedDataset",
     "PackingCollator",
+    "SequenceLogProbs",
+    "TreeBatch",
     "TreePack",
     "pack",
     "pack_tree",
+    "pack_trees",
     "MaskCache",
     "cache_clear",
     "cache_info",

@@ -204,6 +204,8 @@ MODULES = sorted(
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name, docs_env):
     # import_module, not getattr: flexmask.plot and flexmask.lazy are also function names.
+    if name == "flexmask.integrations.transformers":
+        pytest.importorskip("transformers", reason="its examples build transformers models")
     module = importlib.import_module(name)
     finder = doctest.DocTestFinder(exclude_empty=True)
     runner = doctest.DocTestRunner(optionflags=DOCTEST_FLAGS)
@@ -238,7 +240,7 @@ def test_transformers_guide(docs_env):
     pytest.importorskip("transformers")
     page = DOCS / "transformers.md"
     blocks = [b for b in code_blocks(page) if b.lang == "python" and b.skip]
-    assert len(blocks) == 2
+    assert len(blocks) == 4
     run_blocks([Block(b.lang, b.code, b.line, False) for b in blocks], page, {"__name__": "hf"})
 
 

@@ -1,10 +1,12 @@
 """Classification: every tile's code from structure, then refinement of undecided tiles.
 
 Leaves (pieces) classify their own tiles (``Piece._classify``); ``&``, ``|`` and ``~`` combine
-codes here. Tiles two partial codes leave UNDECIDED are refined at a cost proportional to
-their count, cheapest first: when the expression (or an ``&`` inside it) has one kv interval
-per query, from those intervals — O(q_block) per tile; otherwise by evaluating the mask on
-those tiles alone — O(q_block * kv_block) per tile, never the whole Q×KV grid.
+codes here. A sub-expression with monotone intervals (an ``&`` of interval pieces inside a
+union, say) takes its exact codes from its closed-form row runs instead. Tiles two partial
+codes leave UNDECIDED are refined at a cost proportional to their count, cheapest first: when
+the expression (or an ``&`` inside it) has one kv interval per query, from those intervals —
+O(q_block) per tile; otherwise by evaluating the mask on those tiles alone —
+O(q_block * kv_block) per tile, never the whole Q×KV grid.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from flexmask.build.closed_form import Runs, row_runs
 from flexmask.build.codes import (
     CODE_DTYPE,
     EMPTY,
@@ -21,6 +24,7 @@ from flexmask.build.codes import (
     PARTIAL,
     UNDECIDED,
     and_codes,
+    codes_from,
     not_codes,
     or_codes,
 )
@@ -30,6 +34,7 @@ from flexmask.mask import And, Mask, MaskMod, Not, Or
 # Undecided tiles are processed this many elements at a time (1 Mi per intermediate).
 REFINE_CHUNK_ELEMENTS = 1 << 20
 
+
 class Classified(NamedTuple):
     """Final tile codes (EMPTY / PARTIAL / FULL) and how many tiles needed evaluation."""
 
@@ -38,12 +43,16 @@ class Classified(NamedTuple):
     refined: int
     """Tiles the structure left undecided and the mask_mod was evaluated on."""
 
+
 def classify(mask: Mask, grid: BlockGrid) -> Tensor:
     """Block codes of every tile from structure, broadcastable to (rows, heads, nq, nkv):
     leaves answer for themselves; ``&``, ``|`` and ``~`` combine their children's codes.
     May hold UNDECIDED where two partial tiles meet (``classify_blocks`` settles them)."""
     if isinstance(mask, Not):
         return not_codes(classify(mask.child, grid))
+    if isinstance(mask, (And, Or)) and mask._has_monotone_intervals():
+        # Its closed-form runs are its exact codes, whatever its pieces' tiles would say.
+        return codes_from_runs(row_runs(mask, grid), grid)
     if isinstance(mask, Or):
         codes = classify(mask.children[0], grid)
         for child in mask.children[1:]:
@@ -61,6 +70,22 @@ def classify(mask: Mask, grid: BlockGrid) -> Tensor:
             refine_by_intervals(codes, (codes == UNDECIDED).nonzero(), mask, grid)
         return codes
     return mask._classify(grid)  # type: ignore[attr-defined]
+
+
+def codes_from_runs(runs: Runs, grid: BlockGrid) -> Tensor:
+    """(R, 1, nq, nkv) codes of an ``&`` (or a from-zero ``|``) of interval pieces from its
+    closed-form row runs (``closed_form.row_runs``):
+    exact, so an expression above it (an ``|``, a ``~``) combines exact codes without
+    classifying each piece and refining where two partial pieces meet."""
+    rows = runs.first.shape[0]
+    kv_tile = torch.arange(grid.num_kv_blocks, device=grid.device).view(1, 1, -1)
+
+    def inside(first: Tensor, last: Tensor) -> Tensor:
+        return (first.unsqueeze(-1) <= kv_tile) & (kv_tile <= last.unsqueeze(-1))
+
+    codes = codes_from(inside(runs.first, runs.last), inside(runs.full_first, runs.full_last))
+    return codes.view(rows, 1, grid.num_q_blocks, grid.num_kv_blocks)
+
 
 def classify_blocks(mask: Mask, grid: BlockGrid) -> Classified:
     """Every tile's final code: structure first, the mask_mod only on undecided tiles."""
@@ -93,6 +118,7 @@ def refine_by_evaluation(codes: Tensor, tiles: Tensor, evaluate: MaskMod, grid: 
         for chunk in torch.split(part, per_chunk):
             codes[tuple(chunk.unbind(1))] = _evaluate_tiles(chunk, evaluate, grid, clip)
 
+
 def refine_by_intervals(codes: Tensor, tiles: Tensor, mask: Mask, grid: BlockGrid) -> None:
     """Exact codes of undecided tiles from each query's kv interval: O(q_block) per tile.
 
@@ -118,6 +144,7 @@ def refine_by_intervals(codes: Tensor, tiles: Tensor, mask: Mask, grid: BlockGri
         some, every = meets.any(1), covers.all(1)
         code = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(CODE_DTYPE)
         codes[tuple(chunk.unbind(1))] = code
+
 
 def _evaluate_tiles(chunk: Tensor, evaluate: MaskMod, grid: BlockGrid, clip: bool) -> Tensor:
     """Codes of k tiles from one evaluation on (k, q_block, kv_block) broadcasting indices."""

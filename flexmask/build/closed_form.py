@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from flexmask.build.grid import BlockGrid
-from flexmask.build.write import Ordered
+from flexmask.build.write import Ordered, expand_runs
 from flexmask.mask import Mask
 
 
@@ -164,25 +164,6 @@ def _line_runs(runs: Runs, m: int) -> tuple[tuple[Tensor, Tensor], tuple[Tensor,
     return partial, full
 
 
-def _expand_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
-    """Writes runs ``(N, r)`` laid end to end into ``out`` (flat int32 of ``lens.sum()``
-    entries): entry ``e`` of run ``k`` holds ``starts[k] + e``. A cumsum of ones, with each
-    run's jump in value added where it begins — empty runs jump at the same place and their
-    jumps add up — so the cost is one pass over the output, no gather and no sort."""
-    starts, lens = starts.reshape(-1), lens.reshape(-1)
-    total = out.numel()
-    if total == 0:
-        return
-    first_entry = lens.cumsum(0) - lens
-    shift = starts - first_entry  # value minus entry index, constant along a run
-    jump = torch.diff(shift, prepend=torch.zeros_like(shift[:1]))
-    inside = first_entry < total  # empty runs at the very end jump nowhere
-    out.fill_(1)
-    out[0] = 0
-    out.scatter_add_(0, first_entry.clamp(max=total - 1), (jump * inside).to(out.dtype))
-    out.cumsum_(0)
-
-
 def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     """Both sides' tensors (kv side per q block row, q side per kv block column), shaped
     ``(R, 1, n[, m])`` for R = B when the mask depends on the row, else 1.
@@ -192,7 +173,8 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     blocks. Each index tensor is written whole, equal to torch's: the listed blocks
     ascending, then the unlisted ones ascending (``BlockMask._adjust`` reads the unlisted
     tail, so it must be torch's). Each tensor is runs laid end to end (``_line_runs``),
-    expanded in one pass: O(entries) with a small constant, no tile grid and no sort.
+    expanded in one pass (``write.expand_runs``): O(entries) with a small constant, no tile
+    grid and no sort.
     """
     rows, _ = grid.reduced(mask)
     nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
@@ -212,7 +194,7 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
         (kv_f, kv_fs, kv_fl),
         (q_f, q_fs, q_fl),
     ):
-        _expand_runs(out.view(-1), starts, lens)
+        expand_runs(out.view(-1), starts, lens)
     counts = (
         kv_pl[:, :2].sum(1, dtype=torch.int32).view(rows, 1, nq),
         q_pl[:, :2].sum(1, dtype=torch.int32).view(rows, 1, nkv),

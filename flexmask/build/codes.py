@@ -19,6 +19,7 @@ UNDECIDED = 3
 
 CODE_DTYPE = torch.int8
 
+
 def codes_from(nonempty: Tensor, full: Tensor) -> Tensor:
     """Turns exact (nonempty, full) booleans into block codes.
 
@@ -27,12 +28,15 @@ def codes_from(nonempty: Tensor, full: Tensor) -> Tensor:
     # EMPTY=0, PARTIAL=1, FULL=2 is the sum of the two flags (full implies nonempty).
     return nonempty.view(CODE_DTYPE) + full.view(CODE_DTYPE)
 
+
 def constant_codes(code: int, device: torch.device) -> Tensor:
     """A (1, 1, 1, 1) code tensor that broadcasts over any block grid."""
     return torch.full((1, 1, 1, 1), code, dtype=CODE_DTYPE, device=device)
 
+
 def _table(rule) -> list[int]:
     return [rule(a, b) for a in range(4) for b in range(4)]
+
 
 def _and_rule(a: int, b: int) -> int:
     if EMPTY in (a, b):
@@ -41,6 +45,7 @@ def _and_rule(a: int, b: int) -> int:
         return b  # FULL is neutral
     return a if b == FULL else UNDECIDED  # two partial tiles may or may not overlap
 
+
 def _or_rule(a: int, b: int) -> int:
     if FULL in (a, b):
         return FULL
@@ -48,22 +53,27 @@ def _or_rule(a: int, b: int) -> int:
         return b
     return a if b == EMPTY else UNDECIDED
 
+
 _AND = torch.tensor(_table(_and_rule), dtype=CODE_DTYPE)
 _OR = torch.tensor(_table(_or_rule), dtype=CODE_DTYPE)
 _NOT = torch.tensor([FULL, PARTIAL, EMPTY, UNDECIDED], dtype=CODE_DTYPE)
+
 
 def _lookup(table: Tensor, index: Tensor) -> Tensor:
     # One gather over the grid instead of a chain of where/eq passes.
     flat = index.reshape(-1).to(torch.int32)
     return table.to(index.device).index_select(0, flat).view(index.shape)
 
+
 def and_codes(a: Tensor, b: Tensor) -> Tensor:
     """Block codes of ``a & b``: EMPTY wins, FULL is neutral, PARTIAL & PARTIAL is undecided."""
     return _lookup(_AND, a * 4 + b)
 
+
 def or_codes(a: Tensor, b: Tensor) -> Tensor:
     """Block codes of ``a | b``: FULL wins, EMPTY is neutral, PARTIAL | PARTIAL is undecided."""
     return _lookup(_OR, a * 4 + b)
+
 
 def not_codes(a: Tensor) -> Tensor:
     """Block codes of ``~a``: EMPTY and FULL swap, PARTIAL and UNDECIDED stay."""

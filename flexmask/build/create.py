@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,6 +28,7 @@ from flexmask.mask import Mask, MaskMod, ShiftedMod
 
 ENV_BUILD_THREADS = "FLEXMASK_BUILD_THREADS"
 
+
 def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     """Both sides' ordered tensors: in closed form from the intervals at block edges where
     the mask's intervals are monotone (``closed_form``), else from the classified tiles."""
@@ -40,11 +40,13 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
         return closed_form.ordered_sides(mask, grid)
     return ordered_from_codes(classify_blocks(mask, grid).codes)
 
+
 def build_threads() -> int:
     """Intra-op threads a CPU build runs with: FLEXMASK_BUILD_THREADS, default 1."""
     threads = env_int(ENV_BUILD_THREADS, 1, minimum=1)
     assert threads is not None  # a default is given
     return threads
+
 
 @contextlib.contextmanager
 def _cpu_threads(device: torch.device) -> Iterator[None]:
@@ -63,6 +65,7 @@ def _cpu_threads(device: torch.device) -> Iterator[None]:
     finally:
         torch.set_num_threads(previous)
 
+
 def build(mask: Mask, grid: BlockGrid) -> BlockMask:
     """Builds the BlockMask of a validated mask on a validated grid."""
     with _cpu_threads(torch.device(grid.device)):
@@ -73,6 +76,7 @@ def build(mask: Mask, grid: BlockGrid) -> BlockMask:
         else:
             kv, q = ordered_sides(mask, grid)
         return assemble(kv, q, grid, mask_mod)
+
 
 def window_mask_mod(mask_mod: MaskMod, grid: BlockGrid) -> MaskMod:
     """The mask_mod of the grid's window: local indices shifted by the offsets (held as
@@ -86,6 +90,7 @@ def window_mask_mod(mask_mod: MaskMod, grid: BlockGrid) -> MaskMod:
         return torch.tensor(offset, dtype=torch.int64, device=grid.device)
 
     return ShiftedMod(mask_mod, held(grid.q_offset), held(grid.kv_offset))
+
 
 def _row_by_row(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     """Per-row windows on the tile path: each row's window built with its own offsets and
@@ -111,6 +116,7 @@ def _row_by_row(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     stacked = [torch.cat(column) for column in zip(*parts, strict=True)]
     return Ordered(*stacked[:4]), Ordered(*stacked[4:])
 
+
 def create_block_mask(
     mask: Mask | MaskMod,
     B: int | None = None,
@@ -130,10 +136,12 @@ def create_block_mask(
     in the same order, the same full/partial split (``same_blocks``) — without evaluating the
     mask on every element. An ``&`` of interval pieces (causal, document, sliding window,
     prefix, padding) is written in closed form from the intervals at block edges
-    (``flexmask.build.closed_form``); any other expression has its tiles classified from each piece's data
-    and is evaluated only on tiles the structure leaves undecided. A mask that does not depend
-    on the batch row (or head) is built once and broadcast as a view. A plain mask_mod
-    callable is passed to torch.
+    (``flexmask.build.closed_form``); any other expression has its tiles classified from each
+    piece's data and is evaluated only on tiles the structure leaves undecided. The eight
+    tensors equal torch's as whole tensors (the unlisted tail in torch's order), each
+    ``(B, H, ...)``, contiguous, with a storage of its own — a mask that does not depend on
+    the row (or head) is built once and copied out. A plain mask_mod callable is passed to
+    torch.
 
     Args:
         mask: a flexmask expression, or any mask_mod (forwarded to torch unchanged).

@@ -17,6 +17,7 @@ from flexmask._validate import check_device, check_int
 from flexmask.build.codes import FULL, PARTIAL
 from flexmask.mask import Extent, Mask
 
+
 @dataclass(frozen=True)
 class BlockGrid:
     """The tiles of one build: lengths, block sizes and every tile's first and last token.
@@ -160,6 +161,7 @@ class BlockGrid:
             edge.masked_fill_(edge == FULL, PARTIAL)
         return codes
 
+
 def block_sizes(BLOCK_SIZE: Any) -> tuple[int, int]:
     """(q_block, kv_block) from an int or a pair, validated."""
     if isinstance(BLOCK_SIZE, (tuple, list)):
@@ -170,6 +172,7 @@ def block_sizes(BLOCK_SIZE: Any) -> tuple[int, int]:
         return q_block, kv_block
     size = check_int(BLOCK_SIZE, "BLOCK_SIZE", minimum=1)
     return size, size
+
 
 def make_grid(
     mask: Mask,
@@ -199,6 +202,7 @@ def make_grid(
     )
     mask._check(grid.extent)
     return grid
+
 
 def offsets(value: Any, name: str, batch: int) -> int | list[int]:
     """A window offset: one int >= 0, or one per batch row (a list, or a (B,) tensor or

@@ -18,6 +18,7 @@ _SIDES = (
     ("full_q_num_blocks", "full_q_indices"),
 )
 
+
 def block_mask_nbytes(block_mask: BlockMask) -> int:
     """Bytes held by a BlockMask's tensors, each storage counted once (views share one)."""
     seen: dict[int, int] = {}
@@ -27,6 +28,7 @@ def block_mask_nbytes(block_mask: BlockMask) -> int:
             storage = tensor.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
 
 def kv_codes(block_mask: BlockMask) -> Tensor:
     """Every tile's code (EMPTY / PARTIAL / FULL, int8) as the BlockMask lists it, from its kv
@@ -49,6 +51,7 @@ def kv_codes(block_mask: BlockMask) -> Tensor:
         if index.shape[-1]:
             codes.scatter_(-1, torch.where(listed, index, num_kv), code)
     return codes[..., :num_kv]
+
 
 def same_blocks(a: BlockMask, b: BlockMask) -> bool:
     """True if two BlockMasks list the same blocks: equal lengths and block sizes, and for

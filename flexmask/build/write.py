@@ -17,6 +17,7 @@ from flexmask.build.codes import FULL, PARTIAL
 from flexmask.build.grid import BlockGrid
 from flexmask.mask import MaskMod
 
+
 class Ordered(NamedTuple):
     """torch's tensors of one side of a BlockMask: counts ``(..., n)`` and indices
     ``(..., n, m)`` of the partial blocks, then of the full ones; int32."""
@@ -26,10 +27,45 @@ class Ordered(NamedTuple):
     full_num: Tensor
     full_idx: Tensor
 
+
 def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """(num_blocks, indices) of a bool grid, byte-identical to torch's stable argsort order:
-    the set columns ascending, then the unset ones ascending. A cumsum ranks each column and
-    one scatter writes it — O(columns), no sort."""
+    the set columns ascending, then the unset ones ascending.
+
+    Lines of a block grid are mostly a few runs of set and unset columns: each run's place
+    in its line's output is found from run lengths alone, and the runs are expanded in one
+    pass (``expand_runs``). Grids with many short runs are ranked column by column instead."""
+    n = blocks.shape[-1]
+    if blocks.numel() == 0:
+        return _ranked(blocks)
+    lines = blocks.numel() // n
+    flat = blocks.reshape(lines, n)
+    change = torch.ones_like(flat)
+    torch.ne(flat[:, 1:], flat[:, :-1], out=change[:, 1:])
+    starts = change.view(-1).nonzero().squeeze(1)  # every line starts a run at column 0
+    if starts.numel() * 8 > flat.numel():
+        return _ranked(blocks)
+    total = flat.numel()
+    col = starts % n
+    line = starts.div(n, rounding_mode="floor")
+    length = torch.diff(starts, append=starts.new_tensor([total]))
+    value = flat.view(-1)[starts]
+    set_length = length * value
+    set_until = set_length.cumsum(0)
+    count = torch.zeros(lines, dtype=torch.int64, device=blocks.device)
+    count.index_add_(0, line, set_length)
+    # Set entries before each run in its line: the running sum less the line's earlier lines.
+    line_start = set_until - set_length
+    set_before = line_start - line_start[col == 0][line]
+    place = line * n + torch.where(value, set_before, count[line] + col - set_before)
+    order = place.argsort()
+    indices = torch.empty(blocks.shape, dtype=torch.int32, device=blocks.device)
+    expand_runs(indices.view(-1), col[order], length[order])
+    return count.to(torch.int32).view(blocks.shape[:-1]), indices
+
+
+def _ranked(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """``_ordered`` column by column: a cumsum ranks each column and one scatter writes it."""
     n = blocks.shape[-1]
     ones = blocks.cumsum(-1, dtype=torch.int32)  # set columns up to and including each one
     count = ones[..., -1:]
@@ -41,6 +77,26 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     indices.scatter_(-1, rank, (col1 - 1).expand(blocks.shape))
     return count.squeeze(-1).contiguous(), indices
 
+
+def expand_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
+    """Writes runs ``(N, r)`` laid end to end into ``out`` (flat int32 of ``lens.sum()``
+    entries): entry ``e`` of run ``k`` holds ``starts[k] + e``. A cumsum of ones, with each
+    run's jump in value added where it begins — empty runs jump at the same place and their
+    jumps add up — so the cost is one pass over the output, no gather and no sort."""
+    starts, lens = starts.reshape(-1), lens.reshape(-1)
+    total = out.numel()
+    if total == 0:
+        return
+    first_entry = lens.cumsum(0) - lens
+    shift = starts - first_entry  # value minus entry index, constant along a run
+    jump = torch.diff(shift, prepend=torch.zeros_like(shift[:1]))
+    inside = first_entry < total  # empty runs at the very end jump nowhere
+    out.fill_(1)
+    out[0] = 0
+    out.scatter_add_(0, first_entry.clamp(max=total - 1), (jump * inside).to(out.dtype))
+    out.cumsum_(0)
+
+
 def ordered_from_codes(codes: Tensor) -> tuple[Ordered, Ordered]:
     """torch's (kv side, q side) ordered tensors from final tile codes ``(R, Hh, nq, nkv)``."""
     partial = codes == PARTIAL
@@ -51,6 +107,7 @@ def ordered_from_codes(codes: Tensor) -> tuple[Ordered, Ordered]:
         *_ordered(full.transpose(-2, -1).contiguous()),
     )
     return kv, q
+
 
 def empty_sides(rows: int, heads: int, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     """A grid with no q or no kv blocks (Q_LEN or KV_LEN 0): nothing listed; every line is
@@ -68,6 +125,7 @@ def empty_sides(rows: int, heads: int, grid: BlockGrid) -> tuple[Ordered, Ordere
         Ordered(kv_num, kv_idx, kv_num.clone(), kv_idx.clone()),
         Ordered(q_num, q_idx, q_num.clone(), q_idx.clone()),
     )
+
 
 def assemble(kv: Ordered, q: Ordered, grid: BlockGrid, mask_mod: MaskMod) -> BlockMask:
     """torch's BlockMask from both sides' ordered tensors, each ``(B, H, ...)`` contiguous

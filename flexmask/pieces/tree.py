@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import digest, int_vector, is_nested, source_device
-from flexmask.build.codes import EMPTY, UNDECIDED, codes_from
+from flexmask.build.codes import codes_from
 from flexmask.build.grid import BlockGrid
 from flexmask.mask import Extent, Lowered
 from flexmask.pieces._base import Piece, PieceMod
@@ -84,6 +84,10 @@ class Tree(Piece):
         return rank.to(device), end.to(device)
 
     def _classify(self, grid: BlockGrid) -> Tensor:
+        if not all(self.preorder):
+            # Rank space is exact for any layout; rows already in preorder lose nothing to it
+            # but a few passes, so mixed batches take it for every row.
+            return self._classify_ranked(grid)
         device = grid.device
         rows = len(self.parents)
         nkv, kv_block = grid.num_kv_blocks, grid.kv_block
@@ -105,15 +109,108 @@ class Tree(Piece):
             (overlap_lo <= overlap_hi) | (max_end > grid.q_first)
         )
         full = (grid.kv_last <= grid.q_first) & (min_end > grid.q_last)
+        return codes_from(nonempty, full)
+
+    def _classify_ranked(self, grid: BlockGrid) -> Tensor:
+        """Exact codes for any parent-before-child layout, in rank space.
+
+        kv attends q iff ``rank[q]`` lies in kv's subtree ``[rank[kv], end[kv])``. So a
+        tile is full iff every kv's subtree holds every q's rank: ``max rank(kv) <=
+        min rank(q)`` and ``min end(kv) > max rank(q)`` — exact from per-block extremes.
+        It is non-empty iff some q's rank lies in the union ``U`` of its kv block's
+        subtrees. Where the q block's ranks are one run and ``U`` is one interval (a block
+        inside one branch, the common case of insertion order) the extremes decide that too;
+        the other tiles are settled by a search of a few ranks in ``U``: the tokens a q block
+        attends are its own tokens and the ancestors of its *external parents* (parents
+        outside the block), and ``p``'s ancestors meet a kv block iff ``rank[p]`` is in ``U``.
+        """
+        device = grid.device
+        rows, big = len(self.parents), grid.length + 2
+        nq, nkv, q_block, kv_block = (
+            grid.num_q_blocks,
+            grid.num_kv_blocks,
+            grid.q_block,
+            grid.kv_block,
+        )
+        pad = torch.nn.functional.pad
+        rank, end = (t.to(torch.int64) for t in self._lookups(grid.length, device))
+        sizes = torch.tensor([p.numel() for p in self.parents], device=device).view(-1, 1)
+
+        def blocks(values: Tensor, first: int, last: int, n: int, size: int, fill: int) -> Tensor:
+            return pad(values[:, first:last], (0, n * size - (last - first)), value=fill).view(
+                rows, n, size
+            )
+
+        kv_first, kv_end, q_first, q_end = grid.kv_offset, grid.kv_end, grid.q_offset, grid.q_end
+        kv_rank = rank[:, kv_first:kv_end]
+        kv_in = end[:, kv_first:kv_end] > kv_rank  # in the tree (past it: rank = pos, end = 0)
+        # Full, over every in-range token (one past the tree is never full).
+        max_rank_all = blocks(rank, kv_first, kv_end, nkv, kv_block, -1).amax(-1)
+        min_end_all = blocks(end, kv_first, kv_end, nkv, kv_block, big).amin(-1)
+        q_ranks = blocks(rank, q_first, q_end, nq, q_block, -1)
+        max_q_all = q_ranks.amax(-1)
+        q_in = (q_ranks >= 0) & (q_ranks < sizes.view(-1, 1, 1))  # in range and in the tree
+        min_q = torch.where(q_in, q_ranks, big).amin(-1)
+        max_q = torch.where(q_in, q_ranks, -1).amax(-1)
+        q_run = (max_q - min_q + 1 == q_in.sum(-1)) | (max_q < 0)  # ranks are one run
+        full_min_q = torch.where(q_ranks >= 0, q_ranks, big).amin(-1)
+        full = (max_rank_all.view(rows, 1, nkv) <= full_min_q.view(rows, nq, 1)) & (
+            min_end_all.view(rows, 1, nkv) > max_q_all.view(rows, nq, 1)
+        )
+        # U per kv block: subtree intervals of the tokens in the tree, sorted by rank, with
+        # the running max of their ends (rank x is in U iff the running end at the last
+        # rank <= x exceeds x).
+        u_rank = pad(
+            torch.where(kv_in, kv_rank, big), (0, nkv * kv_block - kv_rank.shape[1]), value=big
+        ).view(rows, nkv, kv_block)
+        u_rank, order = u_rank.sort(-1)
+        u_end = blocks(end, kv_first, kv_end, nkv, kv_block, 0).gather(-1, order)
+        u_end = torch.where(u_rank < big, u_end, 0).cummax(-1).values
+        u_lo = u_rank[..., 0]
+        u_hi = u_end[..., -1]  # U lies in [u_lo, u_hi)
+        gaps = (u_rank[..., 1:] < big) & (u_rank[..., 1:] > u_end[..., :-1])
+        u_run = ~gaps.any(-1)
+        # Ancestors come first: no kv after the q block attends it.
+        before = grid.kv_first.view(1, 1, nkv) <= grid.q_last.view(1, nq, 1)
+        meets = (
+            before
+            & (max_q.view(rows, nq, 1) >= u_lo.view(rows, 1, nkv))
+            & (min_q.view(rows, nq, 1) < u_hi.view(rows, 1, nkv))
+        )
+        overlap_lo = torch.maximum(grid.kv_first, grid.q_first).view(1, nq, nkv)
+        overlap_hi = torch.minimum(grid.kv_last, grid.q_last).view(1, nq, nkv)
+        diagonal = overlap_lo <= torch.minimum(overlap_hi, sizes.view(-1, 1, 1) - 1)
+        exact = q_run.view(rows, nq, 1) & u_run.view(rows, 1, nkv)
+        nonempty = full | diagonal | (meets & exact)
         codes = codes_from(nonempty, full)
-        if all(self.preorder):
-            return codes
-        # Another parent-before-child order: ancestors still come first, so tiles above the
-        # diagonal and tiles past the tree are empty; the rest is left to refinement.
-        empty = (grid.kv_first > grid.q_last) | (grid.q_first >= sizes) | (grid.kv_first >= sizes)
-        unordered = torch.where(empty, EMPTY, UNDECIDED).to(codes.dtype)
-        preorder = torch.tensor(self.preorder, device=device).view(-1, 1, 1, 1)
-        return torch.where(preorder, codes, unordered)
+        unsure = meets & ~nonempty
+        if bool(unsure.any()):
+            tiles = unsure.nonzero()
+            parents = self._external_parents(grid, rank)
+            found = _search_subtrees(tiles, parents, u_rank, u_end, big)
+            codes[tuple(tiles.unbind(1))] = found.to(codes.dtype)  # PARTIAL (1) or EMPTY (0)
+        return codes.view(rows, 1, nq, nkv)
+
+    def _external_parents(self, grid: BlockGrid, rank: Tensor) -> Tensor:
+        """(R, nq, c) ranks of each q block's external parents (-1 pads), c the most any
+        block has: the parents outside the block of its tokens in the tree."""
+        rows, nq, q_block = len(self.parents), grid.num_q_blocks, grid.q_block
+        q_first, q_end = grid.q_offset, grid.q_end
+        parent = torch.full((rows, grid.length), -1, dtype=torch.int64)
+        for row, p in enumerate(self.parents):
+            parent[row, : p.numel()] = p
+        parent = parent.to(grid.device)[:, q_first:q_end]
+        parent = torch.nn.functional.pad(parent, (0, nq * q_block - grid.q_len), value=-1)
+        parent = parent.view(rows, nq, q_block)
+        block_first = grid.q_first.view(1, nq, 1)
+        outside = torch.where(parent < block_first, parent, -1)
+        count = int((outside >= 0).sum(-1).max())
+        outside = outside.sort(-1, descending=True).values[..., : max(count, 1)]
+        return torch.where(
+            outside >= 0,
+            rank.gather(1, outside.clamp(min=0).view(rows, -1)).view(outside.shape),
+            -1,
+        )
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
         rank, end = self._lookups(length, device)
@@ -150,6 +247,30 @@ class TreeMod(PieceMod):
         q_rank = self._lookup(self.rank, b, q_idx.clamp(max=last))
         kv = kv_idx.clamp(max=last)
         return (self._lookup(self.rank, b, kv) <= q_rank) & (q_rank < self._lookup(self.end, b, kv))
+
+
+def _search_subtrees(
+    tiles: Tensor, parents: Tensor, u_rank: Tensor, u_end: Tensor, big: int
+) -> Tensor:
+    """For tiles ``(k, 3)`` = (row, q block, kv block): does some external parent's rank lie
+    in the kv block's union of subtrees? One search over every block's sorted ranks laid end
+    to end, each block's keys shifted past the previous block's."""
+    rows, nkv, kv_block = u_rank.shape
+    stride = big + 1
+    line = torch.arange(rows * nkv, device=u_rank.device).view(rows, nkv, 1)
+    keys = (line * stride + u_rank).view(-1)
+    ends = u_end.reshape(-1)
+    found = torch.empty(tiles.shape[0], dtype=torch.bool, device=tiles.device)
+    per_chunk = max(1, (1 << 20) // parents.shape[-1])
+    for start in range(0, tiles.shape[0], per_chunk):
+        row, q_tile, kv_tile = tiles[start : start + per_chunk].unbind(1)
+        ranks = parents[row, q_tile]  # (k, c)
+        block = (row * nkv + kv_tile).view(-1, 1)
+        at = torch.searchsorted(keys, block * stride + ranks, right=True) - 1
+        inside = (ranks >= 0) & (at >= block * kv_block)
+        covered = inside & (ends[at.clamp(min=0)] > ranks)
+        found[start : start + per_chunk] = covered.any(-1)
+    return found
 
 
 def _check_parents(value: Any, name: str) -> Tensor:

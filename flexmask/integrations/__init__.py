@@ -1,0 +1,1 @@
+"""Optional integrations with other libraries; each module imports its library only when used."""

@@ -1,0 +1,357 @@
+"""Hugging Face transformers: the mask every layer type of a model needs, for every backend.
+
+A transformers decoder can mix layer types (``config.layer_types``): ``"full_attention"``,
+``"sliding_attention"`` (a window of ``config.sliding_window`` tokens) and
+``"chunked_attention"`` (Llama 4: chunks of ``config.attention_chunk_size``). When its
+``attention_mask`` is already prepared, transformers uses it as is for every layer, so one mask
+for all layers silently drops the window. :func:`attention_masks` builds one mask per layer
+type from a packed batch, in the form the model's attention implementation reads:
+
+* ``"flex_attention"`` and :func:`register`'s ``"flexmask"``: a ``BlockMask``, built from
+  structure through flexmask's cache;
+* ``"sdpa"``: a dense bool ``(B, 1, S, S)`` mask;
+* ``"eager"``: a dense additive ``(B, 1, S, S)`` float mask (0 where attended, the dtype's
+  minimum elsewhere), which eager attention adds to its scores.
+
+Windows and chunks count *positions* (``position_ids``), not packed offsets, so they stay
+exact inside packed documents (positions restart in each) and inside prefix trees (a node's
+position is its depth). transformers itself stays out of flexmask's dependencies: install the
+``transformers`` extra.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from cachetools import LRUCache
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexmask import create_block_mask, pieces
+from flexmask._validate import digest
+from flexmask.attention import flex_attention
+from flexmask.lazy import LazyBlockMask
+from flexmask.mask import Mask
+from flexmask.packing import PackedBatch, TreeBatch, TreePack
+
+__all__ = ["attention_masks", "flexmask_attention", "layer_mask", "model_inputs", "register"]
+
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+_DENSE_CACHE: LRUCache = LRUCache(maxsize=16)  # dense masks by (mask, shape, kind, dtype, device)
+
+
+def _text_config(config: Any) -> Any:
+    # Multimodal configs keep the decoder's settings in a text config.
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _batch_parts(batch: Any, shape: tuple[int, int] | None) -> tuple[Mask, Tensor | None, int, int]:
+    """The base mask, the (B, S) positions (None: 0..S-1 in every row), B and S."""
+    if isinstance(batch, PackedBatch):
+        return batch.mask, batch.position_ids, batch.num_rows, batch.max_len
+    if isinstance(batch, TreeBatch):
+        return batch.mask, batch.position_ids, batch.num_rows, batch.max_tokens
+    if isinstance(batch, TreePack):
+        return batch.mask, batch.position_ids[None], 1, batch.length
+    if isinstance(batch, Mask):
+        if shape is None:
+            raise TypeError("with a flexmask Mask as batch, pass shape=(batch_size, seq_len)")
+        return batch, None, int(shape[0]), int(shape[1])
+    raise TypeError(
+        f"batch must be a PackedBatch (flexmask.pack), a TreePack (pack_tree), a TreeBatch "
+        f"(pack_trees) or a flexmask Mask with shape=(B, S); got {type(batch).__name__}"
+    )
+
+
+def layer_mask(
+    layer_type: str,
+    base: Mask,
+    positions: Tensor | None,
+    *,
+    sliding: int | None = None,
+    chunk: int | None = None,
+) -> Mask:
+    """The mask of one layer type: ``base`` restricted to a window or a chunk of positions.
+
+    Args:
+        layer_type: ``"full_attention"``, ``"sliding_attention"`` or ``"chunked_attention"``.
+        base: the batch's mask (``causal() & document(...)``, ``tree(...)``, ...).
+        positions: ``(B, S)`` position of every token (restarting per document, depth in a
+            tree), or ``None`` when positions are the offsets ``0..S-1`` themselves.
+        sliding: the window, for ``"sliding_attention"``: q attends kv only when
+            ``position[q] - position[kv] < sliding`` (transformers' convention).
+        chunk: the chunk size, for ``"chunked_attention"``: q attends kv only when
+            ``position[q] // chunk == position[kv] // chunk``.
+
+    Example:
+        >>> import flexmask
+        >>> from flexmask.integrations.transformers import layer_mask
+        >>> m = layer_mask("sliding_attention", flexmask.causal(), None, sliding=2)
+        >>> m.to_dense(1, 1, 3, 3)[0, 0].int().tolist()
+        [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
+    if layer_type == "full_attention":
+        return base
+    if layer_type == "sliding_attention":
+        if not isinstance(sliding, int) or sliding < 1:
+            raise ValueError(
+                f"sliding_attention needs a window >= 1 (config.sliding_window), got {sliding!r}"
+            )
+        if positions is None:
+            return base & pieces.sliding_window(sliding)
+        pos = positions.to(torch.int64)
+        window = torch.tensor(sliding)  # 0-d: a new window size does not recompile
+
+        def within_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return pos[b, q_idx] - pos[b, kv_idx] < window
+
+        return base & pieces.from_mask_mod(
+            within_window, key=("positions_window", digest(pos), sliding), head_dependent=False
+        )
+    if layer_type == "chunked_attention":
+        if not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(
+                "chunked_attention needs a chunk size >= 1 (config.attention_chunk_size), "
+                f"got {chunk!r}"
+            )
+        size = torch.tensor(chunk)
+        if positions is None:
+
+            def same_chunk(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return q_idx // size == kv_idx // size
+
+            key: tuple = ("offsets_chunk", chunk)
+        else:
+            pos = positions.to(torch.int64)
+
+            def same_chunk(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return pos[b, q_idx] // size == pos[b, kv_idx] // size
+
+            key = ("positions_chunk", digest(pos), chunk)
+        return base & pieces.from_mask_mod(
+            same_chunk, key=key, batch_dependent=positions is not None, head_dependent=False
+        )
+    raise ValueError(
+        f"layer_type must be one of {', '.join(map(repr, LAYER_TYPES))}; got {layer_type!r}"
+    )
+
+
+def attention_masks(
+    config: Any,
+    batch: Any,
+    *,
+    implementation: str | None = None,
+    shape: tuple[int, int] | None = None,
+    block_size: int = 128,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """What to pass as a transformers model's ``attention_mask`` for a packed batch.
+
+    Args:
+        config: the model's config (``model.config``); its ``layer_types``,
+            ``sliding_window`` and ``attention_chunk_size`` are read, and its
+            ``_attn_implementation`` unless ``implementation`` is given.
+        batch: a :class:`~flexmask.PackedBatch`, :class:`~flexmask.TreePack`,
+            :class:`~flexmask.TreeBatch`, or a flexmask ``Mask`` together with ``shape``.
+        implementation: ``"flex_attention"``, ``"flexmask"`` (see :func:`register`),
+            ``"sdpa"`` or ``"eager"``.
+        shape: ``(B, S)``, only with a ``Mask`` as ``batch``.
+        block_size: the BlockMask's block size (flex paths).
+        device: where the mask is built (default: flexmask's default device).
+        dtype: the float dtype of eager's additive mask (the model's dtype).
+
+    Returns:
+        One mask when every layer is ``"full_attention"`` (models such as Llama take only
+        that), else ``{layer_type: mask}`` for every layer type the model has, which
+        transformers hands to each layer by its type. Dense masks let a query with nothing
+        to attend (padding) attend to itself, so sdpa and eager stay finite there.
+
+    Example:
+        >>> from transformers import Qwen2Config
+        >>> from flexmask.packing import pack
+        >>> from flexmask.integrations.transformers import attention_masks
+        >>> config = Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=2,
+        ...                      max_window_layers=1)
+        >>> masks = attention_masks(config, pack([[1, 2, 3], [4, 5]], 5), implementation="sdpa")
+        >>> sorted(masks), masks["sliding_attention"][0, 0].int().tolist()[2]
+        (['full_attention', 'sliding_attention'], [0, 1, 1, 0, 0])
+    """
+    text = _text_config(config)
+    kind = implementation or getattr(config, "_attn_implementation", None) or "sdpa"
+    if kind not in ("flex_attention", "flexmask", "sdpa", "eager"):
+        raise ValueError(
+            f"implementation must be 'flex_attention', 'flexmask', 'sdpa' or 'eager', got {kind!r}"
+        )
+    base, positions, batch_size, seq_len = _batch_parts(batch, shape)
+    layer_types = list(dict.fromkeys(getattr(text, "layer_types", None) or ["full_attention"]))
+    masks = {}
+    for layer_type in layer_types:
+        mask = layer_mask(
+            layer_type,
+            base,
+            positions,
+            sliding=getattr(text, "sliding_window", None),
+            chunk=getattr(text, "attention_chunk_size", None),
+        )
+        masks[layer_type] = _materialise(mask, kind, batch_size, seq_len, block_size, device, dtype)
+    if layer_types == ["full_attention"]:
+        return masks["full_attention"]
+    return masks
+
+
+def _materialise(
+    mask: Mask,
+    kind: str,
+    batch_size: int,
+    seq_len: int,
+    block_size: int,
+    device: torch.device | str | None,
+    dtype: torch.dtype,
+) -> BlockMask | Tensor:
+    if kind in ("flex_attention", "flexmask"):
+        # flexmask's own cache keys BlockMasks on the mask's content.
+        return create_block_mask(
+            mask, batch_size, 1, seq_len, seq_len, device=device, BLOCK_SIZE=block_size
+        )
+    key = (mask, batch_size, seq_len, kind, dtype, str(device))
+    cached = _DENSE_CACHE.get(key)
+    if cached is not None:
+        return cached
+    dense = mask.to_dense(batch_size, 1, seq_len, seq_len)
+    if device is not None:
+        dense = dense.to(device)
+    # A query that attends nothing (padding) would give NaN in sdpa and eager, and NaN values
+    # poison every later layer through 0 * NaN: let it attend to itself instead.
+    lonely = ~dense.any(-1, keepdim=True)
+    dense = dense | (lonely & torch.eye(seq_len, dtype=torch.bool, device=dense.device))
+    if kind == "eager":
+        zero = torch.zeros((), dtype=dtype, device=dense.device)
+        dense = torch.where(dense, zero, torch.finfo(dtype).min)
+    _DENSE_CACHE[key] = dense
+    return dense
+
+
+def model_inputs(model: Any, batch: Any, **kwargs: Any) -> dict[str, Any]:
+    """``input_ids``, ``position_ids`` and ``attention_mask`` for ``model(**inputs)``.
+
+    Args:
+        model: a transformers model; its config picks the implementation and layer types.
+        batch: a :class:`~flexmask.PackedBatch`, :class:`~flexmask.TreePack` or
+            :class:`~flexmask.TreeBatch`.
+        **kwargs: passed to :func:`attention_masks`.
+
+    Example:
+        >>> from transformers import AutoModelForCausalLM, LlamaConfig
+        >>> from flexmask.packing import pack
+        >>> from flexmask.integrations.transformers import model_inputs
+        >>> config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
+        ...                      num_hidden_layers=1, num_attention_heads=2)
+        >>> model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        >>> inputs = model_inputs(model, pack([[1, 2, 3], [4, 5]], max_len=5))
+        >>> model(**inputs).logits.shape
+        torch.Size([1, 5, 16])
+    """
+    if isinstance(batch, TreePack):
+        tokens, positions = batch.tokens[None], batch.position_ids[None]
+    elif isinstance(batch, (PackedBatch, TreeBatch)):
+        tokens, positions = batch.tokens, batch.position_ids
+    else:
+        raise TypeError(
+            f"batch must be a PackedBatch, TreePack or TreeBatch, got {type(batch).__name__}"
+        )
+    return {
+        "input_ids": tokens,
+        "position_ids": positions,
+        "attention_mask": attention_masks(model.config, batch, **kwargs),
+    }
+
+
+def flexmask_attention(
+    module: Any,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: BlockMask | LazyBlockMask | Mask | Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """A transformers attention function running ``flexmask.flex_attention``.
+
+    With a BlockMask (or a lazy handle, or a flexmask Mask) it runs flexmask's path, which
+    trains on the CPU. With no mask (a reference run, or ``generate`` without padding) it is
+    causal, with the layer's ``sliding_window`` when it has one, and aligned to the end of
+    the keys when a KV cache makes them longer than the queries. A dense mask (what
+    transformers builds for this implementation when none was passed) goes to sdpa.
+    """
+    if dropout:
+        raise ValueError(f"flexmask_attention has no dropout; got dropout={dropout}")
+    enable_gqa = query.shape[1] != key.shape[1]
+    q_len, kv_len = query.shape[2], key.shape[2]
+    score_mod = None
+    if softcap:
+        cap = float(softcap)
+
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return cap * torch.tanh(score / cap)
+
+    if attention_mask is None and q_len == kv_len:
+        attention_mask = pieces.causal()
+        if sliding_window:
+            attention_mask = attention_mask & pieces.sliding_window(sliding_window)
+    if isinstance(attention_mask, (BlockMask, LazyBlockMask, Mask)):
+        out = flex_attention(
+            query,
+            key,
+            value,
+            block_mask=attention_mask,
+            score_mod=score_mod,
+            scale=scaling,
+            enable_gqa=enable_gqa,
+        )
+        return out.transpose(1, 2).contiguous(), None
+    if softcap:
+        raise ValueError("flexmask_attention applies softcap only with a BlockMask or no mask")
+    if attention_mask is None:  # decoding with a cache: the queries are the last q_len keys
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+        kv_pos = torch.arange(kv_len, device=query.device)[None, :]
+        attention_mask = kv_pos <= q_pos
+        if sliding_window:
+            attention_mask &= q_pos - kv_pos < sliding_window
+    elif attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask.to(query.dtype)
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask[..., :kv_len],
+        scale=scaling,
+        enable_gqa=enable_gqa,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(name: str = "flexmask") -> str:
+    """Registers :func:`flexmask_attention` with transformers under ``name``.
+
+    The mask function registered with it is transformers' sdpa one, so a model loaded with
+    ``attn_implementation=name`` still gets its padding, sliding and chunked masks built by
+    transformers when no prepared mask is passed (e.g. in ``generate``).
+
+    Example:
+        >>> from flexmask.integrations.transformers import register
+        >>> register()
+        'flexmask'
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, flexmask_attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
