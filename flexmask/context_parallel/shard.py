@@ -12,7 +12,7 @@ torch's order), in one of three ways, all exact:
   runs laid end to end: O(the rank's blocks), no tile grid;
 * pieces (``_piece_sides``): a closed-form mask otherwise — the rows and keys cut at block
   and run boundaries, two comparisons per pair of pieces, then blocks;
-* tiles (``_tile_sides``): any other mask — one classification of the rank's tiles (at the
+* tiles (``_tile_sides``): any other mask — each query run's window classified (at the
   largest tile dividing every run boundary and ``BLOCK_SIZE``), key tiles permuted, and
   each block read from its tiles.
 
@@ -32,10 +32,11 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.build.classify import classify_blocks
-from flexmask.build.closed_form import Runs, _expand_runs, _line_runs, row_runs
+from flexmask.build.closed_form import Runs, _line_runs, row_runs
 from flexmask.build.codes import EMPTY, FULL
 from flexmask.build.grid import BlockGrid, make_grid
-from flexmask.build.write import Ordered, ordered_from_codes
+from flexmask.build.write import Ordered, expand_runs, ordered_from_codes
+from flexmask.build.write import _ordered as ordered  # lines as runs, torch's order
 from flexmask.mask import Mask
 
 
@@ -80,19 +81,6 @@ def _tile(block: int, total: int, local_end: int, q: tuple | None, kv: tuple | N
         ends_both = (orig + lengths == total) & (local + lengths == end)
         values += local.tolist() + orig.tolist() + lengths[~ends_both].tolist()
     return math.gcd(*values)  # plain ints: numpy is not a dependency
-
-
-def ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
-    """torch's ``_dense_to_ordered`` (set blocks ascending, then unset ones) in one cumsum."""
-    dense = dense.contiguous()
-    n = dense.shape[-1]
-    count = torch.cumsum(dense, dim=-1, dtype=torch.int32)
-    num = count[..., -1] if n else torch.zeros(dense.shape[:-1], dtype=torch.int32)
-    col = torch.arange(n, dtype=torch.int32, device=dense.device)
-    position = torch.where(dense, count - 1, num.unsqueeze(-1) + col - count)
-    indices = torch.empty_like(position)
-    indices.scatter_(-1, position.long(), col.expand_as(position))
-    return num.contiguous(), indices
 
 
 @dataclass(frozen=True)
@@ -188,8 +176,8 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
     num_segments = keys.segments[0].numel()
     if 8 * num_segments <= nkv:
         (kv_ps, kv_pl), (kv_fs, kv_fl) = _segment_line_runs(row, keys.segments, whole.device)
-        _expand_runs(kv_p.view(-1), kv_ps, kv_pl)
-        _expand_runs(kv_f.view(-1), kv_fs, kv_fl)
+        expand_runs(kv_p.view(-1), kv_ps, kv_pl)
+        expand_runs(kv_f.view(-1), kv_fs, kv_fl)
         kv_counts = (
             kv_pl[..., : 2 * num_segments].sum(-1, dtype=torch.int32),
             kv_fl[..., :num_segments].sum(-1, dtype=torch.int32),
@@ -210,8 +198,8 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
         torch.searchsorted(row.full_first.contiguous(), c, right=True).sub_(1),
     )
     (q_ps, q_pl), (q_fs, q_fl) = _line_runs(Runs(*(t.reshape(-1) for t in columns)), nq)
-    _expand_runs(q_p.view(-1), q_ps, q_pl)
-    _expand_runs(q_f.view(-1), q_fs, q_fl)
+    expand_runs(q_p.view(-1), q_ps, q_pl)
+    expand_runs(q_f.view(-1), q_fs, q_fl)
     q_counts = (
         q_pl[:, :2].sum(1, dtype=torch.int32).view(rows, nkv),
         q_fl[:, 0].to(torch.int32).view(rows, nkv),
@@ -343,40 +331,44 @@ def _piece_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered
     partial = (some_b & ~full_b).unsqueeze(1)
     full_b = full_b.unsqueeze(1)
     kv = Ordered(*ordered(partial), *ordered(full_b))
-    q = Ordered(*ordered(partial.transpose(-2, -1)), *ordered(full_b.transpose(-2, -1)))
+    q = Ordered(
+        *ordered(partial.transpose(-2, -1).contiguous()),
+        *ordered(full_b.transpose(-2, -1).contiguous()),
+    )
     return kv, q
 
 
-def _tile_sides(
-    mask: Mask, B: int | None, H: int | None, layout: _Layout, device: torch.device
-) -> tuple[Ordered, Ordered]:
-    """Both sides from one classification of the rank's tiles (R, heads, ...).
+def _tile_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
+    """Both sides from the classified tiles of the rank's query runs (R, heads, ...).
 
-    The rank's rows, cut at the layout's tile, are tiles of the whole mask (the tile divides
-    every run boundary): one grid holds them in local order, against every original key
-    tile, and pieces classify it as any grid (``flexmask.build.classify``; only tiles the
-    structure leaves undecided are refined). Key tiles are then put in permuted order and,
-    when the tile is below ``BLOCK_SIZE``, read back as blocks.
+    Each query run is a window of the whole mask, cut at the layout's tile (which divides
+    every run boundary): pieces classify it as any build (``flexmask.build.classify``; only
+    tiles the structure leaves undecided are refined), against every original key tile.
+    The runs' codes are stacked in local order, key tiles put in permuted order and, when
+    the tile is below ``BLOCK_SIZE``, read back as blocks.
     """
     tile, perm, block = layout.tile, layout.keys.perm, layout.block
     total = perm.numel()
-    whole = make_grid(mask, B, H, total, total, device, tile)
-    # Only the original last tile can be incomplete, and only the rank holding the last
-    # position ends on it (``_tile``): the grid demotes its last row exactly then.
-    q_first = layout.q_perm[::tile].to(device)
-    q_last = torch.clamp(q_first + (tile - 1), max=total - 1)
-    grid = replace(
-        whole, q_first=q_first.view(1, 1, -1, 1), q_last=q_last.view(1, 1, -1, 1), refined=[0]
-    )
-    codes = classify_blocks(mask, grid).codes
-    codes = codes[..., perm[::tile].div(tile, rounding_mode="floor").to(device)]
+    parts = []
+    for start, length in zip(layout.q_runs[1].tolist(), layout.q_runs[2].tolist(), strict=True):
+        # A run may end inside a tile only at the end of the mask: the window's last tile
+        # row is then incomplete there too, and demoted as torch would.
+        grid = BlockGrid.make(
+            whole.batch, whole.heads, length, total, tile, tile, whole.device, q_offset=start
+        )
+        parts.append(classify_blocks(mask, grid).codes)
+    codes = torch.cat(parts, dim=2)
+    codes = codes[..., perm[::tile].div(tile, rounding_mode="floor").to(codes.device)]
     if tile == block:
         return ordered_from_codes(codes)
     full = _coarsen(codes == FULL, tile, block)
     some = _coarsen(codes != EMPTY, tile, block, any_=True)
     partial = some & ~full
     kv = Ordered(*ordered(partial), *ordered(full))
-    q = Ordered(*ordered(partial.transpose(-2, -1)), *ordered(full.transpose(-2, -1)))
+    q = Ordered(
+        *ordered(partial.transpose(-2, -1).contiguous()),
+        *ordered(full.transpose(-2, -1).contiguous()),
+    )
     return kv, q
 
 
@@ -420,7 +412,7 @@ def build_shard(
         elif closed_form:
             kv, q = _piece_sides(mask, whole, layout)
         else:
-            kv, q = _tile_sides(mask, B, H, layout, device)
+            kv, q = _tile_sides(mask, whole, layout)
         if keep is not None:
             kv, q = (Ordered(*(t[keep : keep + 1] for t in side)) for side in (kv, q))
         elif not mask.batch_dependent:  # B reduced to 1 where the mask ignores it
