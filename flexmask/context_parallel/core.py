@@ -193,7 +193,7 @@ def _plan(
         if lb is None:
             padded = -(-Q_LEN // world) * world
         else:
-            padded = lb._generate_indices().shape[-1]
+            padded = _indices_of(lb).shape[-1]
             if padded != Q_LEN:
                 raise ValueError(
                     f"balancer permutes {padded} positions but Q_LEN is {Q_LEN}: build the "
@@ -217,6 +217,13 @@ def _plan(
     return world, rank, block, device, lb, padded, key
 
 
+def _indices_of(lb: _LoadBalancer) -> Tensor:
+    indices = lb._generate_indices()
+    if indices is None:
+        raise ValueError(f"balancer {lb!r} gives no permutation (_generate_indices() is None)")
+    return indices
+
+
 def _permutation(
     lb: _LoadBalancer | None, padded: int, block: int
 ) -> tuple[Tensor, tuple[KeyOrder, ...]]:
@@ -231,7 +238,7 @@ def _permutation(
     if lb is None:
         indices = torch.arange(padded).view(1, -1)
     else:
-        indices = lb._generate_indices().to(torch.int64).cpu()
+        indices = _indices_of(lb).to(torch.int64).cpu()
     made = indices, tuple(KeyOrder.of(row, block) for row in indices)
     if isinstance(key, tuple):
         with _PERMUTATIONS_LOCK:
