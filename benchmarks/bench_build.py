@@ -93,8 +93,8 @@ def insertion_tree(S: int, seed: int, sequences: int = 16) -> list[int]:
 
 
 def build_cases(S: int, B: int) -> dict[str, flexmask.Mask]:
-    """The shared cases (``common.mask_cases``) and the tile path's: a tree in insertion
-    order, and unions of interval pieces."""
+    """The shared cases (``common.mask_cases``), the tile path's (a tree in insertion
+    order, and unions of interval pieces) and the newer pieces' (``piece_cases``)."""
     docs = [documents(S, seed) for seed in range(B)]
     cases = mask_cases(S, B)
     cases["tree-insertion"] = flexmask.tree(
@@ -104,6 +104,7 @@ def build_cases(S: int, B: int) -> dict[str, flexmask.Mask]:
     cases["doc-causal|prefix"] = (
         flexmask.causal() & flexmask.document(docs if B > 1 else docs[0])
     ) | flexmask.prefix(min(S, 64))
+    cases.update(piece_cases(S, B))
     return cases
 
 
@@ -186,6 +187,28 @@ def table(rows: list[dict[str, Any]]) -> str:
             for r in rows
         ],
     )
+
+
+def image_ids(S: int, seed: int) -> list[int]:
+    """Span ids of text with images: four 256-token images (Gemma 3's size), one early in
+    each quarter of the sequence, shifted by the row's seed; -1 for text."""
+    ids = [-1] * S
+    size = min(256, max(1, S // 8))
+    for k in range(4):
+        start = k * (S // 4) + (64 * seed) % max(1, S // 4 - size)
+        ids[start : start + size] = [k] * size
+    return ids
+
+
+def piece_cases(S: int, B: int) -> dict[str, flexmask.Mask]:
+    """Rows for the newer pieces, both written in closed form: Llama 4's chunked local
+    attention (8192-token chunks, a quarter of the sequence below 32k) and text with images
+    (``causal() | spans(ids)``)."""
+    ids = [image_ids(S, seed) for seed in range(B)]
+    return {
+        "chunked-causal": flexmask.causal() & flexmask.chunked(min(8192, max(1, S // 4))),
+        "causal|spans": flexmask.causal() | flexmask.spans(ids if B > 1 else ids[0]),
+    }
 
 
 def main() -> None:

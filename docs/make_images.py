@@ -33,6 +33,14 @@ def shared_prefix_tree():
     return packed.mask
 
 
+def image_ids() -> list[int]:
+    """Text with three images of 256 tokens: two in the first document, one in the second."""
+    ids = [-1] * S
+    for k, start in enumerate((100, 600, 1400)):
+        ids[start : start + 256] = [k] * 256
+    return ids
+
+
 def images() -> dict[str, tuple[flexmask.Mask, dict]]:
     """file name -> (mask, extra plot arguments)."""
     return {
@@ -49,6 +57,15 @@ def images() -> dict[str, tuple[flexmask.Mask, dict]]:
         "sliding_window.png": (flexmask.causal() & flexmask.sliding_window(256), {}),
         "prefix.png": (flexmask.causal() | flexmask.prefix(600), {}),
         "full.png": (flexmask.full(), {}),
+        "chunked.png": (flexmask.causal() & flexmask.chunked(512), {}),
+        "spans.png": (
+            (flexmask.causal() | flexmask.spans(image_ids())) & flexmask.document([1100, 948]),
+            {"title": "(causal() | spans(ids)) & document([1100, 948]): 3 images"},
+        ),
+        "per_head.png": (
+            flexmask.per_head(flexmask.causal(), flexmask.causal() & flexmask.chunked(512)),
+            {"H": 2, "head": 1, "title": "per_head(causal(), causal() & chunked(512)), head 1"},
+        ),
         "from_mask_mod.png": (
             flexmask.causal()
             & flexmask.from_mask_mod(chunked, batch_dependent=False, head_dependent=False),

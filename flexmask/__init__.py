@@ -40,13 +40,16 @@ from flexmask.packing import (
 )
 from flexmask.pieces import (
     causal,
+    chunked,
     document,
     empty,
     from_mask_mod,
     full,
     padding,
+    per_head,
     prefix,
     sliding_window,
+    spans,
     tree,
 )
 from flexmask.plot import plot
@@ -89,6 +92,7 @@ __all__ = [
     "Not",
     "Or",
     "causal",
+    "chunked",
     "create_block_mask",
     "same_blocks",
     "document",
@@ -96,8 +100,10 @@ __all__ = [
     "from_mask_mod",
     "full",
     "padding",
+    "per_head",
     "plot",
     "prefix",
     "sliding_window",
+    "spans",
     "tree",
 ]

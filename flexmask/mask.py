@@ -163,7 +163,8 @@ class Extent(NamedTuple):
     any index may take (lookups are padded to it) and the device."""
 
     batch: int
-    heads: int
+    heads: int | None
+    """None where no head count is given (``mask_mod_for``, ``show``): any head index."""
     length: int
     device: torch.device
 
@@ -251,7 +252,7 @@ class Mask(ABC):
         """Validated arguments of a whole-mask evaluation (``to_dense``, ``show``), checked
         against the mask. Arithmetic on ints only: nothing is allocated on ``device``."""
         batch = (self.rows or 1) if B is None else check_int(B, "B", minimum=1)
-        heads = 1 if H is None else check_int(H, "H", minimum=1)
+        heads = None if H is None else check_int(H, "H", minimum=1)
         q = check_int(q_len, names[0], minimum=0)
         kv = check_int(kv_len, names[1], minimum=0)
         extent = Extent(batch, heads, max(q, kv), check_device(device, self.device))
@@ -286,6 +287,25 @@ class Mask(ABC):
         """True if every query attends one non-empty kv interval starting at 0 (causal,
         prefix, full): a union of such intervals is again one, ``[0, max hi]``."""
         return False
+
+    def _covers_diagonal(self) -> bool:
+        """True if, besides ``_attends_from_zero``, every query ``q`` attends at least up to
+        itself (``hi >= q``: causal, full): a union with ``_attends_around_self`` intervals is
+        then one interval too."""
+        return False
+
+    def _attends_around_self(self) -> bool:
+        """True if each query's interval is empty or holds the query itself, ``lo <= q <=
+        hi``, and the intervals are disjoint runs: an interval holding a later query ``p``
+        is ``p``'s own too (spans). Not monotone alone; see ``Or`` for the union with
+        ``_covers_diagonal`` masks."""
+        return False
+
+    def _head_parts(self, heads: int) -> tuple[tuple[Mask, ...], list[Tensor]] | None:
+        """For a mask that is one of several masks on each head (``per_head``): the distinct
+        masks and, for each, the heads (of ``heads``) that use it; the build then builds each
+        once. None for every other mask."""
+        return None
 
     def __and__(self, other: object) -> Mask:
         return And.of(self, _as_mask(other, "&"))
@@ -374,13 +394,14 @@ class Mask(ABC):
         evaluate = self._lower(grid.length, grid.device).evaluate
         dev = grid.device
         rows = grid.batch if self.batch_dependent else 1
-        heads = grid.heads if self.head_dependent else 1
+        all_heads = grid.heads or 1
+        heads = all_heads if self.head_dependent else 1
         b = torch.arange(rows, device=dev).view(-1, 1, 1, 1)
         h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
         q = torch.arange(Q_LEN, device=dev).view(1, 1, -1, 1)
         kv = torch.arange(KV_LEN, device=dev).view(1, 1, 1, -1)
         dense = evaluate(b, h, q, kv).expand(rows, heads, Q_LEN, KV_LEN)
-        return dense.expand(grid.batch, grid.heads, Q_LEN, KV_LEN).contiguous()
+        return dense.expand(grid.batch, all_heads, Q_LEN, KV_LEN).contiguous()
 
     def show(
         self, q_len: int | None = None, kv_len: int | None = None, *, batch: int = 0, head: int = 0
@@ -415,7 +436,7 @@ class Mask(ABC):
         # A window shorter than the mask's data is a crop of the whole picture: validate and
         # pad lookups for the whole span, but evaluate only the q_len x kv_len window.
         span = max(q_len, kv_len, self.natural_length)
-        extent = self._extent(rows, head + 1, span, span, "cpu", names=("q_len", "kv_len"))
+        extent = self._extent(rows, None, span, span, "cpu", names=("q_len", "kv_len"))
         evaluate = self._lower(extent.length, extent.device).evaluate
         b = torch.tensor(batch if self.batch_dependent else 0).view(1, 1)
         h = torch.tensor(head if self.head_dependent else 0).view(1, 1)
@@ -571,8 +592,31 @@ class Or(_Nary):
     # A union of intervals that all start at 0 is the interval up to the largest end: a
     # prefix-LM, `causal() | prefix(n)`, is [0, max(q, n - 1)]. Its lo is 0 and its hi a max
     # of ends that never decrease and are >= q or constant, so it is monotone too.
+    #
+    # Around-self intervals (spans) join such a union when a child covers the diagonal
+    # (causal, full): text with images, `causal() | spans(ids)`. Proof that the union is one
+    # monotone interval [0, H(q)], H(q) = max(q, hi_1(q), ..., hi_n(q)) (hi = -inf where a
+    # child's interval is empty):
+    # * one interval: an around-self [lo, hi] has lo <= q, and the covering child attends
+    #   [0, >= q]; they overlap at q, so the union of all is [0, max hi] (after clipping to
+    #   the kv window a covering full() is [0, kv_end - 1], which holds every other interval);
+    # * lo = 0 never decreases and lo(q) = 0 <= q; H(q) >= q;
+    # * H never decreases: each g(q) = max(q, hi(q)) does. For q < p, if hi(q) <= p then
+    #   g(q) <= p <= g(p); else q's interval holds p (it holds q, ends past p, and is one
+    #   run), so it is p's own interval (disjoint runs) and hi(p) = hi(q). From-zero
+    #   children's hi never decrease already, and a max of non-decreasing functions does not
+    #   decrease. These are the closed form's conditions (build.closed_form), so the union
+    #   is written there; an `&` with document(...) stays monotone (an intersection).
     def _attends_from_zero(self) -> bool:
-        return all(c._attends_from_zero() for c in self.children)
+        children = self.children
+        if all(c._attends_from_zero() for c in children):
+            return True
+        return any(c._covers_diagonal() for c in children) and all(
+            c._attends_from_zero() or c._attends_around_self() for c in children
+        )
+
+    def _covers_diagonal(self) -> bool:
+        return self._attends_from_zero() and any(c._covers_diagonal() for c in self.children)
 
     def _has_intervals(self) -> bool:
         return self._attends_from_zero()

@@ -62,6 +62,23 @@ def document(seq_lens, q_len, kv_len):
     return out
 
 
+def chunked(size, q_len, kv_len):
+    out = np.zeros((q_len, kv_len), dtype=bool)
+    for q in range(q_len):
+        for kv in range(kv_len):
+            out[q, kv] = q // size == kv // size
+    return out
+
+
+def spans(ids, q_len, kv_len):
+    """Same non-negative id: attends both ways (ids are per token; past them, no span)."""
+    out = np.zeros((q_len, kv_len), dtype=bool)
+    for q in range(min(q_len, len(ids))):
+        for kv in range(min(kv_len, len(ids))):
+            out[q, kv] = ids[q] >= 0 and ids[q] == ids[kv]
+    return out
+
+
 def tree(parents, q_len, kv_len):
     out = np.zeros((q_len, kv_len), dtype=bool)
     for q in range(min(q_len, len(parents))):

@@ -38,8 +38,37 @@ def random_parents(draw, n: int, preorder: bool | None = None):
     return [-1 if parents[old] < 0 else new[parents[old]] for old in order]
 
 
-ALL_KINDS = ("causal", "full", "empty", "window", "prefix", "padding", "document", "tree", "custom")
-INTERVAL_KINDS = ("causal", "full", "empty", "window", "prefix", "padding", "document")
+ALL_KINDS = (
+    "causal",
+    "full",
+    "empty",
+    "window",
+    "prefix",
+    "padding",
+    "document",
+    "tree",
+    "custom",
+    "chunked",
+    "spans",
+)
+INTERVAL_KINDS = ("causal", "full", "empty", "window", "prefix", "padding", "document", "chunked")
+
+
+@st.composite
+def span_ids(draw, length: int):
+    """Per-token span ids of up to ``length`` tokens: contiguous runs with distinct ids >= 0
+    (adjacent runs included) and -1 gaps."""
+    n = draw(st.integers(1, length))
+    ids, pos, next_id = [], 0, 0
+    while pos < n:
+        run = draw(st.integers(1, max(1, min(n - pos, 40))))
+        if draw(st.booleans()):
+            ids += [next_id] * run
+            next_id += 1
+        else:
+            ids += [-1] * run
+        pos += run
+    return ids
 
 
 @st.composite
@@ -57,6 +86,14 @@ def leaves(draw, batch: int, length: int, kinds: tuple[str, ...] = ALL_KINDS):
         return flexmask.full(), per_batch(lambda r, q, kv: np.ones((q, kv), bool))
     if kind == "empty":
         return flexmask.empty(), per_batch(lambda r, q, kv: np.zeros((q, kv), bool))
+    if kind == "chunked":
+        sizes = [draw(st.integers(1, length + 3)) for _ in range(batch if per_row else 1)]
+        mask = flexmask.chunked(sizes if per_row else sizes[0])
+        return mask, per_batch(lambda r, q, kv: oracle.chunked(sizes[r if per_row else 0], q, kv))
+    if kind == "spans":
+        rows = [draw(span_ids(length)) for _ in range(batch if per_row else 1)]
+        mask = flexmask.spans(rows if per_row else rows[0])
+        return mask, per_batch(lambda r, q, kv: oracle.spans(rows[r if per_row else 0], q, kv))
     if kind in ("window", "prefix", "padding"):
         hi = length + 3 if kind == "window" else length
         values = [draw(st.integers(1, hi)) for _ in range(batch if per_row else 1)]
@@ -115,6 +152,16 @@ def expressions(draw, batch: int, heads: int, length: int, max_leaves: int = 5):
 
         if draw(st.booleans()):
             mask, ref4 = ~mask, (lambda q, kv, f=ref4: ~f(q, kv))
+        if heads % 2 == 0 and draw(st.integers(0, 3)) == 0:
+            # per_head(this, another): even heads this mask, odd heads the other.
+            other, other_ref = draw(leaves(batch, length, INTERVAL_KINDS + ("spans",)))
+
+            def ref4(q, kv, a=ref4, b=other_ref):
+                out = a(q, kv).copy()
+                out[:, 1::2] = b(q, kv)[:, None]
+                return out
+
+            mask = flexmask.per_head(mask, other)
         items.append((mask, ref4))
     mask, ref = items[0]
     for other, other_ref in items[1:]:
@@ -140,10 +187,30 @@ def from_zero_unions(draw, batch: int, length: int):
 
 
 @st.composite
+def span_unions(draw, batch: int, length: int):
+    """(mask, reference): ``causal() | spans(ids)`` (text with images), with 0..1 more
+    from-zero pieces or spans in the union."""
+    items = [draw(leaves(batch, length, ("causal",))), draw(leaves(batch, length, ("spans",)))]
+    if draw(st.booleans()):
+        items.append(draw(leaves(batch, length, ("prefix", "full", "spans"))))
+    order = draw(st.permutations(range(len(items))))
+    mask, ref = items[order[0]]
+    for i in order[1:]:
+        other, other_ref = items[i]
+        mask, ref = mask | other, (lambda q, kv, a=ref, b=other_ref: a(q, kv) | b(q, kv))
+    return mask, ref
+
+
+@st.composite
 def interval_intersections(draw, batch: int, length: int, max_leaves: int = 4):
-    """(mask, dense): an ``&`` of 1..max_leaves interval pieces or from-zero unions (the
-    closed-form path) with dense(q_len, kv_len) -> (B, Q, KV) numpy bool."""
-    leaf = st.one_of(leaves(batch, length, INTERVAL_KINDS), from_zero_unions(batch, length))
+    """(mask, dense): an ``&`` of 1..max_leaves interval pieces, from-zero unions or
+    ``causal() | spans`` unions (the closed-form path) with dense(q_len, kv_len) -> (B, Q, KV)
+    numpy bool."""
+    leaf = st.one_of(
+        leaves(batch, length, INTERVAL_KINDS),
+        from_zero_unions(batch, length),
+        span_unions(batch, length),
+    )
     items = [draw(leaf) for _ in range(draw(st.integers(1, max_leaves)))]
     mask, ref = items[0]
     for other, other_ref in items[1:]:

@@ -1,8 +1,10 @@
 """BlockMask tensors in closed form for masks whose queries each attend one kv interval.
 
-An ``&`` of interval pieces (causal, document, sliding window, prefix, padding, full, empty,
-and ``|``-unions of causal, prefix and full such as the prefix-LM ``causal() | prefix(n)``,
-whose intervals all start at key 0) gives query ``q`` of each batch row one kv interval
+An ``&`` of interval pieces (causal, document, sliding window, chunked, prefix, padding,
+full, empty, and ``|``-unions of causal, prefix and full such as the prefix-LM
+``causal() | prefix(n)``, whose intervals all start at key 0, or of causal or full with spans
+such as text with images ``causal() | spans(ids)``, proved in ``flexmask.mask.Or``) gives
+query ``q`` of each batch row one kv interval
 ``[lo(q), hi(q)]``. Each of these pieces declares (``Piece._interval_shape``, read through
 ``Mask._has_monotone_intervals``) that, on a prefix of the positions (its domain; past it the
 piece attends nowhere),

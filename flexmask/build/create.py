@@ -38,7 +38,32 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     if mask._has_monotone_intervals():
         grid.refined[0] = 0
         return closed_form.ordered_sides(mask, grid)
+    parts = mask._head_parts(grid.heads)
+    if parts is not None:
+        return _by_head(mask, parts, grid)
     return ordered_from_codes(classify_blocks(mask, grid).codes)
+
+
+def _by_head(mask: Mask, parts: tuple[tuple[Mask, ...], list[Tensor]], grid: BlockGrid):
+    """A mask that is one of several masks on each head (``per_head``): each distinct mask
+    built once on its own path (the closed form where it has one), its tensors copied to
+    the heads that use it."""
+    masks, heads = parts
+    rows = grid.reduced(mask)[0]
+    built, refined = [], 0
+    for part in masks:
+        built.append([t for side in ordered_sides(part, grid) for t in side])
+        refined += grid.refined[0]
+    grid.refined[0] = refined
+    out = []
+    for field in zip(*built, strict=True):
+        shape = (rows, grid.heads, *field[0].shape[2:])
+        tensor = torch.empty(shape, dtype=field[0].dtype, device=grid.device)
+        for part_tensor, index in zip(field, heads, strict=True):
+            index = index.to(grid.device)
+            tensor.index_copy_(1, index, part_tensor.expand(shape).index_select(1, index))
+        out.append(tensor)
+    return Ordered(*out[:4]), Ordered(*out[4:])
 
 
 def build_threads() -> int:

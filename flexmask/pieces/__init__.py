@@ -1,31 +1,40 @@
 """The pieces of the mask algebra, one per module."""
 
 from flexmask.pieces.causal import Causal, causal
+from flexmask.pieces.chunked import Chunked, chunked
 from flexmask.pieces.constant import Empty, Full, empty, full
 from flexmask.pieces.custom import FromMaskMod, from_mask_mod
 from flexmask.pieces.document import Document, document
 from flexmask.pieces.padding import Padding, padding
+from flexmask.pieces.per_head import PerHead, per_head
 from flexmask.pieces.prefix import Prefix, prefix
 from flexmask.pieces.sliding_window import SlidingWindow, sliding_window
+from flexmask.pieces.spans import Spans, spans
 from flexmask.pieces.tree import Tree, tree
 
 __all__ = [
     "Causal",
+    "Chunked",
     "Document",
     "Empty",
     "FromMaskMod",
     "Full",
     "Padding",
+    "PerHead",
     "Prefix",
     "SlidingWindow",
+    "Spans",
     "Tree",
     "causal",
+    "chunked",
     "document",
     "empty",
     "from_mask_mod",
     "full",
     "padding",
+    "per_head",
     "prefix",
     "sliding_window",
+    "spans",
     "tree",
 ]

@@ -17,7 +17,9 @@ class Piece(Mask):
     """What the piece's ``_intervals`` promise (``flexmask.build.closed_form``): None — none;
     "monotone" — one interval per query, monotone; "from_zero" — monotone and starting at
     key 0, possibly empty as ``[0, -1]`` (so ``|``-unions of such pieces are intervals too:
-    ``[0, max hi]``)."""
+    ``[0, max hi]``); "diagonal" — from zero and reaching at least the query itself
+    (causal, full); "around_self" — empty or holding the query, disjoint runs, not monotone
+    alone but monotone in a union with a "diagonal" piece (``Mask._attends_around_self``)."""
 
     def __init__(
         self,
@@ -58,10 +60,16 @@ class Piece(Mask):
         return self._interval_shape is not None
 
     def _has_monotone_intervals(self) -> bool:
-        return self._interval_shape is not None
+        return self._interval_shape not in (None, "around_self")
 
     def _attends_from_zero(self) -> bool:
-        return self._interval_shape == "from_zero"
+        return self._interval_shape in ("from_zero", "diagonal")
+
+    def _covers_diagonal(self) -> bool:
+        return self._interval_shape == "diagonal"
+
+    def _attends_around_self(self) -> bool:
+        return self._interval_shape == "around_self"
 
     @property
     def key(self) -> tuple:

@@ -23,7 +23,7 @@ class Causal(Piece):
     """
 
     __slots__ = ()
-    _interval_shape = "from_zero"
+    _interval_shape = "diagonal"
 
     def __init__(self) -> None:
         super().__init__(("causal",))

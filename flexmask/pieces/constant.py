@@ -22,7 +22,7 @@ class Full(Piece):
     """
 
     __slots__ = ()
-    _interval_shape = "from_zero"
+    _interval_shape = "diagonal"
 
     def __init__(self) -> None:
         super().__init__(("full",))
