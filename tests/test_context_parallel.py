@@ -245,27 +245,42 @@ def test_per_row_permutations_of_per_row_documents(monkeypatch):
 
 
 def test_random_closed_form_shards_against_oracle(monkeypatch):
-    """Random lengths, worlds, block sizes and balancers on document & sliding-window masks
-    (runs and pieces paths alike; the tile path refused): every rank equals the oracle."""
+    """Random lengths, worlds, block sizes and balancers on closed-form masks — document &
+    sliding window, causal & chunked, causal | spans — (runs and pieces paths alike; the
+    tile path refused): every rank equals the oracle."""
     _no_tile_path(monkeypatch)
     rng = random.Random(2024)
-    for _ in range(12):
+    for _ in range(18):
         world = rng.choice([1, 2, 3, 4])
         block = rng.choice([8, 16, 24, 32, 64])
         S = rng.randrange(64, 700)
         lengths = random_lengths(rng, S - S % 2 + 2, 2, rng.randrange(1, 6))
-        window = rng.randrange(1, 200)
-        mask = flexmask.causal() & flexmask.document(lengths) & flexmask.sliding_window(window)
-        dense = document_dense(lengths, sum(lengths)) & oracle.sliding_window(
-            window, sum(lengths), sum(lengths)
-        )
+        n = sum(lengths)
+        kind = rng.choice(["window", "chunked", "spans"])
+        if kind == "window":
+            window = rng.randrange(1, 200)
+            mask = flexmask.causal() & flexmask.document(lengths) & flexmask.sliding_window(window)
+            dense = document_dense(lengths, n) & oracle.sliding_window(window, n, n)
+        elif kind == "chunked":
+            size = rng.randrange(1, 150)
+            mask = flexmask.causal() & flexmask.chunked(size)
+            dense = oracle.causal(n, n) & oracle.chunked(size, n, n)
+        else:  # text with images: causal, each contiguous span bidirectional
+            ids, next_id = [], 0
+            while len(ids) < n:
+                run = rng.randrange(1, 80)
+                ids += [next_id if rng.random() < 0.5 else -1] * run
+                next_id += 1
+            ids = ids[:n]
+            mask = flexmask.causal() | flexmask.spans(ids)
+            dense = oracle.causal(n, n) | oracle.spans(ids, n, n)
         balancer = rng.choice(["head_tail", "mask_aware", None])
         for rank in range(world):
             shard = flexmask.shard(
                 mask,
                 1,
                 1,
-                sum(lengths),
+                n,
                 world_size=world,
                 rank=rank,
                 balancer=balancer,
