@@ -1,6 +1,6 @@
 """Context-parallel shards: per-rank build time against torch, and balancer imbalance.
 
-Run: python benchmarks/bench_cp.py [--sizes 32768,65536,131072] [--worlds 2,4,8]
+Run: python benchmarks/bench_cp.py [--sizes 32768,65536,131072] [--worlds 2,4,8] [--paths-seq N]
      [--torch-max-elements 2e9] [--million]
 
 Ranks are simulated in one process: each builds only its own shard (flexmask.shard, and
@@ -23,6 +23,7 @@ from common import best_time, settle_allocator  # noqa: F401  (sys.path set by c
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
 import flexmask
+from flexmask.build.read import block_mask_nbytes
 from flexmask.context_parallel import (
     HeadTailBalancer,
     MaskAwareBalancer,
@@ -50,15 +51,20 @@ def documents(seq: int, count: int, unit: int, seed: int = 0) -> list[int]:
 
 def build_times(sizes, worlds, torch_max, repeat):
     print(
-        "| S | W | flexmask ms/rank (max over ranks) | torch compiled ms/rank | torch first call s |"
+        "| S | W | flexmask ms/rank (max over ranks) | flexmask whole mask ms | "
+        "torch compiled ms/rank | torch first call s |"
     )
-    print("|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|")
     for seq in sizes:
         mask = flexmask.causal() & flexmask.document(documents(seq, 16, 256))
+        whole = best_time(
+            lambda mask=mask, seq=seq: flexmask.create_block_mask(mask, 1, 1, seq, seq, "cpu"),
+            repeat=repeat,
+        )
         for world in worlds:
             ours = max(
                 best_time(
-                    lambda r=r: flexmask.shard(
+                    lambda r=r, mask=mask, seq=seq, world=world: flexmask.shard(
                         mask,
                         1,
                         1,
@@ -90,14 +96,19 @@ def build_times(sizes, worlds, torch_max, repeat):
                     lb = _HeadTailLoadBalancer(seq, world, "cpu")
                     times.append(
                         best_time(
-                            lambda r=r, lb=lb: torch_cp._create_cp_block_mask(
-                                mask.mask_mod, 1, 1, seq, seq, SimMesh(world, r), lb
+                            lambda r=r, lb=lb, mask=mask, seq=seq, world=world: (
+                                torch_cp._create_cp_block_mask(
+                                    mask.mask_mod, 1, 1, seq, seq, SimMesh(world, r), lb
+                                )
                             ),
                             repeat=2,
                         )
                     )
                 theirs = f"{1e3 * statistics.median(times):.0f}"
-            print(f"| {seq} | {world} | {1e3 * ours:.2f} | {theirs} | {first} |", flush=True)
+            print(
+                f"| {seq} | {world} | {1e3 * ours:.2f} | {1e3 * whole:.2f} | {theirs} | {first} |",
+                flush=True,
+            )
 
 
 def million(repeat):
@@ -112,10 +123,51 @@ def million(repeat):
         )
         for r in range(world)
     ]
+    whole = best_time(lambda: flexmask.create_block_mask(mask, 1, 1, seq, seq, "cpu"), repeat=1)
+    local = flexmask.shard(mask, 1, 1, seq, world_size=world, rank=0).block_mask
+    written = block_mask_nbytes(local)
     print(
         f"\nS = 1M, W = 8, flexmask per-rank shard: max {1e3 * max(per_rank):.1f} ms, "
-        f"median {1e3 * statistics.median(per_rank):.1f} ms (target < 10 ms)"
+        f"median {1e3 * statistics.median(per_rank):.1f} ms (target < 10 ms); whole-mask "
+        f"build {1e3 * whole:.0f} ms; a shard writes {written / 2**20:.0f} MiB of BlockMask "
+        "tensors"
     )
+
+
+def paths(seq, world, repeat):
+    """Per-rank shard time (max over ranks) by path: block-aligned closed form (runs),
+    unaligned closed form (pieces) and trees (one classification of the rank's tiles)."""
+    lengths = documents(seq, 16, 256)
+    docs = flexmask.causal() & flexmask.document(lengths)
+    rng = random.Random(1)
+    parents = [-1] + [
+        rng.randrange(max(0, i - 512), i) if rng.random() > 0.002 else -1 for i in range(1, seq)
+    ]
+    tree = flexmask.tree(parents)
+    print(f"\nShard build by path, S = {seq}, W = {world}, BLOCK_SIZE = 128\n")
+    print("| mask | balancer | path | flexmask ms/rank | whole-mask build ms |")
+    print("|---|---|---|---:|---:|")
+    for name, mask, balancer, path in (
+        ("documents", docs, "mask_aware", "runs"),
+        ("documents", docs, PerDocumentBalancer([lengths], world), "pieces"),
+        ("tree", tree, "head_tail", "tiles"),
+    ):
+        flexmask.shard(mask, 1, 1, seq, world_size=world, rank=0, balancer=balancer)  # balancer
+        ours = max(
+            best_time(
+                lambda r=r, mask=mask, balancer=balancer: flexmask.shard(
+                    mask, 1, 1, seq, world_size=world, rank=r, balancer=balancer
+                ),
+                repeat=repeat,
+            )
+            for r in range(world)
+        )
+        whole = best_time(
+            lambda mask=mask: flexmask.create_block_mask(mask, 1, 1, seq, seq, "cpu"),
+            repeat=1,
+        )
+        label = balancer if isinstance(balancer, str) else type(balancer).__name__
+        print(f"| {name} | {label} | {path} | {1e3 * ours:.1f} | {1e3 * whole:.1f} |", flush=True)
 
 
 def imbalances(seq, world):
@@ -152,6 +204,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--million", action="store_true", help="also S = 1M, W = 8")
     parser.add_argument("--imbalance-seq", type=int, default=32768)
+    parser.add_argument("--paths-seq", type=int, default=32768, help="0: skip")
     args = parser.parse_args()
     settle_allocator()
     # torch's rewritten mask_mod captures the rank as a Python int: one graph per rank.
@@ -163,6 +216,8 @@ def main() -> None:
     build_times(sizes, worlds, args.torch_max_elements, args.repeat)
     if args.million:
         million(args.repeat)
+    if args.paths_seq:
+        paths(args.paths_seq, 8, args.repeat)
     imbalances(args.imbalance_seq, 4)
 
 

@@ -165,8 +165,11 @@ def test_shard_equals_torch_and_oracle(name, world):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_any_block_size_and_length_against_oracle(name):
-    """Lengths torch's CP refuses: not a multiple of W * BLOCK_SIZE, odd block sizes, padding."""
+def test_any_block_size_and_length_against_oracle(name, monkeypatch):
+    """Lengths torch's CP refuses: not a multiple of W * BLOCK_SIZE, odd block sizes, padding.
+    Closed-form masks take the runs or the pieces path, never tiles."""
+    if name != "tree":
+        _no_tile_path(monkeypatch)
     rng = random.Random(7)
     for S, world, block, balancer in [
         (600, 2, 64, "head_tail"),
@@ -181,6 +184,118 @@ def test_any_block_size_and_length_against_oracle(name):
             )
             assert shard.padded_length % world == 0 and shard.padded_length >= S
             check_against_oracle(shard, dense, 1, 1)
+
+
+def _no_tile_path(monkeypatch):
+    """Makes the tile path (a classification of the rank's tiles) fail: closed-form shards
+    are written from runs (aligned) or pieces (not)."""
+    module = __import__("sys").modules["flexmask.context_parallel.shard"]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an aligned closed-form shard took the tile path")
+
+    monkeypatch.setattr(module, "_tile_sides", refuse)
+
+
+@pytest.mark.parametrize("name", ["document", "sliding_window", "prefix_lm"])
+def test_aligned_closed_form_shards_are_written_from_runs(name, monkeypatch):
+    """Block-aligned runs of a closed-form mask: no offset build, equal to the oracle. The
+    sizes cover keys cut into few segments (runs per segment) and many (one compare per
+    element), a partial last block (S not a multiple of BLOCK_SIZE) and padding."""
+    _no_tile_path(monkeypatch)
+    rng = random.Random(11)
+    for S, world, block, balancer in [
+        (2048, 2, 32, "head_tail"),  # 4 key segments, 64 blocks: runs per segment
+        (2048, 4, 32, "head_tail"),
+        (1024, 4, 128, "head_tail"),  # 8 segments, 8 blocks: compare per element
+        (2000, 1, 16, None),  # a partial last block (only one rank can hold one)
+        (1500, 2, 32, "mask_aware"),  # padded to 1536
+    ]:
+        mask, dense, _ = dense_case(name, S, rng)
+        for rank in range(world):
+            shard = flexmask.shard(
+                mask, 1, 1, S, world_size=world, rank=rank, balancer=balancer, BLOCK_SIZE=block
+            )
+            check_against_oracle(shard, dense, 1, 1)
+
+
+def test_per_row_permutations_of_per_row_documents(monkeypatch):
+    """One permutation per batch row on per-row documents: the mask-aware balancer's (whole
+    blocks, ascending per rank: the runs path) and torch's per-document one (document by
+    document, chunks of 8 tokens: the pieces path). Every row equals its dense rows."""
+    rng = random.Random(5)
+    S, world, block = 2048, 2, 32
+    lengths = [random_lengths(rng, S, 128, 4), random_lengths(rng, S, 8, 6)]
+    mask = flexmask.causal() & flexmask.document(lengths)
+    _no_tile_path(monkeypatch)
+    for balancer in ["mask_aware", PerDocumentBalancer(lengths, world)]:
+        for rank in range(world):
+            shard = flexmask.shard(
+                mask, 2, 1, S, world_size=world, rank=rank, balancer=balancer, BLOCK_SIZE=block
+            )
+            assert shard.indices.shape == (2, S)
+            rows = []
+            for b in range(2):
+                perm = shard.indices[b].numpy()
+                rows.append(document_dense(lengths[b], S)[perm][:, perm][shard.local])
+            reference = oracle.torch_blocks(oracle.stack(rows), block)
+            oracle.assert_same_block_mask(
+                shard.block_mask, reference, f"{balancer} rank {rank}", own_storage=False
+            )
+
+
+def test_random_closed_form_shards_against_oracle(monkeypatch):
+    """Random lengths, worlds, block sizes and balancers on closed-form masks — document &
+    sliding window, causal & chunked, causal | spans — (runs and pieces paths alike; the
+    tile path refused): every rank equals the oracle."""
+    _no_tile_path(monkeypatch)
+    rng = random.Random(2024)
+    for _ in range(18):
+        world = rng.choice([1, 2, 3, 4])
+        block = rng.choice([8, 16, 24, 32, 64])
+        S = rng.randrange(64, 700)
+        lengths = random_lengths(rng, S - S % 2 + 2, 2, rng.randrange(1, 6))
+        n = sum(lengths)
+        kind = rng.choice(["window", "chunked", "spans"])
+        if kind == "window":
+            window = rng.randrange(1, 200)
+            mask = flexmask.causal() & flexmask.document(lengths) & flexmask.sliding_window(window)
+            dense = document_dense(lengths, n) & oracle.sliding_window(window, n, n)
+        elif kind == "chunked":
+            size = rng.randrange(1, 150)
+            mask = flexmask.causal() & flexmask.chunked(size)
+            dense = oracle.causal(n, n) & oracle.chunked(size, n, n)
+        else:  # text with images: causal, each contiguous span bidirectional
+            ids, next_id = [], 0
+            while len(ids) < n:
+                run = rng.randrange(1, 80)
+                ids += [next_id if rng.random() < 0.5 else -1] * run
+                next_id += 1
+            ids = ids[:n]
+            mask = flexmask.causal() | flexmask.spans(ids)
+            dense = oracle.causal(n, n) | oracle.spans(ids, n, n)
+        balancer = rng.choice(["head_tail", "mask_aware", None])
+        for rank in range(world):
+            shard = flexmask.shard(
+                mask,
+                1,
+                1,
+                n,
+                world_size=world,
+                rank=rank,
+                balancer=balancer,
+                BLOCK_SIZE=block,
+            )
+            check_against_oracle(shard, dense, 1, 1)
+
+
+def test_permutation_is_made_once_per_balancer():
+    """Every rank's shard shares the balancer's indices (cached by its content key)."""
+    mask = flexmask.causal()
+    a = flexmask.shard(mask, 1, 1, 4096, world_size=4, rank=0, balancer=HeadTailBalancer(4096, 4))
+    b = flexmask.shard(mask, 1, 1, 4096, world_size=4, rank=3, balancer=HeadTailBalancer(4096, 4))
+    assert a.indices is b.indices
+    assert torch.equal(a.indices, _HeadTailLoadBalancer(4096, 4, "cpu")._generate_indices())
 
 
 def test_mask_aware_balancer_beats_head_tail_on_documents_and_trees():

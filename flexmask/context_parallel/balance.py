@@ -77,8 +77,10 @@ class HeadTailBalancer(_LoadBalancer):
 class PerDocumentBalancer(_LoadBalancer):
     """torch's per-document head-tail balancer (the same permutation).
 
-    Each document is cut into ``2W`` chunks and rank ``r`` owns chunks ``r`` and
-    ``2W - 1 - r`` of every document. Right for document-causal packs.
+    Each document is cut into ``2W`` chunks and paired head-tail (chunk ``r`` with chunk
+    ``2W - 1 - r``), as torch does. torch (2.13) lists the pairs document by document, and
+    rank ``r`` keeps the ``r``-th slice of that list: whole documents' pairs, not one pair
+    of every document (see the imbalance figures in docs/context-parallel.md).
 
     Args:
         seq_length_per_doc: document lengths of each batch row (one row: the same for every

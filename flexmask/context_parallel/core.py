@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask.build.create import _cpu_threads as cpu_build_threads
 from flexmask.build.read import block_mask_nbytes
 from flexmask.cache import CacheInfo, MaskCache
 from flexmask.context_parallel.balance import (
@@ -28,7 +29,7 @@ from flexmask.context_parallel.balance import (
     MaskAwareBalancer,
     balancer_key,
 )
-from flexmask.context_parallel.shard import build_shard
+from flexmask.context_parallel.shard import KeyOrder, build_shard
 from flexmask.mask import Mask
 from flexmask.pieces import padding
 
@@ -99,6 +100,14 @@ class CPShard:
         return out.narrow(seq_dim, 0, self.seq_length)
 
 
+# Permutations and their key orders by balancer content key and block size, and mask-aware
+# balancers made from "mask_aware" by mask and group: every rank of a
+# step (and, simulated in one process, every rank) shares them; a few steps' worth is kept.
+_PERMUTATIONS: cachetools.LRUCache = cachetools.LRUCache(maxsize=8)
+_PERMUTATIONS_LOCK = threading.Lock()
+_BALANCERS: cachetools.LRUCache = cachetools.LRUCache(maxsize=8)
+
+
 def _resolve_balancer(
     balancer: Any,
     mask: Mask,
@@ -114,7 +123,16 @@ def _resolve_balancer(
     if balancer == "head_tail":
         return HeadTailBalancer(seq_length, world, device)
     if balancer == "mask_aware":
-        return MaskAwareBalancer(mask, B, H, seq_length, world, block, device=device)
+        # Costing every query block is a whole-mask build: made once per mask and group,
+        # not once per rank (ranks simulated in one process, or a shard rebuilt per step).
+        key = ("mask_aware", mask.key, B, H, seq_length, world, block, device.type, device.index)
+        with _PERMUTATIONS_LOCK:
+            found = _BALANCERS.get(key)
+        if found is None:
+            found = MaskAwareBalancer(mask, B, H, seq_length, world, block, device=device)
+            with _PERMUTATIONS_LOCK:
+                _BALANCERS[key] = found
+        return found
     raise ValueError(
         f"balancer must be 'head_tail', 'mask_aware', None or a torch _LoadBalancer (e.g. "
         f"flexmask.PerDocumentBalancer(...)), got {balancer!r}"
@@ -175,7 +193,7 @@ def _plan(
         if lb is None:
             padded = -(-Q_LEN // world) * world
         else:
-            padded = lb._generate_indices().shape[-1]
+            padded = _indices_of(lb).shape[-1]
             if padded != Q_LEN:
                 raise ValueError(
                     f"balancer permutes {padded} positions but Q_LEN is {Q_LEN}: build the "
@@ -199,13 +217,40 @@ def _plan(
     return world, rank, block, device, lb, padded, key
 
 
-def _build(mask, B, H, Q_LEN, world, rank, block, device, lb, padded, key) -> CPShard:
+def _indices_of(lb: _LoadBalancer) -> Tensor:
+    indices = lb._generate_indices()
+    if indices is None:
+        raise ValueError(f"balancer {lb!r} gives no permutation (_generate_indices() is None)")
+    return indices
+
+
+def _permutation(
+    lb: _LoadBalancer | None, padded: int, block: int
+) -> tuple[Tensor, tuple[KeyOrder, ...]]:
+    """The balancer's indices (int64, CPU; read-only, shared) and each row's KeyOrder,
+    cached when the balancer has a content ``key`` (else made every call)."""
+    key = ("none", padded) if lb is None else getattr(lb, "key", None)
+    if isinstance(key, tuple):
+        with _PERMUTATIONS_LOCK:
+            found = _PERMUTATIONS.get((key, block))
+        if found is not None:
+            return found
     if lb is None:
         indices = torch.arange(padded).view(1, -1)
     else:
-        indices = lb._generate_indices().to(torch.int64).cpu()
-    built = mask if padded == Q_LEN else mask & padding(Q_LEN)
-    block_mask = build_shard(built, B, H, indices, rank, world, block, device)
+        indices = _indices_of(lb).to(torch.int64).cpu()
+    made = indices, tuple(KeyOrder.of(row, block) for row in indices)
+    if isinstance(key, tuple):
+        with _PERMUTATIONS_LOCK:
+            _PERMUTATIONS[(key, block)] = made
+    return made
+
+
+def _build(mask, B, H, Q_LEN, world, rank, block, device, lb, padded, key) -> CPShard:
+    with cpu_build_threads(device):
+        indices, keys = _permutation(lb, padded, block)
+        built = mask if padded == Q_LEN else mask & padding(Q_LEN)
+        block_mask = build_shard(built, B, H, indices, rank, world, block, device, keys)
     return CPShard(block_mask, indices, lb, rank, world, Q_LEN, padded, key)
 
 
