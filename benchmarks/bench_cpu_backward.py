@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # _memory.py, and flexmask when not installed
@@ -40,7 +40,13 @@ sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # _memory.py, and flexmask when 
 from _memory import peak_extra_bytes  # noqa: E402
 from common import fmt_bytes, fmt_time, markdown_table, ratio  # noqa: E402
 
-from flexmask.block_sparse import _plan, block_sparse_attention, choose_backend  # noqa: E402
+import flexmask  # noqa: E402
+from flexmask.block_sparse import (  # noqa: E402
+    _plan,
+    block_sparse_attention,
+    choose_backend,
+    is_causal,
+)
 
 
 def document_causal(seq_len: int, num_docs: int, seed: int) -> tuple[Callable[..., Tensor], Tensor]:
@@ -83,17 +89,28 @@ def rl_group(seq_len: int, completions: int = 8) -> Callable[..., Tensor]:
     return rl_group_mask
 
 
-def make_mask(name: str, seq_len: int) -> Callable[..., Tensor]:
-    """The mask_mod of a named mask: causal, doc-N (document-causal, N documents),
-    window-W (causal sliding window) or tree (an RL group)."""
+def make_mask(name: str, seq_len: int) -> tuple[Callable[..., Tensor], flexmask.Mask]:
+    """A named mask as an attn-gym style mask_mod (for SDPA's dense mask) and as the flexmask
+    expression a user writes (for flexmask): causal, doc-N (document-causal, N documents),
+    window-W (causal sliding window) or tree (an RL group). The run checks they agree."""
     if name == "causal":
-        return causal_mask
+        return causal_mask, flexmask.causal()
     if name.startswith("doc-"):
-        return document_causal(seq_len, int(name[4:]), seed=seq_len)[0]
+        mask_mod, document_id = document_causal(seq_len, int(name[4:]), seed=seq_len)
+        lengths = torch.bincount(document_id).tolist()
+        return mask_mod, flexmask.causal() & flexmask.document(lengths)
     if name.startswith("window-"):
-        return sliding_window(int(name[7:]))
+        window = int(name[7:])
+        return sliding_window(window), flexmask.causal() & flexmask.sliding_window(window)
     if name == "tree":
-        return rl_group(seq_len)
+        prompt = seq_len // 4
+        branch = torch.zeros(seq_len, dtype=torch.long)
+        branch[prompt:] = 1 + torch.arange(seq_len - prompt) * 8 // (seq_len - prompt)
+        parents = list(range(-1, prompt - 1))  # the prompt is a chain; each answer hangs off it
+        for position in range(prompt, seq_len):
+            same = position > prompt and branch[position] == branch[position - 1]
+            parents.append(position - 1 if same else prompt - 1)
+        return rl_group(seq_len), flexmask.tree(parents)
     raise ValueError(f"mask must be causal, doc-N, window-W or tree, got {name!r}")
 
 
@@ -107,7 +124,7 @@ def dense_mask(mask_mod: Callable, seq_len: int) -> Tensor:
 def run_case(
     name: str, seq_len: int, batch: int, heads: int, head_dim: int, repeats: int
 ) -> list[dict]:
-    mask_mod = make_mask(name, seq_len)
+    mask_mod, mask = make_mask(name, seq_len)
     generator = torch.Generator().manual_seed(seq_len)
     q, k, v = (
         torch.randn(batch, heads, seq_len, head_dim, generator=generator).requires_grad_()
@@ -116,10 +133,10 @@ def run_case(
     grad_out = torch.randn(batch, heads, seq_len, head_dim, generator=generator)
 
     start = time.perf_counter()
-    block_mask: BlockMask = create_block_mask(mask_mod, 1, 1, seq_len, seq_len, device="cpu")
+    block_mask: BlockMask = flexmask.create_block_mask(mask, 1, 1, seq_len, seq_len)
     build_s = time.perf_counter() - start
     plan = _plan(q, k, v, block_mask, None, None, False, "auto")
-    backend = choose_backend(plan)
+    backend = choose_backend(plan, mask)
 
     def clear() -> None:
         for t in (q, k, v):
@@ -127,7 +144,8 @@ def run_case(
 
     def flexmask_path() -> None:
         clear()
-        block_sparse_attention(q, k, v, block_mask).backward(grad_out)
+        # What flexmask.flex_attention runs for this mask on the CPU (the Mask passed along).
+        block_sparse_attention(q, k, v, block_mask, mask=mask).backward(grad_out)
 
     def sdpa() -> None:
         clear()
@@ -140,7 +158,15 @@ def run_case(
     sdpa()
     max_err = max((g - t.grad).abs().max().item() for g, t in zip(grads, (q, k, v), strict=True))
 
-    impls = ((f"flexmask ({backend})", flexmask_path), ("sdpa + dense bool mask", sdpa))
+    def sparse_path() -> None:
+        clear()
+        block_sparse_attention(q, k, v, block_mask, mask=mask, backend="sparse").backward(grad_out)
+
+    impls = [(f"flexmask ({backend})", flexmask_path), ("sdpa + dense bool mask", sdpa)]
+    if backend != "sparse" and not is_causal(plan, mask):
+        # Where auto hands the mask to SDPA, the sparse kernel's time too: the rows that set
+        # SDPA_MIN_DENSITY.
+        impls.append(("flexmask (sparse, forced)", sparse_path))
     times: dict[str, list[float]] = {impl: [] for impl, _ in impls}
     for _ in range(repeats):  # interleaved: load changes hit both sides alike
         for impl, fn in impls:
@@ -167,7 +193,7 @@ def run_case(
     density = 100 - block_mask.sparsity()
     print(
         f"  {name:>12} S={seq_len} B={batch} H={heads}: blocks listed {density:.1f}%, "
-        f"create_block_mask {build_s:.2f}s, flexmask/SDPA "
+        f"flexmask.create_block_mask {build_s:.3f}s, flexmask/SDPA "
         f"{rows[0]['seconds'] / rows[1]['seconds']:.2f}x, max |grad diff| {max_err:.1e}",
         flush=True,
     )
@@ -245,7 +271,16 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per case")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's); 1 on a shared machine keeps the many small ops "
+        "of the sparse path from waiting on a descheduled second thread",
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     grid = dict(FULL if args.full else QUICK if args.quick else SUBSET)
     if args.lengths:
         grid["lengths"] = tuple(args.lengths)

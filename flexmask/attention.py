@@ -2,9 +2,11 @@
 
 On a device whose flex_attention kernel has a backward, torch's kernel runs — compiled once
 per process (static shapes: one graph per sequence length and mask kind) unless compilation
-is turned off. On the CPU, where torch has no backward, a call that needs gradients — or any
-call with compilation off — runs the differentiable block-sparse path driven by the same
-BlockMask; a compiled no-grad CPU call runs torch's fused kernel.
+is turned off. On the CPU, where torch has no backward, a call that needs gradients runs the
+differentiable block-sparse path driven by the same BlockMask. A no-grad CPU call runs it
+too (or SDPA, where that is faster) unless compilation was asked for — ``compile=True``,
+``set_compile(True)`` or ``FLEXMASK_COMPILE=1`` — because the first compiled CPU call costs
+20-40 s per sequence length and mask kind: worth it for many calls, not for one.
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ def compile_enabled() -> bool:
     raise ValueError(
         f"environment variable {ENV_COMPILE}={raw!r} must be 1/0, true/false or on/off"
     )
+
+
+def _compile_requested() -> bool | None:
+    """The process's explicit choice (``set_compile`` or FLEXMASK_COMPILE set), else None."""
+    if _compile_default is not None:
+        return _compile_default
+    if ENV_COMPILE in os.environ:
+        return compile_enabled()
+    return None
 
 
 def compiled_flex_attention() -> Callable[..., Any]:
@@ -150,7 +161,9 @@ def flex_attention(
             flex_attention does: natural log, float32 (float64 for float64 inputs), ``-inf``
             for a query that attends nothing (its output is 0).
         compile: compile torch's kernel (once per process); None follows ``set_compile`` /
-            FLEXMASK_COMPILE.
+            FLEXMASK_COMPILE where either is set, and otherwise compiles on accelerators but
+            not on the CPU (whose first compiled call takes 20-40 s): a no-grad CPU call then
+            runs the block-sparse path, or SDPA where that is faster.
         **kwargs: passed to torch's flex_attention (e.g. ``kernel_options``).
 
     Returns:
@@ -168,9 +181,16 @@ def flex_attention(
         True
     """
     resolved = resolve_block_mask(block_mask, query, key)
+    # The Mask behind the BlockMask, where flexmask built it: the block-sparse path reads
+    # partial blocks from its intervals and recognises plain causal from its key.
+    structure = block_mask.mask if isinstance(block_mask, LazyBlockMask) else block_mask
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    use_compile = compile_enabled() if compile is None else compile
     on_cpu = query.device.type == "cpu"
+    if compile is None:
+        requested = _compile_requested()
+        use_compile = (not on_cpu) if requested is None else requested
+    else:
+        use_compile = compile
     # torch has no flex backward on the CPU, and its uncompiled CPU forward materialises the
     # full score matrix and re-traces the mask for every new BlockMask: the block-sparse path
     # serves both cases, driven by the same BlockMask.
@@ -191,6 +211,7 @@ def flex_attention(
             scale=scale,
             enable_gqa=enable_gqa,
             return_lse=return_lse,
+            mask=structure if isinstance(structure, Mask) else None,
         )
     if use_compile:
         _announce_compile(query, key)

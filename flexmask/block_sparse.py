@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 import torch
@@ -40,6 +40,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
 from flexmask import block_sparse_kernel as kernel
+from flexmask.build.grid import make_grid
+from flexmask.mask import Mask
+from flexmask.pieces.causal import Causal
 
 Backend = Literal["auto", "sparse", "sdpa"]
 """Which kernel runs: see :func:`block_sparse_attention` and :func:`choose_backend`."""
@@ -60,8 +63,13 @@ DEFAULT_MAX_CHUNK_ELEMENTS = 1 << 22
 DEFAULT_MEMORY_BUDGET = 256 << 20
 
 # choose_backend: SDPA with a dense mask wins on a CPU above this share of listed blocks, or
-# below this many (query, key) pairs in all (measured: benchmarks/bench_cpu_backward.py).
+# below this many (query, key) pairs in all (measured: benchmarks/bench_cpu_backward.py, S 2k
+# and 8k). With several threads the sparse path's many separate ops each wait for the slowest
+# thread, which on a shared machine costs more than the work saved: measured on 2 loaded
+# cores it lost from 26% listed at 8k (an RL tree, 1.37x) and won below 20%. With one thread
+# there is no such wait and it won up to 43% listed (0.42-0.54x SDPA at 2k).
 SDPA_MIN_DENSITY = 0.25
+SDPA_MIN_DENSITY_ONE_THREAD = 0.45
 SDPA_MAX_PAIRS = 256 * 256
 
 # A chunk stops growing when fewer than this share of its (q block, column) pairs are listed:
@@ -87,6 +95,7 @@ def block_sparse_attention(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     max_chunk_elements: int = DEFAULT_MAX_CHUNK_ELEMENTS,
     backend: Backend = "auto",
+    mask: Mask | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Block-sparse attention with flex_attention's semantics, differentiable on any device.
 
@@ -143,6 +152,15 @@ def block_sparse_attention(
             faster on a CPU — a mask whose listed blocks cover most of the grid, or a tiny
             one — and the sparse kernel otherwise (see :func:`choose_backend`). The result is
             the same either way. ``return_lse`` and ``score_mod`` always run the sparse path.
+            A mask that is exactly causal with ``Q_LEN == KV_LEN`` runs SDPA with
+            ``is_causal=True`` (no dense mask, half the work) under ``"auto"`` and ``"sdpa"``.
+        mask: the flexmask Mask ``block_mask`` was built from (``flexmask.create_block_mask``
+            or the cache, with no ``q_offset``/``kv_offset``), as ``flexmask.flex_attention``
+            passes it. Where its rows are kv intervals (causal, document, sliding window,
+            prefix, padding and their ``&``), partial blocks are masked from each query's
+            interval ``[lo, hi]`` instead of calling ``mask_mod`` on every pair, and plain
+            causal is recognised from its key. The result is the same; a ``mask`` that is not
+            the one ``block_mask`` was built from gives a wrong one. None: ``mask_mod`` only.
 
     Returns:
         The output ``(B, Hq, Q_LEN, Dv)`` in ``query.dtype``, and with ``return_lse`` the pair
@@ -177,20 +195,30 @@ def block_sparse_attention(
         raise ValueError(f"memory_budget must be an int of bytes >= 0, got {memory_budget!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if mask is not None and not isinstance(mask, Mask):
+        raise TypeError(
+            f"mask must be the flexmask Mask block_mask was built from, or None, got "
+            f"{type(mask).__name__}"
+        )
     plan = _plan(query, key, value, block_mask, score_mod, scale, enable_gqa, mod_eval)
     if plan.batch == 0:
         return _empty_batch(query, key, value, return_lse)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    bounds = None if mask is None else interval_bounds(mask, plan)
+    if bounds is not None:
+        # Every later evaluation of the mask (dense mask, score_mod path) reads the intervals.
+        plan = replace(plan, mask_mod=_IntervalMod(bounds))
 
-    if score_mod is None and not return_lse:
+    if score_mod is None and not return_lse and backend != "sparse":
+        causal = is_causal(plan, mask)
         if backend == "auto":
-            backend = choose_backend(plan)
+            backend = "sdpa" if causal else choose_backend(plan)
         if backend == "sdpa":
-            return _sdpa_attention(query, key, value, plan, mod_eval)
+            return _sdpa_attention(query, key, value, plan, mod_eval, causal)
     if score_mod is None:
         save_budget = {None: memory_budget, True: 0, False: 1 << 62}[recompute]
         out, lse = _grouped_attention(
-            query, key, value, plan, mod_eval, max_chunk_elements, save_budget, needs_grad
+            query, key, value, plan, mod_eval, max_chunk_elements, save_budget, needs_grad, bounds
         )
         return (out, lse) if return_lse else out
     return _chunked_attention(
@@ -206,18 +234,22 @@ def block_sparse_attention(
     )
 
 
-def choose_backend(plan: _Plan) -> Literal["sparse", "sdpa"]:
-    """``"sdpa"`` where SDPA with a dense mask is faster on a CPU, else ``"sparse"``.
+def choose_backend(plan: _Plan, mask: Mask | None = None) -> Literal["sparse", "sdpa"]:
+    """``"sdpa"`` where SDPA is faster on a CPU, else ``"sparse"``.
 
     SDPA's fused CPU kernel does every (query, key) pair but without the sparse path's extra
     passes over the scores, so it wins when the listed blocks cover most of the grid
-    (``SDPA_MIN_DENSITY``) and on tiny problems (``SDPA_MAX_PAIRS``), where per-group overhead
-    dominates. Measured on 2 cores with B=1-4, H=4-8, D=64: see docs/cpu-training.md.
+    (``SDPA_MIN_DENSITY``; ``SDPA_MIN_DENSITY_ONE_THREAD`` when torch runs one thread) and
+    on tiny problems (``SDPA_MAX_PAIRS``), where per-group overhead
+    dominates; and on plain causal, where ``is_causal=True`` skips the upper triangle without
+    any mask. Measured on 2 cores with B=1-4, H=4-8, D=64: see docs/cpu-training.md.
     """
-    if plan.q_len * plan.kv_len <= SDPA_MAX_PAIRS:
+    if plan.q_len * plan.kv_len <= SDPA_MAX_PAIRS or is_causal(plan, mask):
         return "sdpa"
     listed = (plan.kinds != _ABSENT).flatten(0, 2).any(dim=0)
-    return "sdpa" if float(listed.float().mean()) >= SDPA_MIN_DENSITY else "sparse"
+    one_thread = torch.get_num_threads() == 1
+    threshold = SDPA_MIN_DENSITY_ONE_THREAD if one_thread else SDPA_MIN_DENSITY
+    return "sdpa" if float(listed.float().mean()) >= threshold else "sparse"
 
 
 def dense_mask(plan: _Plan, mod_eval: str) -> Tensor:
@@ -255,10 +287,64 @@ def dense_mask(plan: _Plan, mod_eval: str) -> Tensor:
     return dense[:, :, : plan.q_len, : plan.kv_len]
 
 
+def is_causal(plan: _Plan, mask: Mask | None = None) -> bool:
+    """True when the plan's BlockMask means exactly ``q_idx >= kv_idx`` with ``Q_LEN ==
+    KV_LEN``, so SDPA's ``is_causal=True`` computes the same thing.
+
+    Known from ``mask`` when given (the Mask the BlockMask was built from); otherwise checked
+    from the BlockMask itself: its block lists must be causal's (every batch row and head) and
+    ``mask_mod`` must equal ``q_idx >= kv_idx`` on its partial blocks — the diagonal, so the
+    check costs ``Q_LEN x KV_BLOCK`` evaluations.
+    """
+    if plan.q_len != plan.kv_len:
+        return False
+    if mask is not None:
+        return isinstance(mask, Causal)
+    q_first = torch.arange(0, plan.q_len, plan.q_block)
+    kv_first = torch.arange(0, plan.kv_len, plan.kv_block)
+    q_last = (q_first + plan.q_block - 1).clamp(max=plan.q_len - 1)
+    kv_last = (kv_first + plan.kv_block - 1).clamp(max=plan.kv_len - 1)
+    complete = (q_last - q_first + 1 == plan.q_block)[:, None] & (
+        kv_last - kv_first + 1 == plan.kv_block
+    )
+    full = complete & (kv_last[None, :] <= q_first[:, None])
+    nonempty = kv_first[None, :] <= q_last[:, None]
+    expected = torch.where(full, _FULL, torch.where(nonempty, _PARTIAL, _ABSENT))
+    if not bool((plan.kinds.cpu() == expected.to(torch.int8)).all()):
+        return False
+    pairs = (plan.kinds == _PARTIAL).flatten(0, 2).any(dim=0).nonzero()
+    count, device = pairs.size(0), plan.kinds.device
+    q_idx = pairs[:, :1] * plan.q_block + torch.arange(plan.q_block, device=device)
+    kv_idx = pairs[:, 1:] * plan.kv_block + torch.arange(plan.kv_block, device=device)
+    inside = (q_idx < plan.q_len)[:, :, None] & (kv_idx < plan.kv_len)[:, None, :]
+    q_idx = q_idx.clamp(max=plan.q_len - 1).view(1, 1, 1, count, plan.q_block, 1)
+    kv_idx = kv_idx.clamp(max=plan.kv_len - 1).view(1, 1, 1, count, 1, plan.kv_block)
+    args = (
+        torch.arange(plan.batch, device=device).view(-1, 1, 1, 1, 1, 1),
+        torch.arange(plan.q_heads, device=device).view(1, plan.kv_heads, plan.group, 1, 1, 1),
+        q_idx,
+        kv_idx,
+    )
+    shape = (plan.batch, plan.kv_heads, plan.group, count, plan.q_block, plan.kv_block)
+    try:
+        with torch.no_grad():
+            how = "broadcast" if _broadcasts(plan.mask_mod, args, shape) else "vmap"
+            by_mask_mod = _call_mod(plan.mask_mod, args, shape, how, "mask_mod")
+    except Exception:  # not provably causal: the general paths will raise if it is an error
+        return False
+    causal = (q_idx >= kv_idx).view(count, plan.q_block, plan.kv_block)
+    return bool(((by_mask_mod == causal) | ~inside).all())
+
+
 def _sdpa_attention(
-    query: Tensor, key: Tensor, value: Tensor, plan: _Plan, mod_eval: str
+    query: Tensor, key: Tensor, value: Tensor, plan: _Plan, mod_eval: str, causal: bool
 ) -> Tensor:
-    """SDPA with the dense mask; rows with no key get 0 and zero gradients, as in flex."""
+    """SDPA with the dense mask (or ``is_causal``); rows with no key get 0 and zero gradients,
+    as in flex."""
+    if causal:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=plan.scale, enable_gqa=plan.group > 1
+        )
     mask = dense_mask(plan, mod_eval)
     has_key = mask.any(dim=-1, keepdim=True)
     all_have_keys = bool(has_key.all())
@@ -295,6 +381,7 @@ def _grouped_attention(
     max_chunk_elements: int,
     save_budget: int,
     needs_grad: bool,
+    bounds: kernel.Bounds | None,
 ) -> tuple[Tensor, Tensor]:
     """The grouped kernel (flexmask.block_sparse_kernel), in and out of its blocked layouts."""
     layout = kernel.Layout(
@@ -309,7 +396,7 @@ def _grouped_attention(
         working_dtype=plan.working_dtype,
     )
     groups = kernel.make_groups(plan.kinds.cpu(), layout, max_chunk_elements)
-    mask_fn = _group_mask_fn(plan, groups, query.device, mod_eval)
+    mask_fn: kernel.MaskSource = bounds or _group_mask_fn(plan, groups, query.device, mod_eval)
     batch, kv_heads, group = plan.batch, plan.kv_heads, plan.group
     q_blocks = _pad_to_blocks(query, plan.q_block).to(plan.working_dtype) * plan.scale
     q_blocks = q_blocks.reshape(batch, kv_heads, group, -1, plan.q_block, plan.head_dim)
@@ -329,6 +416,44 @@ def _grouped_attention(
     out = out.reshape(batch, plan.q_heads, -1, plan.value_dim)[:, :, : plan.q_len]
     lse = lse.reshape(batch, plan.q_heads, -1)[:, :, : plan.q_len]
     return out.to(query.dtype), lse
+
+
+def interval_bounds(mask: Mask, plan: _Plan) -> kernel.Bounds | None:
+    """Each query's kv interval from ``mask``'s structure, over the queries padded to whole q
+    blocks (padding rows take the last query's): None where its rows are not intervals."""
+    if not mask._has_intervals():
+        return None
+    grid = make_grid(
+        mask,
+        plan.batch,
+        plan.q_heads,
+        plan.q_len,
+        plan.kv_len,
+        plan.kinds.device,
+        (plan.q_block, plan.kv_block),
+    )
+    rows, _ = grid.reduced(mask)
+    num_q_blocks = plan.kinds.size(3)
+    q_idx = torch.arange(num_q_blocks * plan.q_block, device=grid.device)
+    q_idx = q_idx.clamp(max=plan.q_len - 1).expand(rows, -1)
+    found = mask._intervals(q_idx, torch.arange(rows, device=grid.device).view(rows, 1), grid)
+    if found is None:
+        return None
+    lo, hi = (t.expand(rows, -1).reshape(rows, num_q_blocks, plan.q_block) for t in found)
+    return kernel.Bounds(lo.cpu(), hi.cpu())
+
+
+class _IntervalMod:
+    """``lo[q_idx] <= kv_idx <= hi[q_idx]``: the mask_mod of a mask whose rows are intervals,
+    from its bounds (per batch row when they differ); index arithmetic, broadcasts."""
+
+    def __init__(self, bounds: kernel.Bounds) -> None:
+        self.lo = bounds.lo.flatten(1)
+        self.hi = bounds.hi.flatten(1)
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        row = b if self.lo.size(0) > 1 else torch.zeros_like(b)
+        return (kv_idx >= self.lo[row, q_idx]) & (kv_idx <= self.hi[row, q_idx])
 
 
 def _group_mask_fn(

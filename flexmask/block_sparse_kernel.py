@@ -13,8 +13,9 @@ forward of activation checkpointing. So this kernel
 * **masks once, with one pass**: a group whose blocks are all full and inside ``KV_LEN`` takes
   no mask at all; otherwise one bool mask (full blocks, ``mask_mod`` on partial ones, the
   ``KV_LEN`` edge) is built at the mask's own batch/head size and applied by one
-  ``masked_fill_``. Softmax is written out in place (``amax``, ``sub_``, ``exp_``, ``sum``),
-  so rows with no key need no special pass: their ``lse`` is ``-inf`` and output 0.
+  ``masked_fill_``. Softmax is written out in place (``amax``, ``sub_``, ``exp_``, ``sum``;
+  the output is divided after the product, the probabilities only when kept), so rows with
+  no key need no special pass: their ``lse`` is ``-inf`` and output 0.
 * **has its own backward** (the FlashAttention equations): it keeps the output and the
   log-sum-exp, and per group either the probabilities (while they fit ``memory_budget``) or
   nothing, rebuilding them from ``lse`` in one matmul and one ``exp`` — not a whole second
@@ -61,6 +62,20 @@ class Layout(NamedTuple):
 
 MaskFn = Callable[[Group], Tensor]
 """Evaluates mask_mod for a group: bool broadcastable to (B, Hkv, G, n, Q_BLOCK, W, KV_BLOCK)."""
+
+
+class Bounds(NamedTuple):
+    """The one kv interval ``[lo, hi]`` each query attends, for masks whose rows are intervals
+    (causal, document, window, prefix, padding and their ``&``): ``(rows, NQ, Q_BLOCK)`` int64
+    over the queries padded to whole blocks, ``rows`` 1 or B. With them a partial block's mask
+    is two comparisons per element, with no call of mask_mod."""
+
+    lo: Tensor
+    hi: Tensor
+
+
+MaskSource = MaskFn | Bounds
+"""What decides the pairs of partial blocks: mask_mod (through a MaskFn) or intervals."""
 
 
 def make_groups(kinds: Tensor, layout: Layout, max_elements: int) -> list[Group]:
@@ -133,33 +148,46 @@ def _add_columns(target: Tensor, columns: Tensor, grads: Tensor) -> None:
     target.index_add_(2, columns.flatten(), grads)
 
 
-def _allowed(group: Group, layout: Layout, mask_fn: MaskFn) -> Tensor:
-    """The group's bool mask over its mask span, broadcastable to the scores viewed as
-    (B, Hkv, n, G, Q_BLOCK, span * KV_BLOCK); built at the mask's own batch/head size."""
+def _refused(group: Group, layout: Layout, source: MaskSource) -> Tensor:
+    """The group's bool mask of refused pairs over its mask span, broadcastable to the scores
+    viewed as (B, Hkv, n, G, Q_BLOCK, span * KV_BLOCK); built at the mask's own batch/head
+    size. Absent blocks, ``mask_mod`` (or the intervals) on partial ones, and kv tokens past
+    ``KV_LEN`` are refused."""
     assert group.mask_span is not None
     first, stop = group.mask_span
     span = group._replace(columns=group.columns[:, first:stop], kinds=group.kinds[..., first:stop])
-    kinds = span.kinds[..., None, :, None]  # (Bm, Hk, Gm, n, 1, w, 1)
-    allowed = kinds == _FULL
-    if bool((span.kinds == _PARTIAL).any()):
-        allowed = allowed | ((kinds == _PARTIAL) & mask_fn(span))
-    kv_tokens = span.columns[:, :, None] * layout.kv_block + torch.arange(layout.kv_block)
     n, width = span.columns.shape
-    if bool((kv_tokens >= layout.kv_len).any()):
-        inside = (kv_tokens < layout.kv_len).view(1, 1, 1, n, 1, width, layout.kv_block)
-        allowed = allowed & inside
-    allowed = allowed.expand(*allowed.shape[:-1], layout.kv_block)  # a block-level mask
-    shape = allowed.shape
-    allowed = allowed.reshape(*shape[:5], shape[5] * shape[6])
-    return allowed.transpose(2, 3)  # (b, hk, n, g, Q_BLOCK or 1, w * KV_BLOCK)
+    kv_tokens = span.columns[:, :, None] * layout.kv_block + torch.arange(layout.kv_block)
+    kv_tokens = kv_tokens.to(span.kinds.device).view(1, 1, 1, n, 1, width, layout.kv_block)
+    kinds = span.kinds[..., None, :, None]  # (Bm, Hk, Gm, n, 1, w, 1)
+    if isinstance(source, Bounds):
+        # Every block kind as one interval per (query, column): full [0, KV_LEN), absent
+        # empty, partial the query's own; then three passes over the elements in all.
+        rows = source.lo.size(0)
+        lo = source.lo.index_select(1, span.blocks).view(rows, 1, 1, n, layout.q_block, 1, 1)
+        hi = source.hi.index_select(1, span.blocks).view(rows, 1, 1, n, layout.q_block, 1, 1)
+        lo = torch.where(kinds == _FULL, 0, torch.where(kinds == _PARTIAL, lo, layout.kv_len))
+        hi = torch.where(kinds == _PARTIAL, hi, layout.kv_len - 1).clamp(max=layout.kv_len - 1)
+        refused = (kv_tokens < lo) | (kv_tokens > hi)
+    else:
+        allowed = kinds == _FULL
+        if bool((span.kinds == _PARTIAL).any()):
+            allowed = allowed | ((kinds == _PARTIAL) & source(span))
+        if bool((kv_tokens >= layout.kv_len).any()):
+            allowed = allowed & (kv_tokens < layout.kv_len)
+        refused = ~allowed
+    refused = refused.expand(*refused.shape[:-1], layout.kv_block)  # a block-level mask
+    shape = refused.shape
+    refused = refused.reshape(*shape[:5], shape[5] * shape[6])
+    return refused.transpose(2, 3)  # (b, hk, n, g, Q_BLOCK or 1, w * KV_BLOCK)
 
 
 def _masked_scores(
-    queries: Tensor, keys: Tensor, allowed: Tensor | None, group: Group, layout: Layout
+    queries: Tensor, keys: Tensor, refused: Tensor | None, group: Group, layout: Layout
 ) -> Tensor:
     """Scores of a group, (B * Hkv * n, G * Q_BLOCK, W * KV_BLOCK), refused pairs at -inf."""
     scores = torch.bmm(queries, keys.transpose(1, 2))
-    if allowed is not None and group.mask_span is not None:
+    if refused is not None and group.mask_span is not None:
         first, stop = group.mask_span
         view = scores.view(
             layout.batch,
@@ -169,9 +197,7 @@ def _masked_scores(
             layout.q_block,
             scores.size(-1),
         )
-        view[..., first * layout.kv_block : stop * layout.kv_block].masked_fill_(
-            ~allowed, -math.inf
-        )
+        view[..., first * layout.kv_block : stop * layout.kv_block].masked_fill_(refused, -math.inf)
     return scores
 
 
@@ -181,7 +207,7 @@ def forward(
     v_blocks: Tensor,
     groups: list[Group],
     layout: Layout,
-    mask_fn: MaskFn,
+    mask_fn: MaskSource,
     save_budget: int,
 ) -> tuple[Tensor, Tensor, list[Tensor | None], list[Tensor | None]]:
     """Output and lse in the blocked layouts, with the probabilities and masks kept per group
@@ -199,8 +225,8 @@ def forward(
         queries = _gather_rows(q_blocks, g.blocks, layout)
         keys = _gather_columns(k_blocks, g.columns)
         values = _gather_columns(v_blocks, g.columns)
-        allowed = None if g.mask_span is None else _allowed(g, layout, mask_fn)
-        probs = _masked_scores(queries, keys, allowed, g, layout)
+        refused = None if g.mask_span is None else _refused(g, layout, mask_fn)
+        probs = _masked_scores(queries, keys, refused, g, layout)
         row_max = probs.amax(dim=-1, keepdim=True)
         # A row with no allowed key has max -inf: subtracting 0 instead leaves exp(-inf) = 0,
         # so its sum is 0, its output 0 and its lse log(0) = -inf, with no NaN on the way.
@@ -208,21 +234,23 @@ def forward(
         probs.sub_(row_max).exp_()
         total = probs.sum(dim=-1, keepdim=True)
         group_lse = row_max + total.log()
-        probs.div_(torch.where(total == 0, 1.0, total))
-        _scatter_rows(out, g.blocks, torch.bmm(probs, values), layout)
+        total = torch.where(total == 0, 1.0, total)
+        # The output is normalised after the product (rows x Dv, not rows x columns): the
+        # probabilities themselves only when they are kept for the backward.
+        _scatter_rows(out, g.blocks, torch.bmm(probs, values).div_(total), layout)
         _scatter_rows(lse, g.blocks, group_lse, layout)
         size = probs.numel() * probs.element_size()
         if size <= save_budget:
             save_budget -= size
-            saved_probs.append(probs)
+            saved_probs.append(probs.div_(total))
             saved_masks.append(None)
         else:
             del probs
             saved_probs.append(None)
-            mask_size = 0 if allowed is None else allowed.numel()
-            if allowed is not None and mask_size <= save_budget:
+            mask_size = 0 if refused is None else refused.numel()
+            if refused is not None and mask_size <= save_budget:
                 save_budget -= mask_size
-                saved_masks.append(allowed)
+                saved_masks.append(refused)
             else:
                 saved_masks.append(None)
     return out, lse, saved_probs, saved_masks
@@ -238,7 +266,7 @@ def backward(
     grad_lse: Tensor | None,
     groups: list[Group],
     layout: Layout,
-    mask_fn: MaskFn,
+    mask_fn: MaskSource,
     saved_probs: list[Tensor | None],
     saved_masks: list[Tensor | None],
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -256,15 +284,15 @@ def backward(
     grad_k = torch.zeros_like(k_blocks)
     grad_v = torch.zeros_like(v_blocks)
     for index, g in enumerate(groups):
-        probs, allowed = saved_probs[index], saved_masks[index]
+        probs, refused = saved_probs[index], saved_masks[index]
         saved_probs[index] = saved_masks[index] = None  # freed as the backward goes
         queries = _gather_rows(q_blocks, g.blocks, layout)
         keys = _gather_columns(k_blocks, g.columns)
         values = _gather_columns(v_blocks, g.columns)
         if probs is None:
-            if allowed is None and g.mask_span is not None:
-                allowed = _allowed(g, layout, mask_fn)
-            probs = _masked_scores(queries, keys, allowed, g, layout)
+            if refused is None and g.mask_span is not None:
+                refused = _refused(g, layout, mask_fn)
+            probs = _masked_scores(queries, keys, refused, g, layout)
             probs.sub_(_gather_rows(safe_lse, g.blocks, layout)).exp_()
         grad_rows = _gather_rows(grad_out, g.blocks, layout)
         _add_columns(grad_v, g.columns, torch.bmm(probs.transpose(1, 2), grad_rows))
@@ -287,7 +315,7 @@ class BlockSparseFunction(torch.autograd.Function):
         v_blocks: Tensor,
         groups: list[Group],
         layout: Layout,
-        mask_fn: MaskFn,
+        mask_fn: MaskSource,
         save_budget: int,
     ) -> tuple[Tensor, Tensor]:
         out, lse, probs, masks = forward(

@@ -466,7 +466,7 @@ def test_vmap_only_mask_mod_falls_back_to_vmap():
     dense = create_mask(causal, 2, 2, 129, 129, device="cpu")
     assert_matches_oracles(q, k, v, grad_out, block_mask, dense, atol=1e-10)
     with pytest.raises(RuntimeError):
-        block_sparse_attention(q, k, v, block_mask, mod_eval="broadcast")
+        block_sparse_attention(q, k, v, block_mask, mod_eval="broadcast", backend="sparse")
 
 
 def test_broadcast_and_vmap_evaluation_agree():
