@@ -94,21 +94,15 @@ class MaskCache:
     """
 
     def __init__(self, maxsize: int = DEFAULT_SIZE, maxbytes: int | None = None) -> None:
-        if isinstance(maxsize, bool) or not isinstance(maxsize, numbers.Integral) or maxsize < 0:
-            raise ValueError(f"maxsize must be an int >= 0 (0 disables caching), got {maxsize!r}")
-        if maxbytes is not None and (
-            isinstance(maxbytes, bool) or not isinstance(maxbytes, numbers.Integral) or maxbytes < 0
-        ):
-            raise ValueError(f"maxbytes must be None or an int >= 0, got {maxbytes!r}")
-        maxsize = int(maxsize)  # numpy integers too
-        maxbytes = None if maxbytes is None else int(maxbytes)
+        self.maxsize = _bound(maxsize, "maxsize", "an int >= 0 (0 disables caching)")
+        self.maxbytes = (
+            None if maxbytes is None else _bound(maxbytes, "maxbytes", "None or an int >= 0")
+        )
         self._lock = threading.Lock()
-        self._data = _LRU(maxsize, maxbytes)
+        self._data = _LRU(self.maxsize, self.maxbytes)
         self._hits = 0
         self._misses = 0
         self._discarded = 0
-        self.maxsize = maxsize
-        self.maxbytes = maxbytes
 
     @staticmethod
     def key(
@@ -214,6 +208,18 @@ class MaskCache:
             self._data.clear()
             self._data.evictions = 0
             self._hits = self._misses = self._discarded = 0
+
+
+def _bound(value: object, name: str, expected: str) -> int:
+    """``value`` (a Python or numpy integer) as an int >= 0, or a ValueError naming ``name``.
+
+    ``value`` is typed ``object``, not ``int``: typeshed's ``int`` is no ``numbers.Integral``,
+    and narrowing an ``int`` parameter by that isinstance leaves mypy unable to type the
+    attributes assigned after it.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return int(value)
 
 
 def _reduced(mask: Mask, grid: BlockGrid) -> tuple[int, int]:

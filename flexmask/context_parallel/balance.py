@@ -163,6 +163,8 @@ def _block_costs(
 ) -> Tensor:
     """Work of every query block, (rows, n_blocks): full blocks + partial_cost * partial."""
     bm = create_block_mask(mask, B, H, length, length, device, block)
+    if bm.full_kv_num_blocks is None:  # flexmask's build always writes the full side
+        raise RuntimeError("create_block_mask returned a BlockMask without its full blocks")
     cost = bm.full_kv_num_blocks.to(torch.float64) + partial_cost * bm.kv_num_blocks
     cost = cost.sum(dim=1)  # heads share one permutation: their work adds up
     if not mask.batch_dependent:
@@ -228,11 +230,10 @@ class MaskAwareBalancer(_LoadBalancer):
             for m in padded
         ]
         rows = max(c.shape[0] for c in costs)
-        self.block_costs = sum(c.expand(rows, -1) for c in costs)
-        assignment, self.rank_costs = zip(
-            *(self._deal(row) for row in self.block_costs), strict=False
-        )
-        self.rank_costs = torch.stack(self.rank_costs)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.block_costs: Tensor = sum((c.expand(rows, -1) for c in costs), zero)
+        assignment, rank_costs = zip(*(self._deal(row) for row in self.block_costs), strict=False)
+        self.rank_costs = torch.stack(rank_costs)
         blocks = torch.stack(assignment)  # (rows, n_blocks): block ids, rank by rank
         tokens = blocks[:, :, None] * block_size + torch.arange(block_size)
         self._indices = tokens.reshape(rows, -1).to(self.device)
@@ -289,5 +290,16 @@ def balancer_key(balancer: _LoadBalancer | None) -> tuple:
     key = getattr(balancer, "key", None)
     if isinstance(key, tuple):
         return key
-    indices = balancer._generate_indices()
+    indices = balancer_indices(balancer)
     return (type(balancer).__qualname__, tuple(indices.shape), digest(indices.to(torch.int64)))
+
+
+def balancer_indices(balancer: _LoadBalancer) -> Tensor:
+    """The balancer's permutation; a ValueError where it gives none (torch's base class
+    allows ``_generate_indices`` to return None, which cannot shard anything)."""
+    indices = balancer._generate_indices()
+    if indices is None:
+        raise ValueError(
+            f"balancer {balancer!r} gives no permutation (_generate_indices() is None)"
+        )
+    return indices

@@ -27,6 +27,7 @@ from flexmask.cache import CacheInfo, MaskCache
 from flexmask.context_parallel.balance import (
     HeadTailBalancer,
     MaskAwareBalancer,
+    balancer_indices,
     balancer_key,
 )
 from flexmask.context_parallel.shard import KeyOrder, build_shard
@@ -193,7 +194,7 @@ def _plan(
         if lb is None:
             padded = -(-Q_LEN // world) * world
         else:
-            padded = _indices_of(lb).shape[-1]
+            padded = balancer_indices(lb).shape[-1]
             if padded != Q_LEN:
                 raise ValueError(
                     f"balancer permutes {padded} positions but Q_LEN is {Q_LEN}: build the "
@@ -217,13 +218,6 @@ def _plan(
     return world, rank, block, device, lb, padded, key
 
 
-def _indices_of(lb: _LoadBalancer) -> Tensor:
-    indices = lb._generate_indices()
-    if indices is None:
-        raise ValueError(f"balancer {lb!r} gives no permutation (_generate_indices() is None)")
-    return indices
-
-
 def _permutation(
     lb: _LoadBalancer | None, padded: int, block: int
 ) -> tuple[Tensor, tuple[KeyOrder, ...]]:
@@ -238,7 +232,7 @@ def _permutation(
     if lb is None:
         indices = torch.arange(padded).view(1, -1)
     else:
-        indices = _indices_of(lb).to(torch.int64).cpu()
+        indices = balancer_indices(lb).to(torch.int64).cpu()
     made = indices, tuple(KeyOrder.of(row, block) for row in indices)
     if isinstance(key, tuple):
         with _PERMUTATIONS_LOCK:
@@ -469,6 +463,8 @@ def imbalance(
                 balancer=balancer,
                 BLOCK_SIZE=BLOCK_SIZE,
             ).block_mask
+            if bm.full_kv_num_blocks is None:  # flexmask's shards always write the full side
+                raise RuntimeError("shard returned a BlockMask without its full blocks")
             rows = (B or 1) if bm.kv_num_blocks.shape[0] == 1 else 1
             heads = (H or 1) if bm.kv_num_blocks.shape[1] == 1 else 1
             work = bm.full_kv_num_blocks.sum() + partial_cost * bm.kv_num_blocks.sum()

@@ -9,7 +9,7 @@ attends through its block-sparse path.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch.distributed.distributed_c10d as c10d
 from torch import Tensor
@@ -34,6 +34,7 @@ def _group_name(group: Any) -> str:
     return c10d._get_process_group_name(group)
 
 
+@overload
 def cp_flex_attention(
     query: Tensor,
     key: Tensor,
@@ -42,8 +43,36 @@ def cp_flex_attention(
     group: Any = None,
     *,
     seq_dim: int = 2,
+    return_lse: Literal[False] = False,
     **kwargs: Any,
-) -> Tensor:
+) -> Tensor: ...
+
+
+@overload
+def cp_flex_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    shard: CPShard | LazyShard | BlockMask,
+    group: Any = None,
+    *,
+    seq_dim: int = 2,
+    return_lse: Literal[True],
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]: ...
+
+
+def cp_flex_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    shard: CPShard | LazyShard | BlockMask,
+    group: Any = None,
+    *,
+    seq_dim: int = 2,
+    return_lse: bool = False,
+    **kwargs: Any,
+) -> Tensor | tuple[Tensor, Tensor]:
     """flex_attention of this rank's queries against every rank's keys and values.
 
     Args:
@@ -52,16 +81,20 @@ def cp_flex_attention(
         shard: this rank's ``CPShard`` (or a lazy one, or its BlockMask).
         group: the context-parallel ``DeviceMesh`` or process group (None: the default).
         seq_dim: the sequence dimension of key and value.
+        return_lse: also return the log-sum-exp of the scores, as ``flexmask.flex_attention``.
         **kwargs: passed to ``flexmask.flex_attention`` (score_mod, scale, compile, ...).
 
     Returns:
         This rank's attention output, (B, H, S / W, Dv); differentiable in all three inputs.
+        With ``return_lse`` the pair (output, lse).
     """
     block_mask = shard if isinstance(shard, BlockMask) else shard.block_mask
     full_key, full_value = flex_cp_allgather(
         key.contiguous(), value.contiguous(), seq_dim, _group_name(group)
     )
-    return flex_attention(query, full_key, full_value, block_mask=block_mask, **kwargs)
+    return flex_attention(
+        query, full_key, full_value, block_mask=block_mask, return_lse=return_lse, **kwargs
+    )
 
 
 def shard_buffers(
@@ -79,14 +112,26 @@ def shard_buffers(
     from flexmask.context_parallel.core import LazyShard
 
     is_map = isinstance(buffers, Mapping)
-    names = list(buffers) if is_map else list(range(len(buffers)))
+    items: list[tuple[str | int, Any]] = (
+        list(buffers.items()) if isinstance(buffers, Mapping) else list(enumerate(buffers))
+    )
+    names = [name for name, _ in items]
     if len(seq_dims) != len(names):
         raise ValueError(
             f"seq_dims must give one dim per buffer ({len(names)}), got {len(seq_dims)}"
         )
-    tensors, tensor_dims, out = [], [], {}
-    for name in names:
-        item, dim = buffers[name], seq_dims[name]
+    dims: dict[str | int, int] = (
+        {name: dim for name, dim in seq_dims.items()}
+        if isinstance(seq_dims, Mapping)
+        else dict(enumerate(seq_dims))
+    )
+    tensors: list[tuple[str | int, Tensor]] = []
+    tensor_dims: list[int] = []
+    out: dict[str | int, Any] = {}
+    for name, item in items:
+        if name not in dims:
+            raise ValueError(f"seq_dims gives no dim for buffers[{name!r}]")
+        dim = dims[name]
         if isinstance(item, (BlockMask, Mask, LazyShard)):
             out[name] = shard.block_mask
         elif isinstance(item, Tensor):

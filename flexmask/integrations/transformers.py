@@ -315,6 +315,8 @@ def flexmask_attention(
             scale=scaling,
             enable_gqa=enable_gqa,
         )
+        if not isinstance(out, Tensor):  # return_lse is off: flex_attention gives the output
+            raise RuntimeError(f"flex_attention returned {type(out).__name__}, not a tensor")
         return out.transpose(1, 2).contiguous(), None
     if softcap:
         raise ValueError("flexmask_attention applies softcap only with a BlockMask or no mask")

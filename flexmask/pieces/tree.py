@@ -141,7 +141,11 @@ class Tree(Piece):
                 rows, n, size
             )
 
-        kv_first, kv_end, q_first, q_end = grid.kv_offset, grid.kv_end, grid.q_offset, grid.q_end
+        kv_first, q_first = grid.kv_offset, grid.q_offset
+        if not isinstance(kv_first, int) or not isinstance(q_first, int):
+            # Trees are not monotone: build._row_by_row gives each row a grid of int offsets.
+            raise RuntimeError("tree classifies one window at a time: per-row offsets reached it")
+        kv_end, q_end = kv_first + grid.kv_len, q_first + grid.q_len  # grid.kv_end, as ints
         kv_rank = rank[:, kv_first:kv_end]
         kv_in = end[:, kv_first:kv_end] > kv_rank  # in the tree (past it: rank = pos, end = 0)
         # Full, over every in-range token (one past the tree is never full).
