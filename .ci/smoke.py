@@ -70,6 +70,24 @@ def masks() -> None:
     check_mask(flexmask.sliding_window(8), lambda b, h, q, kv: abs(q - kv) < 8)
     check_mask(flexmask.prefix(10), lambda b, h, q, kv: kv < 10)
     check_mask(flexmask.full(), lambda b, h, q, kv: True)
+    check_mask(
+        flexmask.chunked(20) & flexmask.causal(),
+        lambda b, h, q, kv: q // 20 == kv // 20 and kv <= q,
+    )
+    image = [-1] * 10 + [0] * 16 + [-1] * 30 + [1] * 8 + [-1] * 32  # two bidirectional spans
+    check_mask(
+        flexmask.causal() | flexmask.spans(image),
+        lambda b, h, q, kv: kv <= q or (image[q] >= 0 and image[q] == image[kv]),
+    )
+    # A mask per head: heads 0 and 2 causal, 1 and 3 a window of 8 (H a multiple of 2).
+    heads = flexmask.per_head(flexmask.causal(), flexmask.causal() & flexmask.sliding_window(8))
+    bm = flexmask.create_block_mask(heads, 1, 4, S, S, device="cpu", BLOCK_SIZE=32)
+    for h, reference in enumerate(
+        [flexmask.causal(), flexmask.causal() & flexmask.sliding_window(8)] * 2
+    ):
+        one = flexmask.create_block_mask(reference, 1, 1, S, S, device="cpu", BLOCK_SIZE=32)
+        assert torch.equal(bm.kv_indices[:, h : h + 1], one.kv_indices), h
+        assert torch.equal(heads.to_dense(1, 4, S, S)[:, h], reference.to_dense(1, 1, S, S)[:, 0])
     check_mask(flexmask.empty(), lambda b, h, q, kv: False)
     check_mask(
         flexmask.from_mask_mod(
@@ -233,6 +251,7 @@ EXERCISES: dict[Callable[[], None], set[str]] = {
     masks: {
         "causal", "document", "tree", "padding", "sliding_window", "prefix", "full", "empty",
         "from_mask_mod", "create_block_mask", "same_blocks", "And", "Or", "Not", "Mask",
+        "chunked", "spans", "per_head",
     },
     attention_and_handles: {
         "lazy", "LazyBlockMask", "flex_attention", "set_compile", "compile_enabled",
