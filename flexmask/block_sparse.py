@@ -68,8 +68,7 @@ DEFAULT_MEMORY_BUDGET = 256 << 20
 # thread, which on a shared machine costs more than the work saved: measured on 2 loaded
 # cores it lost from 26% listed at 8k (an RL tree, 1.37x) and won below 20%. With one thread
 # there is no such wait and it won up to 43% listed (0.42-0.54x SDPA at 2k).
-SDPA_MIN_DENSITY = 0.25
-SDPA_MIN_DENSITY_ONE_THREAD = 0.45
+SDPA_MIN_DENSITY = 0.5
 SDPA_MAX_PAIRS = 256 * 256
 
 # A chunk stops growing when fewer than this share of its (q block, column) pairs are listed:
@@ -239,17 +238,16 @@ def choose_backend(plan: _Plan, mask: Mask | None = None) -> Literal["sparse", "
 
     SDPA's fused CPU kernel does every (query, key) pair but without the sparse path's extra
     passes over the scores, so it wins when the listed blocks cover most of the grid
-    (``SDPA_MIN_DENSITY``; ``SDPA_MIN_DENSITY_ONE_THREAD`` when torch runs one thread) and
-    on tiny problems (``SDPA_MAX_PAIRS``), where per-group overhead
-    dominates; and on plain causal, where ``is_causal=True`` skips the upper triangle without
-    any mask. Measured on 2 cores with B=1-4, H=4-8, D=64: see docs/cpu-training.md.
+    (``SDPA_MIN_DENSITY``: half of them) and on tiny problems (``SDPA_MAX_PAIRS``), where
+    per-group overhead dominates; and on plain causal, where ``is_causal=True`` skips the upper
+    triangle without any mask. On an idle 2-core machine (B=1, H=4, D=64) the sparse path beat
+    SDPA with 43% of blocks listed (0.55× its time at 2k) and 26–31% (trees, 0.3–0.53×); on a
+    loaded one its many small ops wait on busy cores — see docs/cpu-training.md.
     """
     if plan.q_len * plan.kv_len <= SDPA_MAX_PAIRS or is_causal(plan, mask):
         return "sdpa"
     listed = (plan.kinds != _ABSENT).flatten(0, 2).any(dim=0)
-    one_thread = torch.get_num_threads() == 1
-    threshold = SDPA_MIN_DENSITY_ONE_THREAD if one_thread else SDPA_MIN_DENSITY
-    return "sdpa" if float(listed.float().mean()) >= threshold else "sparse"
+    return "sdpa" if float(listed.float().mean()) >= SDPA_MIN_DENSITY else "sparse"
 
 
 def dense_mask(plan: _Plan, mod_eval: str) -> Tensor:
