@@ -24,19 +24,9 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import check_int, int_vector
 from flexmask.build.create import create_block_mask
+from flexmask.build.read import BLOCK_FIELDS
 from flexmask.mask import Mask, MaskMod, ShiftedMod
 from flexmask.pieces import causal, tree
-
-_BLOCK_FIELDS = (
-    "kv_num_blocks",
-    "kv_indices",
-    "full_kv_num_blocks",
-    "full_kv_indices",
-    "q_num_blocks",
-    "q_indices",
-    "full_q_num_blocks",
-    "full_q_indices",
-)
 
 
 def _block_pair(block_size: Any) -> tuple[int, int]:
@@ -104,7 +94,7 @@ def _with_mask_mod(block_mask: BlockMask, mask_mod: MaskMod) -> BlockMask:
     q_block, kv_block = block_mask.BLOCK_SIZE
     return BlockMask(
         seq_lengths=(q_len, kv_len),
-        **{name: getattr(block_mask, name) for name in _BLOCK_FIELDS},
+        **{name: getattr(block_mask, name) for name in BLOCK_FIELDS},
         BLOCK_SIZE=(q_block, kv_block),
         mask_mod=mask_mod,
     )
@@ -189,14 +179,17 @@ def _build(
     """The window's BlockMask with a ShiftedMod over ``offsets`` (held, not copied): B is
     their count when per row (1-D), else 1."""
     batch = offsets.numel()
-    # The window's mask_mod holds these very offsets (DecodeMasks updates them in place).
-    shifted = ShiftedMod(
-        mask.mask_mod_for(capacity, capacity, device), offsets, torch.zeros_like(offsets)
-    )
     built = create_block_mask(
         mask, batch, heads, q_len, capacity, device, blocks, q_offset=offsets.reshape(-1)
     )
-    return _with_mask_mod(built, shifted)
+    # The build's own lowered mask (lookups padded to the capacity), not a second lowering:
+    # its ShiftedMod may hold the offsets as one value where every row's is equal, while
+    # the step's mask_mod holds these very offsets, (B,) or 0-d as given, which DecodeMasks
+    # updates in place (one shape every step: no recompiles).
+    inner = built.mask_mod
+    if isinstance(inner, ShiftedMod):
+        inner = inner.mod
+    return _with_mask_mod(built, ShiftedMod(inner, offsets, torch.zeros_like(offsets)))
 
 
 class DecodeMasks:

@@ -11,12 +11,16 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.build.codes import CODE_DTYPE, FULL, PARTIAL
 
-_SIDES = (
+SIDES = (
     ("kv_num_blocks", "kv_indices"),
     ("full_kv_num_blocks", "full_kv_indices"),
     ("q_num_blocks", "q_indices"),
     ("full_q_num_blocks", "full_q_indices"),
 )
+"""The (counts, indices) pairs of a BlockMask: kv side partial and full, then q side."""
+
+BLOCK_FIELDS = tuple(name for side in SIDES for name in side)
+"""The eight tensors of a BlockMask, in torch's constructor order."""
 
 
 def block_mask_nbytes(block_mask: BlockMask) -> int:
@@ -81,7 +85,7 @@ def same_blocks(a: BlockMask, b: BlockMask) -> bool:
             )
     if tuple(a.seq_lengths) != tuple(b.seq_lengths) or tuple(a.BLOCK_SIZE) != tuple(b.BLOCK_SIZE):
         return False
-    for num_name, idx_name in _SIDES:
+    for num_name, idx_name in SIDES:
         num_a, num_b = getattr(a, num_name), getattr(b, num_name)
         idx_a, idx_b = getattr(a, idx_name), getattr(b, idx_name)
         if num_a is None or num_b is None:
