@@ -15,6 +15,7 @@ import contextlib
 import math
 import numbers
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import cachetools
@@ -58,25 +59,101 @@ class _LRU(cachetools.LRUCache):
     Every eviction goes through ``popitem``, which counts it.
     """
 
-    def __init__(self, maxentries: int, maxbytes: int | None) -> None:
-        super().__init__(
-            maxsize=math.inf if maxbytes is None else maxbytes, getsizeof=block_mask_nbytes
-        )
+    def __init__(
+        self, maxentries: int, maxbytes: int | None, getsizeof: Callable[[Any], int]
+    ) -> None:
+        super().__init__(maxsize=math.inf if maxbytes is None else maxbytes, getsizeof=getsizeof)
         self.maxentries = maxentries
         self.evictions = 0
 
-    def __setitem__(self, key: Any, value: BlockMask) -> None:
+    def __setitem__(self, key: Any, value: Any) -> None:
         super().__setitem__(key, value)
         while len(self) > self.maxentries:
             self.popitem()
 
-    def popitem(self) -> tuple[Any, BlockMask]:
+    def popitem(self) -> tuple[Any, Any]:
         item = super().popitem()
         self.evictions += 1
         return item
 
 
-class MaskCache:
+class KeyedCache:
+    """The keyed LRU under MaskCache and the context-parallel ShardCache: entries bounded by
+    count and by bytes (``getsizeof``), hits, misses, evictions and discards counted, and a
+    lock that guards the dictionary only, never a build: two threads missing the same key
+    both build, the first to insert wins and both return that one object."""
+
+    def __init__(self, maxsize: int, maxbytes: int | None, getsizeof: Callable[[Any], int]):
+        self.maxsize = _bound(maxsize, "maxsize", "an int >= 0 (0 disables caching)")
+        self.maxbytes = (
+            None if maxbytes is None else _bound(maxbytes, "maxbytes", "None or an int >= 0")
+        )
+        self._lock = threading.Lock()
+        self._data = _LRU(self.maxsize, self.maxbytes, getsizeof)
+        self._hits = 0
+        self._misses = 0
+        self._discarded = 0
+
+    def get_or_build(self, key: Any, build: Callable[[], Any]) -> Any:
+        """The entry under ``key``: cached, or ``build()`` outside the lock and cached."""
+        with self._lock:
+            found = self._data.get(key)
+            if found is not None:
+                self._hits += 1
+                return found
+            self._misses += 1
+        # Outside the lock: builds run concurrently.
+        built = build()
+        if self.maxsize == 0:
+            return built
+        with self._lock:
+            existing = self._data.get(key)
+            if existing is not None:  # another thread built it meanwhile: share one object
+                return existing
+            # Larger than maxbytes on its own: cachetools refuses it; serve it uncached.
+            with contextlib.suppress(ValueError):
+                self._data[key] = built
+        return built
+
+    def discard(self, key: Any) -> bool:
+        """Drops one entry by key; True if it was cached."""
+        with self._lock:
+            dropped = self._data.pop(key, None) is not None
+            self._discarded += dropped
+            return dropped
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._data
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._data)
+
+    def info(self) -> CacheInfo:
+        """Hits, misses, evictions (by the bounds), entries and bytes held, and entries
+        discarded (by ``discard``)."""
+        with self._lock:
+            return CacheInfo(
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._data.evictions,
+                entries=len(self._data),
+                bytes=int(self._data.currsize),
+                maxsize=self.maxsize,
+                maxbytes=self.maxbytes,
+                discarded=self._discarded,
+            )
+
+    def clear(self) -> None:
+        """Drops every entry and resets the statistics."""
+        with self._lock:
+            self._data.clear()
+            self._data.evictions = 0
+            self._hits = self._misses = self._discarded = 0
+
+
+class MaskCache(KeyedCache):
     """An LRU cache of BlockMasks keyed by shape signature and mask content.
 
     Args:
@@ -94,15 +171,7 @@ class MaskCache:
     """
 
     def __init__(self, maxsize: int = DEFAULT_SIZE, maxbytes: int | None = None) -> None:
-        self.maxsize = _bound(maxsize, "maxsize", "an int >= 0 (0 disables caching)")
-        self.maxbytes = (
-            None if maxbytes is None else _bound(maxbytes, "maxbytes", "None or an int >= 0")
-        )
-        self._lock = threading.Lock()
-        self._data = _LRU(self.maxsize, self.maxbytes)
-        self._hits = 0
-        self._misses = 0
-        self._discarded = 0
+        super().__init__(maxsize, maxbytes, block_mask_nbytes)
 
     @staticmethod
     def key(
@@ -144,40 +213,7 @@ class MaskCache:
         if not isinstance(mask, Mask):
             raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
         grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
-        key = _key(mask, grid)
-        with self._lock:
-            found = self._data.get(key)
-            if found is not None:
-                self._hits += 1
-                return found
-            self._misses += 1
-        # Outside the lock: builds run concurrently.
-        block_mask = build(mask, grid_for_key(mask, grid))
-        if self.maxsize == 0:
-            return block_mask
-        with self._lock:
-            existing = self._data.get(key)
-            if existing is not None:  # another thread built it meanwhile: share one object
-                return existing
-            # Larger than maxbytes on its own: cachetools refuses it; serve it uncached.
-            with contextlib.suppress(ValueError):
-                self._data[key] = block_mask
-        return block_mask
-
-    def discard(self, key: tuple) -> bool:
-        """Drops one entry by key; True if it was cached."""
-        with self._lock:
-            dropped = self._data.pop(key, None) is not None
-            self._discarded += dropped
-            return dropped
-
-    def __contains__(self, key: object) -> bool:
-        with self._lock:
-            return key in self._data
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._data)
+        return self.get_or_build(_key(mask, grid), lambda: build(mask, grid_for_key(mask, grid)))
 
     def __repr__(self) -> str:
         info = self.info()
@@ -186,28 +222,6 @@ class MaskCache:
             f"entries={info.entries}, bytes={info.bytes}, hits={info.hits}, "
             f"misses={info.misses})"
         )
-
-    def info(self) -> CacheInfo:
-        """Hits, misses, evictions (by the bounds), entries and bytes held, and entries
-        discarded (by ``discard``)."""
-        with self._lock:
-            return CacheInfo(
-                hits=self._hits,
-                misses=self._misses,
-                evictions=self._data.evictions,
-                entries=len(self._data),
-                bytes=int(self._data.currsize),
-                maxsize=self.maxsize,
-                maxbytes=self.maxbytes,
-                discarded=self._discarded,
-            )
-
-    def clear(self) -> None:
-        """Drops every entry and resets the statistics."""
-        with self._lock:
-            self._data.clear()
-            self._data.evictions = 0
-            self._hits = self._misses = self._discarded = 0
 
 
 def _bound(value: object, name: str, expected: str) -> int:
@@ -222,15 +236,9 @@ def _bound(value: object, name: str, expected: str) -> int:
     return int(value)
 
 
-def _reduced(mask: Mask, grid: BlockGrid) -> tuple[int, int]:
-    """B and H of what is built and cached: 1 where the mask (and its window) ignore them."""
-    by_row = mask.batch_dependent or grid.per_row_offsets
-    return (grid.batch if by_row else 1, grid.heads if mask.head_dependent else 1)
-
-
 def grid_for_key(mask: Mask, grid: BlockGrid) -> BlockGrid:
     """The grid actually built: B and H reduced to 1 where the mask ignores them."""
-    batch, heads = _reduced(mask, grid)
+    batch, heads = grid.reduced(mask)
     if (batch, heads) == (grid.batch, grid.heads):
         return grid
     return BlockGrid.make(
@@ -251,7 +259,7 @@ def _offset_key(offset: int | torch.Tensor) -> int | list[int]:
 
 
 def _key(mask: Mask, grid: BlockGrid) -> tuple:
-    batch, heads = _reduced(mask, grid)
+    batch, heads = grid.reduced(mask)
     device = torch.device(grid.device)
     return (
         batch,

@@ -23,7 +23,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.build.create import _cpu_threads as cpu_build_threads
 from flexmask.build.read import block_mask_nbytes
-from flexmask.cache import CacheInfo, MaskCache
+from flexmask.cache import KeyedCache
 from flexmask.context_parallel.balance import (
     HeadTailBalancer,
     MaskAwareBalancer,
@@ -299,7 +299,7 @@ def shard(
     )
 
 
-class ShardCache:
+class ShardCache(KeyedCache):
     """An LRU of CPShards keyed by (world size, rank, balancer, shape, mask): rank-aware.
 
     Every rank computes the same key for the same inputs, no collective needed; a key never
@@ -315,60 +315,7 @@ class ShardCache:
     """
 
     def __init__(self, maxsize: int = 32, maxbytes: int | None = None) -> None:
-        MaskCache(maxsize, maxbytes)  # the same argument checks and messages
-        self._data: cachetools.LRUCache = cachetools.LRUCache(
-            maxsize=float("inf") if maxbytes is None else maxbytes,
-            getsizeof=lambda s: block_mask_nbytes(s.block_mask),
-        )
-        self.maxsize, self.maxbytes = maxsize, maxbytes
-        self._lock = threading.Lock()
-        self._hits = self._misses = self._evictions = self._discarded = 0
-
-    def get_or_build(self, key: tuple, build: Any) -> CPShard:
-        with self._lock:
-            found = self._data.get(key)
-            if found is not None:
-                self._hits += 1
-                return found
-            self._misses += 1
-        built = build()  # outside the lock: builds run concurrently
-        if self.maxsize == 0:
-            return built
-        with self._lock:
-            existing = self._data.get(key)
-            if existing is not None:
-                return existing
-            try:
-                self._data[key] = built
-            except ValueError:  # larger than maxbytes on its own: served uncached
-                return built
-            while len(self._data) > self.maxsize:
-                self._data.popitem()
-                self._evictions += 1
-        return built
-
-    def discard(self, key: tuple) -> bool:
-        with self._lock:
-            dropped = self._data.pop(key, None) is not None
-            self._discarded += dropped
-            return dropped
-
-    def __contains__(self, key: object) -> bool:
-        with self._lock:
-            return key in self._data
-
-    def info(self) -> CacheInfo:
-        with self._lock:
-            return CacheInfo(
-                self._hits,
-                self._misses,
-                self._evictions,
-                len(self._data),
-                int(self._data.currsize),
-                self.maxsize,
-                self.maxbytes,
-                self._discarded,
-            )
+        super().__init__(maxsize, maxbytes, lambda shard: block_mask_nbytes(shard.block_mask))
 
 
 class LazyShard:
