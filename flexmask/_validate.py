@@ -37,7 +37,7 @@ def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
             )
         value = value.item()
     elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     value = int(value)
     if not INT64_MIN <= value <= INT64_MAX:
         raise ValueError(

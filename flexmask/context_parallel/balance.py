@@ -17,16 +17,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 
-from flexmask._validate import digest
+from flexmask._validate import check_int, digest
 from flexmask.build.create import create_block_mask
 from flexmask.mask import Mask
 from flexmask.pieces import padding
-
-
-def _check_int(value: object, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -57,8 +51,8 @@ class HeadTailBalancer(_LoadBalancer):
     def __init__(
         self, seq_length: int, world_size: int, device: torch.device | str | None = None
     ) -> None:
-        self.seq_length = _check_int(seq_length, "seq_length", 1)
-        self.world_size = _check_int(world_size, "world_size", 1)
+        self.seq_length = check_int(seq_length, "seq_length", minimum=1)
+        self.world_size = check_int(world_size, "world_size", minimum=1)
         self.device = torch.device("cpu" if device is None else device)
         self.padded_length = _round_up(seq_length, 2 * world_size)
 
@@ -100,7 +94,7 @@ class PerDocumentBalancer(_LoadBalancer):
         world_size: int,
         device: torch.device | str | None = None,
     ) -> None:
-        self.world_size = _check_int(world_size, "world_size", 1)
+        self.world_size = check_int(world_size, "world_size", minimum=1)
         self.device = torch.device("cpu" if device is None else device)
         rows = [list(row) for row in seq_length_per_doc]
         if not rows or any(not row for row in rows):
@@ -110,7 +104,7 @@ class PerDocumentBalancer(_LoadBalancer):
             )
         for row in rows:
             for length in row:
-                _check_int(length, "seq_length_per_doc entries", 0)
+                check_int(length, "seq_length_per_doc entries", minimum=0)
                 if length % (2 * world_size):
                     raise ValueError(
                         f"seq_length_per_doc: document length {length} is not a multiple of "
@@ -215,9 +209,9 @@ class MaskAwareBalancer(_LoadBalancer):
         self.masks = (masks,) if isinstance(masks, Mask) else tuple(masks)
         if not self.masks or not all(isinstance(m, Mask) for m in self.masks):
             raise TypeError(f"masks must be a flexmask Mask or a list of them, got {masks!r}")
-        self.seq_length = _check_int(seq_length, "seq_length", 1)
-        self.world_size = _check_int(world_size, "world_size", 1)
-        self.block_size = _check_int(block_size, "block_size", 1)
+        self.seq_length = check_int(seq_length, "seq_length", minimum=1)
+        self.world_size = check_int(world_size, "world_size", minimum=1)
+        self.block_size = check_int(block_size, "block_size", minimum=1)
         if not isinstance(partial_cost, (int, float)) or partial_cost < 0:
             raise ValueError(f"partial_cost must be a number >= 0, got {partial_cost!r}")
         self.partial_cost = float(partial_cost)

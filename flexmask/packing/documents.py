@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from flexmask._validate import check_int
 from flexmask.lazy import lazy
 from flexmask.packing.tokens import (
     _POLICIES,
@@ -20,7 +21,6 @@ from flexmask.packing.tokens import (
     _aligned,
     _best_fit,
     _check_choice,
-    _check_int,
     _first_fit,
     _loss_masks,
     _next_fit,
@@ -334,9 +334,9 @@ def pack(
         >>> pack([[1, 2, 3], [4, 5, 6]], max_len=4, split_across_pack=True).tokens.tolist()
         [[1, 2, 3, 4], [5, 6, 0, 0]]
     """
-    max_len = _check_int("max_len", max_len, minimum=1)
-    pad_id = _check_int("pad_id", pad_id)
-    ignore_index = _check_int("ignore_index", ignore_index)
+    max_len = check_int(max_len, "max_len", minimum=1)
+    pad_id = check_int(pad_id, "pad_id")
+    ignore_index = check_int(ignore_index, "ignore_index")
     _check_choice("policy", policy, _POLICIES)
     _check_choice("strategy", strategy, _STRATEGIES)
     if not isinstance(split_across_pack, bool):

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from flexmask._validate import check_device
+from flexmask._validate import check_device, check_int
 from flexmask.packing.documents import PackedBatch, pack
 from flexmask.packing.tokens import (
     _POLICIES,
@@ -18,7 +18,6 @@ from flexmask.packing.tokens import (
     Policy,
     Strategy,
     _check_choice,
-    _check_int,
 )
 
 
@@ -68,15 +67,15 @@ class PackingCollator:
         split_across_pack: bool = False,
     ) -> None:
         # Validated here so a bad setting fails at construction, not later inside a worker.
-        self.max_len = _check_int("max_len", max_len, minimum=1)
-        self.num_heads = _check_int("num_heads", num_heads, minimum=1)
-        self.block_size = _check_int("block_size", block_size, minimum=1)
+        self.max_len = check_int(max_len, "max_len", minimum=1)
+        self.num_heads = check_int(num_heads, "num_heads", minimum=1)
+        self.block_size = check_int(block_size, "block_size", minimum=1)
         # A name or torch.device, checked; nothing touches the device until a handle builds.
         self.device = None if device is None else check_device(device)
         self.key = key
         self.policy = _check_choice("policy", policy, _POLICIES)
-        self.pad_id = _check_int("pad_id", pad_id)
-        self.ignore_index = _check_int("ignore_index", ignore_index)
+        self.pad_id = check_int(pad_id, "pad_id")
+        self.ignore_index = check_int(ignore_index, "ignore_index")
         self.strategy = _check_choice("strategy", strategy, _STRATEGIES)
         if (labels_key or loss_mask_key) and key is None:
             raise ValueError(
@@ -181,7 +180,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 f"sequences must be an iterable of token sequences, got {type(sequences).__name__}"
             )
         self.sequences = sequences
-        self.buffer_size = _check_int("buffer_size", buffer_size, minimum=1)
+        self.buffer_size = check_int(buffer_size, "buffer_size", minimum=1)
         self.collate = PackingCollator(
             max_len,
             num_heads,

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from flexmask._validate import check_int
 from flexmask.lazy import lazy
-from flexmask.packing.tokens import Device, _check_int, _loss_masks, _token_lists
+from flexmask.packing.tokens import Device, _loss_masks, _token_lists
 from flexmask.packing.trie import _Edge, _insert, _lay_out, _shared
 from flexmask.pieces import tree
 
@@ -329,10 +330,10 @@ def pack_trees(
         >>> batch.row_of, batch.num_tokens, batch.saved_tokens
         ([0, 0, 1], [5, 5, 0], 2)
     """
-    max_tokens = _check_int("max_tokens", max_tokens, minimum=1)
-    pad_id = _check_int("pad_id", pad_id)
+    max_tokens = check_int(max_tokens, "max_tokens", minimum=1)
+    pad_id = check_int(pad_id, "pad_id")
     if num_rows is not None:
-        num_rows = _check_int("num_rows", num_rows, minimum=0)
+        num_rows = check_int(num_rows, "num_rows", minimum=0)
     token_lists = _token_lists(sequences, allow_empty=True)
     count = len(token_lists)
     prompts = [0] * count if prompt_lens is None else _prompt_lens(prompt_lens, token_lists)
@@ -437,7 +438,7 @@ def _prompt_lens(value: Any, token_lists: list[list[int]]) -> list[int]:
             f"prompt_lens has {len(value)} entries but there are {len(token_lists)} sequences; "
             "pass one per sequence"
         )
-    lens = [_check_int(f"prompt_lens[{i}]", p, minimum=0) for i, p in enumerate(value)]
+    lens = [check_int(p, f"prompt_lens[{i}]", minimum=0) for i, p in enumerate(value)]
     for i, (p, seq) in enumerate(zip(lens, token_lists, strict=True)):
         if p > len(seq):
             raise ValueError(

@@ -22,16 +22,6 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # --------------------------------------------------------------------------------------------
 
 
-def _check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
-    # bool is an int subclass, but `max_len=True` is always a mistake.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flexmask._validate import check_int
 from flexmask.lazy import lazy
-from flexmask.packing.tokens import Device, _check_int, _ranges, _token_lists
+from flexmask.packing.tokens import Device, _ranges, _token_lists
 from flexmask.pieces import tree
 
 if TYPE_CHECKING:
@@ -196,9 +197,9 @@ def pack_tree(
         >>> tp.sequence_index(1).tolist(), tp.saved_tokens
         ([0, 1, 3], 4)
     """
-    pad_id = _check_int("pad_id", pad_id)
+    pad_id = check_int(pad_id, "pad_id")
     if pad_to is not None:
-        pad_to = _check_int("pad_to", pad_to, minimum=1)
+        pad_to = check_int(pad_to, "pad_to", minimum=1)
     token_lists = _token_lists(sequences)
 
     # A radix trie: each edge holds a run of tokens, so Python work grows with the number of
