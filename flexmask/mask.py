@@ -167,6 +167,8 @@ class Extent(NamedTuple):
     """None where no head count is given (``mask_mod_for``, ``show``): any head index."""
     length: int
     device: torch.device
+    length_name: str = "max(Q_LEN, KV_LEN)"
+    """How errors name ``length``: with a window, ``max(q_offset + Q_LEN, kv_offset + KV_LEN)``."""
 
 
 class Intervals(NamedTuple):

@@ -47,7 +47,7 @@ class RowValuePiece(Piece):
         super()._check(extent)
         if self._limit_by_length and int(self.values.max()) > extent.length:
             raise ValueError(
-                f"{self._arg} must be at most the sequence length max(Q_LEN, KV_LEN)="
+                f"{self._arg} must be at most the sequence length {extent.length_name}="
                 f"{extent.length}, got {int(self.values.max())}"
             )
 

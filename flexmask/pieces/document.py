@@ -78,7 +78,7 @@ class Document(Piece):
                 where = f"seq_lens[{i}]" if self.per_row else "seq_lens"
                 raise ValueError(
                     f"sum({where})={total} is larger than the sequence length "
-                    f"max(Q_LEN, KV_LEN)={extent.length}: documents must fit in the sequence"
+                    f"{extent.length_name}={extent.length}: documents must fit in the sequence"
                 )
 
     def _classify(self, grid: BlockGrid) -> Tensor:

@@ -74,8 +74,9 @@ class Spans(Piece):
         super()._check(extent)
         if self._natural > extent.length:
             raise ValueError(
-                f"ids holds {self._natural} positions but the sequence length max(Q_LEN, KV_LEN)"
-                f"={extent.length}: give one id per token of the sequence (or fewer)"
+                f"ids holds {self._natural} positions but the sequence length "
+                f"{extent.length_name}={extent.length}: give one id per token of the sequence "
+                f"(or fewer)"
             )
 
     def _classify(self, grid: BlockGrid) -> Tensor:

@@ -65,7 +65,7 @@ class Tree(Piece):
         if longest > extent.length:
             raise ValueError(
                 f"parents has {longest} tokens, more than the sequence length "
-                f"max(Q_LEN, KV_LEN)={extent.length}"
+                f"{extent.length_name}={extent.length}"
             )
 
     def _lookups(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
