@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexmask.build.write import _ordered
+from flexmask.build.write import ordered_lines
 
 
 def _torch_order(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +31,7 @@ def test_lines_written_as_runs_match_torch_order(shape, runs, seed, density):
         blocks = (column >= lo) & (column <= hi)
     else:  # random: many short runs, the column-ranking path
         blocks = torch.rand(shape, generator=gen) < density
-    count, indices = _ordered(blocks)
+    count, indices = ordered_lines(blocks)
     want_count, want_indices = _torch_order(blocks)
     assert torch.equal(count, want_count) and count.dtype == torch.int32
     assert torch.equal(indices, want_indices) and indices.dtype == torch.int32

@@ -132,7 +132,7 @@ def column_runs(runs: Runs, grid: BlockGrid) -> Runs:
     return Runs(first, last, full_first, full_last)
 
 
-def _line_runs(runs: Runs, m: int) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+def line_runs(runs: Runs, m: int) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """Every line written whole, in torch's order: the set blocks ascending, then the unset
     ones ascending (what ``torch.argsort(dense, descending=True, stable=True)`` gives).
 
@@ -174,7 +174,7 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     columns of nq blocks) is a set of at most two runs of partial blocks and one run of full
     blocks. Each index tensor is written whole, equal to torch's: the listed blocks
     ascending, then the unlisted ones ascending (``BlockMask._adjust`` reads the unlisted
-    tail, so it must be torch's). Each tensor is runs laid end to end (``_line_runs``),
+    tail, so it must be torch's). Each tensor is runs laid end to end (``line_runs``),
     expanded in one pass (``write.expand_runs``): O(entries) with a small constant, no tile
     grid and no sort.
     """
@@ -188,8 +188,8 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     )
     runs = row_runs(mask, grid)
     cols = column_runs(runs, grid)
-    (kv_ps, kv_pl), (kv_fs, kv_fl) = _line_runs(Runs(*(t.reshape(-1) for t in runs)), nkv)
-    (q_ps, q_pl), (q_fs, q_fl) = _line_runs(Runs(*(t.reshape(-1) for t in cols)), nq)
+    (kv_ps, kv_pl), (kv_fs, kv_fl) = line_runs(Runs(*(t.reshape(-1) for t in runs)), nkv)
+    (q_ps, q_pl), (q_fs, q_fl) = line_runs(Runs(*(t.reshape(-1) for t in cols)), nq)
     for out, starts, lens in (
         (kv_p, kv_ps, kv_pl),
         (q_p, q_ps, q_pl),

@@ -74,7 +74,7 @@ def build_threads() -> int:
 
 
 @contextlib.contextmanager
-def _cpu_threads(device: torch.device) -> Iterator[None]:
+def cpu_threads(device: torch.device) -> Iterator[None]:
     # A tile build is a few dozen tensor ops, each one pass over the tile grid. With every
     # core busy (DataLoader workers, say) each parallel op waits for a descheduled thread:
     # benchmarks/bench_threads.py measured a 32k tree build at 2.5 ms on one thread and
@@ -93,7 +93,7 @@ def _cpu_threads(device: torch.device) -> Iterator[None]:
 
 def build(mask: Mask, grid: BlockGrid) -> BlockMask:
     """Builds the BlockMask of a validated mask on a validated grid."""
-    with _cpu_threads(torch.device(grid.device)):
+    with cpu_threads(torch.device(grid.device)):
         # The lookups the mask_mod keeps are allocated before the build's temporaries.
         mask_mod = window_mask_mod(mask._lower(grid.length, grid.device).mask_mod, grid)
         if grid.per_row_offsets and not mask._has_monotone_intervals():

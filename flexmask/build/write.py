@@ -28,7 +28,7 @@ class Ordered(NamedTuple):
     full_idx: Tensor
 
 
-def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
+def ordered_lines(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """(num_blocks, indices) of a bool grid, byte-identical to torch's stable argsort order:
     the set columns ascending, then the unset ones ascending.
 
@@ -65,7 +65,7 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _ranked(blocks: Tensor) -> tuple[Tensor, Tensor]:
-    """``_ordered`` column by column: a cumsum ranks each column and one scatter writes it."""
+    """``ordered_lines`` column by column: a cumsum ranks each column and one scatter writes it."""
     n = blocks.shape[-1]
     ones = blocks.cumsum(-1, dtype=torch.int32)  # set columns up to and including each one
     count = ones[..., -1:]
@@ -99,12 +99,15 @@ def expand_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
 
 def ordered_from_codes(codes: Tensor) -> tuple[Ordered, Ordered]:
     """torch's (kv side, q side) ordered tensors from final tile codes ``(R, Hh, nq, nkv)``."""
-    partial = codes == PARTIAL
-    full = codes == FULL
-    kv = Ordered(*_ordered(partial), *_ordered(full))
+    return ordered_from_flags(codes == PARTIAL, codes == FULL)
+
+
+def ordered_from_flags(partial: Tensor, full: Tensor) -> tuple[Ordered, Ordered]:
+    """Both sides from the partial and full tiles as booleans ``(R, Hh, nq, nkv)``."""
+    kv = Ordered(*ordered_lines(partial), *ordered_lines(full))
     q = Ordered(
-        *_ordered(partial.transpose(-2, -1).contiguous()),
-        *_ordered(full.transpose(-2, -1).contiguous()),
+        *ordered_lines(partial.transpose(-2, -1).contiguous()),
+        *ordered_lines(full.transpose(-2, -1).contiguous()),
     )
     return kv, q
 

@@ -1,12 +1,5 @@
-"""Shards and their cache: every rank builds only its own BlockMask shard.
-
-``flexmask.shard(mask, B, H, Q_LEN, KV_LEN, world_size=W, rank=r, balancer=...)`` returns
-rank ``r``'s ``CPShard``: its BlockMask — rows ``[r S/W, (r+1) S/W)`` of the permuted mask,
-columns in the permuted (all-gathered) key order, exactly the blocks torch's
-``_create_cp_block_mask`` gives for the same mask_mod and balancer — and the permutation to
-shard q/k/v, labels and positions with. No collective: the same inputs give every rank the
-same permutation and the same cache key.
-"""
+"""``shard``, its result ``CPShard``, the rank-aware ``ShardCache`` and lazy shards: the
+entry points the package docstring (``flexmask.context_parallel``) describes."""
 
 from __future__ import annotations
 
@@ -21,7 +14,7 @@ from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.build.create import _cpu_threads as cpu_build_threads
+from flexmask.build.create import cpu_threads
 from flexmask.build.read import block_mask_nbytes
 from flexmask.cache import KeyedCache
 from flexmask.context_parallel.balance import (
@@ -241,7 +234,7 @@ def _permutation(
 
 
 def _build(mask, B, H, Q_LEN, world, rank, block, device, lb, padded, key) -> CPShard:
-    with cpu_build_threads(device):
+    with cpu_threads(device):
         indices, keys = _permutation(lb, padded, block)
         built = mask if padded == Q_LEN else mask & padding(Q_LEN)
         block_mask = build_shard(built, B, H, indices, rank, world, block, device, keys)

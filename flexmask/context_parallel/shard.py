@@ -32,11 +32,16 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.build.classify import classify_blocks
-from flexmask.build.closed_form import Runs, _line_runs, row_runs
+from flexmask.build.closed_form import Runs, line_runs, row_runs
 from flexmask.build.codes import EMPTY, FULL
 from flexmask.build.grid import BlockGrid, make_grid
-from flexmask.build.write import Ordered, expand_runs, ordered_from_codes
-from flexmask.build.write import _ordered as ordered  # lines as runs, torch's order
+from flexmask.build.write import (
+    Ordered,
+    expand_runs,
+    ordered_from_codes,
+    ordered_from_flags,
+    ordered_lines,
+)
 from flexmask.mask import Mask
 
 
@@ -186,8 +191,8 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
         c = kv_blocks.view(1, 1, nkv)
         full = (row.full_first.unsqueeze(-1) <= c) & (c <= row.full_last.unsqueeze(-1))
         some = (row.first.unsqueeze(-1) <= c) & (c <= row.last.unsqueeze(-1))
-        num_p, kv_p = ordered(some & ~full)
-        num_f, kv_f = ordered(full)
+        num_p, kv_p = ordered_lines(some & ~full)
+        num_f, kv_f = ordered_lines(full)
         kv_counts = (num_p, num_f)
     # Column j is original kv block kv_blocks[j]: its rows are ranges (row runs ascend).
     c = kv_blocks.view(1, nkv).expand(rows, nkv).contiguous()
@@ -197,7 +202,7 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
         torch.searchsorted(row.full_last.contiguous(), c),
         torch.searchsorted(row.full_first.contiguous(), c, right=True).sub_(1),
     )
-    (q_ps, q_pl), (q_fs, q_fl) = _line_runs(Runs(*(t.reshape(-1) for t in columns)), nq)
+    (q_ps, q_pl), (q_fs, q_fl) = line_runs(Runs(*(t.reshape(-1) for t in columns)), nq)
     expand_runs(q_p.view(-1), q_ps, q_pl)
     expand_runs(q_f.view(-1), q_fs, q_fl)
     q_counts = (
@@ -328,14 +333,7 @@ def _piece_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered
     complete = (q_complete == block).view(-1, 1) & (kv_complete == block).view(1, -1)
     some_b = blocks(some) > 0
     full_b = (blocks(full) == q_count.view(-1, 1) * kv_count.view(1, -1)) & complete
-    partial = (some_b & ~full_b).unsqueeze(1)
-    full_b = full_b.unsqueeze(1)
-    kv = Ordered(*ordered(partial), *ordered(full_b))
-    q = Ordered(
-        *ordered(partial.transpose(-2, -1).contiguous()),
-        *ordered(full_b.transpose(-2, -1).contiguous()),
-    )
-    return kv, q
+    return ordered_from_flags((some_b & ~full_b).unsqueeze(1), full_b.unsqueeze(1))
 
 
 def _tile_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
@@ -363,13 +361,7 @@ def _tile_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered,
         return ordered_from_codes(codes)
     full = _coarsen(codes == FULL, tile, block)
     some = _coarsen(codes != EMPTY, tile, block, any_=True)
-    partial = some & ~full
-    kv = Ordered(*ordered(partial), *ordered(full))
-    q = Ordered(
-        *ordered(partial.transpose(-2, -1).contiguous()),
-        *ordered(full.transpose(-2, -1).contiguous()),
-    )
-    return kv, q
+    return ordered_from_flags(some & ~full, full)
 
 
 def _coarsen(grid: Tensor, tile: int, block: int, any_: bool = False) -> Tensor:
