@@ -142,10 +142,10 @@ def run_case(
         for t in (q, k, v):
             t.grad = None
 
-    def flexmask_path() -> None:
+    def flexmask_path(threads: int | None = None) -> None:
         clear()
         # What flexmask.flex_attention runs for this mask on the CPU (the Mask passed along).
-        block_sparse_attention(q, k, v, block_mask, mask=mask).backward(grad_out)
+        block_sparse_attention(q, k, v, block_mask, mask=mask, threads=threads).backward(grad_out)
 
     def sdpa() -> None:
         clear()
@@ -158,9 +158,11 @@ def run_case(
     sdpa()
     max_err = max((g - t.grad).abs().max().item() for g, t in zip(grads, (q, k, v), strict=True))
 
-    def sparse_path() -> None:
+    def sparse_path(threads: int | None = None) -> None:
         clear()
-        block_sparse_attention(q, k, v, block_mask, mask=mask, backend="sparse").backward(grad_out)
+        block_sparse_attention(
+            q, k, v, block_mask, mask=mask, backend="sparse", threads=threads
+        ).backward(grad_out)
 
     impls = [(f"flexmask ({backend})", flexmask_path), ("sdpa + dense bool mask", sdpa)]
     if backend != "sparse" and not is_causal(plan, mask):
@@ -177,7 +179,9 @@ def run_case(
     rows = []
     for impl, fn in impls:
         gc.collect()
-        peak, _ = peak_extra_bytes(fn)
+        # The profiler sees the allocations of the calling thread only: the sparse kernel's
+        # memory is measured on one thread (each further thread adds one group's temporaries).
+        peak, _ = peak_extra_bytes(fn if impl.startswith("sdpa") else lambda fn=fn: fn(1))
         rows.append(
             dict(
                 mask=name,
@@ -188,13 +192,15 @@ def run_case(
                 seconds=statistics.median(times[impl]),
                 peak=peak,
                 max_err=max_err,
+                load=_load(),
             )
         )
     density = 100 - block_mask.sparsity()
     print(
         f"  {name:>12} S={seq_len} B={batch} H={heads}: blocks listed {density:.1f}%, "
         f"flexmask.create_block_mask {build_s:.3f}s, flexmask/SDPA "
-        f"{rows[0]['seconds'] / rows[1]['seconds']:.2f}x, max |grad diff| {max_err:.1e}",
+        f"{rows[0]['seconds'] / rows[1]['seconds']:.2f}x, max |grad diff| {max_err:.1e}, "
+        f"load {_load()}",
         flush=True,
     )
     return rows
@@ -268,6 +274,8 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="issue #15's whole grid (hours)")
     parser.add_argument("--lengths", type=int, nargs="*", help="override the sequence lengths")
     parser.add_argument("--masks", nargs="*", help="causal, doc-N, window-W, tree")
+    parser.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
+    parser.add_argument("--heads", type=int, nargs="*", help="override the head counts")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per case")
     parser.add_argument("--json", default=None, help="also write the rows here")
@@ -286,12 +294,17 @@ def main() -> None:
         grid["lengths"] = tuple(args.lengths)
     if args.masks:
         grid["masks"] = tuple(args.masks)
+    if args.batches:
+        grid["batches"] = tuple(args.batches)
+    if args.heads:
+        grid["heads"] = tuple(args.heads)
 
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, D={args.head_dim} fp32, "
         f"forward+backward, load average {_load()}",
         flush=True,
     )
+    started = time.perf_counter()
     rows: list[dict] = []
     for seq_len in grid["lengths"]:
         for batch in grid["batches"]:
@@ -300,7 +313,7 @@ def main() -> None:
                 for name in grid["masks"]:
                     rows += run_case(name, seq_len, batch, heads, args.head_dim, repeats)
 
-    print(f"\nload average at the end {_load()}")
+    print(f"\nload average at the end {_load()}, {time.perf_counter() - started:.0f} s in all")
     print(table(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

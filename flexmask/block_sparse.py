@@ -95,6 +95,7 @@ def block_sparse_attention(
     max_chunk_elements: int = DEFAULT_MAX_CHUNK_ELEMENTS,
     backend: Backend = "auto",
     mask: Mask | None = None,
+    threads: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Block-sparse attention with flex_attention's semantics, differentiable on any device.
 
@@ -160,6 +161,11 @@ def block_sparse_attention(
             interval ``[lo, hi]`` instead of calling ``mask_mod`` on every pair, and plain
             causal is recognised from its key. The result is the same; a ``mask`` that is not
             the one ``block_mask`` was built from gives a wrong one. None: ``mask_mod`` only.
+        threads: how many threads share the sparse kernel's groups of q blocks, each running
+            its ops on one intra-op thread (``None``: ``torch.get_num_threads()``). Unlike
+            torch's intra-op threads, which meet at the end of every small op, they meet once
+            per forward and once per backward, so a core taken by another process costs its
+            share of the work, not a stall per op. ``1`` runs everything in the calling thread.
 
     Returns:
         The output ``(B, Hq, Q_LEN, Dv)`` in ``query.dtype``, and with ``return_lse`` the pair
@@ -194,6 +200,10 @@ def block_sparse_attention(
         raise ValueError(f"memory_budget must be an int of bytes >= 0, got {memory_budget!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if threads is None:
+        threads = torch.get_num_threads()
+    elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
     if mask is not None and not isinstance(mask, Mask):
         raise TypeError(
             f"mask must be the flexmask Mask block_mask was built from, or None, got "
@@ -217,7 +227,16 @@ def block_sparse_attention(
     if score_mod is None:
         save_budget = {None: memory_budget, True: 0, False: 1 << 62}[recompute]
         out, lse = _grouped_attention(
-            query, key, value, plan, mod_eval, max_chunk_elements, save_budget, needs_grad, bounds
+            query,
+            key,
+            value,
+            plan,
+            mod_eval,
+            max_chunk_elements,
+            save_budget,
+            needs_grad,
+            bounds,
+            threads,
         )
         return (out, lse) if return_lse else out
     return _chunked_attention(
@@ -380,6 +399,7 @@ def _grouped_attention(
     save_budget: int,
     needs_grad: bool,
     bounds: kernel.Bounds | None,
+    threads: int,
 ) -> tuple[Tensor, Tensor]:
     """The grouped kernel (flexmask.block_sparse_kernel), in and out of its blocked layouts."""
     layout = kernel.Layout(
@@ -404,12 +424,12 @@ def _grouped_attention(
     v_blocks = v_blocks.reshape(batch, kv_heads, -1, plan.kv_block, plan.value_dim)
     if needs_grad:
         out, lse = kernel.BlockSparseFunction.apply(
-            q_blocks, k_blocks, v_blocks, groups, layout, mask_fn, save_budget
+            q_blocks, k_blocks, v_blocks, groups, layout, mask_fn, save_budget, threads
         )
     else:
         with torch.no_grad():
             out, lse, _, _ = kernel.forward(
-                q_blocks, k_blocks, v_blocks, groups, layout, mask_fn, 0
+                q_blocks, k_blocks, v_blocks, groups, layout, mask_fn, 0, threads
             )
     out = out.reshape(batch, plan.q_heads, -1, plan.value_dim)[:, :, : plan.q_len]
     lse = lse.reshape(batch, plan.q_heads, -1)[:, :, : plan.q_len]
