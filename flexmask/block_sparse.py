@@ -40,6 +40,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
 from flexmask import block_sparse_kernel as kernel
+from flexmask.build.create import built_from
 from flexmask.build.grid import make_grid
 from flexmask.mask import Mask
 from flexmask.pieces.causal import Causal
@@ -154,13 +155,15 @@ def block_sparse_attention(
             the same either way. ``return_lse`` and ``score_mod`` always run the sparse path.
             A mask that is exactly causal with ``Q_LEN == KV_LEN`` runs SDPA with
             ``is_causal=True`` (no dense mask, half the work) under ``"auto"`` and ``"sdpa"``.
-        mask: the flexmask Mask ``block_mask`` was built from (``flexmask.create_block_mask``
-            or the cache, with no ``q_offset``/``kv_offset``), as ``flexmask.flex_attention``
-            passes it. Where its rows are kv intervals (causal, document, sliding window,
-            prefix, padding and their ``&``), partial blocks are masked from each query's
-            interval ``[lo, hi]`` instead of calling ``mask_mod`` on every pair, and plain
-            causal is recognised from its key. The result is the same; a ``mask`` that is not
-            the one ``block_mask`` was built from gives a wrong one. None: ``mask_mod`` only.
+        mask: the flexmask Mask ``block_mask`` was built from, as a check: a BlockMask built
+            by flexmask (``flexmask.create_block_mask`` or the cache, with no ``q_offset``/
+            ``kv_offset``) records its Mask, and a ``mask`` with another key raises
+            ValueError. Where that Mask's rows are kv intervals (causal, document, sliding
+            window, prefix, padding and their ``&``), partial blocks are masked from each
+            query's interval ``[lo, hi]`` instead of calling ``mask_mod`` on every pair, and
+            plain causal is recognised from its key — with or without ``mask``. A BlockMask
+            flexmask did not build (torch's, a window, one made by ``.to()`` or slicing)
+            records nothing: ``mask`` is then not used, and ``mask_mod`` decides.
         threads: how many threads share the sparse kernel's groups of q blocks, each running
             its ops on one intra-op thread (``None``: ``torch.get_num_threads()``). Unlike
             torch's intra-op threads, which meet at the end of every small op, they meet once
@@ -173,7 +176,8 @@ def block_sparse_attention(
 
     Raises:
         TypeError: an argument of the wrong type or dtype (named in the message).
-        ValueError: shapes that do not fit together, or a ``block_mask`` built for other lengths.
+        ValueError: shapes that do not fit together, a ``block_mask`` built for other lengths,
+            or a ``mask`` other than the one flexmask built ``block_mask`` from.
 
     Example:
         >>> import torch
@@ -210,6 +214,7 @@ def block_sparse_attention(
             f"{type(mask).__name__}"
         )
     plan = _plan(query, key, value, block_mask, score_mod, scale, enable_gqa, mod_eval)
+    mask = _checked_mask(block_mask, mask)
     if plan.batch == 0:
         return _empty_batch(query, key, value, return_lse)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
@@ -250,6 +255,25 @@ def block_sparse_attention(
         needs_grad,
         return_lse,
     )
+
+
+def _checked_mask(block_mask: BlockMask, mask: Mask | None) -> Mask | None:
+    """The Mask whose structure may stand in for ``block_mask``'s mask_mod: the one flexmask
+    built it from (``mask``, when given, must have its key), else None.
+
+    Partial blocks read from another mask's intervals would be silently wrong, so ``mask`` is
+    checked, not trusted: against the Mask a flexmask build recorded on the BlockMask (one key
+    comparison). A BlockMask flexmask did not build — torch's, a window, one torch derived by
+    ``.to()`` or slicing, one whose ``mask_mod`` was replaced — has nothing to check against
+    and takes the ``mask_mod`` path, whatever ``mask`` says.
+    """
+    source = built_from(block_mask)
+    if mask is not None and source is not None and mask.key != source.key:
+        raise ValueError(
+            f"mask must be the Mask block_mask was built from, {source!r}, got {mask!r}; pass "
+            "that one, or mask=None (the BlockMask knows its own)"
+        )
+    return source
 
 
 def choose_backend(plan: _Plan, mask: Mask | None = None) -> Literal["sparse", "sdpa"]:

@@ -68,7 +68,11 @@ def test_intervals_give_the_mask_mod_result(name, block_size):
     dense = create_mask(mask.mask_mod, batch, 1, seq_len, seq_len, device="cpu")
     q, k, v, grad_out = qkv(batch, 2, seq_len, seq_len)
     by_intervals = block_sparse_attention(q, k, v, block_mask, mask=mask, backend="sparse")
-    by_mask_mod = block_sparse_attention(q, k, v, block_mask, backend="sparse")
+    # torch's build of the same mask_mod records no Mask: the mask_mod path.
+    torch_block_mask = create_block_mask(
+        mask.mask_mod, batch, 2, seq_len, seq_len, device="cpu", BLOCK_SIZE=block_size
+    )
+    by_mask_mod = block_sparse_attention(q, k, v, torch_block_mask, backend="sparse")
     expected = oracle(q, k, v, dense)
     torch.testing.assert_close(by_intervals, expected, atol=1e-10, rtol=0)
     torch.testing.assert_close(by_intervals, by_mask_mod, atol=1e-12, rtol=0)
@@ -122,6 +126,100 @@ def test_mask_argument_must_be_a_flexmask_mask():
     q, k, v, _ = qkv(1, 1, 64, 64)
     with pytest.raises(TypeError, match="mask must be the flexmask Mask"):
         block_sparse_attention(q, k, v, block_mask, mask=lambda b, h, q, kv: q >= kv)
+
+
+# --- the mask argument is checked, not trusted -------------------------------------------
+
+
+def _two_document_masks(seq_len):
+    third = seq_len // 3
+    built = flexmask.causal() & flexmask.document([third, seq_len - third])
+    other = flexmask.causal() & flexmask.document([seq_len - third, third])
+    return built, other
+
+
+def test_a_mask_other_than_the_built_one_is_refused():
+    """Without the check, partial blocks would come from the other mask's intervals: a
+    silently wrong output."""
+    seq_len = 120
+    built, other = _two_document_masks(seq_len)
+    block_mask = flexmask.create_block_mask(built, 1, 1, seq_len, seq_len, BLOCK_SIZE=32)
+    q, k, v, _ = qkv(1, 2, seq_len, seq_len)
+    with pytest.raises(ValueError, match="mask must be the Mask block_mask was built from"):
+        block_sparse_attention(q, k, v, block_mask, mask=other, backend="sparse")
+    # An equal mask (same key, another object) is the same mask.
+    same = flexmask.causal() & flexmask.document([seq_len // 3, seq_len - seq_len // 3])
+    out = block_sparse_attention(q, k, v, block_mask, mask=same, backend="sparse")
+    dense = create_mask(built.mask_mod, 1, 1, seq_len, seq_len, device="cpu")
+    torch.testing.assert_close(out, oracle(q, k, v, dense), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("derive", ["torch build", "to()", "slice", "mask_mod replaced", "window"])
+def test_a_block_mask_with_no_record_ignores_the_mask_argument(derive):
+    """A BlockMask flexmask did not build, or one torch derived from flexmask's, has nothing
+    to check a mask against: the result follows its mask_mod even when a wrong mask is
+    passed (trusting that mask would give its intervals, a different output)."""
+    seq_len = 120
+    built, other = _two_document_masks(seq_len)
+    block_mask = flexmask.create_block_mask(built, 2, 1, seq_len, seq_len, BLOCK_SIZE=32)
+    batch, q_offset = 2, 0
+    if derive == "torch build":
+        block_mask = create_block_mask(built.mask_mod, 2, 1, seq_len, seq_len, device="cpu")
+    elif derive == "to()":
+        block_mask = block_mask.to("cpu")
+    elif derive == "slice":
+        sliced, batch = block_mask[:1], 1
+        sliced.mask_mod = block_mask.mask_mod  # torch resets it on a slice
+        block_mask = sliced
+    elif derive == "mask_mod replaced":
+        block_mask.mask_mod = lambda b, h, q_idx, kv_idx: built.mask_mod(b, h, q_idx, kv_idx)
+    else:  # the last 100 queries of the mask: their mask_mod is shifted
+        q_offset = 20
+        block_mask = flexmask.create_block_mask(
+            built, 1, 1, seq_len - q_offset, seq_len, BLOCK_SIZE=32, q_offset=q_offset
+        )
+        batch = 1
+    q, k, v, grad_out = qkv(batch, 2, seq_len - q_offset, seq_len)
+    out = block_sparse_attention(q, k, v, block_mask, mask=other, backend="sparse")
+    dense = create_mask(built.mask_mod, 1, 1, seq_len, seq_len, device="cpu")[:, :, q_offset:]
+    expected = oracle(q, k, v, dense)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
+    for got, want in zip(
+        grads(out, grad_out, (q, k, v)), grads(expected, grad_out, (q, k, v)), strict=True
+    ):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+def test_a_flexmask_block_mask_reads_its_own_intervals(monkeypatch):
+    """No mask argument needed: the BlockMask's recorded Mask gives the intervals, so
+    mask_mod is never called on the partial blocks."""
+    from flexmask import block_sparse
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("mask_mod path taken")
+
+    monkeypatch.setattr(block_sparse, "_group_mask_fn", refuse)
+    seq_len = 120
+    built, _ = _two_document_masks(seq_len)
+    block_mask = flexmask.create_block_mask(built, 1, 1, seq_len, seq_len, BLOCK_SIZE=32)
+    q, k, v, _ = qkv(1, 2, seq_len, seq_len)
+    out = block_sparse_attention(q, k, v, block_mask, backend="sparse")
+    dense = create_mask(built.mask_mod, 1, 1, seq_len, seq_len, device="cpu")
+    torch.testing.assert_close(out, oracle(q, k, v, dense), atol=1e-10, rtol=0)
+    with pytest.raises(AssertionError, match="mask_mod path"):  # the spy is live
+        block_sparse_attention(q, k, v, block_mask.to("cpu"), backend="sparse")
+
+
+def test_the_record_survives_pickling():
+    import pickle
+
+    seq_len = 96
+    built, other = _two_document_masks(seq_len)
+    block_mask = flexmask.create_block_mask(built, 1, 1, seq_len, seq_len, BLOCK_SIZE=32)
+    clone = pickle.loads(pickle.dumps(block_mask))
+    q, k, v, _ = qkv(1, 1, seq_len, seq_len)
+    with pytest.raises(ValueError, match="mask must be the Mask"):
+        block_sparse_attention(q, k, v, clone, mask=other)
 
 
 # --- plain causal -------------------------------------------------------------------------

@@ -95,12 +95,31 @@ def build(mask: Mask, grid: BlockGrid) -> BlockMask:
     """Builds the BlockMask of a validated mask on a validated grid."""
     with cpu_threads(torch.device(grid.device)):
         # The lookups the mask_mod keeps are allocated before the build's temporaries.
-        mask_mod = window_mask_mod(mask._lower(grid.length, grid.device).mask_mod, grid)
+        lowered = mask._lower(grid.length, grid.device).mask_mod
+        mask_mod = window_mask_mod(lowered, grid)
         if grid.per_row_offsets and not mask._has_monotone_intervals():
             kv, q = _row_by_row(mask, grid)
         else:
             kv, q = ordered_sides(mask, grid)
-        return assemble(kv, q, grid, mask_mod)
+        block_mask = assemble(kv, q, grid, mask_mod)
+        if mask_mod is lowered:  # no window: the BlockMask means the mask itself
+            setattr(block_mask, _BUILT_FROM, (mask, mask_mod))
+        return block_mask
+
+
+# A BlockMask flexmask built remembers its Mask with the mask_mod it was built with. torch
+# makes a new BlockMask for ``.to()``, slicing and ``_adjust``, which so forget it.
+_BUILT_FROM = "_flexmask_built_from"
+
+
+def built_from(block_mask: BlockMask) -> Mask | None:
+    """The Mask ``block_mask`` was built from by :func:`build`, while its mask_mod is still
+    the one it was built with; None for torch's BlockMasks, windows (``q_offset``/
+    ``kv_offset``), and BlockMasks torch derived from flexmask's."""
+    tag = getattr(block_mask, _BUILT_FROM, None)
+    if not isinstance(tag, tuple) or tag[1] is not block_mask.mask_mod:
+        return None
+    return tag[0]
 
 
 def window_mask_mod(mask_mod: MaskMod, grid: BlockGrid) -> MaskMod:
