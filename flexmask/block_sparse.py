@@ -332,15 +332,18 @@ def is_causal(plan: _Plan, mask: Mask | None = None) -> bool:
     """True when the plan's BlockMask means exactly ``q_idx >= kv_idx`` with ``Q_LEN ==
     KV_LEN``, so SDPA's ``is_causal=True`` computes the same thing.
 
-    Known from ``mask`` when given (the Mask the BlockMask was built from); otherwise checked
-    from the BlockMask itself: its block lists must be causal's (every batch row and head) and
-    ``mask_mod`` must equal ``q_idx >= kv_idx`` on its partial blocks — the diagonal, so the
-    check costs ``Q_LEN x KV_BLOCK`` evaluations.
+    Known when ``mask`` (the Mask the BlockMask was built from) is ``causal()``; otherwise
+    checked from the BlockMask itself: its block lists must be causal's (every batch row and
+    head) and ``mask_mod`` must equal ``q_idx >= kv_idx`` on its partial blocks — the
+    diagonal, so the check costs ``Q_LEN x KV_BLOCK`` evaluations, and only when the lists
+    are causal's (``causal() & sliding_window(w)`` with ``w >= Q_LEN`` is taken for causal).
     """
     if plan.q_len != plan.kv_len:
         return False
-    if mask is not None:
-        return isinstance(mask, Causal)
+    if isinstance(mask, Causal):
+        return True
+    # Other masks can still be exactly causal on this grid (a sliding window at least as
+    # long as the sequence, say): the check below is cheap when the block lists differ.
     q_first = torch.arange(0, plan.q_len, plan.q_block)
     kv_first = torch.arange(0, plan.kv_len, plan.kv_block)
     q_last = (q_first + plan.q_block - 1).clamp(max=plan.q_len - 1)

@@ -266,10 +266,12 @@ def test_causal_is_recognised_from_the_mask_key():
     plan = plan_of(block_mask, 256, 256)
     assert is_causal(plan, flexmask.causal())
     assert is_causal(plan)  # and from the BlockMask alone
-    window = flexmask.causal() & flexmask.sliding_window(256)  # same pairs, another mask
-    assert not is_causal(
-        plan_of(flexmask.create_block_mask(window, 1, 1, 256, 256), 256, 256), window
-    )
+    # Another mask with causal's pairs on this grid is causal too (checked, not keyed); one
+    # pair fewer is not.
+    for window, expected in ((256, True), (255, False), (200, False)):
+        mask = flexmask.causal() & flexmask.sliding_window(window)
+        block_mask = flexmask.create_block_mask(mask, 1, 1, 256, 256, BLOCK_SIZE=64)
+        assert is_causal(plan_of(block_mask, 256, 256), mask) is expected, window
 
 
 @pytest.mark.parametrize("gqa", [False, True])
