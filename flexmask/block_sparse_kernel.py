@@ -378,29 +378,30 @@ def run_groups(
     inference = torch.is_inference_mode_enabled()
     errors: list[BaseException] = []
 
-    def work(share: list[int], own_thread: bool) -> None:
+    def work(share: list[int]) -> None:
+        for index in sorted(share):
+            one(index)
+
+    def own_thread(share: list[int]) -> None:
         try:
-            if own_thread:
-                # A new thread starts with torch's default count and grad mode on; it ends
-                # after this, so nothing needs restoring.
-                torch.set_num_threads(1)
-            # Grad mode and inference mode are per thread: a new thread has grad mode on.
-            # (inference_mode(False) would turn grad mode on, hence one or the other.)
-            with (
-                contextlib.nullcontext() if own_thread else _one_thread(),
-                torch.inference_mode() if inference else torch.no_grad(),
-            ):
-                for index in sorted(share):
-                    one(index)
+            # A new thread starts with torch's default thread count and grad mode on (grad
+            # and inference mode are per thread; inference_mode(False) would turn grad mode
+            # on, hence one or the other). It ends after this: nothing to restore.
+            torch.set_num_threads(1)
+            with torch.inference_mode() if inference else torch.no_grad():
+                work(share)
         except BaseException as error:  # re-raised by the caller's thread
             errors.append(error)
 
-    threads = [threading.Thread(target=work, args=(share, True)) for share in shares[1:]]
+    threads = [threading.Thread(target=own_thread, args=(share,)) for share in shares[1:]]
     for thread in threads:
         thread.start()
-    work(shares[0], False)
-    for thread in threads:
-        thread.join()
+    try:
+        with _one_thread():
+            work(shares[0])
+    finally:
+        for thread in threads:
+            thread.join()
     if errors:
         raise errors[0]
 

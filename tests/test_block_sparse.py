@@ -714,6 +714,8 @@ def _valid_inputs():
         (lambda a: a.update(scale="0.1"), TypeError, "scale must be a float"),
         (lambda a: a.update(mod_eval="jit"), ValueError, "mod_eval must be one of"),
         (lambda a: a.update(max_chunk_elements=0), ValueError, "max_chunk_elements must be >= 1"),
+        (lambda a: a.update(threads=0), ValueError, "threads must be an int >= 1"),
+        (lambda a: a.update(threads=2.0), ValueError, "threads must be an int >= 1"),
     ],
 )
 def test_bad_inputs_name_the_argument(change, error, match):
@@ -821,3 +823,65 @@ def test_batch_of_zero_gives_empty_results_like_torch():
     assert lse.shape == (0, 2, 100) and lse.dtype == torch.float32
     out.sum().backward()
     assert q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
+# --- threads: groups dealt to threads of one intra-op thread each ----------------------------
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("name", ["document-gqa", "empty-rows"])
+def test_threads_share_the_groups_exactly(name, threads):
+    """Any number of threads gives the oracle's output, lse and gradients (fp64, 1e-10), with
+    small groups so that every thread gets some; torch's thread count is left as it was."""
+    case = next(c for c in CASES if c[0] == name)
+    block_mask, dense, q, k, v, grad_out = build_case(case)
+    before = torch.get_num_threads()
+    assert_matches_oracles(
+        q,
+        k,
+        v,
+        grad_out,
+        block_mask,
+        dense,
+        atol=1e-10,
+        threads=threads,
+        max_chunk_elements=2_000,
+        memory_budget=20_000,
+    )
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_threads_follow_the_callers_grad_and_inference_mode(mode):
+    """Grad and inference mode are per thread; the helper threads take the caller's (an
+    inference-mode output written from a thread outside it would raise)."""
+    case = next(c for c in CASES if c[0] == "document-gqa")
+    block_mask, dense, q, k, v, _ = build_case(case)
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with context:
+        out = block_sparse_attention(
+            q, k, v, block_mask, enable_gqa=True, threads=2, max_chunk_elements=2_000
+        )
+        expected = sdpa_oracle(q, k, v, dense)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
+
+
+def test_an_error_in_a_helper_thread_reaches_the_caller():
+    calls = []
+
+    def failing(b, h, q_idx, kv_idx):
+        calls.append(q_idx.max())
+        if len(calls) > 1:  # the probe passes; the groups' own calls fail, on every thread
+            raise RuntimeError("mask_mod failed")
+        return q_idx >= kv_idx
+
+    block_mask = create_block_mask(causal, None, None, 256, 256, device="cpu", BLOCK_SIZE=32)
+    block_mask.mask_mod = failing
+    q, k, v, _ = random_qkv(1, 2, 2, 256, 256, dtype=torch.float32)
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="mask_mod failed"):
+        block_sparse_attention(
+            q, k, v, block_mask, backend="sparse", threads=2, mod_eval="broadcast"
+        )
+    assert torch.get_num_threads() == before
