@@ -14,7 +14,9 @@ from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.build.create import cpu_threads, create_block_mask
+from flexmask.build.create import build as build_window
+from flexmask.build.create import cpu_threads
+from flexmask.build.grid import BlockGrid, make_grid
 from flexmask.build.read import block_mask_nbytes
 from flexmask.cache import KeyedCache
 from flexmask.context_parallel.balance import (
@@ -289,10 +291,22 @@ def _build(mask: Mask, B: Any, H: Any, Q_LEN: int, plan: tuple) -> CPShard:
     with cpu_threads(device):
         indices, keys = _permutation(lb, padded, block)
         if kv_length is not None:  # contiguous query rows against keys in their order
+            # Validated against the whole Q_LEN x KV_LEN mask; the rank's window of it is
+            # built with lookups over the whole sequence.
+            whole = make_grid(mask, B, H, Q_LEN, kv_length, device, block)
             local = Q_LEN // world
-            block_mask = create_block_mask(
-                mask, B, H, local, kv_length, device, block, q_offset=rank * local
+            grid = BlockGrid.make(
+                whole.batch,
+                whole.heads,
+                local,
+                kv_length,
+                block,
+                block,
+                whole.device,
+                q_offset=rank * local,
+                reach=whole.length,
             )
+            block_mask = build_window(mask, grid)
             return CPShard(block_mask, indices, lb, rank, world, Q_LEN, padded, key, kv_length)
         built = mask if padded == Q_LEN else mask & padding(Q_LEN)
         block_mask = build_shard(built, B, H, indices, rank, world, block, device, keys)
