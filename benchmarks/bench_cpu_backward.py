@@ -15,6 +15,7 @@ Run from the repository root::
     python benchmarks/bench_cpu_backward.py --quick   # S = 1024, 2048, two masks (seconds)
     python benchmarks/bench_cpu_backward.py --full    # issue #15's grid: S = 1k-16k,
                                                       # B in {1, 4}, H in {4, 8}, six masks
+    python benchmarks/bench_cpu_backward.py --quick --busy 1   # with one core taken
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -206,6 +208,12 @@ def run_case(
     return rows
 
 
+def _spin(stop) -> None:  # a busy process: pure Python, no torch threads
+    count = 0
+    while not stop.is_set():
+        count += 1
+
+
 def _load() -> str:
     """The 1-minute load average: timings from a busy machine are not comparable."""
     return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"
@@ -286,6 +294,13 @@ def main() -> None:
         help="torch threads (default: torch's); 1 on a shared machine keeps the many small ops "
         "of the sparse path from waiting on a descheduled second thread",
     )
+    parser.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="spinning processes to run alongside (as DataLoader workers or other jobs would): "
+        "the sparse path's threads must not stall when a core is taken",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -306,12 +321,21 @@ def main() -> None:
     )
     started = time.perf_counter()
     rows: list[dict] = []
-    for seq_len in grid["lengths"]:
-        for batch in grid["batches"]:
-            for heads in grid["heads"]:
-                repeats = args.repeats or (3 if seq_len * batch * heads <= 4096 * 4 else 1)
-                for name in grid["masks"]:
-                    rows += run_case(name, seq_len, batch, heads, args.head_dim, repeats)
+    stop = mp.Event()
+    spinners = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.busy)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        for seq_len in grid["lengths"]:
+            for batch in grid["batches"]:
+                for heads in grid["heads"]:
+                    repeats = args.repeats or (3 if seq_len * batch * heads <= 4096 * 4 else 1)
+                    for name in grid["masks"]:
+                        rows += run_case(name, seq_len, batch, heads, args.head_dim, repeats)
+    finally:
+        stop.set()
+        for spinner in spinners:
+            spinner.join()
 
     print(f"\nload average at the end {_load()}, {time.perf_counter() - started:.0f} s in all")
     print(table(rows))
