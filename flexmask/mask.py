@@ -285,6 +285,10 @@ class Mask(ABC):
         writes the BlockMask in closed form from the intervals of the block edges."""
         return False
 
+    def _attends_nowhere(self) -> bool:
+        """True if no query attends any key (``empty()``): a union drops it."""
+        return False
+
     def _attends_from_zero(self) -> bool:
         """True if every query attends one non-empty kv interval starting at 0 (causal,
         prefix, full): a union of such intervals is again one, ``[0, max hi]``."""

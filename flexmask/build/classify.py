@@ -29,6 +29,7 @@ from flexmask.build.codes import (
     or_codes,
 )
 from flexmask.build.grid import BlockGrid
+from flexmask.build.unions import UnionRuns, union_operands, union_row_runs
 from flexmask.mask import And, Mask, MaskMod, Not, Or
 
 # Undecided tiles are processed this many elements at a time (1 Mi per intermediate).
@@ -53,6 +54,9 @@ def classify(mask: Mask, grid: BlockGrid) -> Tensor:
     if isinstance(mask, (And, Or)) and mask._has_monotone_intervals():
         # Its closed-form runs are its exact codes, whatever its pieces' tiles would say.
         return codes_from_runs(row_runs(mask, grid), grid)
+    if isinstance(mask, Or) and (operands := union_operands(mask)) is not None:
+        rows, _ = grid.reduced(mask)
+        return codes_from_union_runs(union_row_runs(*operands, grid, rows), grid)
     if isinstance(mask, Or):
         codes = classify(mask.children[0], grid)
         for child in mask.children[1:]:
@@ -85,6 +89,15 @@ def codes_from_runs(runs: Runs, grid: BlockGrid) -> Tensor:
 
     codes = codes_from(inside(runs.first, runs.last), inside(runs.full_first, runs.full_last))
     return codes.view(rows, 1, grid.num_q_blocks, grid.num_kv_blocks)
+
+
+def codes_from_union_runs(runs: UnionRuns, grid: BlockGrid) -> Tensor:
+    """(R, 1, nq, nkv) exact codes of an ``|`` of two monotone masks from its runs
+    (``unions.union_row_runs``)."""
+    kv_tile = torch.arange(grid.num_kv_blocks, device=grid.device)
+    inside = (runs.starts.unsqueeze(-1) <= kv_tile) & (kv_tile < runs.stops.unsqueeze(-1))
+    codes = codes_from(inside[:, :, :2].any(2), inside[:, :, 2:].any(2))
+    return codes.unsqueeze(1)
 
 
 def classify_blocks(mask: Mask, grid: BlockGrid) -> Classified:

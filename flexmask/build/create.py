@@ -4,7 +4,7 @@ The one data path, one module per stage (``flexmask.build``):
 
 1. ``grid`` — validate the arguments and lay out the tiles of the window;
 2. ``closed_form`` — an ``&`` of interval pieces: both sides' runs from the intervals at
-   block edges, no tile grid; otherwise
+   block edges, no tile grid; ``unions`` — an ``|`` of two such: two runs per row; otherwise
 3. ``classify`` — every tile's code from structure (``codes``), refining undecided tiles;
 4. ``write`` — torch's tensors, byte-identical to its ``create_block_mask``.
 """
@@ -20,13 +20,19 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 from flexmask._validate import check_device, env_int
-from flexmask.build import closed_form
+from flexmask.build import closed_form, unions
 from flexmask.build.classify import classify_blocks
 from flexmask.build.grid import BlockGrid, make_grid
 from flexmask.build.write import Ordered, assemble, empty_sides, ordered_from_codes
 from flexmask.mask import Mask, MaskMod, ShiftedMod
 
 ENV_BUILD_THREADS = "FLEXMASK_BUILD_THREADS"
+
+
+def in_closed_form(mask: Mask) -> bool:
+    """True if the build writes ``mask`` from intervals at block edges, no tiles: monotone
+    intervals (``closed_form``) or an ``|`` of two such (``unions``)."""
+    return mask._has_monotone_intervals() or unions.union_operands(mask) is not None
 
 
 def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
@@ -38,6 +44,9 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     if mask._has_monotone_intervals():
         grid.refined[0] = 0
         return closed_form.ordered_sides(mask, grid)
+    if unions.union_operands(mask) is not None:
+        grid.refined[0] = 0
+        return unions.union_sides(mask, grid)
     parts = mask._head_parts(grid.heads)
     if parts is not None:
         return _by_head(mask, parts, grid)
@@ -96,7 +105,7 @@ def build(mask: Mask, grid: BlockGrid) -> BlockMask:
     with cpu_threads(torch.device(grid.device)):
         # The lookups the mask_mod keeps are allocated before the build's temporaries.
         mask_mod = window_mask_mod(mask._lower(grid.length, grid.device).mask_mod, grid)
-        if grid.per_row_offsets and not mask._has_monotone_intervals():
+        if grid.per_row_offsets and not in_closed_form(mask):
             kv, q = _row_by_row(mask, grid)
         else:
             kv, q = ordered_sides(mask, grid)
