@@ -41,6 +41,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 
 import flexmask
 from flexmask.build import build, make_grid
+from flexmask.build.create import in_closed_form
 
 FIRST_CALL = """
 import time
@@ -252,7 +253,7 @@ def main() -> None:
                 grid = make_grid(mask, B, 1, S, S, "cpu", 128)
                 build(mask, grid)
                 refined = grid.refined[0]
-                path = "closed form" if mask._has_monotone_intervals() else "tiles"
+                path = "closed form" if in_closed_form(mask) else "tiles"
                 ours = best_time(
                     lambda m=mask, B=B, S=S: flexmask.create_block_mask(m, B, 1, S, S, "cpu"),
                     repeat=repeat,

@@ -16,7 +16,7 @@ from flexmask.build.classify import classify
 from flexmask.build.codes import FULL, PARTIAL
 from flexmask.build.create import build, in_closed_form
 from flexmask.build.grid import make_grid
-from flexmask.build.unions import _cover, union_operands
+from flexmask.build.unions import _reduce, union_operands
 from tests import oracle
 from tests.strategies import interval_intersections
 from tests.test_offsets import BLOCKS, _check, _offsets, _per_row
@@ -138,7 +138,7 @@ def test_the_gaps_of_a_block_are_one_interval():
     row = torch.zeros(1, 1, dtype=torch.int64)
     lo_a, hi_a = a._intervals(q, row, grid)
     lo_b, hi_b = (t.expand_as(q) for t in b._intervals(q, row, grid))
-    _, _, _, g0, g1 = _cover(*(t.view(16, 16) for t in (lo_a, hi_a, lo_b, hi_b)))
+    *_, g0, g1 = _reduce(*(t.view(16, 16) for t in (lo_a, hi_a, lo_b, hi_b)))
     dense = (a | b).to_dense(1, 1, 256, 256)[0, 0].tolist()
     blocks_with_gaps = 0
     for block in range(16):

@@ -62,17 +62,20 @@ def clipped(mask: Mask, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> tuple[Te
     return lo.clamp(min=grid.kv_offset).expand(shape), hi.clamp(max=grid.kv_end - 1).expand(shape)
 
 
-def special_blocks(lo_a: Tensor, hi_a: Tensor, lo_z: Tensor, hi_z: Tensor, grid: BlockGrid):
-    """``(rows, 1 or 2)``: per row, the blocks whose queries may attend only in part (the
-    clipped intervals at every block's first and last query given, ``(rows, nq)`` each).
+def special_blocks(
+    lo_a: Tensor, hi_a: Tensor, lo_z: Tensor, hi_z: Tensor, start: int | Tensor
+) -> Tensor:
+    """``(rows, 1 or 2)``: per row, the blocks whose queries may attend only in part, from
+    the clipped intervals at every block's first and last query (``(rows, nq)`` each) and
+    the kv window's start (the block where ``hi`` first reaches it may begin late).
 
-    The two blocks that may be cut inside (argmax: the first such block, 0 if none — any
-    block evaluated query by query is exact, so a spare one costs nothing but its work).
+    argmax: the first such block, 0 if none — any block evaluated query by query is exact,
+    so a spare one costs nothing but its work.
     """
     stops = ((lo_a <= hi_a) & (lo_z > hi_z)).to(torch.int8).argmax(1, keepdim=True)
-    if isinstance(grid.kv_offset, int) and grid.kv_offset == 0:
+    if isinstance(start, int) and start == 0:
         return stops  # kv from 0: the attending queries are a prefix, no block begins late
-    begins = (hi_z >= grid.kv_offset).to(torch.int8).argmax(1, keepdim=True)
+    begins = (hi_z >= start).to(torch.int8).argmax(1, keepdim=True)
     return torch.cat([begins, stops], 1)
 
 
@@ -98,7 +101,7 @@ def row_runs(mask: Mask, grid: BlockGrid) -> Runs:
     lo_a, lo_z = lo[:, :nq], lo[:, nq:]
     hi_a, hi_z = hi[:, :nq], hi[:, nq:]
     a_attends, z_attends = lo_a <= hi_a, lo_z <= hi_z
-    special = special_blocks(lo_a, hi_a, lo_z, hi_z, grid)
+    special = special_blocks(lo_a, hi_a, lo_z, hi_z, grid.kv_offset)
     count = special.shape[1]
     inside = first_q.gather(1, special).unsqueeze(-1) + torch.arange(qb, device=dev)
     q_end = grid.q_end.view(-1, 1, 1) if isinstance(grid.q_end, Tensor) else grid.q_end

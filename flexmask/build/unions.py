@@ -47,14 +47,15 @@ flags (``write.ranked``: one cumsum and one scatter per tensor, no sort, no host
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from flexmask.build.closed_form import Runs, clipped, row_runs, special_blocks
+from flexmask.build.closed_form import clipped, special_blocks
 from flexmask.build.grid import BlockGrid
-from flexmask.build.write import Ordered, expand_runs, ranked
+from flexmask.build.write import Ordered, expand_runs
 from flexmask.mask import Mask, Or
 
 # Larger than any position: the neutral value of a min over non-attending queries.
@@ -95,69 +96,178 @@ def union_operands(mask: Mask) -> tuple[Mask, Mask] | None:
     return children[0], children[1]
 
 
-def _cover(lo_a: Tensor, hi_a: Tensor, lo_b: Tensor, hi_b: Tensor) -> tuple[Tensor, ...]:
-    """Over the last dimension (queries of a block): every query attends, ``max m``,
-    ``min M`` and the gaps' union ``[g0, g1]`` (g0 > g1 when no query has a gap)."""
+def _reduce(lo_a: Tensor, hi_a: Tensor, lo_b: Tensor, hi_b: Tensor) -> tuple[Tensor, ...]:
+    """Over the last dimension (the positions read of a line): each operand's least ``lo``
+    and greatest ``hi`` where it attends (far / -1 where it never does), whether every
+    position attends, ``max m``, ``min M`` and the gaps' union ``[g0, g1]`` (g0 > g1 when
+    no position has a gap)."""
     att_a, att_b = lo_a <= hi_a, lo_b <= hi_b
+    lo_a, lo_b = lo_a.masked_fill(~att_a, _FAR), lo_b.masked_fill(~att_b, _FAR)
+    hi_a, hi_b = hi_a.masked_fill(~att_a, -1), hi_b.masked_fill(~att_b, -1)
     every = (att_a | att_b).all(-1)
-    m = torch.minimum(lo_a.masked_fill(~att_a, _FAR), lo_b.masked_fill(~att_b, _FAR))
-    big_m = torch.maximum(hi_a.masked_fill(~att_a, -1), hi_b.masked_fill(~att_b, -1))
+    m = torch.minimum(lo_a, lo_b).amax(-1)
+    big_m = torch.maximum(hi_a, hi_b).amin(-1)
     gl = torch.minimum(hi_a, hi_b).add_(1)
     gr = torch.maximum(lo_a, lo_b).sub_(1)
-    gap = att_a & att_b & (gl <= gr)
+    gap = (gl <= gr) & att_a & att_b
     g0 = gl.masked_fill_(~gap, _FAR).amin(-1)
     g1 = gr.masked_fill_(~gap, -1).amax(-1)
-    return every, m.amax(-1), big_m.amin(-1), g0, g1
+    return lo_a.amin(-1), hi_a.amax(-1), lo_b.amin(-1), hi_b.amax(-1), every, m, big_m, g0, g1
 
 
-def union_row_runs(a: Mask, b: Mask, grid: BlockGrid, rows: int) -> UnionRuns:
-    """Both runs of every block row of ``a | b`` (module docstring)."""
-    nq, qb, kb, dev = grid.num_q_blocks, grid.q_block, grid.kv_block, grid.device
-    first_q = grid.q_first.view(-1, nq).expand(rows, nq)
-    last_q = grid.q_last.view(-1, nq).expand(rows, nq)
+def _line_runs(
+    reduced: tuple[Tensor, ...],
+    first: Tensor,
+    block: int,
+    end: int | Tensor,
+    other_tile: Callable[[Tensor], Tensor],
+    other_block: int,
+) -> UnionRuns:
+    """Each line's two non-empty and two full runs from its reductions (``_reduce``);
+    ``first`` ``(R, n)`` is each line's first position, ``end`` one past the last on its
+    axis; ``other_tile`` maps the other axis's positions to its tiles of ``other_block``."""
+    lo_first_a, hi_last_a, lo_first_b, hi_last_b, every, m, big_m, g0, g1 = reduced
+    # Full: the complete tiles of the hull [m, M], less the tiles the gaps [g0, g1] meet.
+    complete = every & (first + block <= end)
+    hull_first = other_tile(m.masked_fill(~complete, 0) + (other_block - 1))
+    hull_stop = other_tile(big_m.masked_fill(~complete, -1) + 1)  # exclusive
+    has_gap = g0 <= g1
+    gap_first = torch.where(has_gap, other_tile(g0.masked_fill(~has_gap, 0)), hull_stop)
+    gap_stop = torch.where(has_gap, other_tile(g1) + 1, hull_stop)
+    # Each operand's non-empty run; [0, 0) where it attends nowhere.
+    some_a, some_b = hi_last_a >= 0, hi_last_b >= 0
+    starts = torch.stack(
+        [
+            other_tile(lo_first_a.masked_fill(~some_a, 0)).masked_fill_(~some_a, 0),
+            other_tile(lo_first_b.masked_fill(~some_b, 0)).masked_fill_(~some_b, 0),
+            hull_first,
+            torch.maximum(hull_first, gap_stop),
+        ],
+        -1,
+    )
+    stops = torch.stack(
+        [
+            (other_tile(hi_last_a) + 1).masked_fill_(~some_a, 0),
+            (other_tile(hi_last_b) + 1).masked_fill_(~some_b, 0),
+            torch.minimum(hull_stop, gap_first),
+            hull_stop,
+        ],
+        -1,
+    )
+    return UnionRuns(starts, stops)
+
+
+class _Queries(NamedTuple):
+    """Both operands' clipped intervals at every query of the grid's blocks, ``(R, nq *
+    q_block)``: the queries past ``Q_LEN`` repeat the last one."""
+
+    lo_a: Tensor
+    hi_a: Tensor
+    lo_b: Tensor
+    hi_b: Tensor
+
+
+def _queries(a: Mask, b: Mask, grid: BlockGrid, rows: int) -> _Queries:
+    dev = grid.device
+    padded = torch.arange(grid.num_q_blocks * grid.q_block, device=dev).clamp_(max=grid.q_len - 1)
+    q_idx = (padded + grid.q_offset).expand(rows, -1)
     row = torch.arange(rows, device=dev).view(rows, 1)
-    edges = torch.cat([first_q, last_q], 1)
-    lo_a, hi_a = clipped(a, edges, row, grid)
-    lo_b, hi_b = clipped(b, edges, row, grid)
-    # The blocks where an operand starts or stops attending inside: read query by query.
+    return _Queries(*clipped(a, q_idx, row, grid), *clipped(b, q_idx, row, grid))
+
+
+def union_row_runs(
+    a: Mask, b: Mask, grid: BlockGrid, rows: int, queries: _Queries | None = None
+) -> UnionRuns:
+    """The runs of every block row of ``a | b``, ``(R, nq, 4)``: reduced over each block's
+    first and last query, and over every query of the blocks where an operand starts or
+    stops attending (``closed_form.special_blocks``: at most two per operand)."""
+    nq, qb = grid.num_q_blocks, grid.q_block
+    queries = _queries(a, b, grid, rows) if queries is None else queries
+    edges = [t.view(rows, nq, qb)[..., [0, -1]] for t in queries]
     special = torch.cat(
         [
-            special_blocks(lo_a[:, :nq], hi_a[:, :nq], lo_a[:, nq:], hi_a[:, nq:], grid),
-            special_blocks(lo_b[:, :nq], hi_b[:, :nq], lo_b[:, nq:], hi_b[:, nq:], grid),
+            special_blocks(lo[..., 0], hi[..., 0], lo[..., 1], hi[..., 1], grid.kv_offset)
+            for lo, hi in (edges[:2], edges[2:])
+        ],
+        1,
+    )
+    index = special.unsqueeze(-1).expand(-1, -1, qb)
+    at_special = _reduce(*(t.view(rows, nq, qb).gather(1, index) for t in queries))
+    reduced = (e.scatter(1, special, s) for e, s in zip(_reduce(*edges), at_special, strict=True))
+    first = grid.q_first.view(-1, nq).expand(rows, nq)
+    return _line_runs(tuple(reduced), first, qb, grid.q_end, grid.kv_tile, grid.kv_block)
+
+
+def _transposed(lo: Tensor, hi: Tensor, grid: BlockGrid) -> tuple[Callable, Tensor]:
+    """The transposed intervals of one operand from its intervals at every query: for kv
+    positions, the queries ``[qlo, qhi]`` of the window that attend each, by binary search;
+    and the first attending query (where ``qhi`` must reach for a column to attend).
+
+    The queries that attend form a range on which ``lo`` and ``hi`` never decrease
+    (``closed_form.row_runs``); with -1 before it and far past it, both are sorted, and the
+    queries attending ``k`` — those with ``hi >= k`` (a suffix) and ``lo <= k`` (a prefix)
+    — are ``[first hi >= k, last lo <= k]``. These transposed intervals have the
+    properties the proof uses: ``qlo`` and ``qhi`` never decrease; ``qlo(k) <= k`` (the
+    query ``k`` attends ``k`` while ``hi >= q``; once ``hi`` is constant no later query
+    reaches further); ``qhi(k) >= k`` or is the last attending query (every attending
+    ``q <= k`` has ``lo <= q <= k``), a constant."""
+    attends = lo <= hi
+    before = attends.cumsum(1) == 0
+    past = ~(attends | before)
+    lo = lo.masked_fill(before, -1).masked_fill_(past, _FAR)
+    hi = hi.masked_fill(before, -1).masked_fill_(past, _FAR)
+    reach = before.sum(1, keepdim=True) + grid.q_offset
+    last = grid.q_len - 1  # the padded queries repeat the last one: cut them off
+
+    def at(kv_idx: Tensor) -> tuple[Tensor, Tensor]:
+        # A key none attends finds no hi >= k: q_lo is past the window, the interval empty.
+        q_lo = torch.searchsorted(hi, kv_idx) + grid.q_offset
+        q_hi = torch.searchsorted(lo, kv_idx, right=True).sub_(1).clamp_(max=last)
+        return q_lo, q_hi.add_(grid.q_offset)
+
+    return at, reach
+
+
+def union_column_runs(
+    a: Mask, b: Mask, grid: BlockGrid, rows: int, queries: _Queries | None = None
+) -> UnionRuns:
+    """The runs of every kv tile column of ``a | b``, ``(R, nkv, 4)``: the lines of the
+    transposed intervals (``_transposed``), reduced like the rows' but over two keys per
+    tile, each tile's first and last — the transposed intervals never decrease, so those
+    give the reductions — and every key of the tiles where an operand starts or stops
+    being attended (``closed_form.special_blocks``: two per operand)."""
+    nkv, kb, dev = grid.num_kv_blocks, grid.kv_block, grid.device
+    queries = _queries(a, b, grid, rows) if queries is None else queries
+    at_a, reach_a = _transposed(queries.lo_a, queries.hi_a, grid)
+    at_b, reach_b = _transposed(queries.lo_b, queries.hi_b, grid)
+    first = grid.kv_first.view(-1, nkv).expand(rows, nkv)
+    last = grid.kv_last.view(-1, nkv).expand(rows, nkv)
+    edges = torch.cat([first, last], 1).contiguous()
+    (lo_a, hi_a), (lo_b, hi_b) = at_a(edges), at_b(edges)
+    special = torch.cat(
+        [
+            special_blocks(lo[:, :nkv], hi[:, :nkv], lo[:, nkv:], hi[:, nkv:], reach)
+            for lo, hi, reach in ((lo_a, hi_a, reach_a), (lo_b, hi_b, reach_b))
         ],
         1,
     )
     count = special.shape[1]
-    inside = first_q.gather(1, special).unsqueeze(-1) + torch.arange(qb, device=dev)
-    q_end = grid.q_end.view(-1, 1, 1) if isinstance(grid.q_end, Tensor) else grid.q_end
-    inside = inside.clamp(max=q_end - 1).view(rows, count * qb)  # repeats the last query
-    in_a = (t.view(rows, count, qb) for t in clipped(a, inside, row, grid))
-    in_b = (t.view(rows, count, qb) for t in clipped(b, inside, row, grid))
-    at_edges = _cover(*(t.view(rows, 2, nq).transpose(1, 2) for t in (lo_a, hi_a, lo_b, hi_b)))
-    at_special = _cover(*in_a, *in_b)
-    every, m, big_m, g0, g1 = (
-        e.scatter(1, special, s) for e, s in zip(at_edges, at_special, strict=True)
-    )
-    complete = every & (first_q + qb <= grid.q_end)
-    hull_first = grid.kv_tile(m.masked_fill(~complete, 0) + (kb - 1))
-    hull_stop = grid.kv_tile(big_m.masked_fill(~complete, -1) + 1)  # exclusive
-    has_gap = g0 <= g1
-    gap_first = torch.where(has_gap, grid.kv_tile(g0.clamp(max=grid.kv_end)), hull_stop)
-    gap_stop = torch.where(has_gap, grid.kv_tile(g1.clamp(min=-1)) + 1, hull_stop)
-    full_stop_1 = torch.minimum(hull_stop, gap_first)
-    full_start_2 = torch.maximum(hull_first, gap_stop)
-    # Non-empty: the operands' runs (closed_form), ends exclusive.
-    runs_a, runs_b = (_expanded(row_runs(op, grid), rows) for op in (a, b))
-    starts = torch.stack([runs_a.first, runs_b.first, hull_first, full_start_2], -1)
-    stops = torch.stack([runs_a.last + 1, runs_b.last + 1, full_stop_1, hull_stop], -1)
-    return UnionRuns(starts, stops)
+    inside = first.gather(1, special).unsqueeze(-1) + torch.arange(kb, device=dev)
+    kv_end = grid.kv_end.view(-1, 1, 1) if isinstance(grid.kv_end, Tensor) else grid.kv_end
+    inside = inside.clamp_(max=kv_end - 1).view(rows, count * kb)  # repeats the last key
+    at_special = _reduce(*(t.view(rows, count, kb) for t in (*at_a(inside), *at_b(inside))))
+    at_edges = _reduce(*(t.view(rows, 2, nkv).transpose(1, 2) for t in (lo_a, hi_a, lo_b, hi_b)))
+    reduced = tuple(e.scatter(1, special, s) for e, s in zip(at_edges, at_special, strict=True))
+
+    def q_tile(position: Tensor) -> Tensor:
+        return (position - grid.q_offset).div(grid.q_block, rounding_mode="floor")
+
+    return _line_runs(reduced, first, kb, grid.kv_end, q_tile, grid.q_block)
 
 
-def _expanded(runs: Runs, rows: int) -> Runs:
-    return Runs(*(t.expand(rows, -1) for t in runs))
-
-
-def ordered_runs(starts: Tensor, stops: Tensor, m: int, out: tuple[Tensor, Tensor]):
+def ordered_runs(
+    starts: Tensor, stops: Tensor, m: int, out: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor]:
     """Writes one side's partial and full index tensors from each line's runs, in torch's
     order (listed blocks ascending, then the rest ascending); returns both counts.
 
@@ -179,7 +289,7 @@ def ordered_runs(starts: Tensor, stops: Tensor, m: int, out: tuple[Tensor, Tenso
         order = listed.logical_not().to(torch.int8).argsort(dim=1, stable=True)
         expand_runs(target.view(-1), seg_start.gather(1, order), seg_len.gather(1, order))
         counts.append((seg_len * listed).sum(1, dtype=torch.int32))
-    return counts
+    return counts[0], counts[1]
 
 
 def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
@@ -188,22 +298,21 @@ def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     assert operands is not None  # callers check union_operands(mask)
     rows, _ = grid.reduced(mask)
     nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
-    kv_p, kv_f = (torch.empty((rows, nq, nkv), dtype=torch.int32, device=dev) for _ in range(2))
-    runs = union_row_runs(*operands, grid, rows)
+    # The outputs first (closed_form.ordered_sides says why).
+    kv_p, kv_f, q_p, q_f = (
+        torch.empty((rows, n, m), dtype=torch.int32, device=dev)
+        for n, m in ((nq, nkv), (nq, nkv), (nkv, nq), (nkv, nq))
+    )
+    queries = _queries(*operands, grid, rows)
+    runs = union_row_runs(*operands, grid, rows, queries)
+    cols = union_column_runs(*operands, grid, rows, queries)
     kv_pn, kv_fn = ordered_runs(runs.starts.view(-1, 4), runs.stops.view(-1, 4), nkv, (kv_p, kv_f))
-    # The q side: each column's non-empty rows are the operands' column runs; its full rows
-    # are ranked from the flags of the row runs, laid out column-major.
-    kv = torch.arange(nkv, device=dev).view(1, nkv, 1)
-    starts = [t.unsqueeze(1) for t in runs.starts.unbind(-1)]
-    stops = [t.unsqueeze(1) for t in runs.stops.unbind(-1)]
-    flags = [(s <= kv) & (kv < e) for s, e in zip(starts, stops, strict=True)]
-    full = flags[2] | flags[3]
-    partial = (flags[0] | flags[1]) & ~full
-    q_pn, q_p = ranked(partial)
-    q_fn, q_f = ranked(full)
+    q_pn, q_fn = ordered_runs(cols.starts.view(-1, 4), cols.stops.view(-1, 4), nq, (q_p, q_f))
     return (
         Ordered(
             kv_pn.view(rows, 1, nq), kv_p.unsqueeze(1), kv_fn.view(rows, 1, nq), kv_f.unsqueeze(1)
         ),
-        Ordered(q_pn.unsqueeze(1), q_p.unsqueeze(1), q_fn.unsqueeze(1), q_f.unsqueeze(1)),
+        Ordered(
+            q_pn.view(rows, 1, nkv), q_p.unsqueeze(1), q_fn.view(rows, 1, nkv), q_f.unsqueeze(1)
+        ),
     )
