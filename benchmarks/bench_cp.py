@@ -1,7 +1,7 @@
 """Context-parallel shards: per-rank build time against torch, and balancer imbalance.
 
 Run: python benchmarks/bench_cp.py [--sizes 32768,65536,131072] [--worlds 2,4,8] [--paths-seq N]
-     [--torch-max-elements 2e9] [--million]
+     [--torch-max-elements 2e9] [--million | --million-only]
 
 Ranks are simulated in one process: each builds only its own shard (flexmask.shard, and
 torch's _create_cp_block_mask compiled — its first call, with compilation, reported apart).
@@ -13,6 +13,8 @@ random documents, head-tail balanced (torch's default).
 from __future__ import annotations
 
 import argparse
+import math
+import mmap
 import random
 import statistics
 import time
@@ -23,7 +25,7 @@ from common import best_time, settle_allocator  # noqa: F401  (sys.path set by c
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
 import flexmask
-from flexmask.build.read import block_mask_nbytes
+from flexmask.build.read import BLOCK_FIELDS, block_mask_nbytes
 from flexmask.context_parallel import (
     HeadTailBalancer,
     MaskAwareBalancer,
@@ -111,27 +113,84 @@ def build_times(sizes, worlds, torch_max, repeat):
             )
 
 
+def write_floors(block_mask, repeat):
+    """Best times to write a shard's eight tensors: into new pages (anonymous mmap: every
+    page faulted in, what a process whose allocator hands memory back pays), into memory
+    newly allocated by torch (the allocator settled: what the builds here get), and into
+    memory written before (warm)."""
+    shapes = [getattr(block_mask, name).shape for name in BLOCK_FIELDS]
+
+    def pages():
+        out = []
+        for shape in shapes:
+            size = 4 * math.prod(shape)
+            buffer = mmap.mmap(-1, max(size, 1))
+            out.append(torch.frombuffer(buffer, dtype=torch.int32, count=size // 4).fill_(1))
+        return out
+
+    def fresh():
+        return [torch.empty(shape, dtype=torch.int32).fill_(1) for shape in shapes]
+
+    kept = fresh()
+
+    def warm():
+        for t in kept:
+            t.fill_(1)
+
+    return (
+        best_time(pages, repeat=repeat),
+        best_time(fresh, repeat=repeat),
+        best_time(warm, repeat=repeat),
+    )
+
+
 def million(repeat):
     seq, world = 1 << 20, 8
-    mask = flexmask.causal() & flexmask.document(documents(seq, 64, 256))
-    per_rank = [
-        best_time(
-            lambda r=r: flexmask.shard(
-                mask, 1, 1, seq, world_size=world, rank=r, balancer=HeadTailBalancer(seq, world)
-            ),
-            repeat=repeat,
-        )
-        for r in range(world)
-    ]
-    whole = best_time(lambda: flexmask.create_block_mask(mask, 1, 1, seq, seq, "cpu"), repeat=1)
+    lengths = documents(seq, 64, 256)
+    mask = flexmask.causal() & flexmask.document(lengths)
+    balancers = (
+        ("head-tail", lambda: HeadTailBalancer(seq, world)),
+        ("per-document", lambda: PerDocumentBalancer([lengths], world)),
+        ("mask-aware", lambda: "mask_aware"),
+        ("ptrr", lambda: "ptrr"),
+    )
     local = flexmask.shard(mask, 1, 1, seq, world_size=world, rank=0).block_mask
     written = block_mask_nbytes(local)
+    pages, fresh, warm = write_floors(local, repeat)
+    del local
     print(
-        f"\nS = 1M, W = 8, flexmask per-rank shard: max {1e3 * max(per_rank):.1f} ms, "
-        f"median {1e3 * statistics.median(per_rank):.1f} ms (target < 10 ms); whole-mask "
-        f"build {1e3 * whole:.0f} ms; a shard writes {written / 2**20:.0f} MiB of BlockMask "
-        "tensors"
+        f"\nS = 1M, W = 8, document-causal (64 documents), BLOCK_SIZE = 128: a shard writes "
+        f"{written / 2**20:.0f} MiB of BlockMask tensors; writing them takes "
+        f"{1e3 * pages:.0f} ms into new pages, {1e3 * fresh:.0f} ms into memory torch "
+        f"allocates anew, {1e3 * warm:.1f} ms into warm memory (target < 10 ms)\n"
     )
+    print(
+        "| balancer | balancer made ms | shard ms/rank (max) | median | / new pages | "
+        "/ allocated | / warm |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, make in balancers:
+        start = time.perf_counter()
+        flexmask.shard(mask, 1, 1, seq, world_size=world, rank=0, balancer=make())
+        first = time.perf_counter() - start  # the balancer and its permutation, then cached
+        per_rank = [
+            best_time(
+                lambda r=r, make=make: flexmask.shard(
+                    mask, 1, 1, seq, world_size=world, rank=r, balancer=make()
+                ),
+                repeat=repeat,
+            )
+            for r in range(world)
+        ]
+        worst, median = max(per_rank), statistics.median(per_rank)
+        print(
+            f"| {name} | {1e3 * max(first - worst, 0):.0f} | {1e3 * worst:.1f} | "
+            f"{1e3 * median:.1f} | {worst / pages:.2f} | {worst / fresh:.2f} | "
+            f"{worst / warm:.1f} |",
+            flush=True,
+        )
+    whole = best_time(lambda: flexmask.create_block_mask(mask, 1, 1, seq, seq, "cpu"), repeat=1)
+    print(f"\nwhole-mask build (S x S) for comparison: {1e3 * whole:.0f} ms")
 
 
 def paths(seq, world, repeat):
@@ -203,6 +262,7 @@ def main() -> None:
     parser.add_argument("--torch-max-elements", type=float, default=2e9)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--million", action="store_true", help="also S = 1M, W = 8")
+    parser.add_argument("--million-only", action="store_true", help="only S = 1M, W = 8")
     parser.add_argument("--imbalance-seq", type=int, default=32768)
     parser.add_argument("--paths-seq", type=int, default=32768, help="0: skip")
     args = parser.parse_args()
@@ -213,6 +273,9 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     sizes = [int(s) for s in args.sizes.split(",") if s]
     worlds = [int(w) for w in args.worlds.split(",") if w]
+    if args.million_only:
+        million(args.repeat)
+        return
     build_times(sizes, worlds, args.torch_max_elements, args.repeat)
     if args.million:
         million(args.repeat)

@@ -321,7 +321,7 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="KV_LEN"):
         flexmask.shard(flexmask.causal(), 1, 1, 256, 128, world_size=2, rank=0)
     with pytest.raises(ValueError, match="balancer"):
-        flexmask.shard(flexmask.causal(), 1, 1, 256, world_size=2, rank=0, balancer="ptrr")
+        flexmask.shard(flexmask.causal(), 1, 1, 256, world_size=2, rank=0, balancer="zigzag")
     with pytest.raises(ValueError, match="seq_length_per_doc"):
         PerDocumentBalancer([[10, 6]], 2)
     with pytest.raises(TypeError, match="mask"):

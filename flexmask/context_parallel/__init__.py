@@ -12,6 +12,7 @@ from flexmask.context_parallel.balance import (
     HeadTailBalancer,
     MaskAwareBalancer,
     PerDocumentBalancer,
+    PTRRBalancer,
 )
 from flexmask.context_parallel.core import (
     CPShard,
@@ -28,6 +29,7 @@ __all__ = [
     "HeadTailBalancer",
     "LazyShard",
     "MaskAwareBalancer",
+    "PTRRBalancer",
     "PerDocumentBalancer",
     "ShardCache",
     "cp_flex_attention",

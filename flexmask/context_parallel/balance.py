@@ -18,7 +18,11 @@ from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 
 from flexmask._validate import check_int, digest
+from flexmask.build.classify import classify_blocks
+from flexmask.build.closed_form import row_runs
+from flexmask.build.codes import EMPTY
 from flexmask.build.create import create_block_mask
+from flexmask.build.grid import make_grid
 from flexmask.mask import Mask
 from flexmask.pieces import padding
 
@@ -272,6 +276,121 @@ class MaskAwareBalancer(_LoadBalancer):
                 heapq.heappush(heap, (loads[rank], rank))
         flat = [block for rank in range(world) for block in sorted(owned[rank])]
         return torch.tensor(flat, dtype=torch.int64), torch.tensor(loads, dtype=torch.float64)
+
+    def _generate_indices(self, restore: bool = False) -> Tensor:
+        return _restore(self._indices, restore)
+
+
+def nonempty_blocks(
+    mask: Mask, B: int | None, H: int | None, length: int, block: int, device: torch.device
+) -> Tensor:
+    """Non-empty kv blocks of every query block, (rows, n_blocks) int64: the counts
+    ``kv_num_blocks + full_kv_num_blocks`` of the mask's BlockMask (rows: B where the mask
+    depends on the row, else 1), from structure and without writing the BlockMask. A mask
+    with monotone intervals counts its closed-form runs (O(blocks)); any other has its
+    blocks classified (only blocks the structure leaves undecided are evaluated)."""
+    grid = make_grid(mask, B, H, length, length, device, block)
+    if mask._has_monotone_intervals() and not mask.head_dependent:
+        runs = row_runs(mask, grid)
+        return (runs.last - runs.first + 1).clamp_(min=0).to(torch.int64)
+    codes = classify_blocks(mask, grid).codes  # (rows, heads, nq, nkv)
+    return (codes[:, 0] != EMPTY).sum(-1, dtype=torch.int64)
+
+
+def ptrr_schedule(process_time: Tensor, world_size: int) -> Tensor:
+    """torch's PTRR (processing-time round robin) of each row of ``process_time``
+    ``(rows, n)``: tasks sorted by time, descending and stable, dealt to ranks in rounds
+    that alternate direction (0..W-1, then W-1..0), each rank's tasks sorted. Returns
+    ``(rows, W, n / W)`` task ids; the same as ``_PTRRLoadBalancer.ptrr_scheduling`` row
+    by row."""
+    rows, n = process_time.shape
+    order = torch.sort(process_time, dim=1, descending=True, stable=True).indices
+    rounds = order.view(rows, n // world_size, world_size)
+    backward = torch.arange(n // world_size, device=order.device) % 2 == 1
+    rounds = torch.where(backward.view(1, -1, 1), rounds.flip(-1), rounds)
+    return rounds.transpose(1, 2).sort(dim=-1).values
+
+
+class PTRRBalancer(_LoadBalancer):
+    """torch's PTRR balancer (``_PTRRLoadBalancer``, the same permutation), its per-block
+    process times counted from the mask's structure instead of a BlockMask.
+
+    torch deals query blocks by processing time — each block's non-empty kv blocks
+    (``kv_num_blocks + full_kv_num_blocks`` of a ``(B, 1, S, S)`` BlockMask) — in
+    alternating round robin. flexmask counts those blocks from structure: closed-form masks
+    from their runs, O(blocks); others from their classified blocks. torch requires one
+    mask for every head (its BlockMask's H == 1); so does this: a mask that depends on the
+    head is refused, and a mask that does not is the same for any H.
+
+    Args:
+        mask: a flexmask Mask over the whole sequence.
+        B, H: as for ``create_block_mask``; a mask that depends on the row gives one
+            permutation per row, as torch's from a ``(B, 1, S, S)`` BlockMask.
+        seq_length: real sequence length (padded up to ``world_size * block_size``; torch
+            requires the block count to be a multiple of W and then pads nothing).
+        world_size: number of context-parallel ranks.
+        block_size: the block size of torch's BlockMask (and the unit dealt out).
+        device: where the indices live.
+
+    Example:
+        >>> import flexmask
+        >>> from flexmask.context_parallel import PTRRBalancer
+        >>> mask = flexmask.causal() & flexmask.document([4, 8, 4])
+        >>> PTRRBalancer(mask, 1, 1, 16, 2, block_size=1)._generate_indices()[0].tolist()
+        [2, 3, 5, 6, 8, 11, 12, 13, 0, 1, 4, 7, 9, 10, 14, 15]
+    """
+
+    def __init__(
+        self,
+        mask: Mask,
+        B: int | None,
+        H: int | None,
+        seq_length: int,
+        world_size: int,
+        block_size: int = 128,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not isinstance(mask, Mask):
+            raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
+        self.seq_length = check_int(seq_length, "seq_length", minimum=1)
+        self.world_size = check_int(world_size, "world_size", minimum=1)
+        self.block_size = check_int(block_size, "block_size", minimum=1)
+        if H is not None and check_int(H, "H", minimum=1) > 1 and mask.head_dependent:
+            raise ValueError(
+                f"H = {H} with a mask that depends on the head: PTRR (torch's too) gives one "
+                "permutation for every head, from a BlockMask with H == 1; pass H=None or a "
+                "mask that is the same on every head"
+            )
+        self.mask, self.B, self.H = mask, B, H
+        self.device = torch.device("cpu" if device is None else device)
+        self.padded_length = _round_up(seq_length, world_size * block_size)
+        padded = mask if self.padded_length == seq_length else mask & padding(seq_length)
+        self.block_costs = nonempty_blocks(
+            padded, B, 1, self.padded_length, block_size, torch.device("cpu")
+        )
+        groups = ptrr_schedule(self.block_costs, world_size)  # (rows, W, n / W)
+        rows = groups.shape[0]
+        tokens = groups.reshape(rows, -1, 1) * block_size + torch.arange(block_size)
+        self._indices = tokens.reshape(rows, -1).to(self.device)
+
+    @property
+    def rank_costs(self) -> Tensor:
+        """(rows, W) non-empty blocks per rank: PTRR's own measure of the work."""
+        rows = self.block_costs.shape[0]
+        blocks = self._indices[:, :: self.block_size].cpu() // self.block_size
+        per_rank = self.block_costs.gather(1, blocks).view(rows, self.world_size, -1)
+        return per_rank.sum(-1)
+
+    @property
+    def key(self) -> tuple:
+        return (
+            "ptrr",
+            self.mask.key,
+            self.B if self.mask.batch_dependent else None,
+            self.seq_length,
+            self.world_size,
+            self.block_size,
+        )
 
     def _generate_indices(self, restore: bool = False) -> Tensor:
         return _restore(self._indices, restore)

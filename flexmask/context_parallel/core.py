@@ -14,12 +14,15 @@ from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask.build.create import build as build_window
 from flexmask.build.create import cpu_threads
+from flexmask.build.grid import BlockGrid, make_grid
 from flexmask.build.read import block_mask_nbytes
 from flexmask.cache import KeyedCache
 from flexmask.context_parallel.balance import (
     HeadTailBalancer,
     MaskAwareBalancer,
+    PTRRBalancer,
     balancer_indices,
     balancer_key,
 )
@@ -27,7 +30,7 @@ from flexmask.context_parallel.shard import KeyOrder, build_shard
 from flexmask.mask import Mask
 from flexmask.pieces import padding
 
-BALANCERS = ("head_tail", "mask_aware", None)
+BALANCERS = ("head_tail", "mask_aware", "ptrr", None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,6 +46,8 @@ class CPShard:
             ``_context_parallel_shard`` / ``context_parallel_unshard``), or None.
         seq_length: real sequence length; padded_length: what it is padded to (zeros
             appended by ``shard_tensor``; those tokens neither attend nor are attended).
+        kv_length: the key/value length where it differs from the query length (then
+            ``balancer`` is None: keys stay in their order, see ``shard_kv``), else None.
     """
 
     block_mask: BlockMask
@@ -53,6 +58,7 @@ class CPShard:
     seq_length: int
     padded_length: int
     key: tuple = field(repr=False)
+    kv_length: int | None = None
 
     @property
     def local(self) -> slice:
@@ -85,6 +91,21 @@ class CPShard:
         target[seq_dim] = index.shape[1]
         return torch.gather(tensor, seq_dim, index.view(shape).expand(target))
 
+    def shard_kv(self, tensor: Tensor, seq_dim: int) -> Tensor:
+        """This rank's slice of a key/value tensor: ``shard_tensor`` where keys and queries
+        share the sequence, else (``kv_length`` set) the contiguous ``kv_length / W``
+        positions torch's ``_context_parallel_shard`` keeps without a balancer."""
+        if self.kv_length is None:
+            return self.shard_tensor(tensor, seq_dim)
+        if tensor.shape[seq_dim] != self.kv_length or self.kv_length % self.world_size:
+            raise ValueError(
+                f"tensor has {tensor.shape[seq_dim]} positions on dim {seq_dim}; keys of "
+                f"this shard need kv_length = {self.kv_length}, a multiple of world_size = "
+                f"{self.world_size} (the all-gather joins equal slices)"
+            )
+        size = self.kv_length // self.world_size
+        return tensor.narrow(seq_dim, self.rank * size, size)
+
     def restore(self, gathered: Tensor, seq_dim: int) -> Tensor:
         """A gathered (permuted, padded) tensor back in the original order, unpadded."""
         index = torch.argsort(self.indices, dim=-1).to(gathered.device)
@@ -116,19 +137,20 @@ def _resolve_balancer(
         return balancer
     if balancer == "head_tail":
         return HeadTailBalancer(seq_length, world, device)
-    if balancer == "mask_aware":
-        # Costing every query block is a whole-mask build: made once per mask and group,
+    if balancer in ("mask_aware", "ptrr"):
+        # Costing every query block reads the whole mask: made once per mask and group,
         # not once per rank (ranks simulated in one process, or a shard rebuilt per step).
-        key = ("mask_aware", mask.key, B, H, seq_length, world, block, device.type, device.index)
+        key = (balancer, mask.key, B, H, seq_length, world, block, device.type, device.index)
         with _PERMUTATIONS_LOCK:
             found = _BALANCERS.get(key)
         if found is None:
-            found = MaskAwareBalancer(mask, B, H, seq_length, world, block, device=device)
+            kind = MaskAwareBalancer if balancer == "mask_aware" else PTRRBalancer
+            found = kind(mask, B, H, seq_length, world, block, device=device)
             with _PERMUTATIONS_LOCK:
                 _BALANCERS[key] = found
         return found
     raise ValueError(
-        f"balancer must be 'head_tail', 'mask_aware', None or a torch _LoadBalancer (e.g. "
+        f"balancer must be 'head_tail', 'mask_aware', 'ptrr', None or a torch _LoadBalancer (e.g. "
         f"flexmask.PerDocumentBalancer(...)), got {balancer!r}"
     )
 
@@ -175,12 +197,9 @@ def _plan(
     block = _block(BLOCK_SIZE)
     if isinstance(Q_LEN, bool) or not isinstance(Q_LEN, int) or Q_LEN < 1:
         raise ValueError(f"Q_LEN must be an int >= 1, got {Q_LEN!r}")
-    if KV_LEN is not None and KV_LEN != Q_LEN:
-        raise ValueError(
-            f"KV_LEN ({KV_LEN}) must equal Q_LEN ({Q_LEN}): context parallelism permutes "
-            "queries and keys of one sequence alike"
-        )
     device = torch.device("cpu" if device is None else device)
+    if KV_LEN is not None and KV_LEN != Q_LEN:
+        return _plan_other_keys(mask, B, H, Q_LEN, KV_LEN, world, rank, balancer, block, device)
     lb = _resolve_balancer(balancer, mask, B, H, Q_LEN, world, block, device)
     padded = getattr(lb, "padded_length", None)
     if padded is None:
@@ -208,7 +227,41 @@ def _plan(
         (device.type, device.index),
         mask.key,
     )
-    return world, rank, block, device, lb, padded, key
+    return world, rank, block, device, lb, padded, key, None
+
+
+def _plan_other_keys(
+    mask: Mask,
+    B: Any,
+    H: Any,
+    Q_LEN: int,
+    KV_LEN: Any,
+    world: int,
+    rank: int,
+    balancer: Any,
+    block: int,
+    device: torch.device,
+) -> tuple:
+    """KV_LEN != Q_LEN, as torch's ``_create_cp_block_mask`` builds it: without a balancer
+    only. Rank ``r`` keeps query rows ``[r Q_LEN / W, (r + 1) Q_LEN / W)`` against all
+    KV_LEN keys in their own order (contiguous kv slices, all-gathered)."""
+    if isinstance(KV_LEN, bool) or not isinstance(KV_LEN, int) or KV_LEN < 1:
+        raise ValueError(f"KV_LEN must be None or an int >= 1, got {KV_LEN!r}")
+    if balancer is not None:
+        raise ValueError(
+            f"KV_LEN ({KV_LEN}) != Q_LEN ({Q_LEN}) needs balancer=None, got {balancer!r}: a "
+            "balancer permutes keys with the queries' permutation, which only a key sequence "
+            "of the queries' length can take (torch's _create_cp_block_mask indexes keys past "
+            "Q_LEN out of bounds, and below it lists keys no sharded key tensor holds)"
+        )
+    if Q_LEN % world:
+        raise ValueError(
+            f"Q_LEN ({Q_LEN}) must be a multiple of world_size ({world}) when KV_LEN != Q_LEN "
+            "(the queries are not padded then): pad the queries"
+        )
+    where = (device.type, device.index)
+    key = ("cp_shard", world, rank, ("none",), B, H, Q_LEN, ("kv", KV_LEN), block, where, mask.key)
+    return world, rank, block, device, None, Q_LEN, key, KV_LEN
 
 
 def _permutation(
@@ -233,9 +286,28 @@ def _permutation(
     return made
 
 
-def _build(mask, B, H, Q_LEN, world, rank, block, device, lb, padded, key) -> CPShard:
+def _build(mask: Mask, B: Any, H: Any, Q_LEN: int, plan: tuple) -> CPShard:
+    world, rank, block, device, lb, padded, key, kv_length = plan
     with cpu_threads(device):
         indices, keys = _permutation(lb, padded, block)
+        if kv_length is not None:  # contiguous query rows against keys in their order
+            # Validated against the whole Q_LEN x KV_LEN mask; the rank's window of it is
+            # built with lookups over the whole sequence.
+            whole = make_grid(mask, B, H, Q_LEN, kv_length, device, block)
+            local = Q_LEN // world
+            grid = BlockGrid.make(
+                whole.batch,
+                whole.heads,
+                local,
+                kv_length,
+                block,
+                block,
+                whole.device,
+                q_offset=rank * local,
+                reach=whole.length,
+            )
+            block_mask = build_window(mask, grid)
+            return CPShard(block_mask, indices, lb, rank, world, Q_LEN, padded, key, kv_length)
         built = mask if padded == Q_LEN else mask & padding(Q_LEN)
         block_mask = build_shard(built, B, H, indices, rank, world, block, device, keys)
     return CPShard(block_mask, indices, lb, rank, world, Q_LEN, padded, key)
@@ -261,10 +333,14 @@ def shard(
     Args:
         mask: a flexmask expression over the whole (global) sequence.
         B, H: as for ``create_block_mask``.
-        Q_LEN: global sequence length; KV_LEN: None or equal to it.
+        Q_LEN: global sequence length. KV_LEN: None (the same), or another key length with
+            ``balancer=None``, as torch builds it: rank ``r`` keeps query rows
+            ``[r Q_LEN / W, (r + 1) Q_LEN / W)`` (Q_LEN a multiple of W) against every key in
+            its own order; ``shard_kv`` gives the rank's contiguous key slice.
         world_size, rank: the context-parallel group; or ``mesh``, a 1-D ``DeviceMesh``.
         balancer: ``"head_tail"`` (torch's), ``"mask_aware"`` (flexmask's, from this mask's
-            block costs), None (contiguous slices), or a ``_LoadBalancer`` instance —
+            block costs), ``"ptrr"`` (torch's PTRR, its block counts from structure), None
+            (contiguous slices), or a ``_LoadBalancer`` instance —
             ``PerDocumentBalancer``, a multi-mask ``MaskAwareBalancer``, or torch's own.
         BLOCK_SIZE: any block size; the local length need not be a multiple of it.
         device: where the BlockMask lives.
@@ -272,8 +348,8 @@ def shard(
 
     Returns:
         A ``CPShard``. A ``Q_LEN`` the balancer does not divide (head-tail: ``2W``,
-        mask-aware: ``W * BLOCK_SIZE``, None: ``W``) is padded up; the padding tokens attend
-        nothing and nobody attends them (the mask is ``& padding(Q_LEN)``), and
+        mask-aware and PTRR: ``W * BLOCK_SIZE``, None: ``W``) is padded up; the padding
+        tokens attend nothing and nobody attends them (the mask is ``& padding(Q_LEN)``), and
         ``shard_tensor`` / ``restore`` add and drop them.
 
     Example:
@@ -284,12 +360,9 @@ def shard(
         ((1, 1, 128, 256), [64, 128])
     """
     plan = _plan(mask, B, H, Q_LEN, KV_LEN, world_size, rank, mesh, balancer, BLOCK_SIZE, device)
-    world, rank_, block, device_, lb, padded, key = plan
     if cache is None:
-        return _build(mask, B, H, Q_LEN, world, rank_, block, device_, lb, padded, key)
-    return cache.get_or_build(
-        key, lambda: _build(mask, B, H, Q_LEN, world, rank_, block, device_, lb, padded, key)
-    )
+        return _build(mask, B, H, Q_LEN, plan)
+    return cache.get_or_build(plan[6], lambda: _build(mask, B, H, Q_LEN, plan))
 
 
 class ShardCache(KeyedCache):
@@ -330,7 +403,7 @@ class LazyShard:
             B,
             H,
             Q_LEN,
-            None,
+            kwargs.get("KV_LEN"),
             kwargs.get("world_size"),
             kwargs.get("rank"),
             kwargs.get("mesh"),
@@ -338,7 +411,7 @@ class LazyShard:
             kwargs.get("BLOCK_SIZE", 128),
             kwargs.get("device"),
         )
-        self.key = plan[-1]
+        self.key = plan[6]
         self._shard: CPShard | None = None
 
     @property
