@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 import flexmask
 from flexmask.build.classify import classify
 from flexmask.build.codes import FULL, PARTIAL
-from flexmask.build.create import build, in_closed_form
+from flexmask.build.create import build, build_counted, in_closed_form
 from flexmask.build.grid import make_grid
 from flexmask.build.unions import _reduce, union_operands
 from tests import oracle
@@ -105,8 +105,8 @@ def test_the_union_takes_the_closed_form_and_evaluates_no_tile(monkeypatch):
     grid = make_grid(mask, 1, 1, 1024, 1024, "cpu", 128)
     monkeypatch.setattr("flexmask.build.classify.refine_by_evaluation", None)
     monkeypatch.setattr("flexmask.build.classify.refine_by_intervals", None)
-    build(mask, grid)  # refinement, were it reached, would call None and fail
-    assert grid.refined[0] == 0
+    _, refined = build_counted(mask, grid)  # refinement, were it reached, would call None
+    assert refined == 0
     monkeypatch.setattr(type(mask), "_lower", spy)
     build(mask, grid)
     assert len(evaluated) == 1  # the BlockMask's mask_mod only
@@ -156,7 +156,7 @@ def test_a_union_inside_an_expression_keeps_exact_codes():
     union = (flexmask.causal() & flexmask.document([70, 100, 86])) | flexmask.prefix(20)
     for mask in (~union, union & flexmask.sliding_window(90)):
         grid = make_grid(mask, 1, 1, 256, 256, "cpu", 32)
-        codes = classify(union, grid)[0, 0]
+        codes = classify(union, grid).codes[0, 0]
         dense = union.to_dense(1, 1, 256, 256)[0, 0].view(8, 32, 8, 32)
         assert torch.equal(codes == FULL, dense.all(3).all(1))
         assert torch.equal(codes == PARTIAL, dense.any(3).any(1) & ~dense.all(3).all(1))

@@ -8,8 +8,7 @@ document-causal prefix-LM ``(causal() & document(l)) | prefix(64)``: a query in 
 document attends the prompt ``[0, 63]`` and its own document ``[start, q]``.
 
 **Non-empty tiles.** A tile is non-empty in the union iff it is in either operand, so each
-block row's non-empty tiles are the union of the operands' runs (``closed_form.row_runs``):
-at most two runs; each kv column's, the union of their column runs (``column_runs``).
+block row's non-empty tiles are the union of the operands' runs: at most two runs.
 
 **Full tiles.** Where both intervals are non-empty, ``U(q) = [m, M] \\ G`` with the hull
 ``m = min(loA, loB)``, ``M = max(hiA, hiB)`` and the gap ``G(q) = [min(hiA, hiB) + 1,
@@ -33,16 +32,23 @@ would be empty). So ``hiX(q) = CX < q``: ``X`` is past the point where its ``hi`
 right end ``gr = max(loA, loB) - 1`` never decreases there, so the queries with a gap are a
 suffix of the range where both attend.
 
-**Which queries are read.** Inside a block where each operand's attending is all-or-nothing,
-``m``, ``M``, ``gl`` and ``gr`` never decrease, so ``max m = m(z)``, ``min M = M(a)`` and the
-gaps (a suffix) are ``[gl(z), gr(z)]`` — the reductions over the two edge queries ``a``,
-``z`` give exactly these. The blocks where an operand starts or stops attending inside
-(``closed_form.row_runs``: at most two per operand and batch row) are read query by query.
-Nothing is evaluated on tiles, and nothing is read back to the host.
+**Which queries are read.** Both operands' intervals are computed once at every query
+(``_queries``: O(Q), a few passes). Inside a block where each operand's attending is
+all-or-nothing, ``m``, ``M``, ``gl`` and ``gr`` never decrease, so ``max m = m(z)``,
+``min M = M(a)`` and the gaps (a suffix) are ``[gl(z), gr(z)]``: the reductions over the
+two edge queries ``a``, ``z`` give exactly these. The blocks where an operand starts or
+stops attending inside (``closed_form.special_blocks``: at most two per operand and batch
+row) are reduced over all their queries.
 
-The kv side is written from the runs (``ordered_runs``); the q side's full tiles have no
-run structure down a column that two binary searches find, so it is ranked from the runs'
-flags (``write.ranked``: one cumsum and one scatter per tensor, no sort, no host sync).
+**Columns.** Transposed, each operand gives kv position ``k`` the range of queries that
+attend it, ``[qlo(k), qhi(k)]``, found by binary search over the intervals at every query
+(``_transposed``); these never decrease in ``k``, ``qlo(k) <= k``, and ``qhi(k) >= k`` or
+is a constant (the operand's last attending query): the properties the proof above uses.
+So each kv column's blocks are two non-empty runs and two full runs as well, reduced the
+same way over each tile's edge keys and the keys of its two special tiles per operand.
+
+Both sides are written from their runs (``ordered_runs``): no tile is evaluated, nothing is
+sorted but a line's nine segments, and nothing is read back to the host.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class PerHead(Mask):
         for mask, heads in zip(self.distinct, self._heads_of(grid.heads), strict=True):
             if heads.numel() == 0:
                 continue
-            codes = classify(mask, grid).expand(shape)
+            codes = classify(mask, grid).codes.expand(shape)
             index = heads.to(grid.device)
             out.index_copy_(1, index, codes.index_select(1, index))
         return out
