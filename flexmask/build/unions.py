@@ -102,112 +102,108 @@ def union_operands(mask: Mask) -> tuple[Mask, Mask] | None:
     return children[0], children[1]
 
 
-def _reduce(lo_a: Tensor, hi_a: Tensor, lo_b: Tensor, hi_b: Tensor) -> tuple[Tensor, ...]:
-    """Over the last dimension (the positions read of a line): each operand's least ``lo``
-    and greatest ``hi`` where it attends (far / -1 where it never does), whether every
-    position attends, ``max m``, ``min M`` and the gaps' union ``[g0, g1]`` (g0 > g1 when
-    no position has a gap)."""
-    att_a, att_b = lo_a <= hi_a, lo_b <= hi_b
-    lo_a, lo_b = lo_a.masked_fill(~att_a, _FAR), lo_b.masked_fill(~att_b, _FAR)
-    hi_a, hi_b = hi_a.masked_fill(~att_a, -1), hi_b.masked_fill(~att_b, -1)
-    every = (att_a | att_b).all(-1)
-    m = torch.minimum(lo_a, lo_b).amax(-1)
-    big_m = torch.maximum(hi_a, hi_b).amin(-1)
-    gl = torch.minimum(hi_a, hi_b).add_(1)
-    gr = torch.maximum(lo_a, lo_b).sub_(1)
-    gap = (gl <= gr) & att_a & att_b
-    g0 = gl.masked_fill_(~gap, _FAR).amin(-1)
-    g1 = gr.masked_fill_(~gap, -1).amax(-1)
-    return lo_a.amin(-1), hi_a.amax(-1), lo_b.amin(-1), hi_b.amax(-1), every, m, big_m, g0, g1
+def _reduce(lo: Tensor, hi: Tensor) -> Tensor:
+    """Over the positions read of each line, ``(..., k, 2)`` with both operands last:
+    ``(..., 9)`` — each operand's least ``lo`` and greatest ``hi`` where it attends (far /
+    -1 where it never does), whether every position attends (1 / 0), ``max m``, ``min M``
+    and the gaps' union ``[g0, g1]`` (g0 > g1 when no position has a gap)."""
+    attends = lo <= hi
+    lo = torch.where(attends, lo, _FAR)
+    hi = torch.where(attends, hi, -1)
+    every = attends.any(-1).all(-1)
+    # Where both attend: gl = min(hiA, hiB) + 1, gr = max(loA, loB) - 1.
+    gl = hi.amin(-1).add_(1)
+    gr = lo.amax(-1).sub_(1)
+    gap = (gl <= gr) & attends.all(-1)
+    lines = [every.long(), lo.amin(-1).amax(-1), hi.amax(-1).amin(-1)]
+    lines += [torch.where(gap, gl, _FAR).amin(-1), torch.where(gap, gr, -1).amax(-1)]
+    return torch.cat([lo.amin(-2), hi.amax(-2), torch.stack(lines, -1)], -1)
 
 
 def _line_runs(
-    reduced: tuple[Tensor, ...],
+    reduced: Tensor,
     first: Tensor,
     block: int,
     end: int | Tensor,
     other_tile: Callable[[Tensor], Tensor],
     other_block: int,
 ) -> UnionRuns:
-    """Each line's two non-empty and two full runs from its reductions (``_reduce``);
-    ``first`` ``(R, n)`` is each line's first position, ``end`` one past the last on its
-    axis; ``other_tile`` maps the other axis's positions to its tiles of ``other_block``."""
-    lo_first_a, hi_last_a, lo_first_b, hi_last_b, every, m, big_m, g0, g1 = reduced
+    """Each line's two non-empty and two full runs from its reductions (``_reduce``,
+    ``(R, n, 9)``); ``first`` ``(R, n)`` is each line's first position, ``end`` one past
+    the last on its axis; ``other_tile`` maps the other axis's positions ``(R, k)`` to its
+    tiles of ``other_block``."""
+    rows = first.shape[0]
+
+    def tile(position: Tensor) -> Tensor:
+        return other_tile(position.reshape(rows, -1)).view(position.shape)
+
+    lo_first, hi_last = reduced[..., 0:2], reduced[..., 2:4]
+    every, m, big_m, g0, g1 = reduced[..., 4:].unbind(-1)
     # Full: the complete tiles of the hull [m, M], less the tiles the gaps [g0, g1] meet.
-    complete = every & (first + block <= end)
-    hull_first = other_tile(m.masked_fill(~complete, 0) + (other_block - 1))
-    hull_stop = other_tile(big_m.masked_fill(~complete, -1) + 1)  # exclusive
+    complete = every.bool() & (first + block <= end)
+    hull_first = tile(torch.where(complete, m, 0) + (other_block - 1))
+    hull_stop = tile(torch.where(complete, big_m, -1) + 1)  # exclusive
     has_gap = g0 <= g1
-    gap_first = torch.where(has_gap, other_tile(g0.masked_fill(~has_gap, 0)), hull_stop)
-    gap_stop = torch.where(has_gap, other_tile(g1) + 1, hull_stop)
+    gap_first = torch.where(has_gap, tile(g0), hull_stop)
+    gap_stop = torch.where(has_gap, tile(g1) + 1, hull_stop)
     # Each operand's non-empty run; [0, 0) where it attends nowhere.
-    some_a, some_b = hi_last_a >= 0, hi_last_b >= 0
-    starts = torch.stack(
-        [
-            other_tile(lo_first_a.masked_fill(~some_a, 0)).masked_fill_(~some_a, 0),
-            other_tile(lo_first_b.masked_fill(~some_b, 0)).masked_fill_(~some_b, 0),
-            hull_first,
-            torch.maximum(hull_first, gap_stop),
-        ],
-        -1,
+    some = hi_last >= 0
+    starts = [torch.where(some, tile(lo_first), 0), hull_first, hull_first.maximum(gap_stop)]
+    stops = [torch.where(some, tile(hi_last) + 1, 0), hull_stop.minimum(gap_first), hull_stop]
+    return UnionRuns(
+        torch.cat([starts[0], torch.stack(starts[1:], -1)], -1),
+        torch.cat([stops[0], torch.stack(stops[1:], -1)], -1),
     )
-    stops = torch.stack(
-        [
-            (other_tile(hi_last_a) + 1).masked_fill_(~some_a, 0),
-            (other_tile(hi_last_b) + 1).masked_fill_(~some_b, 0),
-            torch.minimum(hull_stop, gap_first),
-            hull_stop,
-        ],
-        -1,
-    )
-    return UnionRuns(starts, stops)
 
 
-class _Queries(NamedTuple):
-    """Both operands' clipped intervals at every query of the grid's blocks, ``(R, nq *
-    q_block)``: the queries past ``Q_LEN`` repeat the last one."""
-
-    lo_a: Tensor
-    hi_a: Tensor
-    lo_b: Tensor
-    hi_b: Tensor
+def _lines(edges: tuple[Tensor, Tensor], inside: tuple[Tensor, Tensor], special: Tensor) -> Tensor:
+    """``(R, n, 9)`` reductions of every line: over its two edge positions (``edges``, each
+    ``(R, n, 2, 2)``), and for the ``special`` lines ``(R, s)`` over all their positions
+    (``inside``, each ``(R, s, block, 2)``) instead."""
+    at_edges, at_special = _reduce(*edges), _reduce(*inside)
+    return at_edges.scatter(1, special.unsqueeze(-1).expand(-1, -1, 9), at_special)
 
 
-def _queries(a: Mask, b: Mask, grid: BlockGrid, rows: int) -> _Queries:
+def _queries(a: Mask, b: Mask, grid: BlockGrid, rows: int) -> tuple[Tensor, Tensor]:
+    """Both operands' clipped intervals ``lo, hi`` at every query of the grid's blocks,
+    ``(R, nq * q_block, 2)``: the queries past ``Q_LEN`` repeat the last one."""
     dev = grid.device
     padded = torch.arange(grid.num_q_blocks * grid.q_block, device=dev).clamp_(max=grid.q_len - 1)
     q_idx = (padded + grid.q_offset).expand(rows, -1)
     row = torch.arange(rows, device=dev).view(rows, 1)
-    return _Queries(*clipped(a, q_idx, row, grid), *clipped(b, q_idx, row, grid))
+    (lo_a, hi_a), (lo_b, hi_b) = clipped(a, q_idx, row, grid), clipped(b, q_idx, row, grid)
+    return torch.stack([lo_a, lo_b], -1), torch.stack([hi_a, hi_b], -1)
+
+
+def _per_row(value: int | Tensor) -> int | Tensor:
+    """A per-row offset ``(B, 1)`` shaped to broadcast over ``(B, n, 2)``."""
+    return value.view(-1, 1, 1) if isinstance(value, Tensor) else value
 
 
 def union_row_runs(
-    a: Mask, b: Mask, grid: BlockGrid, rows: int, queries: _Queries | None = None
+    a: Mask, b: Mask, grid: BlockGrid, rows: int, queries: tuple[Tensor, Tensor] | None = None
 ) -> UnionRuns:
     """The runs of every block row of ``a | b``, ``(R, nq, 4)``: reduced over each block's
     first and last query, and over every query of the blocks where an operand starts or
     stops attending (``closed_form.special_blocks``: at most two per operand)."""
     nq, qb = grid.num_q_blocks, grid.q_block
-    queries = _queries(a, b, grid, rows) if queries is None else queries
-    edges = [t.view(rows, nq, qb)[..., [0, -1]] for t in queries]
-    special = torch.cat(
-        [
-            special_blocks(lo[..., 0], hi[..., 0], lo[..., 1], hi[..., 1], grid.kv_offset)
-            for lo, hi in (edges[:2], edges[2:])
-        ],
-        1,
-    )
-    index = special.unsqueeze(-1).expand(-1, -1, qb)
-    at_special = _reduce(*(t.view(rows, nq, qb).gather(1, index) for t in queries))
-    reduced = (e.scatter(1, special, s) for e, s in zip(_reduce(*edges), at_special, strict=True))
+    lo, hi = (t.view(rows, nq, qb, 2) for t in (queries or _queries(a, b, grid, rows)))
+    edges = lo[:, :, [0, -1]], hi[:, :, [0, -1]]
+    lo_e, hi_e = edges
+    kv0 = _per_row(grid.kv_offset)
+    special = special_blocks(lo_e[:, :, 0], hi_e[:, :, 0], lo_e[:, :, 1], hi_e[:, :, 1], kv0)
+    special = special.reshape(rows, -1)
+    index = special[:, :, None, None].expand(-1, -1, qb, 2)
+    reduced = _lines(edges, (lo.gather(1, index), hi.gather(1, index)), special)
     first = grid.q_first.view(-1, nq).expand(rows, nq)
-    return _line_runs(tuple(reduced), first, qb, grid.q_end, grid.kv_tile, grid.kv_block)
+    return _line_runs(reduced, first, qb, grid.q_end, grid.kv_tile, grid.kv_block)
 
 
 def _transposed(lo: Tensor, hi: Tensor, grid: BlockGrid) -> tuple[Callable, Tensor]:
-    """The transposed intervals of one operand from its intervals at every query: for kv
-    positions, the queries ``[qlo, qhi]`` of the window that attend each, by binary search;
-    and the first attending query (where ``qhi`` must reach for a column to attend).
+    """The transposed intervals of both operands from their intervals at every query
+    (``(R, P, 2)``): for kv positions ``(R, k)``, the queries ``[qlo, qhi]`` of the window
+    that attend each, ``(R, k, 2)``, by binary search; and each operand's first attending
+    query ``(R, 1, 2)`` (where ``qhi`` must reach for a column to attend).
 
     The queries that attend form a range on which ``lo`` and ``hi`` never decrease
     (``closed_form.row_runs``); with -1 before it and far past it, both are sorted, and the
@@ -217,53 +213,49 @@ def _transposed(lo: Tensor, hi: Tensor, grid: BlockGrid) -> tuple[Callable, Tens
     query ``k`` attends ``k`` while ``hi >= q``; once ``hi`` is constant no later query
     reaches further); ``qhi(k) >= k`` or is the last attending query (every attending
     ``q <= k`` has ``lo <= q <= k``), a constant."""
+    rows, positions = lo.shape[:2]
+    # Both operands as rows of one search: (2R, P).
+    lo, hi = (t.permute(2, 0, 1).reshape(2 * rows, positions) for t in (lo, hi))
     attends = lo <= hi
     before = attends.cumsum(1) == 0
-    past = ~(attends | before)
-    lo = lo.masked_fill(before, -1).masked_fill_(past, _FAR)
-    hi = hi.masked_fill(before, -1).masked_fill_(past, _FAR)
-    reach = before.sum(1, keepdim=True) + grid.q_offset
+    fill = torch.where(before, -1, _FAR)
+    lo, hi = (torch.where(attends, t, fill).contiguous() for t in (lo, hi))
+    q0 = _per_row(grid.q_offset)
+    reach = before.sum(1).view(2, rows, 1).permute(1, 2, 0) + q0
     last = grid.q_len - 1  # the padded queries repeat the last one: cut them off
 
     def at(kv_idx: Tensor) -> tuple[Tensor, Tensor]:
+        keys = kv_idx.repeat(2, 1)
         # A key none attends finds no hi >= k: q_lo is past the window, the interval empty.
-        q_lo = torch.searchsorted(hi, kv_idx) + grid.q_offset
-        q_hi = torch.searchsorted(lo, kv_idx, right=True).sub_(1).clamp_(max=last)
-        return q_lo, q_hi.add_(grid.q_offset)
+        q_lo = torch.searchsorted(hi, keys)
+        q_hi = torch.searchsorted(lo, keys, right=True).sub_(1).clamp_(max=last)
+        return tuple(t.view(2, rows, -1).permute(1, 2, 0) + q0 for t in (q_lo, q_hi))
 
     return at, reach
 
 
 def union_column_runs(
-    a: Mask, b: Mask, grid: BlockGrid, rows: int, queries: _Queries | None = None
+    a: Mask, b: Mask, grid: BlockGrid, rows: int, queries: tuple[Tensor, Tensor] | None = None
 ) -> UnionRuns:
     """The runs of every kv tile column of ``a | b``, ``(R, nkv, 4)``: the lines of the
-    transposed intervals (``_transposed``), reduced like the rows' but over two keys per
-    tile, each tile's first and last — the transposed intervals never decrease, so those
-    give the reductions — and every key of the tiles where an operand starts or stops
-    being attended (``closed_form.special_blocks``: two per operand)."""
+    transposed intervals (``_transposed``), reduced like the rows' over each tile's first
+    and last key — the transposed intervals never decrease, so those give the reductions —
+    and over every key of the tiles where an operand starts or stops being attended
+    (``closed_form.special_blocks``: two per operand)."""
     nkv, kb, dev = grid.num_kv_blocks, grid.kv_block, grid.device
-    queries = _queries(a, b, grid, rows) if queries is None else queries
-    at_a, reach_a = _transposed(queries.lo_a, queries.hi_a, grid)
-    at_b, reach_b = _transposed(queries.lo_b, queries.hi_b, grid)
+    at, reach = _transposed(*(queries or _queries(a, b, grid, rows)), grid)
     first = grid.kv_first.view(-1, nkv).expand(rows, nkv)
     last = grid.kv_last.view(-1, nkv).expand(rows, nkv)
-    edges = torch.cat([first, last], 1).contiguous()
-    (lo_a, hi_a), (lo_b, hi_b) = at_a(edges), at_b(edges)
-    special = torch.cat(
-        [
-            special_blocks(lo[:, :nkv], hi[:, :nkv], lo[:, nkv:], hi[:, nkv:], reach)
-            for lo, hi, reach in ((lo_a, hi_a, reach_a), (lo_b, hi_b, reach_b))
-        ],
-        1,
-    )
+    edges = tuple(t.view(rows, 2, nkv, 2).transpose(1, 2) for t in at(torch.cat([first, last], 1)))
+    lo_e, hi_e = edges
+    special = special_blocks(lo_e[:, :, 0], hi_e[:, :, 0], lo_e[:, :, 1], hi_e[:, :, 1], reach)
+    special = special.reshape(rows, -1)
     count = special.shape[1]
     inside = first.gather(1, special).unsqueeze(-1) + torch.arange(kb, device=dev)
     kv_end = grid.kv_end.view(-1, 1, 1) if isinstance(grid.kv_end, Tensor) else grid.kv_end
     inside = inside.clamp_(max=kv_end - 1).view(rows, count * kb)  # repeats the last key
-    at_special = _reduce(*(t.view(rows, count, kb) for t in (*at_a(inside), *at_b(inside))))
-    at_edges = _reduce(*(t.view(rows, 2, nkv).transpose(1, 2) for t in (lo_a, hi_a, lo_b, hi_b)))
-    reduced = tuple(e.scatter(1, special, s) for e, s in zip(at_edges, at_special, strict=True))
+    at_inside = tuple(t.view(rows, count, kb, 2) for t in at(inside))
+    reduced = _lines(edges, at_inside, special)
 
     def q_tile(position: Tensor) -> Tensor:
         return (position - grid.q_offset).div(grid.q_block, rounding_mode="floor")
