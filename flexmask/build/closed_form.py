@@ -65,18 +65,18 @@ def clipped(mask: Mask, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> tuple[Te
 def special_blocks(
     lo_a: Tensor, hi_a: Tensor, lo_z: Tensor, hi_z: Tensor, start: int | Tensor
 ) -> Tensor:
-    """``(rows, 1 or 2)``: per row, the blocks whose queries may attend only in part, from
-    the clipped intervals at every block's first and last query (``(rows, nq)`` each) and
+    """``(..., rows, 1 or 2)``: per row, the blocks whose queries may attend only in part,
+    from the clipped intervals at every block's first and last query (``(..., rows, nq)``) and
     the kv window's start (the block where ``hi`` first reaches it may begin late).
 
     argmax: the first such block, 0 if none — any block evaluated query by query is exact,
     so a spare one costs nothing but its work.
     """
-    stops = ((lo_a <= hi_a) & (lo_z > hi_z)).to(torch.int8).argmax(1, keepdim=True)
+    stops = ((lo_a <= hi_a) & (lo_z > hi_z)).to(torch.int8).argmax(-1, keepdim=True)
     if isinstance(start, int) and start == 0:
         return stops  # kv from 0: the attending queries are a prefix, no block begins late
-    begins = (hi_z >= start).to(torch.int8).argmax(1, keepdim=True)
-    return torch.cat([begins, stops], 1)
+    begins = (hi_z >= start).to(torch.int8).argmax(-1, keepdim=True)
+    return torch.cat([begins, stops], -1)
 
 
 def row_runs(mask: Mask, grid: BlockGrid) -> Runs:

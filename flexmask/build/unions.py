@@ -102,22 +102,36 @@ def union_operands(mask: Mask) -> tuple[Mask, Mask] | None:
     return children[0], children[1]
 
 
+def _fold(x: Tensor, pair: Callable, whole: Callable) -> Tensor:
+    # A reduction over a last dimension of 2 (a line's two edges) as one elementwise op:
+    # torch's CPU reductions over so short a dimension cost far more.
+    return pair(x[..., 0], x[..., 1]) if x.shape[-1] == 2 else whole(x, -1)
+
+
 def _reduce(lo: Tensor, hi: Tensor) -> Tensor:
-    """Over the positions read of each line, ``(..., k, 2)`` with both operands last:
+    """Over the positions read of each line, ``(2, ..., k)`` with the two operands first:
     ``(..., 9)`` — each operand's least ``lo`` and greatest ``hi`` where it attends (far /
     -1 where it never does), whether every position attends (1 / 0), ``max m``, ``min M``
     and the gaps' union ``[g0, g1]`` (g0 > g1 when no position has a gap)."""
     attends = lo <= hi
     lo = torch.where(attends, lo, _FAR)
     hi = torch.where(attends, hi, -1)
-    every = attends.any(-1).all(-1)
     # Where both attend: gl = min(hiA, hiB) + 1, gr = max(loA, loB) - 1.
-    gl = hi.amin(-1).add_(1)
-    gr = lo.amax(-1).sub_(1)
-    gap = (gl <= gr) & attends.all(-1)
-    lines = [every.long(), lo.amin(-1).amax(-1), hi.amax(-1).amin(-1)]
-    lines += [torch.where(gap, gl, _FAR).amin(-1), torch.where(gap, gr, -1).amax(-1)]
-    return torch.cat([lo.amin(-2), hi.amax(-2), torch.stack(lines, -1)], -1)
+    gl = torch.minimum(hi[0], hi[1]).add_(1)
+    gr = torch.maximum(lo[0], lo[1]).sub_(1)
+    gap = (gl <= gr) & attends[0] & attends[1]
+    lines = [
+        _fold(lo[0], torch.minimum, torch.amin),
+        _fold(lo[1], torch.minimum, torch.amin),
+        _fold(hi[0], torch.maximum, torch.amax),
+        _fold(hi[1], torch.maximum, torch.amax),
+        _fold(attends[0] | attends[1], torch.logical_and, torch.all).long(),
+        _fold(torch.minimum(lo[0], lo[1]), torch.maximum, torch.amax),
+        _fold(torch.maximum(hi[0], hi[1]), torch.minimum, torch.amin),
+        _fold(torch.where(gap, gl, _FAR), torch.minimum, torch.amin),
+        _fold(torch.where(gap, gr, -1), torch.maximum, torch.amax),
+    ]
+    return torch.stack(lines, -1)
 
 
 def _line_runs(
@@ -158,26 +172,29 @@ def _line_runs(
 
 def _lines(edges: tuple[Tensor, Tensor], inside: tuple[Tensor, Tensor], special: Tensor) -> Tensor:
     """``(R, n, 9)`` reductions of every line: over its two edge positions (``edges``, each
-    ``(R, n, 2, 2)``), and for the ``special`` lines ``(R, s)`` over all their positions
-    (``inside``, each ``(R, s, block, 2)``) instead."""
+    ``(2, R, n, 2)``), and for the ``special`` lines ``(R, s)`` over all their positions
+    (``inside``, each ``(2, R, s, block)``) instead."""
     at_edges, at_special = _reduce(*edges), _reduce(*inside)
     return at_edges.scatter(1, special.unsqueeze(-1).expand(-1, -1, 9), at_special)
 
 
 def _queries(a: Mask, b: Mask, grid: BlockGrid, rows: int) -> tuple[Tensor, Tensor]:
     """Both operands' clipped intervals ``lo, hi`` at every query of the grid's blocks,
-    ``(R, nq * q_block, 2)``: the queries past ``Q_LEN`` repeat the last one."""
+    ``(2, R, nq * q_block)``: the queries past ``Q_LEN`` repeat the last one."""
     dev = grid.device
     padded = torch.arange(grid.num_q_blocks * grid.q_block, device=dev).clamp_(max=grid.q_len - 1)
     q_idx = (padded + grid.q_offset).expand(rows, -1)
     row = torch.arange(rows, device=dev).view(rows, 1)
     (lo_a, hi_a), (lo_b, hi_b) = clipped(a, q_idx, row, grid), clipped(b, q_idx, row, grid)
-    return torch.stack([lo_a, lo_b], -1), torch.stack([hi_a, hi_b], -1)
+    return torch.stack([lo_a, lo_b]), torch.stack([hi_a, hi_b])
 
 
-def _per_row(value: int | Tensor) -> int | Tensor:
-    """A per-row offset ``(B, 1)`` shaped to broadcast over ``(B, n, 2)``."""
-    return value.view(-1, 1, 1) if isinstance(value, Tensor) else value
+def _special(edges: tuple[Tensor, Tensor], start: int | Tensor) -> Tensor:
+    """``(R, s)``: both operands' special lines (``closed_form.special_blocks``), from the
+    intervals at every line's edges ``(2, R, n, 2)``."""
+    lo, hi = edges
+    special = special_blocks(lo[..., 0], hi[..., 0], lo[..., 1], hi[..., 1], start)
+    return special.permute(1, 0, 2).reshape(special.shape[1], -1)
 
 
 def union_row_runs(
@@ -187,23 +204,20 @@ def union_row_runs(
     first and last query, and over every query of the blocks where an operand starts or
     stops attending (``closed_form.special_blocks``: at most two per operand)."""
     nq, qb = grid.num_q_blocks, grid.q_block
-    lo, hi = (t.view(rows, nq, qb, 2) for t in (queries or _queries(a, b, grid, rows)))
-    edges = lo[:, :, [0, -1]], hi[:, :, [0, -1]]
-    lo_e, hi_e = edges
-    kv0 = _per_row(grid.kv_offset)
-    special = special_blocks(lo_e[:, :, 0], hi_e[:, :, 0], lo_e[:, :, 1], hi_e[:, :, 1], kv0)
-    special = special.reshape(rows, -1)
-    index = special[:, :, None, None].expand(-1, -1, qb, 2)
-    reduced = _lines(edges, (lo.gather(1, index), hi.gather(1, index)), special)
+    lo, hi = (t.view(2, rows, nq, qb) for t in (queries or _queries(a, b, grid, rows)))
+    edges = lo[..., [0, -1]], hi[..., [0, -1]]
+    special = _special(edges, grid.kv_offset)
+    index = special[None, :, :, None].expand(2, -1, -1, qb)
+    reduced = _lines(edges, (lo.gather(2, index), hi.gather(2, index)), special)
     first = grid.q_first.view(-1, nq).expand(rows, nq)
     return _line_runs(reduced, first, qb, grid.q_end, grid.kv_tile, grid.kv_block)
 
 
 def _transposed(lo: Tensor, hi: Tensor, grid: BlockGrid) -> tuple[Callable, Tensor]:
     """The transposed intervals of both operands from their intervals at every query
-    (``(R, P, 2)``): for kv positions ``(R, k)``, the queries ``[qlo, qhi]`` of the window
-    that attend each, ``(R, k, 2)``, by binary search; and each operand's first attending
-    query ``(R, 1, 2)`` (where ``qhi`` must reach for a column to attend).
+    (``(2, R, P)``): for kv positions ``(R, k)``, the queries ``[qlo, qhi]`` of the window
+    that attend each, ``(2, R, k)``, by binary search; and each operand's first attending
+    query ``(2, R, 1)`` (where ``qhi`` must reach for a column to attend).
 
     The queries that attend form a range on which ``lo`` and ``hi`` never decrease
     (``closed_form.row_runs``); with -1 before it and far past it, both are sorted, and the
@@ -213,15 +227,13 @@ def _transposed(lo: Tensor, hi: Tensor, grid: BlockGrid) -> tuple[Callable, Tens
     query ``k`` attends ``k`` while ``hi >= q``; once ``hi`` is constant no later query
     reaches further); ``qhi(k) >= k`` or is the last attending query (every attending
     ``q <= k`` has ``lo <= q <= k``), a constant."""
-    rows, positions = lo.shape[:2]
-    # Both operands as rows of one search: (2R, P).
-    lo, hi = (t.permute(2, 0, 1).reshape(2 * rows, positions) for t in (lo, hi))
+    _, rows, positions = lo.shape
     attends = lo <= hi
-    before = attends.cumsum(1) == 0
+    before = attends.cumsum(-1) == 0
     fill = torch.where(before, -1, _FAR)
-    lo, hi = (torch.where(attends, t, fill).contiguous() for t in (lo, hi))
-    q0 = _per_row(grid.q_offset)
-    reach = before.sum(1).view(2, rows, 1).permute(1, 2, 0) + q0
+    # Both operands as rows of one search: (2R, P).
+    lo, hi = (torch.where(attends, t, fill).view(2 * rows, positions) for t in (lo, hi))
+    reach = before.sum(-1, keepdim=True) + grid.q_offset
     last = grid.q_len - 1  # the padded queries repeat the last one: cut them off
 
     def at(kv_idx: Tensor) -> tuple[Tensor, Tensor]:
@@ -229,7 +241,7 @@ def _transposed(lo: Tensor, hi: Tensor, grid: BlockGrid) -> tuple[Callable, Tens
         # A key none attends finds no hi >= k: q_lo is past the window, the interval empty.
         q_lo = torch.searchsorted(hi, keys)
         q_hi = torch.searchsorted(lo, keys, right=True).sub_(1).clamp_(max=last)
-        return tuple(t.view(2, rows, -1).permute(1, 2, 0) + q0 for t in (q_lo, q_hi))
+        return q_lo.view(2, rows, -1) + grid.q_offset, q_hi.view(2, rows, -1) + grid.q_offset
 
     return at, reach
 
@@ -246,15 +258,14 @@ def union_column_runs(
     at, reach = _transposed(*(queries or _queries(a, b, grid, rows)), grid)
     first = grid.kv_first.view(-1, nkv).expand(rows, nkv)
     last = grid.kv_last.view(-1, nkv).expand(rows, nkv)
-    edges = tuple(t.view(rows, 2, nkv, 2).transpose(1, 2) for t in at(torch.cat([first, last], 1)))
-    lo_e, hi_e = edges
-    special = special_blocks(lo_e[:, :, 0], hi_e[:, :, 0], lo_e[:, :, 1], hi_e[:, :, 1], reach)
-    special = special.reshape(rows, -1)
+    at_edges = at(torch.cat([first, last], 1))
+    edges = tuple(t.view(2, rows, 2, nkv).transpose(-1, -2) for t in at_edges)
+    special = _special(edges, reach)
     count = special.shape[1]
     inside = first.gather(1, special).unsqueeze(-1) + torch.arange(kb, device=dev)
     kv_end = grid.kv_end.view(-1, 1, 1) if isinstance(grid.kv_end, Tensor) else grid.kv_end
     inside = inside.clamp_(max=kv_end - 1).view(rows, count * kb)  # repeats the last key
-    at_inside = tuple(t.view(rows, count, kb, 2) for t in at(inside))
+    at_inside = tuple(t.view(2, rows, count, kb) for t in at(inside))
     reduced = _lines(edges, at_inside, special)
 
     def q_tile(position: Tensor) -> Tensor:
