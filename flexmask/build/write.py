@@ -37,14 +37,14 @@ def ordered_lines(blocks: Tensor) -> tuple[Tensor, Tensor]:
     pass (``expand_runs``). Grids with many short runs are ranked column by column instead."""
     n = blocks.shape[-1]
     if blocks.numel() == 0:
-        return ranked(blocks)
+        return _ranked(blocks)
     lines = blocks.numel() // n
     flat = blocks.reshape(lines, n)
     change = torch.ones_like(flat)
     torch.ne(flat[:, 1:], flat[:, :-1], out=change[:, 1:])
     starts = change.view(-1).nonzero().squeeze(1)  # every line starts a run at column 0
     if starts.numel() * 8 > flat.numel():
-        return ranked(blocks)
+        return _ranked(blocks)
     total = flat.numel()
     col = starts % n
     line = starts.div(n, rounding_mode="floor")
@@ -64,9 +64,8 @@ def ordered_lines(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return count.to(torch.int32).view(blocks.shape[:-1]), indices
 
 
-def ranked(blocks: Tensor) -> tuple[Tensor, Tensor]:
-    """``ordered_lines`` column by column: a cumsum ranks each column and one scatter writes it
-    (no sort, no host sync)."""
+def _ranked(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """``ordered_lines`` column by column: a cumsum ranks each column and one scatter writes it."""
     n = blocks.shape[-1]
     ones = blocks.cumsum(-1, dtype=torch.int32)  # set columns up to and including each one
     count = ones[..., -1:]
