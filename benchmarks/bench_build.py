@@ -40,7 +40,8 @@ from common import (
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
-from flexmask.build import build, make_grid
+from flexmask.build import make_grid
+from flexmask.build.create import build_counted, in_closed_form
 
 FIRST_CALL = """
 import time
@@ -250,9 +251,8 @@ def main() -> None:
                     continue
                 # What the build did: the closed form (no tiles) or tiles, some refined.
                 grid = make_grid(mask, B, 1, S, S, "cpu", 128)
-                build(mask, grid)
-                refined = grid.refined[0]
-                path = "closed form" if mask._has_monotone_intervals() else "tiles"
+                _, refined = build_counted(mask, grid)
+                path = "closed form" if in_closed_form(mask) else "tiles"
                 ours = best_time(
                     lambda m=mask, B=B, S=S: flexmask.create_block_mask(m, B, 1, S, S, "cpu"),
                     repeat=repeat,

@@ -285,6 +285,10 @@ class Mask(ABC):
         writes the BlockMask in closed form from the intervals of the block edges."""
         return False
 
+    def _attends_nowhere(self) -> bool:
+        """True if no query attends any key (``empty()``): a union drops it."""
+        return False
+
     def _attends_from_zero(self) -> bool:
         """True if every query attends one non-empty kv interval starting at 0 (causal,
         prefix, full): a union of such intervals is again one, ``[0, max hi]``."""
@@ -489,25 +493,22 @@ def common_device(children: tuple[Mask, ...]) -> torch.device | None:
     return device
 
 
-class _Nary(Mask):
-    """Shared by And/Or: a flat, validated tuple of children."""
+class Composite(Mask):
+    """A mask made of other masks (``&``, ``|``, ``per_head``): its key is given, its rows
+    and device are its parts' (validated to agree), and what depends on the data — rows,
+    heads, length, validation — is any of its parts'."""
 
-    __slots__ = ("children", "_key", "_rows", "_device")
-    _name = ""
+    __slots__ = ("_key", "_rows", "_device")
 
-    def __init__(self, children: tuple[Mask, ...]) -> None:
-        self.children = children
-        self._rows = common_rows(children)
-        self._device = common_device(children)
-        # Sorted so that `a & b == b & a`; repr makes keys of any piece comparable.
-        self._key = (self._name, tuple(sorted((c.key for c in children), key=repr)))
+    def _set_parts(self, parts: tuple[Mask, ...], key: tuple) -> None:
+        self._key = key
+        self._rows = common_rows(parts)
+        self._device = common_device(parts)
 
-    @classmethod
-    def of(cls, *masks: Mask) -> Mask:
-        flat: list[Mask] = []
-        for m in masks:
-            flat.extend(m.children if type(m) is cls else (m,))
-        return cls(tuple(flat))
+    @property
+    def parts(self) -> tuple[Mask, ...]:
+        """The masks this one is made of (each distinct one once)."""
+        raise NotImplementedError
 
     @property
     def key(self) -> tuple:
@@ -523,23 +524,46 @@ class _Nary(Mask):
 
     @property
     def batch_dependent(self) -> bool:
-        return any(c.batch_dependent for c in self.children)
+        return any(c.batch_dependent for c in self.parts)
 
     @property
     def head_dependent(self) -> bool:
-        return any(c.head_dependent for c in self.children)
+        return any(c.head_dependent for c in self.parts)
 
     @property
     def natural_length(self) -> int:
-        return max(c.natural_length for c in self.children)
+        return max(c.natural_length for c in self.parts)
 
     @property
     def carries_batch_data(self) -> bool:
-        return any(c.carries_batch_data for c in self.children)
+        return any(c.carries_batch_data for c in self.parts)
 
     def _check(self, extent: Extent) -> None:
-        for child in self.children:
-            child._check(extent)
+        for part in self.parts:
+            part._check(extent)
+
+
+class _Nary(Composite):
+    """Shared by And/Or: a flat, validated tuple of children."""
+
+    __slots__ = ("children",)
+    _name = ""
+
+    def __init__(self, children: tuple[Mask, ...]) -> None:
+        self.children = children
+        # Sorted so that `a & b == b & a`; repr makes keys of any piece comparable.
+        self._set_parts(children, (self._name, tuple(sorted((c.key for c in children), key=repr))))
+
+    @classmethod
+    def of(cls, *masks: Mask) -> Mask:
+        flat: list[Mask] = []
+        for m in masks:
+            flat.extend(m.children if type(m) is cls else (m,))
+        return cls(tuple(flat))
+
+    @property
+    def parts(self) -> tuple[Mask, ...]:
+        return self.children
 
     def __repr__(self) -> str:
         return "(" + f" {self._symbol} ".join(repr(c) for c in self.children) + ")"

@@ -20,6 +20,7 @@ from flexmask.build.create import create_block_mask
 from flexmask.build.read import kv_codes
 from flexmask.lazy import LazyBlockMask
 from flexmask.mask import Mask
+from flexmask.pieces.custom import VmappedMod
 
 if TYPE_CHECKING:
     import numpy as np
@@ -263,14 +264,9 @@ def _element_picture(
     else:
         # Too many elements to evaluate: sample every `stride`-th query and key, vmapped the
         # way create_mask vmaps (0-d indices inside the mask_mod, indexing made index ops).
-        from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-
         q_idx, kv_idx = torch.arange(0, q_len, stride), torch.arange(0, kv_len, stride)
-        zero = torch.zeros((), dtype=torch.int64, device=device)
-        grid_fn = torch.vmap(at_row, in_dims=(None, None, None, 0))
-        grid_fn = torch.vmap(grid_fn, in_dims=(None, None, 0, None))
-        with TransformGetItemToIndex():
-            attends = grid_fn(zero, zero, q_idx.to(device), kv_idx.to(device))
+        zero = torch.zeros((1, 1), dtype=torch.int64, device=device)
+        attends = VmappedMod(at_row)(zero, zero, q_idx.to(device)[:, None], kv_idx.to(device))
     code = torch.from_numpy(classes).long()[
         (q_idx // q_block).view(-1, 1), (kv_idx // kv_block).view(1, -1)
     ]

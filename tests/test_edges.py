@@ -182,7 +182,7 @@ def _paths(mask, q_len, kv_len, block):
         out["closed form"] = assemble(*closed_form.ordered_sides(mask, grid), grid, mask_mod)
     out["tiles"] = assemble(*ordered_from_codes(classify_blocks(mask, grid).codes), grid, mask_mod)
     rows = B if mask.batch_dependent else 1
-    codes = classify(mask, grid).expand(rows, 1, grid.num_q_blocks, grid.num_kv_blocks)
+    codes = classify(mask, grid).codes.expand(rows, 1, grid.num_q_blocks, grid.num_kv_blocks)
     codes = codes.contiguous()
     undecided = (codes == UNDECIDED).nonzero()
     refine_by_evaluation(codes, undecided, mask._lower(grid.length, grid.device).evaluate, grid)

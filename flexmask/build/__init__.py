@@ -6,6 +6,7 @@ data flows (docs/blocks.md describes the same pipeline):
 * ``classify`` — tiles classified from structure (pieces answer, ``& | ~`` combine codes),
   undecided tiles refined;
 * ``closed_form`` — masks whose rows are monotone intervals, written with no tile grid;
+* ``unions`` — an ``|`` of two such masks: two runs per row and per column, no tile grid;
 * ``write`` — torch's eight tensors, byte-identical to its ``create_block_mask``;
 * ``read`` — reading a BlockMask back (codes, bytes, ``same_blocks``);
 * ``create`` — the entry point, ``create_block_mask``, running the stages in that order.

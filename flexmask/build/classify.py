@@ -29,6 +29,7 @@ from flexmask.build.codes import (
     or_codes,
 )
 from flexmask.build.grid import BlockGrid
+from flexmask.build.unions import UnionRuns, union_operands, union_row_runs
 from flexmask.mask import And, Mask, MaskMod, Not, Or
 
 # Undecided tiles are processed this many elements at a time (1 Mi per intermediate).
@@ -36,40 +37,46 @@ REFINE_CHUNK_ELEMENTS = 1 << 20
 
 
 class Classified(NamedTuple):
-    """Final tile codes (EMPTY / PARTIAL / FULL) and how many tiles needed evaluation."""
+    """Tile codes and how many tiles needed refinement to get them: the count belongs to
+    this result, so it is returned with it."""
 
     codes: Tensor
-    """(R, Hh, nq, nkv) int8, R = B if the mask depends on the row else 1; Hh likewise."""
+    """(R, Hh, nq, nkv) int8, R = B if the mask depends on the row else 1; Hh likewise.
+    EMPTY / PARTIAL / FULL from ``classify_blocks``; ``classify`` may leave UNDECIDED."""
     refined: int
-    """Tiles the structure left undecided and the mask_mod was evaluated on."""
+    """Tiles the structure left undecided and that were refined (by intervals or by
+    evaluating the mask_mod)."""
 
 
-def classify(mask: Mask, grid: BlockGrid) -> Tensor:
+def classify(mask: Mask, grid: BlockGrid) -> Classified:
     """Block codes of every tile from structure, broadcastable to (rows, heads, nq, nkv):
     leaves answer for themselves; ``&``, ``|`` and ``~`` combine their children's codes.
     May hold UNDECIDED where two partial tiles meet (``classify_blocks`` settles them)."""
     if isinstance(mask, Not):
-        return not_codes(classify(mask.child, grid))
+        inner = classify(mask.child, grid)
+        return Classified(not_codes(inner.codes), inner.refined)
     if isinstance(mask, (And, Or)) and mask._has_monotone_intervals():
         # Its closed-form runs are its exact codes, whatever its pieces' tiles would say.
-        return codes_from_runs(row_runs(mask, grid), grid)
-    if isinstance(mask, Or):
-        codes = classify(mask.children[0], grid)
+        return Classified(codes_from_runs(row_runs(mask, grid), grid), 0)
+    if isinstance(mask, Or) and (operands := union_operands(mask)) is not None:
+        rows, _ = grid.reduced(mask)
+        return Classified(codes_from_union_runs(union_row_runs(*operands, grid, rows), grid), 0)
+    if isinstance(mask, (And, Or)):
+        combine = and_codes if isinstance(mask, And) else or_codes
+        first = classify(mask.children[0], grid)
+        codes, refined = first.codes, first.refined
         for child in mask.children[1:]:
-            codes = or_codes(codes, classify(child, grid))
-        return codes
-    if isinstance(mask, And):
-        codes = classify(mask.children[0], grid)
-        for child in mask.children[1:]:
-            codes = and_codes(codes, classify(child, grid))
-        # Two partial tiles met. If every child is an interval per query, their intersection
-        # settles those tiles here, so an expression above (an `|`, a `~`) sees exact codes.
-        if int(codes.max()) == UNDECIDED and mask._has_intervals():
+            other = classify(child, grid)
+            codes, refined = combine(codes, other.codes), refined + other.refined
+        # Two partial tiles met. If every child of an `&` is an interval per query, their
+        # intersection settles those tiles here, so an expression above (an `|`, a `~`)
+        # sees exact codes.
+        if isinstance(mask, And) and int(codes.max()) == UNDECIDED and mask._has_intervals():
             rows, _ = grid.reduced(mask)
             codes = codes.expand(rows, *codes.shape[1:]).contiguous()
-            refine_by_intervals(codes, (codes == UNDECIDED).nonzero(), mask, grid)
-        return codes
-    return mask._classify(grid)  # type: ignore[attr-defined]
+            refined += refine_by_intervals(codes, (codes == UNDECIDED).nonzero(), mask, grid)
+        return Classified(codes, refined)
+    return Classified(mask._classify(grid), 0)  # type: ignore[attr-defined]
 
 
 def codes_from_runs(runs: Runs, grid: BlockGrid) -> Tensor:
@@ -87,26 +94,34 @@ def codes_from_runs(runs: Runs, grid: BlockGrid) -> Tensor:
     return codes.view(rows, 1, grid.num_q_blocks, grid.num_kv_blocks)
 
 
+def codes_from_union_runs(runs: UnionRuns, grid: BlockGrid) -> Tensor:
+    """(R, 1, nq, nkv) exact codes of an ``|`` of two monotone masks from its runs
+    (``unions.union_row_runs``)."""
+    kv_tile = torch.arange(grid.num_kv_blocks, device=grid.device)
+    inside = (runs.starts.unsqueeze(-1) <= kv_tile) & (kv_tile < runs.stops.unsqueeze(-1))
+    codes = codes_from(inside[:, :, :2].any(2), inside[:, :, 2:].any(2))
+    return codes.unsqueeze(1)
+
+
 def classify_blocks(mask: Mask, grid: BlockGrid) -> Classified:
     """Every tile's final code: structure first, the mask_mod only on undecided tiles."""
-    grid.refined[0] = 0
     rows, heads = grid.reduced(mask)
     shape = (rows, heads, grid.num_q_blocks, grid.num_kv_blocks)
-    codes = classify(mask, grid).expand(shape).contiguous()
-    undecided = (codes == UNDECIDED).nonzero() if int(codes.max()) == UNDECIDED else None
-    if undecided is not None:
+    structure = classify(mask, grid)
+    codes, refined = structure.codes.expand(shape).contiguous(), structure.refined
+    if int(codes.max()) == UNDECIDED:
+        undecided = (codes == UNDECIDED).nonzero()
         if mask._has_intervals():
-            refine_by_intervals(codes, undecided, mask, grid)
+            refined += refine_by_intervals(codes, undecided, mask, grid)
         else:
-            refine_by_evaluation(
-                codes, undecided, mask._lower(grid.length, grid.device).evaluate, grid
-            )
-    return Classified(grid.demote_incomplete(codes), grid.refined[0])
+            evaluate = mask._lower(grid.length, grid.device).evaluate
+            refined += refine_by_evaluation(codes, undecided, evaluate, grid)
+    return Classified(grid.demote_incomplete(codes), refined)
 
 
-def refine_by_evaluation(codes: Tensor, tiles: Tensor, evaluate: MaskMod, grid: BlockGrid) -> None:
-    """Evaluates the mask on the given tiles only and writes their exact codes in place."""
-    grid.refined[0] += tiles.shape[0]
+def refine_by_evaluation(codes: Tensor, tiles: Tensor, evaluate: MaskMod, grid: BlockGrid) -> int:
+    """Evaluates the mask on the given tiles only and writes their exact codes in place;
+    returns how many tiles that was."""
     q_tile, kv_tile = tiles[:, 2], tiles[:, 3]
     complete = (grid.q_first.view(-1)[q_tile] + grid.q_block <= grid.q_end) & (
         grid.kv_first.view(-1)[kv_tile] + grid.kv_block <= grid.kv_end
@@ -117,16 +132,17 @@ def refine_by_evaluation(codes: Tensor, tiles: Tensor, evaluate: MaskMod, grid: 
             continue
         for chunk in torch.split(part, per_chunk):
             codes[tuple(chunk.unbind(1))] = _evaluate_tiles(chunk, evaluate, grid, clip)
+    return tiles.shape[0]
 
 
-def refine_by_intervals(codes: Tensor, tiles: Tensor, mask: Mask, grid: BlockGrid) -> None:
-    """Exact codes of undecided tiles from each query's kv interval: O(q_block) per tile.
+def refine_by_intervals(codes: Tensor, tiles: Tensor, mask: Mask, grid: BlockGrid) -> int:
+    """Exact codes of undecided tiles from each query's kv interval: O(q_block) per tile;
+    returns how many tiles that was.
 
     A tile attends somewhere iff one of its in-range queries' intervals meets the tile's kv
     range, and everywhere iff every in-range query's interval covers that range. Intervals
     are asked for at those queries only.
     """
-    grid.refined[0] += tiles.shape[0]
     dev = grid.device
     per_chunk = max(1, REFINE_CHUNK_ELEMENTS // grid.q_block)
     for chunk in torch.split(tiles, per_chunk):
@@ -144,6 +160,7 @@ def refine_by_intervals(codes: Tensor, tiles: Tensor, mask: Mask, grid: BlockGri
         some, every = meets.any(1), covers.all(1)
         code = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(CODE_DTYPE)
         codes[tuple(chunk.unbind(1))] = code
+    return tiles.shape[0]
 
 
 def _evaluate_tiles(chunk: Tensor, evaluate: MaskMod, grid: BlockGrid, clip: bool) -> Tensor:

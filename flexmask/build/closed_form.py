@@ -55,10 +55,28 @@ class Runs(NamedTuple):
     full_last: Tensor
 
 
-def _clipped(mask: Mask, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> tuple[Tensor, Tensor]:
+def clipped(mask: Mask, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> tuple[Tensor, Tensor]:
+    """The mask's interval at each query, clipped to the grid's kv window."""
     lo, hi = mask._intervals(q_idx, row, grid)  # type: ignore[misc]
     shape = q_idx.shape
     return lo.clamp(min=grid.kv_offset).expand(shape), hi.clamp(max=grid.kv_end - 1).expand(shape)
+
+
+def special_blocks(
+    lo_a: Tensor, hi_a: Tensor, lo_z: Tensor, hi_z: Tensor, start: int | Tensor
+) -> Tensor:
+    """``(..., rows, 1 or 2)``: per row, the blocks whose queries may attend only in part,
+    from the clipped intervals at every block's first and last query (``(..., rows, nq)``) and
+    the kv window's start (the block where ``hi`` first reaches it may begin late).
+
+    argmax: the first such block, 0 if none — any block evaluated query by query is exact,
+    so a spare one costs nothing but its work.
+    """
+    stops = ((lo_a <= hi_a) & (lo_z > hi_z)).to(torch.int8).argmax(-1, keepdim=True)
+    if isinstance(start, int) and start == 0:
+        return stops  # kv from 0: the attending queries are a prefix, no block begins late
+    begins = (hi_z >= start).to(torch.int8).argmax(-1, keepdim=True)
+    return torch.cat([begins, stops], -1)
 
 
 def row_runs(mask: Mask, grid: BlockGrid) -> Runs:
@@ -79,23 +97,16 @@ def row_runs(mask: Mask, grid: BlockGrid) -> Runs:
     first_q = grid.q_first.view(-1, nq).expand(rows, nq)  # per-row offsets: (B, nq)
     last_q = grid.q_last.view(-1, nq).expand(rows, nq)
     row = torch.arange(rows, device=dev).view(rows, 1)
-    lo, hi = _clipped(mask, torch.cat([first_q, last_q], 1), row, grid)
+    lo, hi = clipped(mask, torch.cat([first_q, last_q], 1), row, grid)
     lo_a, lo_z = lo[:, :nq], lo[:, nq:]
     hi_a, hi_z = hi[:, :nq], hi[:, nq:]
     a_attends, z_attends = lo_a <= hi_a, lo_z <= hi_z
-    # The two blocks that may be cut inside (argmax: the first such block, 0 if none — any
-    # block evaluated query by query is exact, so a spare one costs nothing but its work).
-    stops = (a_attends & ~z_attends).to(torch.int8).argmax(1, keepdim=True)
-    if isinstance(grid.kv_offset, int) and grid.kv_offset == 0:
-        special = stops  # kv from 0: the attending queries are a prefix, no block begins late
-    else:
-        begins = (hi_z >= grid.kv_offset).to(torch.int8).argmax(1, keepdim=True)
-        special = torch.cat([begins, stops], 1)  # (rows, 2)
+    special = special_blocks(lo_a, hi_a, lo_z, hi_z, grid.kv_offset)
     count = special.shape[1]
     inside = first_q.gather(1, special).unsqueeze(-1) + torch.arange(qb, device=dev)
     q_end = grid.q_end.view(-1, 1, 1) if isinstance(grid.q_end, Tensor) else grid.q_end
     inside = inside.clamp(max=q_end - 1).view(rows, count * qb)  # repeats the last query
-    lo_in, hi_in = (t.view(rows, count, qb) for t in _clipped(mask, inside, row, grid))
+    lo_in, hi_in = (t.view(rows, count, qb) for t in clipped(mask, inside, row, grid))
     attends = lo_in <= hi_in
     first_in = attends.to(torch.int8).argmax(-1, keepdim=True)
     last_in = (qb - 1) - attends.flip(-1).to(torch.int8).argmax(-1, keepdim=True)

@@ -4,7 +4,7 @@ The one data path, one module per stage (``flexmask.build``):
 
 1. ``grid`` — validate the arguments and lay out the tiles of the window;
 2. ``closed_form`` — an ``&`` of interval pieces: both sides' runs from the intervals at
-   block edges, no tile grid; otherwise
+   block edges, no tile grid; ``unions`` — an ``|`` of two such: two runs per row; otherwise
 3. ``classify`` — every tile's code from structure (``codes``), refining undecided tiles;
 4. ``write`` — torch's tensors, byte-identical to its ``create_block_mask``.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -20,7 +21,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 from flexmask._validate import check_device, env_int
-from flexmask.build import closed_form
+from flexmask.build import closed_form, unions
 from flexmask.build.classify import classify_blocks
 from flexmask.build.grid import BlockGrid, make_grid
 from flexmask.build.write import Ordered, assemble, empty_sides, ordered_from_codes
@@ -29,22 +30,39 @@ from flexmask.mask import Mask, MaskMod, ShiftedMod
 ENV_BUILD_THREADS = "FLEXMASK_BUILD_THREADS"
 
 
-def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
+def in_closed_form(mask: Mask) -> bool:
+    """True if the build writes ``mask`` from intervals at block edges, no tiles: monotone
+    intervals (``closed_form``) or an ``|`` of two such (``unions``)."""
+    return mask._has_monotone_intervals() or unions.union_operands(mask) is not None
+
+
+class Sides(NamedTuple):
+    """Both sides' ordered tensors of a build, and how many tiles it refined."""
+
+    kv: Ordered
+    q: Ordered
+    refined: int
+    """Tiles the structure left undecided (0 on the closed form)."""
+
+
+def ordered_sides(mask: Mask, grid: BlockGrid) -> Sides:
     """Both sides' ordered tensors: in closed form from the intervals at block edges where
-    the mask's intervals are monotone (``closed_form``), else from the classified tiles."""
+    the mask's intervals are monotone (``closed_form``) or it is an ``|`` of two such
+    (``unions``), else from the classified tiles."""
     if grid.num_q_blocks == 0 or grid.num_kv_blocks == 0:
-        grid.refined[0] = 0
-        return empty_sides(*grid.reduced(mask), grid)
+        return Sides(*empty_sides(*grid.reduced(mask), grid), 0)
     if mask._has_monotone_intervals():
-        grid.refined[0] = 0
-        return closed_form.ordered_sides(mask, grid)
+        return Sides(*closed_form.ordered_sides(mask, grid), 0)
+    if unions.union_operands(mask) is not None:
+        return Sides(*unions.union_sides(mask, grid), 0)
     parts = mask._head_parts(grid.heads)
     if parts is not None:
         return _by_head(mask, parts, grid)
-    return ordered_from_codes(classify_blocks(mask, grid).codes)
+    codes, refined = classify_blocks(mask, grid)
+    return Sides(*ordered_from_codes(codes), refined)
 
 
-def _by_head(mask: Mask, parts: tuple[tuple[Mask, ...], list[Tensor]], grid: BlockGrid):
+def _by_head(mask: Mask, parts: tuple[tuple[Mask, ...], list[Tensor]], grid: BlockGrid) -> Sides:
     """A mask that is one of several masks on each head (``per_head``): each distinct mask
     built once on its own path (the closed form where it has one), its tensors copied to
     the heads that use it."""
@@ -52,9 +70,9 @@ def _by_head(mask: Mask, parts: tuple[tuple[Mask, ...], list[Tensor]], grid: Blo
     rows = grid.reduced(mask)[0]
     built, refined = [], 0
     for part in masks:
-        built.append([t for side in ordered_sides(part, grid) for t in side])
-        refined += grid.refined[0]
-    grid.refined[0] = refined
+        kv, q, part_refined = ordered_sides(part, grid)
+        built.append([*kv, *q])
+        refined += part_refined
     out = []
     for field in zip(*built, strict=True):
         shape = (rows, grid.heads, *field[0].shape[2:])
@@ -63,7 +81,7 @@ def _by_head(mask: Mask, parts: tuple[tuple[Mask, ...], list[Tensor]], grid: Blo
             index = index.to(grid.device)
             tensor.index_copy_(1, index, part_tensor.expand(shape).index_select(1, index))
         out.append(tensor)
-    return Ordered(*out[:4]), Ordered(*out[4:])
+    return Sides(Ordered(*out[:4]), Ordered(*out[4:]), refined)
 
 
 def build_threads() -> int:
@@ -93,18 +111,23 @@ def cpu_threads(device: torch.device) -> Iterator[None]:
 
 def build(mask: Mask, grid: BlockGrid) -> BlockMask:
     """Builds the BlockMask of a validated mask on a validated grid."""
+    return build_counted(mask, grid)[0]
+
+
+def build_counted(mask: Mask, grid: BlockGrid) -> tuple[BlockMask, int]:
+    """``build``, and how many tiles it refined (what benchmarks report)."""
     with cpu_threads(torch.device(grid.device)):
         # The lookups the mask_mod keeps are allocated before the build's temporaries.
         lowered = mask._lower(grid.length, grid.device).mask_mod
         mask_mod = window_mask_mod(lowered, grid)
-        if grid.per_row_offsets and not mask._has_monotone_intervals():
-            kv, q = _row_by_row(mask, grid)
+        if grid.per_row_offsets and not in_closed_form(mask):
+            kv, q, refined = _row_by_row(mask, grid)
         else:
-            kv, q = ordered_sides(mask, grid)
+            kv, q, refined = ordered_sides(mask, grid)
         block_mask = assemble(kv, q, grid, mask_mod)
         if mask_mod is lowered:  # no window: the BlockMask means the mask itself
             setattr(block_mask, _BUILT_FROM, (mask, mask_mod))
-        return block_mask
+        return block_mask, refined
 
 
 # A BlockMask flexmask built remembers its Mask with the mask_mod it was built with. torch
@@ -136,12 +159,12 @@ def window_mask_mod(mask_mod: MaskMod, grid: BlockGrid) -> MaskMod:
     return ShiftedMod(mask_mod, held(grid.q_offset), held(grid.kv_offset))
 
 
-def _row_by_row(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
+def _row_by_row(mask: Mask, grid: BlockGrid) -> Sides:
     """Per-row windows on the tile path: each row's window built with its own offsets and
     its row kept (B builds; the closed form takes per-row offsets in one)."""
     q_off = grid.q_offset.view(-1).tolist()  # type: ignore[union-attr]
     kv_off = grid.kv_offset.view(-1).tolist()  # type: ignore[union-attr]
-    parts = []
+    parts, refined = [], 0
     for row in range(grid.batch):
         one = BlockGrid.make(
             grid.batch,
@@ -155,10 +178,11 @@ def _row_by_row(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
             kv_offset=kv_off[row],
             reach=grid.length,  # the lookups every row's window shares
         )
-        sides = ordered_sides(mask, one)
-        parts.append([t[row : row + 1] if t.shape[0] > 1 else t for side in sides for t in side])
+        kv, q, one_refined = ordered_sides(mask, one)
+        parts.append([t[row : row + 1] if t.shape[0] > 1 else t for t in (*kv, *q)])
+        refined += one_refined
     stacked = [torch.cat(column) for column in zip(*parts, strict=True)]
-    return Ordered(*stacked[:4]), Ordered(*stacked[4:])
+    return Sides(Ordered(*stacked[:4]), Ordered(*stacked[4:]), refined)
 
 
 def create_block_mask(

@@ -7,7 +7,7 @@ a position of the whole mask, so pieces classify windows with no change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,8 +46,6 @@ class BlockGrid:
     """Its columns are positions ``[kv_offset, kv_offset + kv_len)``; likewise."""
     reach: int = 0
     """One past the furthest position of any row (lookups are padded to it)."""
-    refined: list[int] = field(default_factory=lambda: [0], compare=False)
-    """Tiles refined so far in this build (a one-item list: the grid itself is frozen)."""
 
     @classmethod
     def make(

@@ -165,9 +165,7 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
     assert layout.q_blocks is not None and keys.blocks is not None and keys.segments is not None
     q_first = (layout.q_blocks * whole.q_block).to(whole.device)
     q_last = torch.clamp(q_first + (whole.q_block - 1), max=whole.q_len - 1)
-    grid = replace(
-        whole, q_first=q_first.view(1, 1, -1, 1), q_last=q_last.view(1, 1, -1, 1), refined=[0]
-    )
+    grid = replace(whole, q_first=q_first.view(1, 1, -1, 1), q_last=q_last.view(1, 1, -1, 1))
     row = row_runs(mask, grid)  # (R, nq local) runs of original kv blocks
     rows, nq = row.first.shape
     nkv = whole.num_kv_blocks

@@ -65,6 +65,9 @@ class Empty(Piece):
         mod = EmptyMod()
         return Lowered(mod, mod)
 
+    def _attends_nowhere(self) -> bool:
+        return True
+
     def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         hi = torch.zeros_like(q_idx)
         return Intervals(hi + 1, hi)

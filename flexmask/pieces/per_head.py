@@ -11,18 +11,10 @@ from flexmask._validate import check_int
 from flexmask.build.classify import classify
 from flexmask.build.codes import CODE_DTYPE
 from flexmask.build.grid import BlockGrid
-from flexmask.mask import (
-    Extent,
-    Lowered,
-    Mask,
-    MaskMod,
-    MaskModFn,
-    common_device,
-    common_rows,
-)
+from flexmask.mask import Composite, Extent, Lowered, Mask, MaskMod, MaskModFn
 
 
-class PerHead(Mask):
+class PerHead(Composite):
     """Head ``h`` attends as ``masks[(h // group_size) % len(masks)]``.
 
     ::
@@ -37,7 +29,7 @@ class PerHead(Mask):
     evaluates each distinct mask once.
     """
 
-    __slots__ = ("masks", "group_size", "distinct", "head_table", "_key", "_rows", "_device")
+    __slots__ = ("masks", "group_size", "distinct", "head_table")
 
     def __init__(self, masks: tuple[Mask, ...], group_size: int) -> None:
         self.masks = masks
@@ -50,37 +42,15 @@ class PerHead(Mask):
             table.append(distinct.index(mask))
         self.distinct = tuple(distinct)
         self.head_table = torch.tensor(table, dtype=torch.int64)  # masks[i] is distinct[...]
-        self._rows = common_rows(self.distinct)
-        self._device = common_device(self.distinct)
-        self._key = ("per_head", tuple(m.key for m in masks), group_size)
+        self._set_parts(self.distinct, ("per_head", tuple(m.key for m in masks), group_size))
 
     @property
-    def key(self) -> tuple:
-        return self._key
-
-    @property
-    def rows(self) -> int | None:
-        return self._rows
-
-    @property
-    def device(self) -> torch.device | None:
-        return self._device
-
-    @property
-    def batch_dependent(self) -> bool:
-        return any(m.batch_dependent for m in self.distinct)
+    def parts(self) -> tuple[Mask, ...]:
+        return self.distinct
 
     @property
     def head_dependent(self) -> bool:
         return True
-
-    @property
-    def natural_length(self) -> int:
-        return max(m.natural_length for m in self.distinct)
-
-    @property
-    def carries_batch_data(self) -> bool:
-        return any(m.carries_batch_data for m in self.distinct)
 
     @property
     def cycle(self) -> int:
@@ -96,8 +66,7 @@ class PerHead(Mask):
                 f"{len(self.masks)} * {self.group_size} = {self.cycle} for per_head: head h "
                 f"uses masks[(h // group_size) % len(masks)], and every mask needs its heads"
             )
-        for mask in self.distinct:
-            mask._check(extent)
+        super()._check(extent)
 
     def _head_parts(self, heads: int) -> tuple[tuple[Mask, ...], list[Tensor]]:
         return self.distinct, self._heads_of(heads)
@@ -118,7 +87,7 @@ class PerHead(Mask):
         for mask, heads in zip(self.distinct, self._heads_of(grid.heads), strict=True):
             if heads.numel() == 0:
                 continue
-            codes = classify(mask, grid).expand(shape)
+            codes = classify(mask, grid).codes.expand(shape)
             index = heads.to(grid.device)
             out.index_copy_(1, index, codes.index_select(1, index))
         return out

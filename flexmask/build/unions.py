@@ -1,0 +1,327 @@
+"""BlockMask tensors in closed form for an ``|`` of two masks with monotone intervals.
+
+Each operand ``A``, ``B`` (an ``&`` of interval pieces, a prefix-LM...) gives query ``q`` one
+kv interval, clipped to the grid's kv window: ``IA(q) = [loA, hiA]``, ``IB(q) = [loB, hiB]``
+(empty when lo > hi), each with the properties ``closed_form`` proves. The union attends
+``U(q) = IA(q) ∪ IB(q)``: one interval, or two with a gap between them. Such as the
+document-causal prefix-LM ``(causal() & document(l)) | prefix(64)``: a query in a later
+document attends the prompt ``[0, 63]`` and its own document ``[start, q]``.
+
+**Non-empty tiles.** A tile is non-empty in the union iff it is in either operand, so each
+block row's non-empty tiles are the union of the operands' runs: at most two runs.
+
+**Full tiles.** Where both intervals are non-empty, ``U(q) = [m, M] \\ G`` with the hull
+``m = min(loA, loB)``, ``M = max(hiA, hiB)`` and the gap ``G(q) = [min(hiA, hiB) + 1,
+max(loA, loB) - 1]`` (empty when the intervals overlap or touch: check the three ways two
+intervals lie, nested, overlapping, apart); where one is empty, ``U(q)`` is the other and
+there is no gap. So a complete tile ``[c, d]`` is covered by every query ``q`` of a block iff
+
+    every q attends,  [c, d] ⊂ [max_q m(q), min_q M(q)]  and  [c, d] ∩ ⋃_q G(q) = ∅.
+
+Claim: the gaps of one batch row, over all its queries, share their left end, so ``⋃_q G(q)``
+over a block is one interval ``[g0, g1]`` and the block row's full tiles are at most two runs:
+the complete tiles of the hull left of the gap's tiles and right of them. Proof: let ``G(q)``
+be non-empty, ``X`` the operand of smaller ``hi`` and ``Y`` the other. Then ``loY > hiX + 1``
+(``loX <= hiX`` as ``X`` attends), ``loY`` is not the clip ``k0`` (``hiX >= k0``), so
+``hiX < loY - 1 <= q - 1`` (``lo <= q``), and ``hiX`` is not the clip ``k1`` either (``Y``
+would be empty). So ``hiX(q) = CX < q``: ``X`` is past the point where its ``hi`` is constant
+(``closed_form``: a ``hi`` below ``q`` stays constant), and ``gl(q) = min(hiA, hiB) + 1 = CX +
+1``. At any later query ``p`` where both attend, ``gl(p) <= hiX(p) + 1 = CX + 1``, and
+``gl(p) >= gl(q)`` because the queries where both attend are a range on which every clipped
+``lo`` and ``hi`` never decreases. So every gap starts at ``CX + 1``. ∎ Moreover the gap's
+right end ``gr = max(loA, loB) - 1`` never decreases there, so the queries with a gap are a
+suffix of the range where both attend.
+
+**Which queries are read.** Both operands' intervals are computed once at every query
+(``_queries``: O(Q), a few passes). Inside a block where each operand's attending is
+all-or-nothing, ``m``, ``M``, ``gl`` and ``gr`` never decrease, so ``max m = m(z)``,
+``min M = M(a)`` and the gaps (a suffix) are ``[gl(z), gr(z)]``: the reductions over the
+two edge queries ``a``, ``z`` give exactly these. The blocks where an operand starts or
+stops attending inside (``closed_form.special_blocks``: at most two per operand and batch
+row) are reduced over all their queries.
+
+**Columns.** Transposed, each operand gives kv position ``k`` the range of queries that
+attend it, ``[qlo(k), qhi(k)]``, found by binary search over the intervals at every query
+(``_transposed``); these never decrease in ``k``, ``qlo(k) <= k``, and ``qhi(k) >= k`` or
+is a constant (the operand's last attending query): the properties the proof above uses.
+So each kv column's blocks are two non-empty runs and two full runs as well, reduced the
+same way over each tile's edge keys and the keys of its two special tiles per operand.
+
+Both sides are written from their runs (``ordered_runs``): no tile is evaluated, nothing is
+sorted but a line's nine segments, and nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from flexmask.build.closed_form import clipped, special_blocks
+from flexmask.build.grid import BlockGrid
+from flexmask.build.write import Ordered, expand_runs
+from flexmask.mask import Mask, Or
+
+# Larger than any position: the neutral value of a min over non-attending queries.
+_FAR = 1 << 62
+
+
+class UnionRuns(NamedTuple):
+    """Per block row ``(R, nq)``: two runs of non-empty tiles and two runs of full tiles,
+    each ``[start, stop)`` (empty when stop <= start), full runs inside non-empty ones."""
+
+    starts: Tensor
+    """(R, nq, 4): non-empty run 1, non-empty run 2, full run 1, full run 2."""
+    stops: Tensor
+
+
+def union_operands(mask: Mask) -> tuple[Mask, Mask] | None:
+    """The two operands of an ``|`` this module writes, or None.
+
+    A union of two children with monotone intervals qualifies. Children that attend
+    nowhere (``empty()``) drop out, and those that attend from key 0 (or around
+    themselves, spans) join as one from-zero union (``causal() | prefix(n)`` is itself
+    monotone); two operands must remain (or one, and an ``empty()``). A union that is
+    itself monotone (``Or._attends_from_zero``) goes to ``closed_form`` instead.
+    """
+    if not isinstance(mask, Or) or mask._has_monotone_intervals():
+        return None
+    distinct = tuple(dict.fromkeys(mask.children))  # a | a is a
+    nowhere = [c for c in distinct if c._attends_nowhere()]
+    children = tuple(c for c in distinct if not c._attends_nowhere())
+    joins = [c._attends_from_zero() or c._attends_around_self() for c in children]
+    if sum(joins) >= 2:
+        zero = tuple(c for c, j in zip(children, joins, strict=True) if j)
+        children = (*(c for c, j in zip(children, joins, strict=True) if not j), Or(zero))
+    if len(children) < 2:  # a | empty(), a | a: a, written as a union with either
+        children = ((*children, *nowhere) * 2)[:2]
+    if len(children) != 2 or not all(c._has_monotone_intervals() for c in children):
+        return None
+    return children[0], children[1]
+
+
+def _fold(x: Tensor, pair: Callable, whole: Callable) -> Tensor:
+    # A reduction over a last dimension of 2 (a line's two edges) as one elementwise op:
+    # torch's CPU reductions over so short a dimension cost far more.
+    return pair(x[..., 0], x[..., 1]) if x.shape[-1] == 2 else whole(x, -1)
+
+
+def _reduce(lo: Tensor, hi: Tensor) -> Tensor:
+    """Over the positions read of each line, ``(2, ..., k)`` with the two operands first:
+    ``(..., 9)`` — each operand's least ``lo`` and greatest ``hi`` where it attends (far /
+    -1 where it never does), whether every position attends (1 / 0), ``max m``, ``min M``
+    and the gaps' union ``[g0, g1]`` (g0 > g1 when no position has a gap)."""
+    attends = lo <= hi
+    lo = torch.where(attends, lo, _FAR)
+    hi = torch.where(attends, hi, -1)
+    # Where both attend: gl = min(hiA, hiB) + 1, gr = max(loA, loB) - 1.
+    gl = torch.minimum(hi[0], hi[1]).add_(1)
+    gr = torch.maximum(lo[0], lo[1]).sub_(1)
+    gap = (gl <= gr) & attends[0] & attends[1]
+    lines = [
+        _fold(lo[0], torch.minimum, torch.amin),
+        _fold(lo[1], torch.minimum, torch.amin),
+        _fold(hi[0], torch.maximum, torch.amax),
+        _fold(hi[1], torch.maximum, torch.amax),
+        _fold(attends[0] | attends[1], torch.logical_and, torch.all).long(),
+        _fold(torch.minimum(lo[0], lo[1]), torch.maximum, torch.amax),
+        _fold(torch.maximum(hi[0], hi[1]), torch.minimum, torch.amin),
+        _fold(torch.where(gap, gl, _FAR), torch.minimum, torch.amin),
+        _fold(torch.where(gap, gr, -1), torch.maximum, torch.amax),
+    ]
+    return torch.stack(lines, -1)
+
+
+def _line_runs(
+    reduced: Tensor,
+    first: Tensor,
+    block: int,
+    end: int | Tensor,
+    other_tile: Callable[[Tensor], Tensor],
+    other_block: int,
+) -> UnionRuns:
+    """Each line's two non-empty and two full runs from its reductions (``_reduce``,
+    ``(R, n, 9)``); ``first`` ``(R, n)`` is each line's first position, ``end`` one past
+    the last on its axis; ``other_tile`` maps the other axis's positions ``(R, k)`` to its
+    tiles of ``other_block``."""
+    rows = first.shape[0]
+
+    def tile(position: Tensor) -> Tensor:
+        return other_tile(position.reshape(rows, -1)).view(position.shape)
+
+    lo_first, hi_last = reduced[..., 0:2], reduced[..., 2:4]
+    every, m, big_m, g0, g1 = reduced[..., 4:].unbind(-1)
+    # Full: the complete tiles of the hull [m, M], less the tiles the gaps [g0, g1] meet.
+    complete = every.bool() & (first + block <= end)
+    hull_first = tile(torch.where(complete, m, 0) + (other_block - 1))
+    hull_stop = tile(torch.where(complete, big_m, -1) + 1)  # exclusive
+    has_gap = g0 <= g1
+    gap_first = torch.where(has_gap, tile(g0), hull_stop)
+    gap_stop = torch.where(has_gap, tile(g1) + 1, hull_stop)
+    # Each operand's non-empty run; [0, 0) where it attends nowhere.
+    some = hi_last >= 0
+    starts = [torch.where(some, tile(lo_first), 0), hull_first, hull_first.maximum(gap_stop)]
+    stops = [torch.where(some, tile(hi_last) + 1, 0), hull_stop.minimum(gap_first), hull_stop]
+    return UnionRuns(
+        torch.cat([starts[0], torch.stack(starts[1:], -1)], -1),
+        torch.cat([stops[0], torch.stack(stops[1:], -1)], -1),
+    )
+
+
+def _lines(edges: tuple[Tensor, Tensor], inside: tuple[Tensor, Tensor], special: Tensor) -> Tensor:
+    """``(R, n, 9)`` reductions of every line: over its two edge positions (``edges``, each
+    ``(2, R, n, 2)``), and for the ``special`` lines ``(R, s)`` over all their positions
+    (``inside``, each ``(2, R, s, block)``) instead."""
+    at_edges, at_special = _reduce(*edges), _reduce(*inside)
+    return at_edges.scatter(1, special.unsqueeze(-1).expand(-1, -1, 9), at_special)
+
+
+def _queries(a: Mask, b: Mask, grid: BlockGrid, rows: int) -> tuple[Tensor, Tensor]:
+    """Both operands' clipped intervals ``lo, hi`` at every query of the grid's blocks,
+    ``(2, R, nq * q_block)``: the queries past ``Q_LEN`` repeat the last one."""
+    dev = grid.device
+    padded = torch.arange(grid.num_q_blocks * grid.q_block, device=dev).clamp_(max=grid.q_len - 1)
+    q_idx = (padded + grid.q_offset).expand(rows, -1)
+    row = torch.arange(rows, device=dev).view(rows, 1)
+    (lo_a, hi_a), (lo_b, hi_b) = clipped(a, q_idx, row, grid), clipped(b, q_idx, row, grid)
+    return torch.stack([lo_a, lo_b]), torch.stack([hi_a, hi_b])
+
+
+def _special(edges: tuple[Tensor, Tensor], start: int | Tensor) -> Tensor:
+    """``(R, s)``: both operands' special lines (``closed_form.special_blocks``), from the
+    intervals at every line's edges ``(2, R, n, 2)``."""
+    lo, hi = edges
+    special = special_blocks(lo[..., 0], hi[..., 0], lo[..., 1], hi[..., 1], start)
+    return special.permute(1, 0, 2).reshape(special.shape[1], -1)
+
+
+def union_row_runs(
+    a: Mask, b: Mask, grid: BlockGrid, rows: int, queries: tuple[Tensor, Tensor] | None = None
+) -> UnionRuns:
+    """The runs of every block row of ``a | b``, ``(R, nq, 4)``: reduced over each block's
+    first and last query, and over every query of the blocks where an operand starts or
+    stops attending (``closed_form.special_blocks``: at most two per operand)."""
+    nq, qb = grid.num_q_blocks, grid.q_block
+    lo, hi = (t.view(2, rows, nq, qb) for t in (queries or _queries(a, b, grid, rows)))
+    edges = lo[..., [0, -1]], hi[..., [0, -1]]
+    special = _special(edges, grid.kv_offset)
+    index = special[None, :, :, None].expand(2, -1, -1, qb)
+    reduced = _lines(edges, (lo.gather(2, index), hi.gather(2, index)), special)
+    first = grid.q_first.view(-1, nq).expand(rows, nq)
+    return _line_runs(reduced, first, qb, grid.q_end, grid.kv_tile, grid.kv_block)
+
+
+def _transposed(lo: Tensor, hi: Tensor, grid: BlockGrid) -> tuple[Callable, Tensor]:
+    """The transposed intervals of both operands from their intervals at every query
+    (``(2, R, P)``): for kv positions ``(R, k)``, the queries ``[qlo, qhi]`` of the window
+    that attend each, ``(2, R, k)``, by binary search; and each operand's first attending
+    query ``(2, R, 1)`` (where ``qhi`` must reach for a column to attend).
+
+    The queries that attend form a range on which ``lo`` and ``hi`` never decrease
+    (``closed_form.row_runs``); with -1 before it and far past it, both are sorted, and the
+    queries attending ``k`` — those with ``hi >= k`` (a suffix) and ``lo <= k`` (a prefix)
+    — are ``[first hi >= k, last lo <= k]``. These transposed intervals have the
+    properties the proof uses: ``qlo`` and ``qhi`` never decrease; ``qlo(k) <= k`` (the
+    query ``k`` attends ``k`` while ``hi >= q``; once ``hi`` is constant no later query
+    reaches further); ``qhi(k) >= k`` or is the last attending query (every attending
+    ``q <= k`` has ``lo <= q <= k``), a constant."""
+    _, rows, positions = lo.shape
+    attends = lo <= hi
+    before = attends.cumsum(-1) == 0
+    fill = torch.where(before, -1, _FAR)
+    # Both operands as rows of one search: (2R, P).
+    lo, hi = (torch.where(attends, t, fill).view(2 * rows, positions) for t in (lo, hi))
+    reach = before.sum(-1, keepdim=True) + grid.q_offset
+    last = grid.q_len - 1  # the padded queries repeat the last one: cut them off
+
+    def at(kv_idx: Tensor) -> tuple[Tensor, Tensor]:
+        keys = kv_idx.repeat(2, 1)
+        # A key none attends finds no hi >= k: q_lo is past the window, the interval empty.
+        q_lo = torch.searchsorted(hi, keys)
+        q_hi = torch.searchsorted(lo, keys, right=True).sub_(1).clamp_(max=last)
+        return q_lo.view(2, rows, -1) + grid.q_offset, q_hi.view(2, rows, -1) + grid.q_offset
+
+    return at, reach
+
+
+def union_column_runs(
+    a: Mask, b: Mask, grid: BlockGrid, rows: int, queries: tuple[Tensor, Tensor] | None = None
+) -> UnionRuns:
+    """The runs of every kv tile column of ``a | b``, ``(R, nkv, 4)``: the lines of the
+    transposed intervals (``_transposed``), reduced like the rows' over each tile's first
+    and last key — the transposed intervals never decrease, so those give the reductions —
+    and over every key of the tiles where an operand starts or stops being attended
+    (``closed_form.special_blocks``: two per operand)."""
+    nkv, kb, dev = grid.num_kv_blocks, grid.kv_block, grid.device
+    at, reach = _transposed(*(queries or _queries(a, b, grid, rows)), grid)
+    first = grid.kv_first.view(-1, nkv).expand(rows, nkv)
+    last = grid.kv_last.view(-1, nkv).expand(rows, nkv)
+    at_edges = at(torch.cat([first, last], 1))
+    edges = tuple(t.view(2, rows, 2, nkv).transpose(-1, -2) for t in at_edges)
+    special = _special(edges, reach)
+    count = special.shape[1]
+    inside = first.gather(1, special).unsqueeze(-1) + torch.arange(kb, device=dev)
+    kv_end = grid.kv_end.view(-1, 1, 1) if isinstance(grid.kv_end, Tensor) else grid.kv_end
+    inside = inside.clamp_(max=kv_end - 1).view(rows, count * kb)  # repeats the last key
+    at_inside = tuple(t.view(2, rows, count, kb) for t in at(inside))
+    reduced = _lines(edges, at_inside, special)
+
+    def q_tile(position: Tensor) -> Tensor:
+        return (position - grid.q_offset).div(grid.q_block, rounding_mode="floor")
+
+    return _line_runs(reduced, first, kb, grid.kv_end, q_tile, grid.q_block)
+
+
+def ordered_runs(
+    starts: Tensor, stops: Tensor, m: int, out: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """Writes one side's partial and full index tensors from each line's runs, in torch's
+    order (listed blocks ascending, then the rest ascending); returns both counts.
+
+    ``starts``/``stops`` are ``(N, 4)``: two non-empty runs then two full runs per line, any
+    of them empty. The runs' ends cut each line into at most nine segments, each wholly in or
+    out of every run; a stable sort of the segments by "listed first" is torch's order, and
+    the segments are expanded in one pass (``write.expand_runs``).
+    """
+    n = starts.shape[0]
+    points = torch.cat([starts, stops], 1).clamp_(0, m).sort(1).values
+    seg_start = torch.cat([points.new_zeros(n, 1), points], 1)
+    seg_len = torch.cat([points, points.new_full((n, 1), m)], 1) - seg_start
+    x = seg_start.unsqueeze(-1)
+    inside = (starts.unsqueeze(1) <= x) & (x < stops.unsqueeze(1))  # (N, 9, 4)
+    full = inside[..., 2:].any(-1)
+    partial = inside[..., :2].any(-1) & ~full
+    counts = []
+    for listed, target in zip((partial, full), out, strict=True):
+        order = listed.logical_not().to(torch.int8).argsort(dim=1, stable=True)
+        expand_runs(target.view(-1), seg_start.gather(1, order), seg_len.gather(1, order))
+        counts.append((seg_len * listed).sum(1, dtype=torch.int32))
+    return counts[0], counts[1]
+
+
+def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
+    """Both sides' tensors of a union ``union_operands`` accepts, shaped ``(R, 1, n[, m])``."""
+    operands = union_operands(mask)
+    assert operands is not None  # callers check union_operands(mask)
+    rows, _ = grid.reduced(mask)
+    nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
+    # The outputs first (closed_form.ordered_sides says why).
+    kv_p, kv_f, q_p, q_f = (
+        torch.empty((rows, n, m), dtype=torch.int32, device=dev)
+        for n, m in ((nq, nkv), (nq, nkv), (nkv, nq), (nkv, nq))
+    )
+    queries = _queries(*operands, grid, rows)
+    runs = union_row_runs(*operands, grid, rows, queries)
+    cols = union_column_runs(*operands, grid, rows, queries)
+    kv_pn, kv_fn = ordered_runs(runs.starts.view(-1, 4), runs.stops.view(-1, 4), nkv, (kv_p, kv_f))
+    q_pn, q_fn = ordered_runs(cols.starts.view(-1, 4), cols.stops.view(-1, 4), nq, (q_p, q_f))
+    return (
+        Ordered(
+            kv_pn.view(rows, 1, nq), kv_p.unsqueeze(1), kv_fn.view(rows, 1, nq), kv_f.unsqueeze(1)
+        ),
+        Ordered(
+            q_pn.view(rows, 1, nkv), q_p.unsqueeze(1), q_fn.view(rows, 1, nkv), q_f.unsqueeze(1)
+        ),
+    )
