@@ -1,0 +1,276 @@
+"""Both sides of a closed-form shard from segments: O(pieces + touched runs + output).
+
+A side's lines (kv side: the rank's q blocks; q side: the permuted kv blocks) are cut into
+*pieces*, ranges of consecutive original positions inside one block, and its columns are
+the *runs* of the other axis's permutation (consecutive original positions at consecutive
+permuted ones). For a mask with monotone intervals (``flexmask.build.closed_form``) each
+piece attends one original interval and covers another (every position of the piece
+attends all of it). Such an interval meets a range of runs in original order (two binary
+searches), and inside each run it is one permuted interval: so a piece's blocks are a few
+ranges of column blocks, one per run it touches, never a loop over all column pieces.
+
+A line's state along its columns then follows from range events: non-empty where any of
+its pieces' ranges lies, full where each piece's covered ranges (merged where they touch
+across runs) hold the whole block and the line is complete. The events, sorted by line and
+column block, cut every line into segments of one state, and each index tensor is those
+segments laid out in torch's order (listed blocks ascending, then the others) and expanded
+in one pass (``flexmask.build.write.expand_runs``).
+
+The keys attending a query are an interval, and so are the queries attending a key
+(``[u(k), v(k)]`` with ``u`` the first query whose ``hi`` reaches ``k`` and ``v`` the last
+whose ``lo`` does: the attending queries are a prefix along which ``lo`` and ``hi`` never
+decrease), so the q side is the same computation with the axes swapped.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from flexmask.build.write import Ordered, expand_runs
+
+
+class Pieces(NamedTuple):
+    """One side's line pieces, ``(R, n)`` intervals in the columns' original positions
+    (empty where ``lo > hi``), ``line`` the line block of each piece ``(n,)``."""
+
+    line: Tensor
+    some_lo: Tensor
+    some_hi: Tensor
+    cover_lo: Tensor
+    cover_hi: Tensor
+
+
+class Columns(NamedTuple):
+    """The column axis: its runs sorted by original start (permuted start, original start,
+    original last), its length and block size."""
+
+    perm_start: Tensor
+    orig_start: Tensor
+    orig_last: Tensor
+    length: int
+    block: int
+
+    @classmethod
+    def of(cls, runs: tuple[Tensor, Tensor, Tensor], length: int, block: int) -> Columns:
+        local, orig, lengths = runs
+        order = torch.argsort(orig)
+        orig = orig[order]
+        return cls(local[order], orig, orig + lengths[order] - 1, length, block)
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.length // self.block)
+
+
+def cut(order: Tensor, run_starts: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """Pieces of an axis in permuted order: cut at blocks and runs. (starts, lengths)."""
+    n = order.numel()
+    cuts = torch.zeros(n, dtype=torch.bool)
+    cuts[::block] = True
+    cuts[run_starts] = True
+    starts = torch.nonzero(cuts).flatten()
+    return starts, torch.diff(starts, append=torch.tensor([n]))
+
+
+def _pairs(cols: Columns, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Every (piece, run) whose intersection is non-empty: the flat piece index and the
+    intersection as permuted positions ``[x0, x1]``."""
+    lo, hi = lo.reshape(-1), hi.reshape(-1)
+    first = torch.searchsorted(cols.orig_last, lo)
+    last = torch.searchsorted(cols.orig_start, hi, right=True)
+    count = torch.where(lo <= hi, (last - first).clamp_(min=0), 0)
+    src = torch.repeat_interleave(torch.arange(lo.numel()), count)
+    offset = (count.cumsum(0) - count)[src]
+    k = first[src] + (torch.arange(src.numel()) - offset)
+    shift = cols.perm_start[k] - cols.orig_start[k]
+    x0 = torch.maximum(lo[src], cols.orig_start[k]) + shift
+    x1 = torch.minimum(hi[src], cols.orig_last[k]) + shift
+    return src, x0, x1
+
+
+def pair_count(cols: Columns, lo: Tensor, hi: Tensor) -> int:
+    """How many (piece, run) pairs ``_pairs`` would list (to choose a path before it)."""
+    lo, hi = lo.reshape(-1), hi.reshape(-1)
+    first = torch.searchsorted(cols.orig_last, lo)
+    last = torch.searchsorted(cols.orig_start, hi, right=True)
+    return int(torch.where(lo <= hi, (last - first).clamp_(min=0), 0).sum())
+
+
+def _covered(src: Tensor, x0: Tensor, x1: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Whole column blocks inside each piece's covered positions (its runs' intervals merged
+    where they touch in permuted order): (piece, first block, last block), non-empty."""
+    if src.numel() == 0:
+        return src, src, src
+    order = torch.argsort(src * (int(x1.max()) + 2) + x0)
+    src, x0, x1 = src[order], x0[order], x1[order]
+    begins = torch.ones_like(src, dtype=torch.bool)
+    begins[1:] = (src[1:] != src[:-1]) | (x0[1:] != x1[:-1] + 1)
+    starts = torch.nonzero(begins).flatten()
+    ends = torch.cat([starts[1:], starts.new_tensor([src.numel()])]) - 1
+    first = (x0[starts] + block - 1).div(block, rounding_mode="floor")
+    last = (x1[ends] + 1).div(block, rounding_mode="floor") - 1
+    keep = first <= last
+    return src[starts][keep], first[keep], last[keep]
+
+
+def side(pieces: Pieces, cols: Columns, num_lines: int, complete: Tensor) -> tuple[Tensor, ...]:
+    """One side's (partial_num, partial_idx, full_num, full_idx), ``(R, lines[, blocks])``.
+
+    ``complete``: (lines,) whether each line block holds a whole block of positions (an
+    incomplete one is never full, as torch pads it with masked positions).
+    """
+    rows, n = pieces.some_lo.shape
+    block, m = cols.block, cols.num_blocks
+    line_of = (torch.arange(rows).view(rows, 1) * num_lines + pieces.line.view(1, n)).reshape(-1)
+    per_line = torch.bincount(pieces.line, minlength=num_lines)
+    src, x0, x1 = _pairs(cols, pieces.some_lo, pieces.some_hi)
+    some = (
+        line_of[src],
+        x0.div(block, rounding_mode="floor"),
+        x1.div(block, rounding_mode="floor"),
+    )
+    full = _covered(*_pairs(cols, pieces.cover_lo, pieces.cover_hi), block)
+    full = (line_of[full[0]], full[1], full[2])
+    lines = torch.arange(rows * num_lines)
+    zeros = torch.zeros_like(lines)
+    # Events: (line, column block, +-some, +-full); a line's own ends cut it at 0 and m.
+    line = torch.cat([some[0], some[0], full[0], full[0], lines, lines])
+    at = torch.cat([some[1], some[2] + 1, full[1], full[2] + 1, zeros, zeros + m])
+    d_some = torch.cat([torch.ones_like(some[0]), -torch.ones_like(some[0])])
+    d_full = torch.cat([torch.ones_like(full[0]), -torch.ones_like(full[0])])
+    d_some = torch.cat([d_some, torch.zeros_like(full[0]).repeat(2), zeros, zeros])
+    d_full = torch.cat([torch.zeros_like(some[0]).repeat(2), d_full, zeros, zeros])
+    order = torch.argsort(line * (m + 1) + at)
+    line, at = line[order], at[order]
+    # Every line's deltas add up to zero, so a running sum is each line's own.
+    some_count, full_count = d_some[order].cumsum(0), d_full[order].cumsum(0)
+    length = torch.diff(at, append=at.new_tensor([m]))
+    keep = length > 0
+    keep[:-1] &= line[1:] == line[:-1]
+    keep[-1] = False  # the last event is the last line's end
+    line, at, length = line[keep], at[keep], length[keep]
+    block_of_line = line % num_lines
+    is_full = (full_count[keep] == per_line[block_of_line]) & complete[block_of_line]
+    is_partial = (some_count[keep] > 0) & ~is_full
+    out = []
+    for listed in (is_partial, is_full):
+        num = torch.zeros(rows * num_lines, dtype=torch.int64).index_add_(0, line, length * listed)
+        # Segments are in (line, column) order: listed ones first in each line, then the rest.
+        placed = torch.sort(line * 2 + (~listed).to(torch.int64), stable=True).indices
+        idx = torch.empty((rows, num_lines, m), dtype=torch.int32)
+        expand_runs(idx.view(-1), at[placed], length[placed])
+        out += [num.to(torch.int32).view(rows, num_lines), idx]
+    return tuple(out)
+
+
+def q_pieces(lo: Tensor, hi: Tensor, starts: Tensor, block: int, total: int) -> Pieces:
+    """The kv side's pieces: the rank's local queries (``q_perm``, their original
+    positions; ``lo``/``hi`` ``(R, local)`` their clipped intervals) cut at ``starts``.
+    A piece attends the union of its queries' intervals (they touch), and covers their
+    intersection where every one of them attends."""
+    rows, local = lo.shape
+    piece = torch.zeros(local, dtype=torch.int64)
+    piece[starts[1:]] = 1
+    piece = piece.cumsum(0).view(1, -1).expand(rows, -1)
+    attends = lo <= hi
+    n = starts.numel()
+
+    def reduce(values: Tensor, how: str, fill: int) -> Tensor:
+        out = torch.full((rows, n), fill, dtype=values.dtype)
+        return out.scatter_reduce_(1, piece, values, how, include_self=False)
+
+    every = reduce(attends.to(torch.int64), "amin", 0).bool()
+    cover_lo = torch.where(every, reduce(lo, "amax", total), total)
+    cover_hi = torch.where(every, reduce(hi, "amin", -1), -1)
+    return Pieces(
+        starts.div(block, rounding_mode="floor"),
+        reduce(torch.where(attends, lo, total), "amin", total),
+        reduce(torch.where(attends, hi, -1), "amax", -1),
+        cover_lo,
+        cover_hi,
+    )
+
+
+def kv_pieces(
+    lo: Tensor,
+    hi: Tensor,
+    q_perm: Tensor,
+    kv_first: Tensor,
+    starts: Tensor,
+    lengths: Tensor,
+    block: int,
+    total: int,
+) -> Pieces:
+    """The q side's pieces: permuted keys cut at ``starts`` (``kv_first`` their first
+    original key; each piece ``lengths`` consecutive keys). The local queries attending
+    key ``k`` are those, in original order, from the first whose ``hi`` reaches ``k`` to
+    the last whose ``lo`` does (``lo``/``hi`` ``(R, local)`` in ``q_perm``'s order)."""
+    rows = lo.shape[0]
+    q_sorted, order = torch.sort(q_perm)
+    lo, hi = lo[:, order], hi[:, order]
+    attends = lo <= hi  # a prefix of the sorted queries; the rest sort last with a big lo/hi
+    lo = torch.where(attends, lo, total).contiguous()
+    hi = torch.where(attends, hi, total).contiguous()
+    k0 = kv_first.view(1, -1).expand(rows, -1).contiguous()
+    k1 = k0 + (lengths.view(1, -1) - 1)
+
+    def first(k: Tensor) -> Tensor:  # first sorted query with hi >= k
+        return torch.searchsorted(hi, k)
+
+    def last(k: Tensor) -> Tensor:  # last sorted query with lo <= k
+        return torch.searchsorted(lo, k, right=True) - 1
+
+    def interval(a: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
+        valid = a <= z
+        top = q_sorted.numel() - 1
+        a_q = q_sorted[a.clamp(max=top)]
+        z_q = q_sorted[z.clamp(min=0)]
+        return torch.where(valid, a_q, total), torch.where(valid, z_q, -1)
+
+    some_lo, some_hi = interval(first(k0), last(k1))
+    cover_lo, cover_hi = interval(first(k1), last(k0))
+    return Pieces(starts.div(block, rounding_mode="floor"), some_lo, some_hi, cover_lo, cover_hi)
+
+
+def complete_lines(length: int, block: int) -> Tensor:
+    """(lines,) whether each block of an axis of ``length`` positions is whole."""
+    lines = -(-length // block)
+    return (torch.arange(lines) + 1) * block <= length
+
+
+def segment_sides(
+    lo: Tensor,
+    hi: Tensor,
+    q_perm: Tensor,
+    q_runs: tuple[Tensor, Tensor, Tensor],
+    kv_perm: Tensor,
+    kv_runs: tuple[Tensor, Tensor, Tensor],
+    block: int,
+    max_pairs: int | None = None,
+) -> tuple[Ordered, Ordered] | None:
+    """Both sides of a shard from the clipped intervals ``lo``/``hi`` ``(R, local)`` of the
+    rank's queries (``q_perm`` order) against the keys in ``kv_perm`` order; None where
+    the pieces touch more than ``max_pairs`` runs (a dense pass is then cheaper)."""
+    total, local = kv_perm.numel(), q_perm.numel()
+    q_starts, _ = cut(q_perm, q_runs[0], block)
+    kv_starts, kv_lens = cut(kv_perm, kv_runs[0], block)
+    queries = q_pieces(lo, hi, q_starts, block, total)
+    keys = kv_pieces(lo, hi, q_perm, kv_perm[kv_starts], kv_starts, kv_lens, block, total)
+    kv_cols = Columns.of(kv_runs, total, block)
+    q_cols = Columns.of(q_runs, local, block)
+    if max_pairs is not None:
+        pairs = pair_count(kv_cols, queries.some_lo, queries.some_hi)
+        pairs += pair_count(q_cols, keys.some_lo, keys.some_hi)
+        if pairs > max_pairs:
+            return None
+    nq, nkv = -(-local // block), -(-total // block)
+    kv = side(queries, kv_cols, nq, complete_lines(local, block))
+    q = side(keys, q_cols, nkv, complete_lines(total, block))
+    rows = lo.shape[0]
+    return (
+        Ordered(*(t.view(rows, 1, *t.shape[1:]) for t in kv)),
+        Ordered(*(t.view(rows, 1, *t.shape[1:]) for t in q)),
+    )
