@@ -83,11 +83,12 @@ def _pairs(cols: Columns, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tenso
     last = torch.searchsorted(cols.orig_start, hi, right=True)
     count = torch.where(lo <= hi, (last - first).clamp_(min=0), 0)
     src = torch.repeat_interleave(torch.arange(lo.numel()), count)
-    offset = (count.cumsum(0) - count)[src]
-    k = first[src] + (torch.arange(src.numel()) - offset)
-    shift = cols.perm_start[k] - cols.orig_start[k]
-    x0 = torch.maximum(lo[src], cols.orig_start[k]) + shift
-    x1 = torch.minimum(hi[src], cols.orig_last[k]) + shift
+    # (index_select: torch's advanced indexing costs several times more on 1-D tensors.)
+    k = (first - (count.cumsum(0) - count)).index_select(0, src) + torch.arange(src.numel())
+    orig_start = cols.orig_start.index_select(0, k)
+    shift = cols.perm_start.index_select(0, k) - orig_start
+    x0 = torch.maximum(lo.index_select(0, src), orig_start).add_(shift)
+    x1 = torch.minimum(hi.index_select(0, src), cols.orig_last.index_select(0, k)).add_(shift)
     return src, x0, x1
 
 
@@ -105,15 +106,39 @@ def _covered(src: Tensor, x0: Tensor, x1: Tensor, block: int) -> tuple[Tensor, T
     if src.numel() == 0:
         return src, src, src
     order = torch.argsort(src * (int(x1.max()) + 2) + x0)
-    src, x0, x1 = src[order], x0[order], x1[order]
+    src, x0, x1 = (t.index_select(0, order) for t in (src, x0, x1))
     begins = torch.ones_like(src, dtype=torch.bool)
     begins[1:] = (src[1:] != src[:-1]) | (x0[1:] != x1[:-1] + 1)
     starts = torch.nonzero(begins).flatten()
     ends = torch.cat([starts[1:], starts.new_tensor([src.numel()])]) - 1
-    first = (x0[starts] + block - 1).div(block, rounding_mode="floor")
-    last = (x1[ends] + 1).div(block, rounding_mode="floor") - 1
-    keep = first <= last
-    return src[starts][keep], first[keep], last[keep]
+    first = (x0.index_select(0, starts) + block - 1).div_(block, rounding_mode="floor")
+    last = (x1.index_select(0, ends) + 1).div_(block, rounding_mode="floor") - 1
+    keep = torch.nonzero(first <= last).flatten()
+    return (
+        src.index_select(0, starts).index_select(0, keep),
+        first.index_select(0, keep),
+        last.index_select(0, keep),
+    )
+
+
+def _listed_first(line: Tensor, listed: Tensor, line_start: Tensor) -> Tensor:
+    """The order that puts each line's listed segments first, then the others, each in
+    their order (a stable partition by line, as a sort would give, in O(segments)):
+    segment ``s`` goes to ``placed[s]``; ``line_start[l]`` is line ``l``'s first segment."""
+    n = line.numel()
+    listed_until = listed.to(torch.int64).cumsum(0)  # listed segments up to s, inclusive
+    start = line_start.index_select(0, line)
+    before = listed_until.index_select(0, start) - listed.index_select(0, start).to(torch.int64)
+    listed_in_line = listed_until - before  # inclusive count inside the line
+    ends = torch.cat([line_start[1:], line_start.new_tensor([n])]) - 1
+    line_listed = listed_until.index_select(0, ends) - before.index_select(0, line_start)
+    rank = torch.arange(n) - start
+    dest = torch.where(
+        listed,
+        start + listed_in_line - 1,
+        start + line_listed.index_select(0, line) + (rank - listed_in_line),
+    )
+    return torch.empty_like(dest).scatter_(0, dest, torch.arange(n))
 
 
 def side(pieces: Pieces, cols: Columns, num_lines: int, complete: Tensor) -> tuple[Tensor, ...]:
@@ -127,41 +152,58 @@ def side(pieces: Pieces, cols: Columns, num_lines: int, complete: Tensor) -> tup
     line_of = (torch.arange(rows).view(rows, 1) * num_lines + pieces.line.view(1, n)).reshape(-1)
     per_line = torch.bincount(pieces.line, minlength=num_lines)
     src, x0, x1 = _pairs(cols, pieces.some_lo, pieces.some_hi)
-    some = (
-        line_of[src],
-        x0.div(block, rounding_mode="floor"),
-        x1.div(block, rounding_mode="floor"),
+    some_line = line_of.index_select(0, src)
+    full_src, full_first, full_last = _covered(
+        *_pairs(cols, pieces.cover_lo, pieces.cover_hi), block
     )
-    full = _covered(*_pairs(cols, pieces.cover_lo, pieces.cover_hi), block)
-    full = (line_of[full[0]], full[1], full[2])
+    full_line = line_of.index_select(0, full_src)
     lines = torch.arange(rows * num_lines)
-    zeros = torch.zeros_like(lines)
-    # Events: (line, column block, +-some, +-full); a line's own ends cut it at 0 and m.
-    line = torch.cat([some[0], some[0], full[0], full[0], lines, lines])
-    at = torch.cat([some[1], some[2] + 1, full[1], full[2] + 1, zeros, zeros + m])
-    d_some = torch.cat([torch.ones_like(some[0]), -torch.ones_like(some[0])])
-    d_full = torch.cat([torch.ones_like(full[0]), -torch.ones_like(full[0])])
-    d_some = torch.cat([d_some, torch.zeros_like(full[0]).repeat(2), zeros, zeros])
-    d_full = torch.cat([torch.zeros_like(some[0]).repeat(2), d_full, zeros, zeros])
-    order = torch.argsort(line * (m + 1) + at)
-    line, at = line[order], at[order]
-    # Every line's deltas add up to zero, so a running sum is each line's own.
-    some_count, full_count = d_some[order].cumsum(0), d_full[order].cumsum(0)
-    length = torch.diff(at, append=at.new_tensor([m]))
-    keep = length > 0
-    keep[:-1] &= line[1:] == line[:-1]
-    keep[-1] = False  # the last event is the last line's end
-    line, at, length = line[keep], at[keep], length[keep]
+    # Events keyed by (line, column block), each a change of the two counts packed in one
+    # int64 (non-empty ranges + 2^32 full ranges); a line's own ends cut it at 0 and m.
+    width = m + 1
+    key = torch.cat(
+        [
+            some_line * width + x0.div_(block, rounding_mode="floor"),
+            some_line * width + x1.div_(block, rounding_mode="floor") + 1,
+            full_line * width + full_first,
+            full_line * width + full_last + 1,
+            lines * width,
+            lines * width + m,
+        ]
+    )
+    ns, nf, nl = some_line.numel(), full_line.numel(), lines.numel()
+    delta = torch.cat(
+        [
+            key.new_ones(ns),
+            key.new_full((ns,), -1),
+            key.new_full((nf,), 1 << 32),
+            key.new_full((nf,), -(1 << 32)),
+            key.new_zeros(2 * nl),
+        ]
+    )
+    key, order = torch.sort(key)
+    # Every line's changes add up to zero, so a running sum is each line's own; after the
+    # last change at a column block both counts are true (>= 0) and unpack exactly.
+    counts = delta.index_select(0, order).cumsum_(0)
+    length = torch.diff(key, append=key.new_tensor([key[-1]]))
+    # A segment runs to the next event of its line; the line's end event (at m) starts none.
+    kept = torch.nonzero((length > 0) & (key % width != m)).flatten()
+    key, length, counts = (t.index_select(0, kept) for t in (key, length, counts))
+    line, at = key.div(width, rounding_mode="floor"), key % width
     block_of_line = line % num_lines
-    is_full = (full_count[keep] == per_line[block_of_line]) & complete[block_of_line]
-    is_partial = (some_count[keep] > 0) & ~is_full
+    full_count = counts.bitwise_right_shift(32)
+    is_full = (full_count == per_line.index_select(0, block_of_line)) & complete.index_select(
+        0, block_of_line
+    )
+    is_partial = ((counts - (full_count << 32)) > 0) & ~is_full
+    # Every line has a segment at column 0: where each line's segments begin.
+    line_start = torch.nonzero(at == 0).flatten()
     out = []
     for listed in (is_partial, is_full):
         num = torch.zeros(rows * num_lines, dtype=torch.int64).index_add_(0, line, length * listed)
-        # Segments are in (line, column) order: listed ones first in each line, then the rest.
-        placed = torch.sort(line * 2 + (~listed).to(torch.int64), stable=True).indices
+        placed = _listed_first(line, listed, line_start)
         idx = torch.empty((rows, num_lines, m), dtype=torch.int32)
-        expand_runs(idx.view(-1), at[placed], length[placed])
+        expand_runs(idx.view(-1), at.index_select(0, placed), length.index_select(0, placed))
         out += [num.to(torch.int32).view(rows, num_lines), idx]
     return tuple(out)
 
