@@ -33,8 +33,8 @@ SHARD = sys.modules["flexmask.context_parallel.shard"]
 
 @pytest.fixture
 def segments_only(monkeypatch):
-    """Closed-form shards not written from runs take the segments path, never a dense pass,
-    the pieces or the tile path; returns the list its calls are counted in."""
+    """Closed-form shards not written from runs take the segments path, never a dense pass
+    or the tile path; returns the list its calls are counted in."""
     calls = []
     real = SHARD.segment_sides
     monkeypatch.setattr(SHARD, "DENSE_PAIRS_PER_BLOCK", 1e9)
@@ -49,7 +49,6 @@ def segments_only(monkeypatch):
         raise AssertionError("a closed-form shard left the segments path")
 
     monkeypatch.setattr(SHARD, "segment_sides", counted)
-    monkeypatch.setattr(SHARD, "_piece_sides", refuse)
     monkeypatch.setattr(SHARD, "_tile_sides", refuse)
     return calls
 

@@ -10,8 +10,11 @@ torch's order), in one of three ways, all exact:
   runs are whole blocks and whose rows ascend — the rank's blocks are a grid of their own,
   each row's block runs cut each key run into permuted runs, and both sides are written as
   runs laid end to end: O(the rank's blocks), no tile grid;
-* pieces (``_piece_sides``): a closed-form mask otherwise — the rows and keys cut at block
-  and run boundaries, two comparisons per pair of pieces, then blocks;
+* segments (``flexmask.context_parallel.segments``): a closed-form mask otherwise — rows
+  and keys cut at block and run boundaries into pieces, each piece's intervals met with
+  the runs they touch (binary searches), the blocks of every line found from range events:
+  O(pieces + touched runs) plus writing the output; where whole blocks touch so many runs
+  that it is cheaper, the runs path's kv side compares every block instead;
 * tiles (``_tile_sides``): any other mask — each query run's window classified (at the
   largest tile dividing every run boundary and ``BLOCK_SIZE``), key tiles permuted, and
   each block read from its tiles.
@@ -226,16 +229,18 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
     )
 
 
-# Past this many (piece, run) pairs per block of the shard a dense pass over its blocks is
-# cheaper than the segments' events (measured at S = 1M: a pair costs ~10 block compares).
-DENSE_PAIRS_PER_BLOCK = 1 / 8
+# Past this many (piece, run) pairs per block, an aligned shard's kv side is cheaper
+# written by one compare per block (``_closed_form_sides``). Measured at S = 1M, W = 8,
+# BLOCK_SIZE = 128 (causal & sliding windows under PTRR): a pair costs ~0.2 us, the dense
+# pass ~70 ms more than the segments' fixed cost; they break even near 1 pair per 26 blocks.
+DENSE_PAIRS_PER_BLOCK = 1 / 24
 
 
 def _closed_form_shard(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
     """A closed-form mask's shard: from runs where its blocks are whole and its keys cut
-    into few segments; else from segments (``segments.segment_sides``: the pieces' ranges
-    per run they touch) unless those are about as many as the shard's blocks, then by one
-    dense pass (aligned: a compare per block; not: ``_piece_sides``)."""
+    into few segments; else from segments (``segments.segment_sides``: each piece's ranges
+    per run it touches), but for whole blocks whose pieces touch so many runs that one
+    compare per block is cheaper (``_closed_form_sides``)."""
     keys = layout.keys
     nkv = whole.num_kv_blocks
     if layout.aligned and keys.segments is not None and 8 * keys.segments[0].numel() <= nkv:
@@ -243,27 +248,19 @@ def _closed_form_shard(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
     rows, _ = whole.reduced(mask)
     total = keys.perm.numel()
     q_idx = layout.q_perm.to(whole.device).view(1, -1).expand(rows, -1).contiguous()
-    lo, hi = mask._intervals(q_idx, torch.arange(rows, device=whole.device).view(-1, 1), whole)  # type: ignore[misc]
+    row = torch.arange(rows, device=whole.device).view(-1, 1)
+    lo, hi = mask._intervals(q_idx, row, whole)  # type: ignore[misc]
     lo = lo.clamp(min=0).expand_as(q_idx).cpu()
     hi = hi.clamp(max=total - 1).expand_as(q_idx).cpu()
     nq = -(-layout.q_perm.numel() // layout.block)
+    limit = int(nq * nkv * DENSE_PAIRS_PER_BLOCK) if layout.aligned else None
     made = segment_sides(
-        lo,
-        hi,
-        layout.q_perm,
-        layout.q_runs,
-        keys.perm,
-        keys.runs,
-        layout.block,
-        max_pairs=int(nq * nkv * DENSE_PAIRS_PER_BLOCK),
+        lo, hi, layout.q_perm, layout.q_runs, keys.perm, keys.runs, layout.block, limit
     )
     if made is None:
-        return (
-            _closed_form_sides(mask, whole, layout)
-            if layout.aligned
-            else _piece_sides(mask, whole, layout)
-        )
-    return tuple(Ordered(*(t.to(whole.device) for t in side)) for side in made)  # type: ignore[return-value]
+        return _closed_form_sides(mask, whole, layout)
+    kv, q = (Ordered(*(t.to(whole.device) for t in side)) for side in made)
+    return kv, q
 
 
 def _segment_line_runs(
@@ -303,78 +300,6 @@ def _segment_line_runs(
         [(start.expand_as(a), fa), (fz + 1 + start, last_in - fz)],
     )
     return partial, full
-
-
-def _piece_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
-    """Both sides of a closed-form mask whose runs are not whole blocks, or whose rows do not
-    ascend (torch's per-document order): from pieces, not tiles.
-
-    Cut at block boundaries and at run boundaries, the rank's rows are q pieces and the
-    permuted keys kv pieces, each a range of consecutive original positions inside one
-    block. A q piece's attending queries have touching monotone intervals, so what it
-    attends is one interval (the smallest ``lo`` and largest ``hi`` of its attending
-    queries), and it covers a kv range iff its largest ``lo`` and smallest ``hi`` do.
-    Every (q piece, kv piece) pair is then two comparisons, and a block is non-empty if
-    any of its pairs is, full if all are and the block is complete. The work is
-    O(S / W) intervals plus (blocks + runs)² / W pairs: no tile grid, no mask evaluation.
-    """
-    block, perm, q_perm = layout.block, layout.keys.perm, layout.q_perm
-    total, local_len, dev = perm.numel(), q_perm.numel(), whole.device
-    rows, _ = whole.reduced(mask)
-
-    def pieces(order: Tensor, run_starts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        n = order.numel()
-        cut = torch.zeros(n, dtype=torch.bool)
-        cut[::block] = True
-        cut[run_starts] = True
-        starts = torch.nonzero(cut).flatten()
-        lengths = torch.diff(starts, append=torch.tensor([n]))
-        return starts, lengths, starts.div(block, rounding_mode="floor")
-
-    q_starts, q_lens, q_block_of = pieces(q_perm, layout.q_runs[0])
-    kv_starts, kv_lens, kv_block_of = pieces(perm, layout.keys.runs[0])
-    # Every local query's interval, clipped to the keys; reduced over its piece.
-    q_idx = q_perm.to(dev).view(1, -1).expand(rows, -1).contiguous()
-    row = torch.arange(rows, device=dev).view(rows, 1)
-    lo, hi = mask._intervals(q_idx, row, whole)  # type: ignore[misc]
-    lo, hi = lo.clamp(min=0).expand_as(q_idx), hi.clamp(max=total - 1).expand_as(q_idx)
-    attends = lo <= hi
-    piece = torch.zeros(local_len, dtype=torch.int64)
-    piece[q_starts[1:]] = 1
-    piece = piece.cumsum(0).to(dev).view(1, -1).expand(rows, -1)
-    n_q = q_starts.numel()
-
-    def reduce(values: Tensor, how: str, fill: int) -> Tensor:
-        out = torch.full((rows, n_q), fill, dtype=values.dtype, device=dev)
-        return out.scatter_reduce_(1, piece, values, how, include_self=False)
-
-    some_lo = reduce(torch.where(attends, lo, total), "amin", total)
-    some_hi = reduce(torch.where(attends, hi, -1), "amax", -1)
-    every = reduce(attends.to(torch.int64), "amin", 0).bool()
-    cover_lo, cover_hi = reduce(lo, "amax", total), reduce(hi, "amin", -1)
-    ka = perm[kv_starts].to(dev).view(1, 1, -1)
-    kz = ka + kv_lens.to(dev).view(1, 1, -1) - 1
-    some = torch.maximum(some_lo.unsqueeze(-1), ka) <= torch.minimum(some_hi.unsqueeze(-1), kz)
-    full = every.unsqueeze(-1) & (cover_lo.unsqueeze(-1) <= ka) & (cover_hi.unsqueeze(-1) >= kz)
-    # Pairs to blocks: counts per block on both axes (pieces of a block are consecutive).
-    nq, nkv = -(-local_len // block), -(-total // block)
-    q_of, kv_of = q_block_of.to(dev), kv_block_of.to(dev)
-
-    def blocks(pairs: Tensor) -> Tensor:
-        per_kv = torch.zeros((rows, n_q, nkv), dtype=torch.int32, device=dev)
-        per_kv.index_add_(2, kv_of, pairs.to(torch.int32))
-        out = torch.zeros((rows, nq, nkv), dtype=torch.int32, device=dev)
-        return out.index_add_(1, q_of, per_kv)
-
-    q_count = torch.bincount(q_of, minlength=nq)
-    kv_count = torch.bincount(kv_of, minlength=nkv)
-    q_complete = torch.zeros(nq, dtype=torch.int64, device=dev).index_add_(0, q_of, q_lens.to(dev))
-    kv_complete = torch.zeros(nkv, dtype=torch.int64, device=dev)
-    kv_complete.index_add_(0, kv_of, kv_lens.to(dev))
-    complete = (q_complete == block).view(-1, 1) & (kv_complete == block).view(1, -1)
-    some_b = blocks(some) > 0
-    full_b = (blocks(full) == q_count.view(-1, 1) * kv_count.view(1, -1)) & complete
-    return ordered_from_flags((some_b & ~full_b).unsqueeze(1), full_b.unsqueeze(1))
 
 
 def _tile_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
