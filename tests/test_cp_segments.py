@@ -31,24 +31,27 @@ from tests.test_context_parallel import (
 SHARD = sys.modules["flexmask.context_parallel.shard"]
 
 
+SEGMENTS = sys.modules["flexmask.context_parallel.segments"]
+
+
 @pytest.fixture
 def segments_only(monkeypatch):
-    """Closed-form shards not written from runs take the segments path, never a dense pass
-    or the tile path; returns the list its calls are counted in."""
+    """Closed-form shards not written from runs per key segment take the segments path,
+    never a dense compare or the tile path; returns the list of written sides."""
     calls = []
-    real = SHARD.segment_sides
+    real = SEGMENTS.side
     monkeypatch.setattr(SHARD, "DENSE_PAIRS_PER_BLOCK", 1e9)
 
     def counted(*args, **kwargs):
-        made = real(*args, **kwargs)
-        assert made is not None
         calls.append(1)
-        return made
+        return real(*args, **kwargs)
 
     def refuse(*args, **kwargs):
         raise AssertionError("a closed-form shard left the segments path")
 
-    monkeypatch.setattr(SHARD, "segment_sides", counted)
+    monkeypatch.setattr(SEGMENTS, "side", counted)
+    monkeypatch.setattr(SHARD, "side", counted)
+    monkeypatch.setattr(SHARD, "ordered_lines", refuse)
     monkeypatch.setattr(SHARD, "_tile_sides", refuse)
     return calls
 
@@ -69,7 +72,7 @@ def test_per_document_shards_equal_torch(world, segments_only):
             expanded(ours.block_mask, 1, 2), reference, f"rank {rank}", own_storage=False
         )
         check_against_oracle(ours, document_dense(lengths, S), 1, 1)
-    assert len(segments_only) == world
+    assert len(segments_only) == 2 * world  # both sides of every rank
 
 
 def _random_case(rng, n):
@@ -146,24 +149,56 @@ def test_per_row_permutations_from_segments(segments_only):
     assert segments_only
 
 
-def test_segment_sides_declines_past_max_pairs():
-    """Past ``max_pairs`` (piece, run) pairs the caller's dense pass is cheaper: None."""
-    perm = torch.arange(256).view(16, 16).flip(0).reshape(-1)  # 16 runs of 16 keys
+def test_segment_sides_of_a_permuted_causal_mask():
+    """Keys in 16 runs of 16 (reversed), local queries the first 128: both sides equal
+    torch's blocks of the dense rows."""
+    perm = torch.arange(256).view(16, 16).flip(0).reshape(-1)
     local = perm[:128]
     lo = torch.zeros(1, 128, dtype=torch.int64)
     hi = local.view(1, -1).clone()  # causal: query q attends [0, q]
-    runs = SHARD.runs
-    assert segment_sides(lo, hi, local, runs(local), perm, runs(perm), 16, max_pairs=3) is None
-    made = segment_sides(lo, hi, local, runs(local), perm, runs(perm), 16)
-    assert made is not None
+    kv, q = segment_sides(lo, hi, local, SHARD.runs(local), perm, SHARD.runs(perm), 16)
     dense = np.tril(np.ones((256, 256), dtype=bool))[perm.numpy()][:, perm.numpy()][:128]
     reference = oracle.torch_blocks(oracle.stack([dense]), 16)
-    kv, q = made
-    assert torch.equal(kv.partial_num.view(-1), reference.kv_num_blocks.view(-1))
-    assert torch.equal(kv.partial_idx.view(8, 16), reference.kv_indices.view(8, 16))
-    assert torch.equal(kv.full_idx.view(8, 16), reference.full_kv_indices.view(8, 16))
-    assert torch.equal(q.partial_idx.view(16, 8), reference.q_indices.view(16, 8))
-    assert torch.equal(q.full_num.view(-1), reference.full_q_num_blocks.view(-1))
+    got = {
+        "kv_num_blocks": kv.partial_num,
+        "kv_indices": kv.partial_idx,
+        "full_kv_num_blocks": kv.full_num,
+        "full_kv_indices": kv.full_idx,
+        "q_num_blocks": q.partial_num,
+        "q_indices": q.partial_idx,
+        "full_q_num_blocks": q.full_num,
+        "full_q_indices": q.full_idx,
+    }
+    for name, tensor in got.items():
+        assert torch.equal(tensor, getattr(reference, name)), name
+
+
+def test_many_touched_runs_fall_back_to_a_compare_per_block(monkeypatch):
+    """Past DENSE_PAIRS_PER_BLOCK the kv side of an aligned shard compares every block
+    (segments never written there), still equal to the oracle."""
+    monkeypatch.setattr(SHARD, "DENSE_PAIRS_PER_BLOCK", 0.0)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("segments written past DENSE_PAIRS_PER_BLOCK")
+
+    monkeypatch.setattr(SHARD, "side", refuse)
+    dense_passes = []
+    real = SHARD.ordered_lines
+
+    def counted(*args, **kwargs):
+        dense_passes.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(SHARD, "ordered_lines", counted)
+    S, world, block = 2048, 2, 32
+    mask = flexmask.causal() & flexmask.sliding_window(300)
+    dense = oracle.causal(S, S) & oracle.sliding_window(300, S, S)
+    for rank in range(world):
+        shard = flexmask.shard(
+            mask, 1, 1, S, world_size=world, rank=rank, balancer="ptrr", BLOCK_SIZE=block
+        )
+        check_against_oracle(shard, dense, 1, 1)
+    assert len(dense_passes) == 2 * world  # partial and full of every rank
 
 
 def _costs_from_blocks(block_mask, partial_cost):

@@ -141,11 +141,18 @@ def _listed_first(line: Tensor, listed: Tensor, line_start: Tensor) -> Tensor:
     return torch.empty_like(dest).scatter_(0, dest, torch.arange(n))
 
 
-def side(pieces: Pieces, cols: Columns, num_lines: int, complete: Tensor) -> tuple[Tensor, ...]:
+def side(
+    pieces: Pieces,
+    cols: Columns,
+    num_lines: int,
+    complete: Tensor,
+    out: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One side's (partial_num, partial_idx, full_num, full_idx), ``(R, lines[, blocks])``.
 
     ``complete``: (lines,) whether each line block holds a whole block of positions (an
-    incomplete one is never full, as torch pads it with masked positions).
+    incomplete one is never full, as torch pads it with masked positions). ``out``: the
+    two index tensors to write into (int32, CPU), else new ones.
     """
     rows, n = pieces.some_lo.shape
     block, m = cols.block, cols.num_blocks
@@ -198,14 +205,14 @@ def side(pieces: Pieces, cols: Columns, num_lines: int, complete: Tensor) -> tup
     is_partial = ((counts - (full_count << 32)) > 0) & ~is_full
     # Every line has a segment at column 0: where each line's segments begin.
     line_start = torch.nonzero(at == 0).flatten()
-    out = []
-    for listed in (is_partial, is_full):
+    made = []
+    for k, listed in enumerate((is_partial, is_full)):
         num = torch.zeros(rows * num_lines, dtype=torch.int64).index_add_(0, line, length * listed)
         placed = _listed_first(line, listed, line_start)
-        idx = torch.empty((rows, num_lines, m), dtype=torch.int32)
+        idx = torch.empty((rows, num_lines, m), dtype=torch.int32) if out is None else out[k]
         expand_runs(idx.view(-1), at.index_select(0, placed), length.index_select(0, placed))
-        out += [num.to(torch.int32).view(rows, num_lines), idx]
-    return tuple(out)
+        made += [num.to(torch.int32).view(rows, num_lines), idx]
+    return made[0], made[1], made[2], made[3]
 
 
 def q_pieces(lo: Tensor, hi: Tensor, starts: Tensor, block: int, total: int) -> Pieces:
@@ -291,26 +298,17 @@ def segment_sides(
     kv_perm: Tensor,
     kv_runs: tuple[Tensor, Tensor, Tensor],
     block: int,
-    max_pairs: int | None = None,
-) -> tuple[Ordered, Ordered] | None:
+) -> tuple[Ordered, Ordered]:
     """Both sides of a shard from the clipped intervals ``lo``/``hi`` ``(R, local)`` of the
-    rank's queries (``q_perm`` order) against the keys in ``kv_perm`` order; None where
-    the pieces touch more than ``max_pairs`` runs (a dense pass is then cheaper)."""
+    rank's queries (``q_perm`` order) against the keys in ``kv_perm`` order."""
     total, local = kv_perm.numel(), q_perm.numel()
     q_starts, _ = cut(q_perm, q_runs[0], block)
     kv_starts, kv_lens = cut(kv_perm, kv_runs[0], block)
     queries = q_pieces(lo, hi, q_starts, block, total)
     keys = kv_pieces(lo, hi, q_perm, kv_perm[kv_starts], kv_starts, kv_lens, block, total)
-    kv_cols = Columns.of(kv_runs, total, block)
-    q_cols = Columns.of(q_runs, local, block)
-    if max_pairs is not None:
-        pairs = pair_count(kv_cols, queries.some_lo, queries.some_hi)
-        pairs += pair_count(q_cols, keys.some_lo, keys.some_hi)
-        if pairs > max_pairs:
-            return None
     nq, nkv = -(-local // block), -(-total // block)
-    kv = side(queries, kv_cols, nq, complete_lines(local, block))
-    q = side(keys, q_cols, nkv, complete_lines(total, block))
+    kv = side(queries, Columns.of(kv_runs, total, block), nq, complete_lines(local, block))
+    q = side(keys, Columns.of(q_runs, local, block), nkv, complete_lines(total, block))
     rows = lo.shape[0]
     return (
         Ordered(*(t.view(rows, 1, *t.shape[1:]) for t in kv)),

@@ -45,7 +45,7 @@ from flexmask.build.write import (
     ordered_from_flags,
     ordered_lines,
 )
-from flexmask.context_parallel.segments import segment_sides
+from flexmask.context_parallel.segments import Columns, Pieces, pair_count, segment_sides, side
 from flexmask.mask import Mask
 
 
@@ -163,7 +163,10 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
     into at most two partial runs and one full run in permuted order; each permuted kv
     column's rows are two binary searches, as in ``closed_form.column_runs``. Both sides
     are then runs laid end to end, expanded in one pass: no tile grid, no mask evaluation,
-    O(rank's blocks) plus the runs.
+    O(rank's blocks) plus the runs. Keys cut into many segments (balancers that deal single
+    blocks) give the kv side from segments instead — each row's runs met with the segments
+    they touch (``_segment_kv_side``) — or, where rows touch that many, by one compare per
+    block.
     """
     keys = layout.keys
     assert layout.q_blocks is not None and keys.blocks is not None and keys.segments is not None
@@ -191,7 +194,9 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
             kv_pl[..., : 2 * num_segments].sum(-1, dtype=torch.int32),
             kv_fl[..., :num_segments].sum(-1, dtype=torch.int32),
         )
-    else:  # keys cut into many segments: one compare per element beats runs per segment
+    elif (made := _segment_kv_side(row, keys, whole, (kv_p, kv_f))) is not None:
+        kv_counts = made  # many segments, each row touching few: ranges per touched run
+    else:  # rows touch many of many segments: one compare per element beats runs
         c = kv_blocks.view(1, 1, nkv)
         full = (row.full_first.unsqueeze(-1) <= c) & (c <= row.full_last.unsqueeze(-1))
         some = (row.first.unsqueeze(-1) <= c) & (c <= row.last.unsqueeze(-1))
@@ -229,22 +234,20 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
     )
 
 
-# Past this many (piece, run) pairs per block, an aligned shard's kv side is cheaper
-# written by one compare per block (``_closed_form_sides``). Measured at S = 1M, W = 8,
-# BLOCK_SIZE = 128 (causal & sliding windows under PTRR): a pair costs ~0.2 us, the dense
-# pass ~70 ms more than the segments' fixed cost; they break even near 1 pair per 26 blocks.
+# Past this many (q block, key run) pairs per block, an aligned shard's kv side is cheaper
+# written by one compare per block than from segments (``_closed_form_sides``). Measured at
+# S = 1M, W = 8, BLOCK_SIZE = 128 (causal & sliding windows under PTRR): a pair costs
+# ~0.2 us, the dense pass ~70 ms more than the segments' fixed cost: even near 1 in 26.
 DENSE_PAIRS_PER_BLOCK = 1 / 24
 
 
 def _closed_form_shard(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
-    """A closed-form mask's shard: from runs where its blocks are whole and its keys cut
-    into few segments; else from segments (``segments.segment_sides``: each piece's ranges
-    per run it touches), but for whole blocks whose pieces touch so many runs that one
-    compare per block is cheaper (``_closed_form_sides``)."""
-    keys = layout.keys
-    nkv = whole.num_kv_blocks
-    if layout.aligned and keys.segments is not None and 8 * keys.segments[0].numel() <= nkv:
+    """A closed-form mask's shard: from runs where its blocks are whole and its rows ascend
+    (``_closed_form_sides``), else from segments (``segments.segment_sides``: each piece's
+    ranges per run it touches)."""
+    if layout.aligned:
         return _closed_form_sides(mask, whole, layout)
+    keys = layout.keys
     rows, _ = whole.reduced(mask)
     total = keys.perm.numel()
     q_idx = layout.q_perm.to(whole.device).view(1, -1).expand(rows, -1).contiguous()
@@ -252,15 +255,38 @@ def _closed_form_shard(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
     lo, hi = mask._intervals(q_idx, row, whole)  # type: ignore[misc]
     lo = lo.clamp(min=0).expand_as(q_idx).cpu()
     hi = hi.clamp(max=total - 1).expand_as(q_idx).cpu()
-    nq = -(-layout.q_perm.numel() // layout.block)
-    limit = int(nq * nkv * DENSE_PAIRS_PER_BLOCK) if layout.aligned else None
-    made = segment_sides(
-        lo, hi, layout.q_perm, layout.q_runs, keys.perm, keys.runs, layout.block, limit
-    )
-    if made is None:
-        return _closed_form_sides(mask, whole, layout)
+    made = segment_sides(lo, hi, layout.q_perm, layout.q_runs, keys.perm, keys.runs, layout.block)
     kv, q = (Ordered(*(t.to(whole.device) for t in side)) for side in made)
     return kv, q
+
+
+def _segment_kv_side(
+    row: Runs, keys: KeyOrder, whole: BlockGrid, out: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor] | None:
+    """The kv side of an aligned shard from segments (``segments.side``), each q block one
+    piece whose intervals are its runs of original kv blocks, written into ``out``; None
+    past ``DENSE_PAIRS_PER_BLOCK`` (q block, key run) pairs per block. Returns the counts."""
+    rows, nq = row.first.shape
+    block, total = whole.kv_block, keys.perm.numel()
+
+    def positions(first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+        return (first * block).cpu(), torch.clamp((last + 1) * block, max=total).sub_(1).cpu()
+
+    some_lo, some_hi = positions(row.first, row.last)
+    cover_lo, cover_hi = positions(row.full_first, row.full_last)
+    pieces = Pieces(torch.arange(nq), some_lo, some_hi, cover_lo, cover_hi)
+    cols = Columns.of(keys.runs, total, block)
+    if pair_count(cols, some_lo, some_hi) > nq * whole.num_kv_blocks * DENSE_PAIRS_PER_BLOCK:
+        return None
+    # row_runs gives incomplete q blocks no full run: every line may count as complete here.
+    on_cpu = whole.device.type == "cpu"
+    num_p, idx_p, num_f, idx_f = side(
+        pieces, cols, nq, torch.ones(nq, dtype=torch.bool), out if on_cpu else None
+    )
+    if not on_cpu:
+        out[0].copy_(idx_p)
+        out[1].copy_(idx_f)
+    return num_p.to(whole.device), num_f.to(whole.device)
 
 
 def _segment_line_runs(
