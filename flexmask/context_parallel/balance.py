@@ -22,6 +22,7 @@ from flexmask.build.closed_form import row_runs
 from flexmask.build.codes import EMPTY, FULL, PARTIAL
 from flexmask.build.create import cpu_threads
 from flexmask.build.grid import make_grid
+from flexmask.build.write import expand_runs
 from flexmask.mask import Mask
 from flexmask.pieces import padding
 
@@ -138,15 +139,15 @@ class PerDocumentBalancer(_LoadBalancer):
         picks = torch.stack([rank, 2 * world - 1 - rank], dim=1)
         run_start = starts[:, None, None] + chunk[:, None, None] * picks
         run_len = chunk[:, None, None].expand_as(run_start).reshape(-1)
-        run_start = run_start.reshape(-1)
-        offsets = torch.arange(int(run_len.sum())) - torch.repeat_interleave(
-            torch.cumsum(run_len, 0) - run_len, run_len
-        )
-        return (torch.repeat_interleave(run_start, run_len) + offsets).to(self.device)
+        # The chunks' tokens laid end to end: one pass over the permutation.
+        out = torch.empty(int(sizes.sum()), dtype=torch.int64)
+        expand_runs(out, run_start.reshape(-1), run_len)
+        return out.to(self.device)
 
     def _generate_indices(self, restore: bool = False) -> Tensor:
-        rows = torch.stack([self._row(row) for row in self.seq_length_per_doc])
-        return _restore(rows, restore)
+        with cpu_threads(self.device):
+            rows = torch.stack([self._row(row) for row in self.seq_length_per_doc])
+            return _restore(rows, restore)
 
 
 def _block_costs(
