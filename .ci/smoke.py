@@ -199,6 +199,16 @@ def context_parallel() -> None:
     assert sorted(per_doc._generate_indices()[0].tolist()) == list(range(L))
     aware = flexmask.MaskAwareBalancer(mask, 1, 1, L, W, block_size=16)
     assert aware.imbalance >= 1.0
+    # PTRR: q blocks by their non-empty kv blocks, heaviest first, dealt in rounds of
+    # alternating direction; each rank's blocks ascending (torch's _PTRRLoadBalancer).
+    ptrr = flexmask.PTRRBalancer(mask, 1, 1, L, W, block_size=16)
+    counts = whole.view(L // 16, 16, L // 16, 16).any(3).any(1).sum(1).tolist()
+    ranks: list[list[int]] = [[] for _ in range(W)]
+    for n, block in enumerate(sorted(range(len(counts)), key=lambda i: -counts[i])):
+        turn, slot = divmod(n, W)
+        ranks[slot if turn % 2 == 0 else W - 1 - slot].append(block)
+    dealt = [t for r in ranks for block in sorted(r) for t in range(block * 16, block * 16 + 16)]
+    assert ptrr._generate_indices()[0].tolist() == dealt
     # cp_flex_attention on a one-process gloo group equals plain attention.
     import torch.distributed as dist
 
@@ -263,7 +273,7 @@ EXERCISES: dict[Callable[[], None], set[str]] = {
     windows_and_decoding: {"decode_mask", "DecodeMasks", "speculative_tree"},
     context_parallel: {
         "shard", "CPShard", "ShardCache", "lazy_shard", "cp_flex_attention",
-        "HeadTailBalancer", "PerDocumentBalancer", "MaskAwareBalancer",
+        "HeadTailBalancer", "PerDocumentBalancer", "MaskAwareBalancer", "PTRRBalancer",
     },
 }  # fmt: skip
 

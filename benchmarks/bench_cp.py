@@ -195,7 +195,7 @@ def million(repeat):
 
 def paths(seq, world, repeat):
     """Per-rank shard time (max over ranks) by path: block-aligned closed form (runs),
-    unaligned closed form (pieces) and trees (one classification of the rank's tiles)."""
+    unaligned closed form (segments) and trees (one classification of the rank's tiles)."""
     lengths = documents(seq, 16, 256)
     docs = flexmask.causal() & flexmask.document(lengths)
     rng = random.Random(1)
@@ -208,7 +208,7 @@ def paths(seq, world, repeat):
     print("|---|---|---|---:|---:|")
     for name, mask, balancer, path in (
         ("documents", docs, "mask_aware", "runs"),
-        ("documents", docs, PerDocumentBalancer([lengths], world), "pieces"),
+        ("documents", docs, PerDocumentBalancer([lengths], world), "segments"),
         ("tree", tree, "head_tail", "tiles"),
     ):
         flexmask.shard(mask, 1, 1, seq, world_size=world, rank=0, balancer=balancer)  # balancer

@@ -11,19 +11,11 @@ Example:
     [[[1]]]
 """
 
+from typing import Any
+
 from flexmask.attention import compile_enabled, flex_attention, set_compile
 from flexmask.build import create_block_mask, same_blocks
 from flexmask.cache import CacheInfo, MaskCache, cache_clear, cache_info, default_cache
-from flexmask.context_parallel import (
-    CPShard,
-    HeadTailBalancer,
-    MaskAwareBalancer,
-    PerDocumentBalancer,
-    ShardCache,
-    cp_flex_attention,
-    lazy_shard,
-    shard,
-)
 from flexmask.inference import DecodeMasks, decode_mask, speculative_tree
 from flexmask.lazy import LazyBlockMask, lazy
 from flexmask.mask import And, Mask, Not, Or
@@ -56,15 +48,50 @@ from flexmask.plot import plot
 
 __version__ = "0.1.0"
 
-__all__ = [
+# Context parallelism stands on torch.distributed, which some torch builds lack: its names
+# are imported on first use (PEP 562), so ``import flexmask`` neither needs nor loads it.
+_CONTEXT_PARALLEL = (
     "CPShard",
     "HeadTailBalancer",
     "MaskAwareBalancer",
+    "PTRRBalancer",
     "PerDocumentBalancer",
     "ShardCache",
     "cp_flex_attention",
     "lazy_shard",
     "shard",
+)
+
+
+def _context_parallel_available() -> bool:
+    import torch.distributed
+
+    return torch.distributed.is_available()
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _CONTEXT_PARALLEL:
+        raise AttributeError(f"module 'flexmask' has no attribute {name!r}")
+    try:
+        from flexmask import context_parallel
+    except ImportError as error:
+        raise ImportError(
+            f"flexmask.{name} needs torch.distributed (context parallelism), which this torch "
+            f"build lacks (torch.distributed.is_available() is "
+            f"{_context_parallel_available()}): {error}. Install a torch build with "
+            "distributed support; the rest of flexmask works without it."
+        ) from error
+    value = getattr(context_parallel, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_CONTEXT_PARALLEL))
+
+
+__all__ = [
+    *(_CONTEXT_PARALLEL if _context_parallel_available() else ()),
     "And",
     "CacheInfo",
     "DecodeMasks",

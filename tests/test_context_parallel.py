@@ -167,7 +167,7 @@ def test_shard_equals_torch_and_oracle(name, world):
 @pytest.mark.parametrize("name", CASES)
 def test_any_block_size_and_length_against_oracle(name, monkeypatch):
     """Lengths torch's CP refuses: not a multiple of W * BLOCK_SIZE, odd block sizes, padding.
-    Closed-form masks take the runs or the pieces path, never tiles."""
+    Closed-form masks take the runs or the segments path, never tiles."""
     if name != "tree":
         _no_tile_path(monkeypatch)
     rng = random.Random(7)
@@ -188,7 +188,7 @@ def test_any_block_size_and_length_against_oracle(name, monkeypatch):
 
 def _no_tile_path(monkeypatch):
     """Makes the tile path (a classification of the rank's tiles) fail: closed-form shards
-    are written from runs (aligned) or pieces (not)."""
+    are written from runs (aligned) or segments (not)."""
     module = __import__("sys").modules["flexmask.context_parallel.shard"]
 
     def refuse(*args, **kwargs):
@@ -222,7 +222,7 @@ def test_aligned_closed_form_shards_are_written_from_runs(name, monkeypatch):
 def test_per_row_permutations_of_per_row_documents(monkeypatch):
     """One permutation per batch row on per-row documents: the mask-aware balancer's (whole
     blocks, ascending per rank: the runs path) and torch's per-document one (document by
-    document, chunks of 8 tokens: the pieces path). Every row equals its dense rows."""
+    document, chunks of 8 tokens: the segments path). Every row equals its dense rows."""
     rng = random.Random(5)
     S, world, block = 2048, 2, 32
     lengths = [random_lengths(rng, S, 128, 4), random_lengths(rng, S, 8, 6)]
@@ -246,7 +246,7 @@ def test_per_row_permutations_of_per_row_documents(monkeypatch):
 
 def test_random_closed_form_shards_against_oracle(monkeypatch):
     """Random lengths, worlds, block sizes and balancers on closed-form masks — document &
-    sliding window, causal & chunked, causal | spans — (runs and pieces paths alike; the
+    sliding window, causal & chunked, causal | spans — (runs and segments paths alike; the
     tile path refused): every rank equals the oracle."""
     _no_tile_path(monkeypatch)
     rng = random.Random(2024)

@@ -10,7 +10,6 @@ head-tail, ``W * block_size`` for the mask-aware one); tokens past the real leng
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
 import torch
@@ -20,9 +19,10 @@ from torch.distributed.tensor.experimental._attention import _LoadBalancer
 from flexmask._validate import check_int, digest
 from flexmask.build.classify import classify_blocks
 from flexmask.build.closed_form import row_runs
-from flexmask.build.codes import EMPTY
-from flexmask.build.create import create_block_mask
+from flexmask.build.codes import EMPTY, FULL, PARTIAL
+from flexmask.build.create import cpu_threads
 from flexmask.build.grid import make_grid
+from flexmask.build.write import expand_runs
 from flexmask.mask import Mask
 from flexmask.pieces import padding
 
@@ -139,15 +139,15 @@ class PerDocumentBalancer(_LoadBalancer):
         picks = torch.stack([rank, 2 * world - 1 - rank], dim=1)
         run_start = starts[:, None, None] + chunk[:, None, None] * picks
         run_len = chunk[:, None, None].expand_as(run_start).reshape(-1)
-        run_start = run_start.reshape(-1)
-        offsets = torch.arange(int(run_len.sum())) - torch.repeat_interleave(
-            torch.cumsum(run_len, 0) - run_len, run_len
-        )
-        return (torch.repeat_interleave(run_start, run_len) + offsets).to(self.device)
+        # The chunks' tokens laid end to end: one pass over the permutation.
+        out = torch.empty(int(sizes.sum()), dtype=torch.int64)
+        expand_runs(out, run_start.reshape(-1), run_len)
+        return out.to(self.device)
 
     def _generate_indices(self, restore: bool = False) -> Tensor:
-        rows = torch.stack([self._row(row) for row in self.seq_length_per_doc])
-        return _restore(rows, restore)
+        with cpu_threads(self.device):
+            rows = torch.stack([self._row(row) for row in self.seq_length_per_doc])
+            return _restore(rows, restore)
 
 
 def _block_costs(
@@ -159,15 +159,79 @@ def _block_costs(
     partial_cost: float,
     device: torch.device,
 ) -> Tensor:
-    """Work of every query block, (rows, n_blocks): full blocks + partial_cost * partial."""
-    bm = create_block_mask(mask, B, H, length, length, device, block)
-    if bm.full_kv_num_blocks is None:  # flexmask's build always writes the full side
-        raise RuntimeError("create_block_mask returned a BlockMask without its full blocks")
-    cost = bm.full_kv_num_blocks.to(torch.float64) + partial_cost * bm.kv_num_blocks
-    cost = cost.sum(dim=1)  # heads share one permutation: their work adds up
-    if not mask.batch_dependent:
-        cost = cost[:1]
-    return cost
+    """Work of every query block, (rows, n_blocks) float64: its full kv blocks plus
+    ``partial_cost`` times its partial ones, summed over the H heads — the counts of the
+    mask's BlockMask, from structure and without writing it. A mask with monotone intervals
+    counts its closed-form runs (O(blocks)); any other has its blocks classified (only those
+    the structure leaves undecided are evaluated)."""
+    grid = make_grid(mask, B, H, length, length, device, block)
+    _, heads = grid.reduced(mask)
+    if mask._has_monotone_intervals() and not mask.head_dependent:
+        runs = row_runs(mask, grid)
+        some = (runs.last - runs.first + 1).clamp_(min=0)
+        full = (runs.full_last - runs.full_first + 1).clamp_(min=0)
+        full, partial = full.to(torch.float64), (some - full).to(torch.float64)
+    else:
+        codes = classify_blocks(mask, grid).codes  # (rows, heads, nq, nkv)
+        full = (codes == FULL).sum(-1, dtype=torch.float64).sum(1)
+        partial = (codes == PARTIAL).sum(-1, dtype=torch.float64).sum(1)
+    # Heads the mask ignores were built once: their work is the same on each.
+    return (full + partial_cost * partial) * (grid.heads // heads)
+
+
+def deal(costs: Tensor, world_size: int, max_swaps: int | None = None) -> Tensor:
+    """Blocks dealt to ranks by cost, every rank the same number: ``(rows, W, n / W)`` block
+    ids, ascending per rank.
+
+    Blocks sorted by cost, heaviest first, are dealt in rounds that alternate direction
+    (``ptrr_schedule``); then, while the most loaded rank of a row can swap one of its blocks
+    for one of the least loaded rank's that narrows their gap, the best such swap is made
+    (their difference closest to half the gap: each swap lowers the sum of squared loads,
+    so this ends). Every step is vectorised over blocks and rows; the swaps are at most
+    ``max_swaps`` rounds (default ``4 W``), not a loop over blocks.
+    """
+    rows, n = costs.shape
+    groups = ptrr_schedule(costs, world_size).contiguous()  # (rows, W, k)
+    k = n // world_size
+    if k == 0 or world_size == 1:
+        return groups
+    values = costs.gather(1, groups.view(rows, -1)).view(rows, world_size, k)
+    row = torch.arange(rows)
+    for _ in range(4 * world_size if max_swaps is None else max_swaps):
+        loads = values.sum(-1)
+        high, low = loads.argmax(1), loads.argmin(1)
+        gap = loads[row, high] - loads[row, low]  # (rows,)
+        ours, theirs = values[row, high], values[row, low]  # (rows, k)
+        sorted_theirs, order = torch.sort(theirs, dim=1)
+        target = ours - gap.view(-1, 1) / 2
+        at = torch.searchsorted(sorted_theirs, target.contiguous())
+        best_score = torch.full((rows,), float("inf"), dtype=costs.dtype)
+        best_i = torch.zeros(rows, dtype=torch.int64)
+        best_j = torch.zeros(rows, dtype=torch.int64)
+        for candidate in (at - 1, at):
+            j = candidate.clamp(0, k - 1)
+            delta = ours - sorted_theirs.gather(1, j)
+            # The pair's new gap |gap - 2 delta|: a swap helps iff 0 < delta < gap.
+            score = torch.where(
+                (delta > 0) & (delta < gap.view(-1, 1)),
+                (gap.view(-1, 1) - 2 * delta).abs(),
+                float("inf"),
+            )
+            score_i, i = score.min(1)
+            better = score_i < best_score
+            best_score = torch.where(better, score_i, best_score)
+            best_i = torch.where(better, i, best_i)
+            best_j = torch.where(better, order.gather(1, j).gather(1, i.view(-1, 1))[:, 0], best_j)
+        swap = torch.isfinite(best_score)
+        if not bool(swap.any()):
+            break
+        r = row[swap]
+        hi_at, lo_at = (high[swap], best_i[swap]), (low[swap], best_j[swap])
+        a, b = groups[r, hi_at[0], hi_at[1]], groups[r, lo_at[0], lo_at[1]]
+        va, vb = values[r, hi_at[0], hi_at[1]], values[r, lo_at[0], lo_at[1]]
+        groups[r, hi_at[0], hi_at[1]], groups[r, lo_at[0], lo_at[1]] = b, a
+        values[r, hi_at[0], hi_at[1]], values[r, lo_at[0], lo_at[1]] = vb, va
+    return groups.sort(dim=-1).values
 
 
 class MaskAwareBalancer(_LoadBalancer):
@@ -175,9 +239,12 @@ class MaskAwareBalancer(_LoadBalancer):
 
     Each query block of ``block_size`` tokens costs its full kv blocks plus ``partial_cost``
     times its partial ones (the kernel's work), summed over every mask given (a global and a
-    sliding-window layer, say) and over heads. Blocks are dealt heaviest first to the least
-    loaded rank that still has room (every rank gets ``S / (W * block_size)`` blocks), then
-    kept in ascending order per rank. Works for any flexmask expression — trees included.
+    sliding-window layer, say) and over heads. Blocks are dealt heaviest first in rounds of
+    alternating direction, then the most and least loaded ranks swap blocks while that
+    narrows their gap (``deal``: vectorised, no loop over blocks); every rank gets
+    ``S / (W * block_size)`` blocks, kept in ascending order. The costs come from structure
+    (closed-form runs, or classified blocks), not from a whole BlockMask. Works for any
+    flexmask expression — trees included.
 
     Args:
         masks: one flexmask Mask or several (their costs add).
@@ -222,19 +289,21 @@ class MaskAwareBalancer(_LoadBalancer):
         self.device = torch.device("cpu" if device is None else device)
         self.B, self.H = B, H
         self.padded_length = _round_up(seq_length, world_size * block_size)
-        padded = [self._padded(m) for m in self.masks]
-        costs = [
-            _block_costs(m, B, H, self.padded_length, block_size, self.partial_cost, self.device)
-            for m in padded
-        ]
-        rows = max(c.shape[0] for c in costs)
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.block_costs: Tensor = sum((c.expand(rows, -1) for c in costs), zero)
-        assignment, rank_costs = zip(*(self._deal(row) for row in self.block_costs), strict=False)
-        self.rank_costs = torch.stack(rank_costs)
-        blocks = torch.stack(assignment)  # (rows, n_blocks): block ids, rank by rank
-        tokens = blocks[:, :, None] * block_size + torch.arange(block_size)
-        self._indices = tokens.reshape(rows, -1).to(self.device)
+        # Small tensor ops: on a busy machine one thread beats waiting for a second one.
+        with cpu_threads(self.device):
+            padded = [self._padded(m) for m in self.masks]
+            costs = [
+                _block_costs(m, B, H, self.padded_length, block_size, partial_cost, self.device)
+                for m in padded
+            ]
+            rows = max(c.shape[0] for c in costs)
+            zero = torch.zeros((), dtype=torch.float64, device=self.device)
+            self.block_costs: Tensor = sum((c.expand(rows, -1) for c in costs), zero)
+            groups = deal(self.block_costs.cpu(), world_size)  # (rows, W, n / W)
+            self.rank_costs = self.block_costs.cpu().gather(1, groups.view(rows, -1))
+            self.rank_costs = self.rank_costs.view(rows, world_size, -1).sum(-1)
+            tokens = groups.reshape(rows, -1, 1) * block_size + torch.arange(block_size)
+            self._indices = tokens.reshape(rows, -1).to(self.device)
 
     def _padded(self, mask: Mask) -> Mask:
         if self.padded_length == self.seq_length:
@@ -259,23 +328,6 @@ class MaskAwareBalancer(_LoadBalancer):
             self.block_size,
             self.partial_cost,
         )
-
-    def _deal(self, costs: Tensor) -> tuple[Tensor, Tensor]:
-        world = self.world_size
-        room = costs.numel() // world
-        order = torch.argsort(costs, descending=True, stable=True).tolist()
-        values = costs.tolist()
-        heap = [(0.0, rank) for rank in range(world)]
-        owned: list[list[int]] = [[] for _ in range(world)]
-        loads = [0.0] * world
-        for block in order:
-            load, rank = heapq.heappop(heap)
-            owned[rank].append(block)
-            loads[rank] = load + values[block]
-            if len(owned[rank]) < room:
-                heapq.heappush(heap, (loads[rank], rank))
-        flat = [block for rank in range(world) for block in sorted(owned[rank])]
-        return torch.tensor(flat, dtype=torch.int64), torch.tensor(loads, dtype=torch.float64)
 
     def _generate_indices(self, restore: bool = False) -> Tensor:
         return _restore(self._indices, restore)
@@ -365,13 +417,14 @@ class PTRRBalancer(_LoadBalancer):
         self.device = torch.device("cpu" if device is None else device)
         self.padded_length = _round_up(seq_length, world_size * block_size)
         padded = mask if self.padded_length == seq_length else mask & padding(seq_length)
-        self.block_costs = nonempty_blocks(
-            padded, B, 1, self.padded_length, block_size, torch.device("cpu")
-        )
-        groups = ptrr_schedule(self.block_costs, world_size)  # (rows, W, n / W)
-        rows = groups.shape[0]
-        tokens = groups.reshape(rows, -1, 1) * block_size + torch.arange(block_size)
-        self._indices = tokens.reshape(rows, -1).to(self.device)
+        with cpu_threads(self.device):
+            self.block_costs = nonempty_blocks(
+                padded, B, 1, self.padded_length, block_size, torch.device("cpu")
+            )
+            groups = ptrr_schedule(self.block_costs, world_size)  # (rows, W, n / W)
+            rows = groups.shape[0]
+            tokens = groups.reshape(rows, -1, 1) * block_size + torch.arange(block_size)
+            self._indices = tokens.reshape(rows, -1).to(self.device)
 
     @property
     def rank_costs(self) -> Tensor:

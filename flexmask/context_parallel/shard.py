@@ -10,8 +10,11 @@ torch's order), in one of three ways, all exact:
   runs are whole blocks and whose rows ascend — the rank's blocks are a grid of their own,
   each row's block runs cut each key run into permuted runs, and both sides are written as
   runs laid end to end: O(the rank's blocks), no tile grid;
-* pieces (``_piece_sides``): a closed-form mask otherwise — the rows and keys cut at block
-  and run boundaries, two comparisons per pair of pieces, then blocks;
+* segments (``flexmask.context_parallel.segments``): a closed-form mask otherwise — rows
+  and keys cut at block and run boundaries into pieces, each piece's intervals met with
+  the runs they touch (binary searches), the blocks of every line found from range events:
+  O(pieces + touched runs) plus writing the output; where whole blocks touch so many runs
+  that it is cheaper, the runs path's kv side compares every block instead;
 * tiles (``_tile_sides``): any other mask — each query run's window classified (at the
   largest tile dividing every run boundary and ``BLOCK_SIZE``), key tiles permuted, and
   each block read from its tiles.
@@ -42,6 +45,7 @@ from flexmask.build.write import (
     ordered_from_flags,
     ordered_lines,
 )
+from flexmask.context_parallel.segments import Columns, Pieces, pair_count, segment_sides, side
 from flexmask.mask import Mask
 
 
@@ -159,7 +163,10 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
     into at most two partial runs and one full run in permuted order; each permuted kv
     column's rows are two binary searches, as in ``closed_form.column_runs``. Both sides
     are then runs laid end to end, expanded in one pass: no tile grid, no mask evaluation,
-    O(rank's blocks) plus the runs.
+    O(rank's blocks) plus the runs. Keys cut into many segments (balancers that deal single
+    blocks) give the kv side from segments instead — each row's runs met with the segments
+    they touch (``_segment_kv_side``) — or, where rows touch that many, by one compare per
+    block.
     """
     keys = layout.keys
     assert layout.q_blocks is not None and keys.blocks is not None and keys.segments is not None
@@ -185,7 +192,9 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
             kv_pl[..., : 2 * num_segments].sum(-1, dtype=torch.int32),
             kv_fl[..., :num_segments].sum(-1, dtype=torch.int32),
         )
-    else:  # keys cut into many segments: one compare per element beats runs per segment
+    elif (made := _segment_kv_side(row, keys, whole, (kv_p, kv_f))) is not None:
+        kv_counts = made  # many segments, each row touching few: ranges per touched run
+    else:  # rows touch many of many segments: one compare per element beats runs
         c = kv_blocks.view(1, 1, nkv)
         full = (row.full_first.unsqueeze(-1) <= c) & (c <= row.full_last.unsqueeze(-1))
         some = (row.first.unsqueeze(-1) <= c) & (c <= row.last.unsqueeze(-1))
@@ -221,6 +230,61 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
             q_f.view(rows, 1, nkv, nq),
         ),
     )
+
+
+# Past this many (q block, key run) pairs per block, an aligned shard's kv side is cheaper
+# written by one compare per block than from segments (``_closed_form_sides``). Measured at
+# S = 1M, W = 8, BLOCK_SIZE = 128 (causal & sliding windows under PTRR): a pair costs
+# ~0.2 us, the dense pass ~70 ms more than the segments' fixed cost: even near 1 in 26.
+DENSE_PAIRS_PER_BLOCK = 1 / 24
+
+
+def _closed_form_shard(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
+    """A closed-form mask's shard: from runs where its blocks are whole and its rows ascend
+    (``_closed_form_sides``), else from segments (``segments.segment_sides``: each piece's
+    ranges per run it touches)."""
+    if layout.aligned:
+        return _closed_form_sides(mask, whole, layout)
+    keys = layout.keys
+    rows, _ = whole.reduced(mask)
+    total = keys.perm.numel()
+    q_idx = layout.q_perm.to(whole.device).view(1, -1).expand(rows, -1).contiguous()
+    row = torch.arange(rows, device=whole.device).view(-1, 1)
+    lo, hi = mask._intervals(q_idx, row, whole)  # type: ignore[misc]
+    lo = lo.clamp(min=0).expand_as(q_idx).cpu()
+    hi = hi.clamp(max=total - 1).expand_as(q_idx).cpu()
+    made = segment_sides(lo, hi, layout.q_perm, layout.q_runs, keys.perm, keys.runs, layout.block)
+    kv, q = (Ordered(*(t.to(whole.device) for t in side)) for side in made)
+    return kv, q
+
+
+def _segment_kv_side(
+    row: Runs, keys: KeyOrder, whole: BlockGrid, out: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor] | None:
+    """The kv side of an aligned shard from segments (``segments.side``), each q block one
+    piece whose intervals are its runs of original kv blocks, written into ``out``; None
+    past ``DENSE_PAIRS_PER_BLOCK`` (q block, key run) pairs per block. Returns the counts."""
+    rows, nq = row.first.shape
+    block, total = whole.kv_block, keys.perm.numel()
+
+    def positions(first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+        return (first * block).cpu(), torch.clamp((last + 1) * block, max=total).sub_(1).cpu()
+
+    some_lo, some_hi = positions(row.first, row.last)
+    cover_lo, cover_hi = positions(row.full_first, row.full_last)
+    pieces = Pieces(torch.arange(nq), some_lo, some_hi, cover_lo, cover_hi)
+    cols = Columns.of(keys.runs, total, block)
+    if pair_count(cols, some_lo, some_hi) > nq * whole.num_kv_blocks * DENSE_PAIRS_PER_BLOCK:
+        return None
+    # row_runs gives incomplete q blocks no full run: every line may count as complete here.
+    on_cpu = whole.device.type == "cpu"
+    num_p, idx_p, num_f, idx_f = side(
+        pieces, cols, nq, torch.ones(nq, dtype=torch.bool), out if on_cpu else None
+    )
+    if not on_cpu:
+        out[0].copy_(idx_p)
+        out[1].copy_(idx_f)
+    return num_p.to(whole.device), num_f.to(whole.device)
 
 
 def _segment_line_runs(
@@ -260,78 +324,6 @@ def _segment_line_runs(
         [(start.expand_as(a), fa), (fz + 1 + start, last_in - fz)],
     )
     return partial, full
-
-
-def _piece_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
-    """Both sides of a closed-form mask whose runs are not whole blocks, or whose rows do not
-    ascend (torch's per-document order): from pieces, not tiles.
-
-    Cut at block boundaries and at run boundaries, the rank's rows are q pieces and the
-    permuted keys kv pieces, each a range of consecutive original positions inside one
-    block. A q piece's attending queries have touching monotone intervals, so what it
-    attends is one interval (the smallest ``lo`` and largest ``hi`` of its attending
-    queries), and it covers a kv range iff its largest ``lo`` and smallest ``hi`` do.
-    Every (q piece, kv piece) pair is then two comparisons, and a block is non-empty if
-    any of its pairs is, full if all are and the block is complete. The work is
-    O(S / W) intervals plus (blocks + runs)² / W pairs: no tile grid, no mask evaluation.
-    """
-    block, perm, q_perm = layout.block, layout.keys.perm, layout.q_perm
-    total, local_len, dev = perm.numel(), q_perm.numel(), whole.device
-    rows, _ = whole.reduced(mask)
-
-    def pieces(order: Tensor, run_starts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        n = order.numel()
-        cut = torch.zeros(n, dtype=torch.bool)
-        cut[::block] = True
-        cut[run_starts] = True
-        starts = torch.nonzero(cut).flatten()
-        lengths = torch.diff(starts, append=torch.tensor([n]))
-        return starts, lengths, starts.div(block, rounding_mode="floor")
-
-    q_starts, q_lens, q_block_of = pieces(q_perm, layout.q_runs[0])
-    kv_starts, kv_lens, kv_block_of = pieces(perm, layout.keys.runs[0])
-    # Every local query's interval, clipped to the keys; reduced over its piece.
-    q_idx = q_perm.to(dev).view(1, -1).expand(rows, -1).contiguous()
-    row = torch.arange(rows, device=dev).view(rows, 1)
-    lo, hi = mask._intervals(q_idx, row, whole)  # type: ignore[misc]
-    lo, hi = lo.clamp(min=0).expand_as(q_idx), hi.clamp(max=total - 1).expand_as(q_idx)
-    attends = lo <= hi
-    piece = torch.zeros(local_len, dtype=torch.int64)
-    piece[q_starts[1:]] = 1
-    piece = piece.cumsum(0).to(dev).view(1, -1).expand(rows, -1)
-    n_q = q_starts.numel()
-
-    def reduce(values: Tensor, how: str, fill: int) -> Tensor:
-        out = torch.full((rows, n_q), fill, dtype=values.dtype, device=dev)
-        return out.scatter_reduce_(1, piece, values, how, include_self=False)
-
-    some_lo = reduce(torch.where(attends, lo, total), "amin", total)
-    some_hi = reduce(torch.where(attends, hi, -1), "amax", -1)
-    every = reduce(attends.to(torch.int64), "amin", 0).bool()
-    cover_lo, cover_hi = reduce(lo, "amax", total), reduce(hi, "amin", -1)
-    ka = perm[kv_starts].to(dev).view(1, 1, -1)
-    kz = ka + kv_lens.to(dev).view(1, 1, -1) - 1
-    some = torch.maximum(some_lo.unsqueeze(-1), ka) <= torch.minimum(some_hi.unsqueeze(-1), kz)
-    full = every.unsqueeze(-1) & (cover_lo.unsqueeze(-1) <= ka) & (cover_hi.unsqueeze(-1) >= kz)
-    # Pairs to blocks: counts per block on both axes (pieces of a block are consecutive).
-    nq, nkv = -(-local_len // block), -(-total // block)
-    q_of, kv_of = q_block_of.to(dev), kv_block_of.to(dev)
-
-    def blocks(pairs: Tensor) -> Tensor:
-        per_kv = torch.zeros((rows, n_q, nkv), dtype=torch.int32, device=dev)
-        per_kv.index_add_(2, kv_of, pairs.to(torch.int32))
-        out = torch.zeros((rows, nq, nkv), dtype=torch.int32, device=dev)
-        return out.index_add_(1, q_of, per_kv)
-
-    q_count = torch.bincount(q_of, minlength=nq)
-    kv_count = torch.bincount(kv_of, minlength=nkv)
-    q_complete = torch.zeros(nq, dtype=torch.int64, device=dev).index_add_(0, q_of, q_lens.to(dev))
-    kv_complete = torch.zeros(nkv, dtype=torch.int64, device=dev)
-    kv_complete.index_add_(0, kv_of, kv_lens.to(dev))
-    complete = (q_complete == block).view(-1, 1) & (kv_complete == block).view(1, -1)
-    some_b = blocks(some) > 0
-    full_b = (blocks(full) == q_count.view(-1, 1) * kv_count.view(1, -1)) & complete
-    return ordered_from_flags((some_b & ~full_b).unsqueeze(1), full_b.unsqueeze(1))
 
 
 def _tile_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
@@ -397,12 +389,10 @@ def build_shard(
             KeyOrder.of(perm, block) if keys is None else keys[row], rank, world, block
         )
         closed_form = mask._has_monotone_intervals() and not mask.head_dependent
-        if closed_form and layout.aligned:
-            kv, q = _closed_form_sides(mask, whole, layout)
-        elif closed_form:
-            kv, q = _piece_sides(mask, whole, layout)
-        else:
+        if not closed_form:
             kv, q = _tile_sides(mask, whole, layout)
+        else:
+            kv, q = _closed_form_shard(mask, whole, layout)
         if keep is not None:
             kv, q = (Ordered(*(t[keep : keep + 1] for t in side)) for side in (kv, q))
         elif not mask.batch_dependent:  # B reduced to 1 where the mask ignores it
