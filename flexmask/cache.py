@@ -251,6 +251,7 @@ def grid_for_key(mask: Mask, grid: BlockGrid) -> BlockGrid:
         grid.device,
         q_offset=_offset_key(grid.q_offset),  # type: ignore[arg-type]
         kv_offset=_offset_key(grid.kv_offset),  # type: ignore[arg-type]
+        row_offsets=grid.row_offsets,
     )
 
 
@@ -271,6 +272,7 @@ def _key(mask: Mask, grid: BlockGrid) -> tuple:
         mask.key,
         _as_key(_offset_key(grid.q_offset)),
         _as_key(_offset_key(grid.kv_offset)),
+        grid.row_offsets,  # equal per-row offsets give a mask_mod holding (B,) of them
     )
 
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
-from torch.nn.attention.flex_attention import create_mask
+from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 import flexmask
 from flexmask.build.grid import make_grid
@@ -120,7 +120,19 @@ def test_offsets_are_held_as_tensors_and_validated():
     bm = flexmask.create_block_mask(mask, 1, 1, 128, 512, "cpu", q_offset=384)
     assert isinstance(bm.mask_mod.q_offset, torch.Tensor) and bm.mask_mod.q_offset.dim() == 0
     same = flexmask.create_block_mask(mask, 2, 1, 128, 512, "cpu", q_offset=[384, 384])
-    assert same.mask_mod.q_offset.dim() == 0  # equal per-row offsets are one value
+    apart = flexmask.create_block_mask(mask, 2, 1, 128, 512, "cpu", q_offset=[384, 256])
+    # Per-row offsets stay per row when they agree: a compiled kernel guards on the shapes
+    # of the tensors its mask_mod holds, so rows that agree one step and diverge the next
+    # must not change them (that would recompile).
+    for bm in (same, apart):
+        assert bm.mask_mod.q_offset.shape == bm.mask_mod.kv_offset.shape == (2,)
+    assert same.mask_mod.q_offset.tolist() == [384, 384]
+    assert same.mask_mod.kv_offset.tolist() == [0, 0]
+    oracle.assert_same_block_mask(
+        same, flexmask.create_block_mask(mask, 2, 1, 128, 512, "cpu", q_offset=384)
+    )
+    zero = flexmask.create_block_mask(mask, 2, 1, 128, 512, "cpu", q_offset=[0, 0])
+    assert zero.mask_mod.q_offset.tolist() == [0, 0]
     plain = flexmask.create_block_mask(mask, 1, 1, 128, 512, "cpu")
     assert plain.mask_mod is not None and not hasattr(plain.mask_mod, "q_offset")
     with pytest.raises(ValueError, match="q_offset must be >= 0"):
@@ -141,7 +153,9 @@ def test_cache_keys_windows_apart():
     a = cache.get(mask, 2, 1, 128, 512, "cpu", q_offset=128)
     b = cache.get(mask, 2, 1, 128, 512, "cpu", q_offset=256)
     c = cache.get(mask, 2, 1, 128, 512, "cpu", q_offset=[128, 128])
-    assert a is not b and a is c
+    assert a is not b and a is not c  # c's mask_mod holds per-row offsets
+    oracle.assert_same_block_mask(a, c)
+    assert c.mask_mod.q_offset.shape == (2,)
     d = cache.get(mask, 2, 1, 128, 512, "cpu", q_offset=[128, 256])
     expected = flexmask.create_block_mask(mask, 2, 1, 128, 512, "cpu", q_offset=[128, 256])
     oracle.assert_same_block_mask(d, expected)
@@ -150,3 +164,13 @@ def test_cache_keys_windows_apart():
     assert static.kv_num_blocks.shape[0] == 2
     grid = make_grid(flexmask.causal(), 2, 1, 128, 512, "cpu", 128, [0, 256], 0)
     assert grid.per_row_offsets and grid.length == 512
+    # Equal per-row offsets on a mask ignoring rows: rows kept, so the (B,) offsets its
+    # mask_mod holds match the batch flex_attention runs; attention equals the int window's.
+    agree = cache.get(flexmask.causal(), 2, 1, 128, 512, "cpu", q_offset=[256, 256])
+    assert agree.kv_num_blocks.shape[0] == 2 and agree.mask_mod.q_offset.shape == (2,)
+    q = torch.randn(2, 1, 128, 16, dtype=torch.float64)
+    kv = torch.randn(2, 1, 512, 16, dtype=torch.float64)
+    window = flexmask.create_block_mask(flexmask.causal(), 2, 1, 128, 512, "cpu", q_offset=256)
+    torch.testing.assert_close(
+        flex_attention(q, kv, kv, block_mask=agree), flex_attention(q, kv, kv, block_mask=window)
+    )

@@ -148,12 +148,14 @@ def built_from(block_mask: BlockMask) -> Mask | None:
 def window_mask_mod(mask_mod: MaskMod, grid: BlockGrid) -> MaskMod:
     """The mask_mod of the grid's window: local indices shifted by the offsets (held as
     tensors); the mask's own where the window starts at (0, 0)."""
-    if not grid.per_row_offsets and grid.q_offset == 0 and grid.kv_offset == 0:
+    if not grid.row_offsets and grid.q_offset == 0 and grid.kv_offset == 0:
         return mask_mod
 
     def held(offset: int | Tensor) -> Tensor:
         if isinstance(offset, Tensor):
             return offset.view(-1).expand(grid.batch).contiguous()
+        if grid.row_offsets:  # equal per-row offsets: still one per row, one shape
+            return torch.full((grid.batch,), offset, dtype=torch.int64, device=grid.device)
         return torch.tensor(offset, dtype=torch.int64, device=grid.device)
 
     return ShiftedMod(mask_mod, held(grid.q_offset), held(grid.kv_offset))

@@ -46,6 +46,10 @@ class BlockGrid:
     """Its columns are positions ``[kv_offset, kv_offset + kv_len)``; likewise."""
     reach: int = 0
     """One past the furthest position of any row (lookups are padded to it)."""
+    row_offsets: bool = False
+    """The caller gave offsets per batch row. Equal ones are built as one int, but the
+    window's mask_mod still holds ``(B,)`` offsets, so a compiled kernel sees one shape
+    whether the rows' offsets agree this step or not."""
 
     @classmethod
     def make(
@@ -60,6 +64,7 @@ class BlockGrid:
         q_offset: int | list[int] = 0,
         kv_offset: int | list[int] = 0,
         reach: int = 0,
+        row_offsets: bool = False,
     ) -> BlockGrid:
         """The tiles of ``[q_offset, q_offset + q_len) x [kv_offset, kv_offset + kv_len)``;
         offsets are ints, or lists with one per batch row (validated by the caller).
@@ -99,6 +104,7 @@ class BlockGrid:
             q_offset=q_off,
             kv_offset=kv_off,
             reach=reach,
+            row_offsets=row_offsets or per_row,
         )
 
     @property
@@ -109,7 +115,8 @@ class BlockGrid:
     def reduced(self, mask: Mask) -> tuple[int, int]:
         """Rows and heads a build of ``mask`` writes: B (H) where the mask — or, for rows, the
         window — differs by row (head), else 1; flex_attention broadcasts the rest."""
-        rows = self.batch if mask.batch_dependent or self.per_row_offsets else 1
+        per_row = self.per_row_offsets or self.row_offsets
+        rows = self.batch if mask.batch_dependent or per_row else 1
         return rows, self.heads if mask.head_dependent else 1
 
     @property
@@ -198,16 +205,30 @@ def make_grid(
     q_off = offsets(q_offset, "q_offset", batch)
     kv_off = offsets(kv_offset, "kv_offset", batch)
     grid = BlockGrid.make(
-        batch, heads, q_len, kv_len, q_block, kv_block, device, q_offset=q_off, kv_offset=kv_off
+        batch,
+        heads,
+        q_len,
+        kv_len,
+        q_block,
+        kv_block,
+        device,
+        q_offset=q_off,
+        kv_offset=kv_off,
+        row_offsets=_per_row(q_offset) or _per_row(kv_offset),
     )
     mask._check(grid.extent)
     return grid
 
 
+def _per_row(value: Any) -> bool:
+    return not (isinstance(value, Tensor) and value.dim() == 0 or not hasattr(value, "__len__"))
+
+
 def offsets(value: Any, name: str, batch: int) -> int | list[int]:
     """A window offset: one int >= 0, or one per batch row (a list, or a (B,) tensor or
-    array). Per-row values that are all equal collapse to one int."""
-    if isinstance(value, Tensor) and value.dim() == 0 or not hasattr(value, "__len__"):
+    array). Per-row values that are all equal are built as one int (``BlockGrid.row_offsets``
+    keeps the window's mask_mod per row)."""
+    if not _per_row(value):
         return check_int(value, name, minimum=0)
     if isinstance(value, Tensor) and value.dim() != 1:
         raise ValueError(f"{name} must be an int or hold one offset per batch row, shape (B,)")
