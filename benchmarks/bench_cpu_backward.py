@@ -4,8 +4,10 @@ flex_attention has no backward on CPU, so the dense alternative is
 ``scaled_dot_product_attention(q, k, v, attn_mask=(1, 1, S, S) bool)``. Both are timed on the
 same inputs in one run, interleaved (flexmask, SDPA, flexmask, ...) so a busy machine slows
 both alike; memory is the peak of tensors alive at once during the call, measured from the
-allocator (``_memory.peak_extra_bytes``), with SDPA's dense mask built inside the call so it
-is counted (building it is the price of using SDPA with a mask). flexmask runs with its
+allocator (``_memory.peak_extra_bytes``: the calling thread's tensors, so the sparse path runs
+on one thread for it), and the rise of the process's resident set (``_memory.peak_rss_bytes``:
+every thread, both sides on their default threads), with SDPA's dense mask built inside the
+call so it is counted (building it is the price of using SDPA with a mask). flexmask runs with its
 defaults (``backend="auto"``: the grouped sparse kernel, or SDPA where that is faster); the
 row says which ran.
 
@@ -39,7 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # _memory.py, and flexmask when not installed
 
-from _memory import peak_extra_bytes  # noqa: E402
+from _memory import peak_extra_bytes, peak_rss_bytes  # noqa: E402
 from common import fmt_bytes, fmt_time, markdown_table, ratio  # noqa: E402
 
 import flexmask  # noqa: E402
@@ -184,6 +186,10 @@ def run_case(
         # The profiler sees the allocations of the calling thread only: the sparse kernel's
         # memory is measured on one thread (each further thread adds one group's temporaries).
         peak, _ = peak_extra_bytes(fn if impl.startswith("sdpa") else lambda fn=fn: fn(1))
+        # The resident set's rise counts every thread, both sides on their default threads;
+        # the last run's gradients are dropped first (each call makes its own).
+        clear()
+        rss, _ = peak_rss_bytes(fn)
         rows.append(
             dict(
                 mask=name,
@@ -193,6 +199,7 @@ def run_case(
                 impl=impl,
                 seconds=statistics.median(times[impl]),
                 peak=peak,
+                rss=rss,
                 max_err=max_err,
                 load=_load(),
             )
@@ -242,6 +249,8 @@ def table(rows: list[dict]) -> str:
             "peak extra memory",
             "time vs SDPA",
             "memory vs SDPA",
+            "peak RSS rise",
+            "RSS vs SDPA",
             "max grad diff vs SDPA",
         ],
         [
@@ -254,6 +263,8 @@ def table(rows: list[dict]) -> str:
                 fmt_bytes(r["peak"]),
                 ratio(r["seconds"], sdpa(r)["seconds"], 2),
                 ratio(r["peak"], sdpa(r)["peak"], 3),
+                fmt_bytes(r["rss"]) if "rss" in r else "—",
+                ratio(r["rss"], sdpa(r)["rss"], 3) if "rss" in r else "—",
                 "—" if r["impl"].startswith("sdpa") else f"{r['max_err']:.1e}",
             ]
             for r in rows
