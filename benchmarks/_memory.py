@@ -14,13 +14,12 @@ through ``/proc/self/clear_refs`` (Linux >= 4.0), minus the resident set at that
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import ctypes
 import ctypes.util
 import gc
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
