@@ -10,9 +10,15 @@ memory) or would take minutes (compiled is O(B x S^2)); the table says so.
     python benchmarks/bench_build.py --masks tree tree-insertion composed --sizes 4096 32768 \
         --batches 1 --quick --eager-limit-gb 1 --compiled-limit 0 --no-fresh
 
-The "floor" column is what writing the output alone costs: allocating torch's four index
-tensors of that shape, ``(B, H, nq, nkv)`` int32, and filling them, measured in the same run;
-"vs floor" is the build over it (the target is within 2x).
+The "floor" column is what writing the output alone costs: filling torch's four index
+tensors of that shape, ``(B, H, nq, nkv)`` int32, in memory already resident, measured in the
+same run; "vs floor" is the build over it (the target is within 2x); it runs on the builds' intra-op
+thread count (``FLEXMASK_BUILD_THREADS``, default 1). Allocation is left out
+of the floor: whether the allocator hands out fresh pages (a page fault per 4 KiB) or reuses
+resident ones swings it by 100x at 131k within one run, and it is the same for any builder.
+"ops" counts the torch operator calls of one build (views included) and "ops x small op" is
+that count times one call on a one-element tensor measured in the same run: a lower bound
+on any build made of that many eager torch calls, whatever their size.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import argparse
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,10 +45,11 @@ from common import (
     settle_allocator,
 )
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexmask
 from flexmask.build import make_grid
-from flexmask.build.create import build_counted, in_closed_form
+from flexmask.build.create import build_counted, cpu_threads, in_closed_form
 
 FIRST_CALL = """
 import time
@@ -110,16 +118,47 @@ def build_cases(S: int, B: int) -> dict[str, flexmask.Mask]:
 
 
 def write_floor(B: int, H: int, nq: int, nkv: int, repeat: int) -> float:
-    """Best time to allocate and fill torch's four index tensors of a build's shape."""
+    """Best time to fill torch's four index tensors of a build's shape, already resident."""
+    out = [
+        torch.empty((B, H, n, m), dtype=torch.int32).fill_(0)
+        for n, m in ((nq, nkv), (nkv, nq), (nq, nkv), (nkv, nq))
+    ]
 
-    def write() -> list[torch.Tensor]:
-        out = []
-        for n, m in ((nq, nkv), (nkv, nq), (nq, nkv), (nkv, nq)):
-            out.append(torch.empty((B, H, n, m), dtype=torch.int32).fill_(1))
-        return out
+    def write() -> None:
+        with cpu_threads(torch.device("cpu")):  # the builds' thread count
+            for t in out:
+                t.fill_(1)
 
     # Cheap, and on a shared machine single runs stall: the best of many.
     return best_time(write, repeat=max(repeat, 20))
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], Any]) -> int:
+    """Torch operator calls ``fn`` makes (what reaches dispatch: views and copies included)."""
+    with _CountOps() as counter:
+        fn()
+    return counter.calls
+
+
+def small_op_time() -> float:
+    """One eager torch call on a one-element tensor: the fixed cost every op of a build pays."""
+    a, b = torch.ones(1), torch.ones(1)
+
+    def calls() -> None:
+        for _ in range(1000):
+            torch.add(a, b)
+
+    return best_time(calls, repeat=20) / 1000
 
 
 def _fresh_process(code: str) -> list[float]:
@@ -166,6 +205,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             "tiles evaluated",
             "floor",
             "vs floor",
+            "ops",
+            "ops × small op",
         ],
         [
             [
@@ -184,6 +225,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f"{r['refined_tiles']:,}/{r['tiles']:,}" if r["path"] == "tiles" else "none",
                 fmt_time(r.get("floor_s")),
                 ratio(r["flexmask_s"], r.get("floor_s")),
+                f"{r['ops']:,}" if "ops" in r else "—",
+                fmt_time(r.get("ops_s")),
             ]
             for r in rows
         ],
@@ -243,6 +286,8 @@ def main() -> None:
     torch._dynamo.config.recompile_limit = 256
     compiled_builder = torch.compile(torch_create_block_mask, dynamic=False)
     settle_allocator()
+    small_op = small_op_time()
+    print(f"one eager torch call on a one-element tensor: {fmt_time(small_op)}\n")
     results = []
     for B in args.batches:
         for S in args.sizes:
@@ -261,6 +306,9 @@ def main() -> None:
                     lambda m=mask, B=B, S=S: flexmask.create_block_mask(m, B, 1, S, S, "cpu")
                 )
                 floor = write_floor(B, 1, grid.num_q_blocks, grid.num_kv_blocks, repeat)
+                ops = count_ops(
+                    lambda m=mask, B=B, S=S: flexmask.create_block_mask(m, B, 1, S, S, "cpu")
+                )
                 row = dict(
                     mask=name,
                     path=path,
@@ -271,6 +319,8 @@ def main() -> None:
                     flexmask_s=ours,
                     flexmask_bytes=ours_mem,
                     floor_s=floor,
+                    ops=ops,
+                    ops_s=ops * small_op,
                     eager_s=None,
                     eager_bytes=None,
                     compiled_s=None,
@@ -308,7 +358,7 @@ def main() -> None:
                     f"  B={B} S={S:>6} {name:16} flexmask {fmt_time(ours):>9} "
                     f"eager {fmt_time(row['eager_s']):>9} compiled {fmt_time(row['compiled_s']):>9}"
                     f" refined {refined}/{row['tiles']} floor {fmt_time(floor)}"
-                    f" ({ratio(ours, floor)})",
+                    f" ({ratio(ours, floor)}) ops {ops} x small op {fmt_time(ops * small_op)}",
                     flush=True,
                 )
 
