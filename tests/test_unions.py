@@ -139,7 +139,8 @@ def test_the_gaps_of_a_block_are_one_interval():
     lo_a, hi_a = a._intervals(q, row, grid)
     lo_b, hi_b = (t.expand_as(q) for t in b._intervals(q, row, grid))
     lo, hi = torch.stack([lo_a, lo_b]).view(2, 16, 16), torch.stack([hi_a, hi_b]).view(2, 16, 16)
-    g0, g1 = _reduce(lo, hi)[:, 7:].unbind(-1)
+    neg_g1, g0 = _reduce(lo, hi)[:, 6:].unbind(-1)
+    g1 = -neg_g1
     dense = (a | b).to_dense(1, 1, 256, 256)[0, 0].tolist()
     blocks_with_gaps = 0
     for block in range(16):

@@ -64,8 +64,9 @@ from flexmask.build.grid import BlockGrid
 from flexmask.build.write import Ordered, expand_runs
 from flexmask.mask import Mask, Or
 
-# Larger than any position: the neutral value of a min over non-attending queries.
-_FAR = 1 << 62
+# Larger than any position: the neutral value of a min over non-attending queries; the sum
+# of two stays inside int64.
+_FAR = 1 << 60
 
 
 class UnionRuns(NamedTuple):
@@ -102,80 +103,65 @@ def union_operands(mask: Mask) -> tuple[Mask, Mask] | None:
     return children[0], children[1]
 
 
-def _fold(x: Tensor, pair: Callable, whole: Callable) -> Tensor:
-    # A reduction over a last dimension of 2 (a line's two edges) as one elementwise op:
-    # torch's CPU reductions over so short a dimension cost far more.
-    return pair(x[..., 0], x[..., 1]) if x.shape[-1] == 2 else whole(x, -1)
-
-
 def _reduce(lo: Tensor, hi: Tensor) -> Tensor:
     """Over the positions read of each line, ``(2, ..., k)`` with the two operands first:
-    ``(..., 9)`` — each operand's least ``lo`` and greatest ``hi`` where it attends (far /
-    -1 where it never does), whether every position attends (1 / 0), ``max m``, ``min M``
-    and the gaps' union ``[g0, g1]`` (g0 > g1 when no position has a gap)."""
+    ``(..., 8)``, each quantity's least value over the positions — the ones to maximise
+    negated, so that one ``amin`` reduces them all:
+
+    ``[lo0, lo1, -hi0, -hi1, -m, M, -gr, gl]`` reduced to each operand's least ``lo`` and
+    greatest ``hi`` where it attends (``_FAR`` / ``-_FAR`` where it never does), ``max m``
+    (``_FAR`` unless every position attends), ``min M``, and the gaps' union ``[g0, g1]``
+    as ``g0`` and ``-g1`` (``g0 > g1`` when no position has a gap).
+    """
     attends = lo <= hi
-    lo = torch.where(attends, lo, _FAR)
-    hi = torch.where(attends, hi, -1)
-    # Where both attend: gl = min(hiA, hiB) + 1, gr = max(loA, loB) - 1.
-    gl = torch.minimum(hi[0], hi[1]).add_(1)
-    gr = torch.maximum(lo[0], lo[1]).sub_(1)
-    gap = (gl <= gr) & attends[0] & attends[1]
-    lines = [
-        _fold(lo[0], torch.minimum, torch.amin),
-        _fold(lo[1], torch.minimum, torch.amin),
-        _fold(hi[0], torch.maximum, torch.amax),
-        _fold(hi[1], torch.maximum, torch.amax),
-        _fold(attends[0] | attends[1], torch.logical_and, torch.all).long(),
-        _fold(torch.minimum(lo[0], lo[1]), torch.maximum, torch.amax),
-        _fold(torch.maximum(hi[0], hi[1]), torch.minimum, torch.amin),
-        _fold(torch.where(gap, gl, _FAR), torch.minimum, torch.amin),
-        _fold(torch.where(gap, gr, -1), torch.maximum, torch.amax),
-    ]
-    return torch.stack(lines, -1)
+    # Both bounds in "least is wanted" form: [lo, -hi], far where the operand attends nowhere.
+    bounds = torch.stack([lo, hi.neg()]).masked_fill_(~attends, _FAR)  # (2, 2, ..., k)
+    # Over the operands: least = [m, -M] (hull), greatest = [gr + 1, 1 - gl] (gap).
+    least, greatest = bounds.amin(1), bounds.amax(1)
+    # A gap gl <= gr where both attend: the sum is 2 * _FAR where either attends nowhere.
+    both = greatest.sum(0)
+    gap = (both >= 2) & (both < _FAR)
+    quantities = [bounds.flatten(0, 1), least.neg(), (1 - greatest).masked_fill_(~gap, _FAR)]
+    return torch.cat(quantities).amin(-1).movedim(0, -1)
 
 
 def _line_runs(
-    reduced: Tensor,
-    first: Tensor,
-    block: int,
-    end: int | Tensor,
-    other_tile: Callable[[Tensor], Tensor],
-    other_block: int,
+    reduced: Tensor, incomplete: bool, other_offset: int | Tensor, other_block: int
 ) -> UnionRuns:
     """Each line's two non-empty and two full runs from its reductions (``_reduce``,
-    ``(R, n, 9)``); ``first`` ``(R, n)`` is each line's first position, ``end`` one past
-    the last on its axis; ``other_tile`` maps the other axis's positions ``(R, k)`` to its
-    tiles of ``other_block``."""
-    rows = first.shape[0]
-
-    def tile(position: Tensor) -> Tensor:
-        return other_tile(position.reshape(rows, -1)).view(position.shape)
-
-    lo_first, hi_last = reduced[..., 0:2], reduced[..., 2:4]
-    every, m, big_m, g0, g1 = reduced[..., 4:].unbind(-1)
-    # Full: the complete tiles of the hull [m, M], less the tiles the gaps [g0, g1] meet.
-    complete = every.bool() & (first + block <= end)
-    hull_first = tile(torch.where(complete, m, 0) + (other_block - 1))
-    hull_stop = tile(torch.where(complete, big_m, -1) + 1)  # exclusive
-    has_gap = g0 <= g1
-    gap_first = torch.where(has_gap, tile(g0), hull_stop)
-    gap_stop = torch.where(has_gap, tile(g1) + 1, hull_stop)
-    # Each operand's non-empty run; [0, 0) where it attends nowhere.
-    some = hi_last >= 0
-    starts = [torch.where(some, tile(lo_first), 0), hull_first, hull_first.maximum(gap_stop)]
-    stops = [torch.where(some, tile(hi_last) + 1, 0), hull_stop.minimum(gap_first), hull_stop]
+    ``(R, n, 8)``); ``incomplete`` when the last line runs past its axis's end (it holds no
+    full tile); tiles of the other axis start at ``other_offset``, ``other_block`` wide."""
+    b = other_block
+    # Each quantity as the tile bound it gives: one multiply-add and one floor division.
+    # Non-empty runs [tile(lo), tile(hi) + 1); the hull's complete tiles [tile(m + b - 1),
+    # tile(M + 1)); the gap's tiles [tile(g0), tile(g1) + 1). Where nothing attends the
+    # runs come out as [far, -far): empty, in ``ordered_runs`` and ``codes_from_union_runs``.
+    shift = [0, 0, b, b, b - 1, 1, b, 0]
+    if isinstance(other_offset, int):
+        shift = [x - other_offset for x in shift]
+    sign_shift = torch.tensor([[1, 1, -1, -1, -1, 1, -1, 1], shift], device=reduced.device)
+    bounds = torch.addcmul(sign_shift[1], reduced, sign_shift[0])
+    if isinstance(other_offset, Tensor):
+        bounds.sub_(other_offset.view(-1, 1, 1))
+    tiles = bounds.div_(b, rounding_mode="floor")
+    if incomplete:  # only complete tiles can be full: not those of the last line
+        tiles[:, -1, 4:6] = 0
+    hull_first, hull_stop = tiles[..., 4:5], tiles[..., 5:6]
+    gap_stop, gap_first = tiles[..., 6:7], tiles[..., 7:8]
+    # Full: the hull less the gap's tiles. Without a gap (gap_first far) the second run
+    # repeats the first: runs are read as a union, so that is harmless.
     return UnionRuns(
-        torch.cat([starts[0], torch.stack(starts[1:], -1)], -1),
-        torch.cat([stops[0], torch.stack(stops[1:], -1)], -1),
+        torch.cat([tiles[..., 0:2], hull_first, hull_first.maximum(gap_stop)], -1),
+        torch.cat([tiles[..., 2:4], hull_stop.minimum(gap_first), hull_stop], -1),
     )
 
 
 def _lines(edges: tuple[Tensor, Tensor], inside: tuple[Tensor, Tensor], special: Tensor) -> Tensor:
-    """``(R, n, 9)`` reductions of every line: over its two edge positions (``edges``, each
+    """``(R, n, 8)`` reductions of every line: over its two edge positions (``edges``, each
     ``(2, R, n, 2)``), and for the ``special`` lines ``(R, s)`` over all their positions
     (``inside``, each ``(2, R, s, block)``) instead."""
     at_edges, at_special = _reduce(*edges), _reduce(*inside)
-    return at_edges.scatter(1, special.unsqueeze(-1).expand(-1, -1, 9), at_special)
+    return at_edges.scatter_(1, special.unsqueeze(-1).expand(-1, -1, 8), at_special)
 
 
 def _queries(a: Mask, b: Mask, grid: BlockGrid, rows: int) -> tuple[Tensor, Tensor]:
@@ -209,8 +195,7 @@ def union_row_runs(
     special = _special(edges, grid.kv_offset)
     index = special[None, :, :, None].expand(2, -1, -1, qb)
     reduced = _lines(edges, (lo.gather(2, index), hi.gather(2, index)), special)
-    first = grid.q_first.view(-1, nq).expand(rows, nq)
-    return _line_runs(reduced, first, qb, grid.q_end, grid.kv_tile, grid.kv_block)
+    return _line_runs(reduced, grid.q_len % qb != 0, grid.kv_offset, grid.kv_block)
 
 
 def _transposed(lo: Tensor, hi: Tensor, grid: BlockGrid) -> tuple[Callable, Tensor]:
@@ -267,11 +252,7 @@ def union_column_runs(
     inside = inside.clamp_(max=kv_end - 1).view(rows, count * kb)  # repeats the last key
     at_inside = tuple(t.view(2, rows, count, kb) for t in at(inside))
     reduced = _lines(edges, at_inside, special)
-
-    def q_tile(position: Tensor) -> Tensor:
-        return (position - grid.q_offset).div(grid.q_block, rounding_mode="floor")
-
-    return _line_runs(reduced, first, kb, grid.kv_end, q_tile, grid.q_block)
+    return _line_runs(reduced, grid.kv_len % kb != 0, grid.q_offset, grid.q_block)
 
 
 def ordered_runs(
