@@ -53,7 +53,7 @@ sorted but a line's nine segments, and nothing is read back to the host.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -256,30 +256,41 @@ def union_column_runs(
 
 
 def ordered_runs(
-    starts: Tensor, stops: Tensor, m: int, out: tuple[Tensor, Tensor]
-) -> tuple[Tensor, Tensor]:
-    """Writes one side's partial and full index tensors from each line's runs, in torch's
-    order (listed blocks ascending, then the rest ascending); returns both counts.
+    starts: Tensor, stops: Tensor, ends: int | Tensor, out: Sequence[Tensor]
+) -> list[Tensor]:
+    """Writes index tensors from each line's runs, in torch's order (listed blocks ascending,
+    then the rest ascending); returns their counts.
 
     ``starts``/``stops`` are ``(N, 4)``: two non-empty runs then two full runs per line, any
-    of them empty. The runs' ends cut each line into at most nine segments, each wholly in or
-    out of every run; a stable sort of the segments by "listed first" is torch's order, and
-    the segments are expanded in one pass (``write.expand_runs``).
+    of them empty; ``ends`` each line's length, an int or ``(N, 1)``. ``out`` is the partial
+    tensors, then the full ones in the same order; their lines (over the last dimension),
+    laid end to end, are the N lines (both sides of a BlockMask at once). The runs' ends cut
+    each line into at most nine segments, each wholly in or out of every run; a stable sort
+    of the segments by "listed first" is torch's order, and each tensor's segments are
+    expanded in one pass (``write.expand_runs``).
     """
     n = starts.shape[0]
-    points = torch.cat([starts, stops], 1).clamp_(0, m).sort(1).values
+    points = torch.cat([starts, stops], 1).clamp_(min=0)
+    points = points.clamp_(max=ends) if isinstance(ends, int) else points.minimum(ends)
+    points = points.sort(1).values
+    line_end = points.new_full((n, 1), ends) if isinstance(ends, int) else ends
     seg_start = torch.cat([points.new_zeros(n, 1), points], 1)
-    seg_len = torch.cat([points, points.new_full((n, 1), m)], 1) - seg_start
+    seg_len = torch.cat([points, line_end], 1) - seg_start
     x = seg_start.unsqueeze(-1)
     inside = (starts.unsqueeze(1) <= x) & (x < stops.unsqueeze(1))  # (N, 9, 4)
     full = inside[..., 2:].any(-1)
-    partial = inside[..., :2].any(-1) & ~full
-    counts = []
-    for listed, target in zip((partial, full), out, strict=True):
-        order = listed.logical_not().to(torch.int8).argsort(dim=1, stable=True)
-        expand_runs(target.view(-1), seg_start.gather(1, order), seg_len.gather(1, order))
-        counts.append((seg_len * listed).sum(1, dtype=torch.int32))
-    return counts[0], counts[1]
+    listed = torch.stack([inside[..., :2].any(-1) & ~full, full])  # partial, full: (2, N, 9)
+    counts = (seg_len * listed).sum(-1, dtype=torch.int32)
+    order = (~listed).to(torch.int8).argsort(dim=-1, stable=True)
+    lines = [t.numel() // t.shape[-1] if t.numel() else 0 for t in out]
+    sizes = [count * seg_start.shape[1] for count in lines]
+    seg_start, seg_len = (t.expand(2, n, -1).gather(-1, order).view(-1) for t in (seg_start, seg_len))
+    for target, first, length in zip(
+        out, seg_start.split(sizes), seg_len.split(sizes), strict=True
+    ):
+        expand_runs(target.view(-1), first, length)
+    # A storage each, as torch's (write.assemble keeps contiguous tensors as they are).
+    return [count.clone() for count in counts.view(-1).split(lines)]
 
 
 def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
@@ -289,15 +300,21 @@ def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     rows, _ = grid.reduced(mask)
     nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
     # The outputs first (closed_form.ordered_sides says why).
-    kv_p, kv_f, q_p, q_f = (
+    kv_p, q_p, kv_f, q_f = (
         torch.empty((rows, n, m), dtype=torch.int32, device=dev)
-        for n, m in ((nq, nkv), (nq, nkv), (nkv, nq), (nkv, nq))
+        for n, m in ((nq, nkv), (nkv, nq), (nq, nkv), (nkv, nq))
     )
     queries = _queries(*operands, grid, rows)
     runs = union_row_runs(*operands, grid, rows, queries)
     cols = union_column_runs(*operands, grid, rows, queries)
-    kv_pn, kv_fn = ordered_runs(runs.starts.view(-1, 4), runs.stops.view(-1, 4), nkv, (kv_p, kv_f))
-    q_pn, q_fn = ordered_runs(cols.starts.view(-1, 4), cols.stops.view(-1, 4), nq, (q_p, q_f))
+    # Both sides' lines as one list: kv-side rows of nkv blocks, then q-side columns of nq.
+    starts, stops = (torch.cat([r.view(-1, 4), c.view(-1, 4)]) for r, c in zip(runs, cols))
+    ends: int | Tensor = nkv
+    if nq != nkv:
+        ends = torch.tensor([nkv, nq], device=dev).repeat_interleave(
+            torch.tensor([rows * nq, rows * nkv], device=dev), output_size=starts.shape[0]
+        ).view(-1, 1)
+    kv_pn, q_pn, kv_fn, q_fn = ordered_runs(starts, stops, ends, (kv_p, q_p, kv_f, q_f))
     return (
         Ordered(
             kv_pn.view(rows, 1, nq), kv_p.unsqueeze(1), kv_fn.view(rows, 1, nq), kv_f.unsqueeze(1)
