@@ -311,9 +311,8 @@ def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     starts, stops = (torch.cat([r.view(-1, 4), c.view(-1, 4)]) for r, c in zip(runs, cols))
     ends: int | Tensor = nkv
     if nq != nkv:
-        ends = torch.tensor([nkv, nq], device=dev).repeat_interleave(
-            torch.tensor([rows * nq, rows * nkv], device=dev), output_size=starts.shape[0]
-        ).view(-1, 1)
+        ends = torch.full((starts.shape[0], 1), nkv, device=dev)
+        ends[rows * nq :] = nq
     kv_pn, q_pn, kv_fn, q_fn = ordered_runs(starts, stops, ends, (kv_p, q_p, kv_f, q_f))
     return (
         Ordered(
