@@ -88,11 +88,12 @@ def expand_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
     if total == 0:
         return
     first_entry = lens.cumsum(0) - lens
-    shift = starts - first_entry  # value minus entry index, constant along a run
-    jump = torch.diff(shift, prepend=torch.zeros_like(shift[:1]))
+    # A run's jump: its start less the value the run before it stopped at (1 before the
+    # first: the cumsum of the ones alone would start there).
+    stop = starts + lens
+    jump = starts - torch.cat([stop.new_ones(1), stop[:-1]])
     inside = first_entry < total  # empty runs at the very end jump nowhere
     out.fill_(1)
-    out[0] = 0
     out.scatter_add_(0, first_entry.clamp(max=total - 1), (jump * inside).to(out.dtype))
     out.cumsum_(0)
 
