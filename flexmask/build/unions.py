@@ -103,15 +103,15 @@ def union_operands(mask: Mask) -> tuple[Mask, Mask] | None:
     return children[0], children[1]
 
 
-def _reduce(lo: Tensor, hi: Tensor) -> Tensor:
-    """Over the positions read of each line, ``(2, ..., k)`` with the two operands first:
-    ``(..., 8)``, each quantity's least value over the positions — the ones to maximise
-    negated, so that one ``amin`` reduces them all:
+def _quantities(lo: Tensor, hi: Tensor) -> Tensor:
+    """At every position of ``(2, ..., k)`` intervals (the two operands first), the eight
+    quantities ``(8, ..., k)`` whose least value over a line's positions the line's runs
+    need — the ones to maximise negated, so that one ``amin`` reduces them all:
 
-    ``[lo0, lo1, -hi0, -hi1, -m, M, -gr, gl]`` reduced to each operand's least ``lo`` and
+    ``[lo0, lo1, -hi0, -hi1, -m, M, -gr, gl]``. Reduced: each operand's least ``lo`` and
     greatest ``hi`` where it attends (``_FAR`` / ``-_FAR`` where it never does), ``max m``
-    (``_FAR`` unless every position attends), ``min M``, and the gaps' union ``[g0, g1]``
-    as ``g0`` and ``-g1`` (``g0 > g1`` when no position has a gap).
+    (``_FAR`` unless every position attends), ``min M``, and the gaps' union ``[g0, g1]`` as
+    ``-g1`` and ``g0`` (``g0 > g1`` when no position has a gap).
     """
     attends = lo <= hi
     # Both bounds in "least is wanted" form: [lo, -hi], far where the operand attends nowhere.
@@ -121,8 +121,14 @@ def _reduce(lo: Tensor, hi: Tensor) -> Tensor:
     # A gap gl <= gr where both attend: the sum is 2 * _FAR where either attends nowhere.
     both = greatest.sum(0)
     gap = (both >= 2) & (both < _FAR)
-    quantities = [bounds.flatten(0, 1), least.neg(), (1 - greatest).masked_fill_(~gap, _FAR)]
-    return torch.cat(quantities).amin(-1).movedim(0, -1)
+    gaps = (1 - greatest).masked_fill_(~gap, _FAR)
+    return torch.cat([bounds.flatten(0, 1), least.neg(), gaps])
+
+
+def _reduce(lo: Tensor, hi: Tensor) -> Tensor:
+    """``(..., 8)``: the least of each of ``_quantities`` over the last dimension, the
+    positions of each line."""
+    return _quantities(lo, hi).amin(-1).movedim(0, -1)
 
 
 def _line_runs(
@@ -159,9 +165,14 @@ def _line_runs(
 def _lines(edges: tuple[Tensor, Tensor], inside: tuple[Tensor, Tensor], special: Tensor) -> Tensor:
     """``(R, n, 8)`` reductions of every line: over its two edge positions (``edges``, each
     ``(2, R, n, 2)``), and for the ``special`` lines ``(R, s)`` over all their positions
-    (``inside``, each ``(2, R, s, block)``) instead."""
-    at_edges, at_special = _reduce(*edges), _reduce(*inside)
-    return at_edges.scatter_(1, special.unsqueeze(-1).expand(-1, -1, 8), at_special)
+    (``inside``, each ``(2, R, s, block)``) instead. Both sets of positions go through
+    ``_quantities`` as one."""
+    n, count = edges[0].shape[2], special.shape[1]
+    lo, hi = (torch.cat([e.flatten(2), i.flatten(2)], -1) for e, i in zip(edges, inside))
+    quantities = _quantities(lo, hi)  # (8, R, 2n + count * block)
+    at_edges = quantities[..., : 2 * n].unflatten(-1, (n, 2)).amin(-1)
+    at_special = quantities[..., 2 * n :].unflatten(-1, (count, -1)).amin(-1)
+    return at_edges.scatter_(-1, special.expand(8, -1, -1), at_special).movedim(0, -1)
 
 
 def _queries(a: Mask, b: Mask, grid: BlockGrid, rows: int) -> tuple[Tensor, Tensor]:
