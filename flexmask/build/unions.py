@@ -71,7 +71,9 @@ _FAR = 1 << 60
 
 class UnionRuns(NamedTuple):
     """Per block row ``(R, nq)``: two runs of non-empty tiles and two runs of full tiles,
-    each ``[start, stop)`` (empty when stop <= start), full runs inside non-empty ones."""
+    each ``[start, stop)`` (empty when stop <= start), full runs inside non-empty ones. The
+    runs are read as a union (the full ones may repeat), and their ends may lie outside
+    ``[0, n]`` (``_FAR`` over a tile): clamp them to read positions."""
 
     starts: Tensor
     """(R, nq, 4): non-empty run 1, non-empty run 2, full run 1, full run 2."""
