@@ -42,14 +42,15 @@ class FakeMesh:
         return self.rank
 
 
-def torch_shard(mask, B, H, S, world, rank, balancer):
-    """torch's own _create_cp_block_mask, eager (its compile swapped out: same blocks)."""
+def torch_shard(mask, B, H, S, world, rank, balancer, kv_len=None):
+    """torch's own _create_cp_block_mask, eager (its compile swapped out: same blocks); without
+    a balancer, load balancing off. ``kv_len``: the key length where it is not S."""
     saved = torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance
     torch_cp._compiled_create_block_mask = torch_create_block_mask
     torch_cp._cp_options.enable_load_balance = balancer is not None
     try:
         return torch_cp._create_cp_block_mask(
-            mask.mask_mod, B, H, S, S, FakeMesh(world, rank), balancer
+            mask.mask_mod, B, H, S, S if kv_len is None else kv_len, FakeMesh(world, rank), balancer
         )
     finally:
         torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance = saved

@@ -9,7 +9,6 @@ import random
 import numpy as np
 import pytest
 import torch
-import torch.distributed.tensor.experimental._context_parallel._attention as torch_cp
 from torch.distributed.tensor.experimental._attention import (
     _HeadTailLoadBalancer,
     _PTRRLoadBalancer,
@@ -20,7 +19,6 @@ import flexmask
 from flexmask.context_parallel import PTRRBalancer
 from tests import oracle
 from tests.test_context_parallel import (
-    FakeMesh,
     _free_port,
     check_against_oracle,
     dense_case,
@@ -33,17 +31,7 @@ from tests.test_context_parallel import (
 
 
 def torch_cp_block_mask(mask, B, H, Q, KV, world, rank, balancer=None):
-    """torch's _create_cp_block_mask, eager (its compile swapped out: same blocks); without
-    a balancer, load balancing off."""
-    saved = torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance
-    torch_cp._compiled_create_block_mask = torch_create_block_mask
-    torch_cp._cp_options.enable_load_balance = balancer is not None
-    try:
-        return torch_cp._create_cp_block_mask(
-            mask.mask_mod, B, H, Q, KV, FakeMesh(world, rank), balancer
-        )
-    finally:
-        torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance = saved
+    return torch_shard(mask, B, H, Q, world, rank, balancer, kv_len=KV)
 
 
 def other_keys_case(name, Q, KV, rng):
