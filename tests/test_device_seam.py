@@ -31,8 +31,9 @@ SYNCING = {
     "aten::_unique2",
     "aten::unique_dim",
     "aten::unique_consecutive",
-    "aten::repeat_interleave",
 }
+# Its output length is the sum of the repeats: a sync unless output_size gives it.
+SIZED_BY_DATA = {"aten::repeat_interleave"}
 
 
 class NoSync(TorchDispatchMode):
@@ -46,6 +47,8 @@ class NoSync(TorchDispatchMode):
         name = func._schema.name
         if name in SYNCING:
             self.seen.append(name)
+        elif name in SIZED_BY_DATA and (kwargs or {}).get("output_size") is None:
+            self.seen.append(f"{name} without output_size")
         elif name in ("aten::index.Tensor", "aten::index", "aten::index_put_", "aten::index_put"):
             indices = args[1] if len(args) > 1 else ()
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
