@@ -351,10 +351,10 @@ class _Budget:
 
 
 def cores_busy() -> bool:
-    """Whether other work competes for the cores this process may use: other processes' tasks
-    runnable right now (``/proc``) leave fewer cores than torch's intra-op threads, or the
-    1-minute load average exceeds the cores by more than half a core (it lags a minute
-    behind, the snapshot does not). False where the platform has neither."""
+    """Whether other work competes for the cores this process may use: tasks runnable right
+    now besides this thread (``/proc/loadavg``) leave fewer cores than torch's intra-op
+    threads, or the 1-minute load average exceeds the cores by more than half a core (it
+    lags a minute behind, the snapshot does not). False where the platform has neither."""
     try:
         cores = len(os.sched_getaffinity(0))
         load = os.getloadavg()[0]
@@ -362,23 +362,17 @@ def cores_busy() -> bool:
         return False
     if load > cores + 0.5:
         return True
-    others = others_runnable()
-    return others is not None and others + torch.get_num_threads() > cores
+    runnable = runnable_now()
+    return runnable is not None and (runnable - 1) + torch.get_num_threads() > cores
 
 
-def others_runnable() -> int | None:
-    """Tasks of other processes runnable at this instant (Linux): the machine's count less
-    this process's own running threads (its OpenMP workers spin between ops)."""
+def runnable_now() -> int | None:
+    """Tasks runnable on the machine at this instant, this thread included (Linux)."""
     try:
         with open("/proc/loadavg") as f:
-            machine = int(f.read().split()[3].split("/")[0])
-        own = 0
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/stat") as f:
-                own += f.read().rpartition(")")[2].split()[0] == "R"
+            return int(f.read().split()[3].split("/")[0])
     except (OSError, ValueError, IndexError):
         return None
-    return max(0, machine - own)
 
 
 def run_groups(
