@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -350,31 +349,6 @@ class _Budget:
             return True
 
 
-def cores_busy() -> bool:
-    """Whether other work competes for the cores this process may use: tasks runnable right
-    now besides this thread (``/proc/loadavg``) leave fewer cores than torch's intra-op
-    threads, or the 1-minute load average exceeds the cores by more than half a core (it
-    lags a minute behind, the snapshot does not). False where the platform has neither."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return False
-    if load > cores + 0.5:
-        return True
-    runnable = runnable_now()
-    return runnable is not None and (runnable - 1) + torch.get_num_threads() > cores
-
-
-def runnable_now() -> int | None:
-    """Tasks runnable on the machine at this instant, this thread included (Linux)."""
-    try:
-        with open("/proc/loadavg") as f:
-            return int(f.read().split()[3].split("/")[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def run_groups(
     one: Callable[[int], None], groups: list[Group], layout: Layout, workers: int
 ) -> None:
@@ -387,15 +361,9 @@ def run_groups(
     the groups are dealt to ``workers`` threads by cost, each single-threaded, which meet once
     at the end; on an idle machine that keeps the cores busy as torch's threads would.
     With one worker (or grad mode on, as in a double backward, which must record the ops)
-    the groups run here, in order, under one intra-op thread. With ``workers = 0`` they run
-    here with torch's intra-op threads in every op: faster while the cores are free (the
-    workers' per-call thread starts and their GIL turns cost 10-80% at 2k-8k on 2 idle cores).
+    the groups run here, in order, under one intra-op thread.
     """
     if not groups:
-        return
-    if workers == 0:  # torch's intra-op threads in each op, here (cores are free)
-        for index in range(len(groups)):
-            one(index)
         return
     workers = max(1, min(workers, len(groups)))
     if torch.is_grad_enabled():

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -850,50 +849,6 @@ def test_threads_share_the_groups_exactly(name, threads):
         memory_budget=20_000,
     )
     assert torch.get_num_threads() == before
-
-
-@pytest.mark.parametrize("busy", [False, True])
-def test_threads_none_follows_the_load(monkeypatch, busy):
-    """threads=None runs the groups with torch's threads per op on free cores and on
-    single-threaded workers on busy ones: the oracle's result either way, and the way taken
-    is the one the load says."""
-    from flexmask import block_sparse_kernel
-
-    seen = []
-    run_groups = block_sparse_kernel.run_groups
-
-    def spy(one, groups, layout, workers):
-        seen.append(workers)
-        return run_groups(one, groups, layout, workers)
-
-    monkeypatch.setattr(block_sparse_kernel, "cores_busy", lambda: busy)
-    monkeypatch.setattr(block_sparse_kernel, "run_groups", spy)
-    case = next(c for c in CASES if c[0] == "document-gqa")
-    block_mask, dense, q, k, v, grad_out = build_case(case)
-    assert_matches_oracles(
-        q, k, v, grad_out, block_mask, dense, atol=1e-10, max_chunk_elements=2_000
-    )
-    assert seen and set(seen) == ({torch.get_num_threads()} if busy else {0})
-
-
-def test_cores_busy_reads_the_load_average(monkeypatch):
-    from flexmask import block_sparse_kernel
-
-    cores = len(os.sched_getaffinity(0))
-    threads = torch.get_num_threads()
-    # This thread alone runnable, and torch's threads fit the cores: free.
-    monkeypatch.setattr(block_sparse_kernel, "runnable_now", lambda: 1 + max(0, cores - threads))
-    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 0.4, 0.0, 0.0))
-    assert not block_sparse_kernel.cores_busy()
-    # The last minute was busier than the cores: busy, whatever this instant shows.
-    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 0.6, 0.0, 0.0))
-    assert block_sparse_kernel.cores_busy()
-    # A quiet minute, but another task runnable now where torch's threads need every core.
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    monkeypatch.setattr(block_sparse_kernel, "runnable_now", lambda: 2 + max(0, cores - threads))
-    assert block_sparse_kernel.cores_busy()
-    monkeypatch.setattr(block_sparse_kernel, "runnable_now", lambda: None)  # no /proc
-    assert not block_sparse_kernel.cores_busy()
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
