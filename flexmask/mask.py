@@ -498,9 +498,10 @@ class Composite(Mask):
     and device are its parts' (validated to agree), and what depends on the data — rows,
     heads, length, validation — is any of its parts'."""
 
-    __slots__ = ("_key", "_rows", "_device")
+    __slots__ = ("_parts", "_key", "_rows", "_device")
 
     def _set_parts(self, parts: tuple[Mask, ...], key: tuple) -> None:
+        self._parts = parts
         self._key = key
         self._rows = common_rows(parts)
         self._device = common_device(parts)
@@ -508,7 +509,7 @@ class Composite(Mask):
     @property
     def parts(self) -> tuple[Mask, ...]:
         """The masks this one is made of (each distinct one once)."""
-        raise NotImplementedError
+        return self._parts
 
     @property
     def key(self) -> tuple:
@@ -560,10 +561,6 @@ class _Nary(Composite):
         for m in masks:
             flat.extend(m.children if type(m) is cls else (m,))
         return cls(tuple(flat))
-
-    @property
-    def parts(self) -> tuple[Mask, ...]:
-        return self.children
 
     def __repr__(self) -> str:
         return "(" + f" {self._symbol} ".join(repr(c) for c in self.children) + ")"

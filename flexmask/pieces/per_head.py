@@ -45,10 +45,6 @@ class PerHead(Composite):
         self._set_parts(self.distinct, ("per_head", tuple(m.key for m in masks), group_size))
 
     @property
-    def parts(self) -> tuple[Mask, ...]:
-        return self.distinct
-
-    @property
     def head_dependent(self) -> bool:
         return True
 
