@@ -3,9 +3,7 @@ balancers against torch's, and forward/backward on 2 and 4 gloo processes."""
 
 from __future__ import annotations
 
-import os
 import random
-import socket
 
 import numpy as np
 import pytest
@@ -27,6 +25,7 @@ from flexmask.context_parallel import (
     lazy_shard,
 )
 from tests import oracle
+from tests.ranks import spawn_ranks
 
 
 class FakeMesh:
@@ -361,25 +360,6 @@ def test_cache_and_lazy_keys_are_rank_aware():
     assert a.key not in cache
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, S, failures):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _distributed_checks(rank, world, S)
-    except BaseException as exc:  # reported to the parent, which fails the test
-        import traceback
-
-        failures.put(f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 def _distributed_checks(rank, world, S):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
@@ -419,21 +399,24 @@ def _distributed_checks(rank, world, S):
         assert torch.equal(restored.narrow(2, 0, S), q.detach())
 
 
-def _spawn(world, S):
-    ctx = torch.multiprocessing.get_context("spawn")
-    failures = ctx.SimpleQueue()
-    torch.multiprocessing.spawn(_worker, args=(world, _free_port(), S, failures), nprocs=world)
-    problems = []
-    while not failures.empty():
-        problems.append(failures.get())
-    assert not problems, "\n".join(problems)
-
-
 @pytest.mark.slow  # 35-80 s on 2 busy cores: make test-slow and CI run it
 def test_two_gloo_ranks_match_single_process():
-    _spawn(2, 512)
+    spawn_ranks(_distributed_checks, 2, 512)
 
 
 @pytest.mark.slow
 def test_four_gloo_ranks_match_single_process():
-    _spawn(4, 1024)
+    spawn_ranks(_distributed_checks, 4, 1024)
+
+
+def _rank_one_fails(rank, world):
+    torch.distributed.barrier()
+    if rank == 1:
+        raise ValueError("rank one's check failed")
+
+
+@pytest.mark.slow
+def test_spawn_ranks_reports_what_a_rank_raised():
+    """The runner the gloo tests stand on fails the test when a rank's check raises."""
+    with pytest.raises(AssertionError, match="rank 1: ValueError"):
+        spawn_ranks(_rank_one_fails, 2)

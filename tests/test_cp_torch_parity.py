@@ -3,7 +3,6 @@ from structure, and a module parallelized with torch's _ContextParallel on gloo.
 
 from __future__ import annotations
 
-import os
 import random
 
 import numpy as np
@@ -18,8 +17,8 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 import flexmask
 from flexmask.context_parallel import PTRRBalancer
 from tests import oracle
+from tests.ranks import spawn_ranks
 from tests.test_context_parallel import (
-    _free_port,
     check_against_oracle,
     dense_case,
     document_dense,
@@ -200,20 +199,7 @@ class FlexAttention(torch.nn.Module):
         return flexmask.flex_attention(query, key, value, block_mask=block_mask, compile=False)
 
 
-def _parallel_worker(rank, world, port, S, failures):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _parallel_checks(world, S)
-    except BaseException as exc:  # reported to the parent, which fails the test
-        import traceback
-
-        failures.put(f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-def _parallel_checks(world, S):
+def _parallel_checks(rank, world, S):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental._attention import _ContextParallel
     from torch.distributed.tensor.parallel import parallelize_module
@@ -251,16 +237,7 @@ def _parallel_checks(world, S):
 
 @pytest.mark.slow  # two spawned processes: ~30 s on 2 busy cores
 def test_context_parallel_style_runs_a_flexmask_shard():
-    ctx = torch.multiprocessing.get_context("spawn")
-    failures = ctx.SimpleQueue()
-    world, S = 2, 512
-    torch.multiprocessing.spawn(
-        _parallel_worker, args=(world, _free_port(), S, failures), nprocs=world
-    )
-    problems = []
-    while not failures.empty():
-        problems.append(failures.get())
-    assert not problems, "\n".join(problems)
+    spawn_ranks(_parallel_checks, 2, 512)
 
 
 def test_dense_reference_helper_is_not_vacuous():
