@@ -12,6 +12,7 @@ that loss and gradients are equal.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 
 import torch
@@ -114,6 +115,9 @@ def main() -> None:
     parents = [-1] + [rng.randrange(max(0, i - 64), i) for i in range(1, args.seq)]
     run("tree", flexmask.tree(parents), "mask_aware", args.seq, args.steps, mesh)
     dist.destroy_process_group()
+    # Free the process group now, not while the interpreter shuts down: torch's gloo threads
+    # may still release a collective's tensors then, which aborts the rank (pytorch#190489).
+    gc.collect()
 
 
 if __name__ == "__main__":

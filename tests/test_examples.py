@@ -18,8 +18,11 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TIMEOUT_S = 300  # a hung example fails the test instead of the whole run
 
 
-def run_example(name: str, *args: str, pythonpath: Path | None = None) -> str:
-    """Runs ``examples/<name>`` with ``args``; returns its stdout, failing with its output."""
+def run_example(
+    name: str, *args: str, pythonpath: Path | None = None, launcher: tuple[str, ...] = ()
+) -> str:
+    """Runs ``examples/<name>`` with ``args`` (under ``python -m <launcher>`` when given);
+    returns its stdout, failing with its output."""
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
@@ -28,7 +31,7 @@ def run_example(name: str, *args: str, pythonpath: Path | None = None) -> str:
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("PYTHONHASHSEED", "0")
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args],
+        [sys.executable, *(("-m", *launcher) if launcher else ()), str(EXAMPLES / name), *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
@@ -111,6 +114,22 @@ def test_lazy_layers() -> None:
     assert all(row[-4] == "miss" and row[-2] == "fwd" for row in documents)
     assert all(row[-1] == "1" for row in rows)  # only the static mask stays cached
     assert "every document mask left the cache on release" in stdout
+
+
+@pytest.mark.slow  # two torchrun ranks: ~7 s idle
+def test_context_parallel_example_on_two_gloo_ranks() -> None:
+    """What docs/context-parallel.md runs: torchrun, 2 ranks, gloo; every rank checks its
+    loss and gradients against the single-process model, so both print only when they agree."""
+    torchrun = ("torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    stdout = run_example("context_parallel.py", "--steps", "2", "--seq", "512", launcher=torchrun)
+    rows = re.findall(r"^ *(\w+) step (\d): loss CP (\S+) single (\S+)", stdout, re.MULTILINE)
+    assert sorted({(mask, step) for mask, step, _, _ in rows}) == [
+        ("documents", "0"),
+        ("documents", "1"),
+        ("tree", "0"),
+        ("tree", "1"),
+    ], stdout
+    assert all(abs(float(cp) - float(single)) < 1e-4 for _, _, cp, single in rows), stdout
 
 
 def test_packed_training() -> None:
