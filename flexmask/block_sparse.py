@@ -165,10 +165,14 @@ def block_sparse_attention(
             flexmask did not build (torch's, a window, one made by ``.to()`` or slicing)
             records nothing: ``mask`` is then not used, and ``mask_mod`` decides.
         threads: how many threads share the sparse kernel's groups of q blocks, each running
-            its ops on one intra-op thread (``None``: ``torch.get_num_threads()``). Unlike
-            torch's intra-op threads, which meet at the end of every small op, they meet once
-            per forward and once per backward, so a core taken by another process costs its
-            share of the work, not a stall per op. ``1`` runs everything in the calling thread.
+            its ops on one intra-op thread. Unlike torch's intra-op threads, which meet at the
+            end of every small op, they meet once per forward and once per backward, so a core
+            taken by another process costs its share of the work, not a stall per op. ``1``
+            runs everything in the calling thread on one intra-op thread. ``None`` measures:
+            each kind of call runs either in the calling thread with torch's intra-op threads
+            (faster on free cores) or on ``torch.get_num_threads()`` such workers (faster on
+            busy ones), whichever ran it faster lately, trying the other now and then
+            (``block_sparse_kernel.ThreadChoice``). The result is the same every way.
 
     Returns:
         The output ``(B, Hq, Q_LEN, Dv)`` in ``query.dtype``, and with ``return_lse`` the pair
@@ -205,7 +209,7 @@ def block_sparse_attention(
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if threads is None:
-        threads = torch.get_num_threads()
+        threads = kernel.AUTO
     elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
     if mask is not None and not isinstance(mask, Mask):

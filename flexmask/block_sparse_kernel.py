@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -259,7 +260,7 @@ def forward(
         elif refused is not None and mask_budget.take(refused.numel()):
             saved_masks[index] = refused
 
-    run_groups(one, groups, layout, workers)
+    run_groups(one, groups, layout, workers, "forward")
     return out, lse, saved_probs, saved_masks
 
 
@@ -317,7 +318,7 @@ def backward(
         _scatter_rows(grad_q, g.blocks, torch.bmm(grad_scores, keys), layout)
         _add_columns(grad_k, g.columns, torch.bmm(grad_scores.transpose(1, 2), queries))
 
-    run_groups(one, groups, layout, workers)
+    run_groups(one, groups, layout, workers, "backward")
     if not grad_kv:
         return grad_q, torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
     parts = list(grad_kv.values())
@@ -349,21 +350,118 @@ class _Budget:
             return True
 
 
+# ``workers`` for run_groups: choose per call between the two ways (see ThreadChoice).
+AUTO = 0
+
+
+class ThreadChoice:
+    """Which of two ways ran a kind of call faster lately: torch's intra-op threads in every
+    op of the calling thread ("torch"), or the groups dealt to single-threaded workers
+    ("workers").
+
+    Neither wins everywhere (2 cores, forward + backward, B=1, H=4, D=64): on free cores
+    torch's threads took 0.84-0.94x the workers' time at 2k-8k and 0.5x on the demo's
+    small calls (the workers' thread starts and turns at the GIL); with one other busy process they
+    took 1.4-1.8x (medians) at 2k-8k, every op waiting for a descheduled thread. What the cores are
+    free for changes while a job runs (DataLoader workers, other jobs), and the load average
+    lags a minute behind it, so the choice is measured: each kind of call (forward or
+    backward, and its work to within a factor of 2) runs the way whose recent seconds per
+    score element are lowest, and tries the other way again after ``first`` calls, then
+    after twice as many each time the probe loses (at most ``most``), so a way that loses
+    3x costs 2/64 of the calls once settled. Results are the same either way: only the
+    time differs.
+    """
+
+    WAYS = ("torch", "workers")
+
+    def __init__(self, first: int = 4, most: int = 64) -> None:
+        self.first, self.most = first, most
+        self.lock = threading.Lock()
+        self.kinds: dict[tuple[str, int], _Kind] = {}
+
+    def pick(self, kind: tuple[str, int]) -> str:
+        with self.lock:
+            state = self.kinds.setdefault(kind, _Kind(self.first))
+            for way in self.WAYS:  # each way once, first
+                if way not in state.cost:
+                    return way
+            best = min(self.WAYS, key=state.cost.__getitem__)
+            if state.since >= state.interval:
+                return self.WAYS[1 - self.WAYS.index(best)]  # try the other way again
+            return best
+
+    def record(self, kind: tuple[str, int], way: str, seconds_per_unit: float) -> None:
+        with self.lock:
+            state = self.kinds.setdefault(kind, _Kind(self.first))
+            if len(state.cost) < len(self.WAYS):
+                state.cost[way] = seconds_per_unit
+                return
+            best = min(self.WAYS, key=state.cost.__getitem__)
+            if way == best:
+                state.cost[way] = (state.cost[way] + seconds_per_unit) / 2
+                state.since += 1
+                return
+            # A probe of the other way: it takes over when it beats the incumbent's recent
+            # cost, and is tried again soon; otherwise later, up to ``most`` calls.
+            state.cost[way] = seconds_per_unit
+            state.since = 0
+            won = seconds_per_unit < state.cost[best]
+            state.interval = self.first if won else min(2 * state.interval, self.most)
+
+    def way(self, kind: tuple[str, int]) -> str | None:
+        """The way this kind of call runs now, once both were measured (for reports)."""
+        with self.lock:
+            state = self.kinds.get(kind)
+            if state is None or len(state.cost) < len(self.WAYS):
+                return None
+            return min(self.WAYS, key=state.cost.__getitem__)
+
+
+class _Kind:
+    """Per kind of call: recent seconds per score element of each way, and the probe timer."""
+
+    def __init__(self, interval: int) -> None:
+        self.cost: dict[str, float] = {}
+        self.since = 0
+        self.interval = interval
+
+
+CHOICE = ThreadChoice()
+
+
 def run_groups(
-    one: Callable[[int], None], groups: list[Group], layout: Layout, workers: int
+    one: Callable[[int], None],
+    groups: list[Group],
+    layout: Layout,
+    workers: int,
+    direction: str = "forward",
 ) -> None:
-    """Calls ``one(index)`` for every group, on ``workers`` threads of one intra-op thread each.
+    """Calls ``one(index)`` for every group, on ``workers`` threads of one intra-op thread each
+    (``AUTO``: the way :data:`CHOICE` picks for this call).
 
     A group is a dozen small ops (gathers, a matmul, passes over its scores). Run with torch's
     intra-op threads, each op waits at its end for the slowest thread, and on a machine whose
     cores are busy (DataLoader workers, other jobs) a descheduled thread stalls every op: on 2
     loaded cores the path ran 1.1-1.2x SDPA's time at 2k, against 0.4-0.6x on one thread. So
-    the groups are dealt to ``workers`` threads by cost, each single-threaded, which meet once
-    at the end; on an idle machine that keeps the cores busy as torch's threads would.
-    With one worker (or grad mode on, as in a double backward, which must record the ops)
-    the groups run here, in order, under one intra-op thread.
+    the groups can be dealt to ``workers`` threads by cost, each single-threaded, which meet
+    once at the end. With one worker (or grad mode on, as in a double backward, which must
+    record the ops) the groups run here, in order, under one intra-op thread.
     """
     if not groups:
+        return
+    if workers == AUTO:
+        if torch.get_num_threads() == 1 or torch.is_grad_enabled() or len(groups) == 1:
+            _in_this_thread(one, len(groups))
+            return
+        elements = sum(_scores_numel(g, layout) for g in groups)
+        kind = (direction, elements.bit_length())
+        way = CHOICE.pick(kind)
+        start = time.perf_counter()
+        if way == "torch":
+            _in_this_thread(one, len(groups))
+        else:
+            run_groups(one, groups, layout, torch.get_num_threads())
+        CHOICE.record(kind, way, (time.perf_counter() - start) / max(elements, 1))
         return
     workers = max(1, min(workers, len(groups)))
     if torch.is_grad_enabled():
@@ -404,6 +502,12 @@ def run_groups(
             thread.join()
     if errors:
         raise errors[0]
+
+
+def _in_this_thread(one: Callable[[int], None], count: int) -> None:
+    """Every group here, in order, with torch's intra-op threads in each op."""
+    for index in range(count):
+        one(index)
 
 
 @contextlib.contextmanager

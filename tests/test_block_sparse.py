@@ -851,6 +851,67 @@ def test_threads_share_the_groups_exactly(name, threads):
     assert torch.get_num_threads() == before
 
 
+def test_threads_none_takes_both_ways_exactly(monkeypatch):
+    """threads=None runs each kind of call in the calling thread with torch's threads or on
+    single-threaded workers, as a fresh ThreadChoice picks: the oracle's output, lse and
+    gradients every time, both ways taken for the forward and the backward, and torch's
+    thread count left as it was."""
+    from flexmask import block_sparse_kernel
+
+    choice = block_sparse_kernel.ThreadChoice(first=1, most=2)
+    monkeypatch.setattr(block_sparse_kernel, "CHOICE", choice)
+    taken = []
+    pick = choice.pick
+    monkeypatch.setattr(
+        choice, "pick", lambda kind: taken.append((kind[0], pick(kind))) or taken[-1][1]
+    )
+    case = next(c for c in CASES if c[0] == "document-gqa")
+    block_mask, dense, q, k, v, grad_out = build_case(case)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in range(4):
+            assert_matches_oracles(
+                q, k, v, grad_out, block_mask, dense, atol=1e-10, max_chunk_elements=2_000
+            )
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert {(d, w) for d in ("forward", "backward") for w in ("torch", "workers")} <= set(taken)
+
+
+def test_thread_choice_follows_the_faster_way():
+    """Each way is measured once, the faster one runs, the other is tried again after
+    ``first`` calls and then at doubling intervals up to ``most`` while it loses; a probe that
+    wins takes over, and an incumbent that slows past the other's cost gives way unprobed."""
+    from flexmask.block_sparse_kernel import ThreadChoice
+
+    choice, kind = ThreadChoice(first=2, most=8), ("forward", 20)
+    cost = {"torch": 1.0, "workers": 3.0}
+
+    def run(n):
+        ways = []
+        for _ in range(n):
+            way = choice.pick(kind)
+            choice.record(kind, way, cost[way])
+            ways.append(way)
+        return ways
+
+    assert run(2) == ["torch", "workers"]
+    assert choice.way(kind) == "torch"
+    # Probes after 2 calls, then 4, then 8, then every 8.
+    ways = run(2 + 1 + 4 + 1 + 8 + 1 + 8 + 1)
+    probes = [i for i, w in enumerate(ways) if w == "workers"]
+    assert probes == [2, 7, 16, 25], ways
+    cost["workers"] = 0.5  # the cores became free for the workers: the next probe wins
+    ways = run(9)
+    assert ways[-1] == "workers" and choice.way(kind) == "workers"
+    cost["workers"] = 5.0  # and busy again: the incumbent's own cost hands back at once
+    run(2)
+    assert choice.way(kind) == "torch"
+    assert choice.way(("backward", 20)) is None  # kinds are separate
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_threads_follow_the_callers_grad_and_inference_mode(mode):
     """Grad and inference mode are per thread; the helper threads take the caller's (an
