@@ -156,7 +156,9 @@ def run_case(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(mask_mod, seq_len))
         out.backward(grad_out)
 
-    # Same gradients, or the timings compare different things. Also the warm-up of both paths.
+    # Same gradients, or the timings compare different things. Also the warm-up of both paths,
+    # and of flexmask's thread choice (threads=None), which times each way once to begin with.
+    flexmask_path()
     flexmask_path()
     grads = [t.grad.clone() for t in (q, k, v)]
     sdpa()
