@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -427,6 +428,8 @@ class _Kind:
 
 
 CHOICE = ThreadChoice()
+if hasattr(os, "register_at_fork"):  # a child (a DataLoader worker) must not inherit a held lock
+    os.register_at_fork(after_in_child=lambda: setattr(CHOICE, "lock", threading.Lock()))
 
 
 def run_groups(

@@ -946,3 +946,33 @@ def test_an_error_in_a_helper_thread_reaches_the_caller():
             q, k, v, block_mask, backend="sparse", threads=2, mod_eval="broadcast"
         )
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_inherit_the_thread_choice_lock():
+    """A DataLoader worker forked while another thread holds the choice's lock gets a free
+    lock: its attention calls do not hang."""
+    import os
+    import threading
+
+    from flexmask import block_sparse_kernel
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with block_sparse_kernel.CHOICE.lock:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the lock can be taken at once
+            os._exit(0 if block_sparse_kernel.CHOICE.lock.acquire(timeout=5) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        holder.join()
+    assert os.waitstatus_to_exitcode(status) == 0
