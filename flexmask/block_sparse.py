@@ -55,9 +55,13 @@ ModEval = Literal["auto", "broadcast", "vmap"]
 
 _MOD_EVALS = ("auto", "broadcast", "vmap")
 
-# 4 Mi elements: 16 MiB per fp32 score-sized temporary. Softmax and its backward keep a handful
-# alive at once, so one chunk peaks near 100 MiB; smaller chunks add Python overhead per block.
-DEFAULT_MAX_CHUNK_ELEMENTS = 1 << 22
+# 1 Mi elements: 4 MiB per fp32 score-sized temporary; softmax and its backward keep a handful
+# alive at once, so one chunk peaks near 25 MiB. benchmarks/bench_chunk.py (2 cores, forward +
+# backward, 256 Ki-4 Mi): against 4 Mi, 1 Mi took 0.81-1.08x the time at B=1, H=4, 2k-8k
+# (geometric mean 0.91: a group's temporaries stay in cache, and more groups deal evenly to
+# the threads) and 0.87-1.08x at B=4, H=8 (0.99, noise: a q block there is already a chunk);
+# 512 Ki gained no more, and 256 Ki lost up to 1.14x (more groups, more Python per element).
+DEFAULT_MAX_CHUNK_ELEMENTS = 1 << 20
 
 # Probabilities kept for the backward by default (recompute=None): enough to skip the rebuild
 # for every group up to ~8k tokens x 4 heads of a sparse mask, small next to a training step.
