@@ -148,9 +148,10 @@ def block_sparse_attention(
             each chunk, ``False`` keeps every chunk's activations.
         memory_budget: bytes of probabilities kept for the backward when ``recompute`` is
             None (default 256 MiB).
-        max_chunk_elements: soft bound on the number of scores one group (chunk) of q blocks
-            holds (``B x Hq x rows x columns``); a single q block is never split, so it may
-            exceed it.
+        max_chunk_elements: bound on the number of scores one group (chunk) of q blocks
+            holds (``B x Hq x rows x columns``): batch rows and kv heads are split into
+            separate calls where one q block would exceed it; one q block of one batch row
+            and kv head is never split, so that much may exceed it.
         backend: ``"sparse"`` runs the block-sparse kernel; ``"sdpa"`` builds the dense bool
             mask the BlockMask means (``mask_mod`` evaluated on partial blocks only) and calls
             ``scaled_dot_product_attention``; ``"auto"`` (default) picks SDPA where it is
@@ -425,6 +426,112 @@ def _empty_batch(
 
 
 def _grouped_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    plan: _Plan,
+    mod_eval: str,
+    max_chunk_elements: int,
+    save_budget: int,
+    needs_grad: bool,
+    bounds: kernel.Bounds | None,
+    threads: int,
+) -> tuple[Tensor, Tensor]:
+    """The grouped kernel over slices of batch rows and kv heads small enough that one q block
+    of a slice, at its widest, holds at most ``max_chunk_elements`` scores (a group batches
+    its q blocks over every batch row and head of the slice: at B=4, Hq=32, 8k one q block
+    would be 33 Mi scores, 128 MiB per temporary). Attention is independent across batch rows
+    and kv heads, so each slice is its own call; the outputs are put back together."""
+    widest = max(1, int(plan.listed.sum(dim=-1).max()))
+    per_pair = plan.group * plan.q_block * widest * plan.kv_block  # one (batch row, kv head)
+    pairs = max(1, max_chunk_elements // per_pair)
+    if pairs >= plan.batch * plan.kv_heads:
+        return _grouped_slice(
+            query,
+            key,
+            value,
+            plan,
+            mod_eval,
+            max_chunk_elements,
+            save_budget,
+            needs_grad,
+            bounds,
+            threads,
+        )
+    heads_step = min(plan.kv_heads, pairs)
+    batch_step = max(1, pairs // plan.kv_heads)
+    g = plan.group
+    batch_sizes = [min(batch_step, plan.batch - b) for b in range(0, plan.batch, batch_step)]
+    head_sizes = [min(heads_step, plan.kv_heads - h) for h in range(0, plan.kv_heads, heads_step)]
+    count = len(batch_sizes) * len(head_sizes)
+    # split, not indexing: split's backward puts the pieces' gradients together in one
+    # tensor, where each indexed piece's backward would write a zero-filled whole.
+    rows = zip(
+        query.split(batch_sizes), key.split(batch_sizes), value.split(batch_sizes), strict=True
+    )
+    outs, lses = [], []
+    for b0, (q_row, k_row, v_row) in zip(range(0, plan.batch, batch_step), rows, strict=True):
+        heads = zip(
+            q_row.split([n * g for n in head_sizes], dim=1),
+            k_row.split(head_sizes, dim=1),
+            v_row.split(head_sizes, dim=1),
+            strict=True,
+        )
+        row_outs, row_lses = [], []
+        for h0, (q, k, v) in zip(range(0, plan.kv_heads, heads_step), heads, strict=True):
+            b1, h1 = b0 + q.size(0), h0 + k.size(1)
+            piece_bounds = None
+            if bounds is not None:
+                kept = slice(b0, b1) if bounds.lo.size(0) > 1 else slice(None)
+                piece_bounds = kernel.Bounds(bounds.lo[kept], bounds.hi[kept])
+            out, lse = _grouped_slice(
+                q,
+                k,
+                v,
+                _plan_slice(plan, b0, b1, h0, h1),
+                mod_eval,
+                max_chunk_elements,
+                save_budget // count,
+                needs_grad,
+                piece_bounds,
+                threads,
+            )
+            row_outs.append(out)
+            row_lses.append(lse)
+        outs.append(torch.cat(row_outs, dim=1))
+        lses.append(torch.cat(row_lses, dim=1))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _plan_slice(plan: _Plan, b0: int, b1: int, h0: int, h1: int) -> _Plan:
+    """The plan of batch rows [b0, b1) and kv heads [h0, h1): block kinds cut where they vary
+    by row or head, and mask_mod seeing the whole call's batch and query-head indices."""
+    kinds = plan.kinds
+    if kinds.size(0) > 1:
+        kinds = kinds[b0:b1]
+    if kinds.size(1) > 1:
+        kinds = kinds[:, h0:h1]
+    return replace(
+        plan,
+        batch=b1 - b0,
+        kv_heads=h1 - h0,
+        q_heads=(h1 - h0) * plan.group,
+        kinds=kinds,
+        mask_mod=_OffsetMod(plan.mask_mod, b0, h0 * plan.group),
+    )
+
+
+class _OffsetMod:
+    """``mask_mod(b + b0, h + h0, q_idx, kv_idx)``: a slice's indices in the whole call."""
+
+    def __init__(self, mask_mod: Callable[..., Tensor], b0: int, h0: int) -> None:
+        self.mask_mod, self.b0, self.h0 = mask_mod, b0, h0
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return self.mask_mod(b + self.b0, h + self.h0, q_idx, kv_idx)
+
+
+def _grouped_slice(
     query: Tensor,
     key: Tensor,
     value: Tensor,

@@ -368,6 +368,70 @@ def test_chunking_and_recompute_do_not_change_the_result(recompute, max_chunk_el
     )
 
 
+def _widest_pair_chunk(block_mask, group):
+    """Scores of one q block at its widest for one (batch row, kv head): the unit in which
+    block_sparse_attention slices batch rows and kv heads."""
+    listed = block_mask.to_dense().flatten(0, 1).bool().any(0)
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    return group * q_block * int(listed.sum(-1).max()) * kv_block
+
+
+@pytest.mark.parametrize("pairs", [1, 2, 3, 5])
+@pytest.mark.parametrize("name", ["per-batch-head-gqa", "per-batch-head"])
+def test_batch_and_head_slices_equal_the_oracle(monkeypatch, name, pairs):
+    """Where one q block over every batch row and head would exceed max_chunk_elements, the
+    call runs in slices of ``pairs`` (batch row, kv head) pairs (a part of the heads, or whole
+    rows): a mask that differs per batch row and head, GQA, and Q_LEN != KV_LEN give the
+    oracle's output, lse and gradients, and the slices are really taken."""
+    import flexmask.block_sparse as module
+
+    case = next(c for c in CASES if c[0] == name)
+    block_mask, dense, q, k, v, grad_out = build_case(case)
+    group = q.size(1) // k.size(1)
+    taken = []
+    plan_slice = module._plan_slice
+    monkeypatch.setattr(module, "_plan_slice", lambda *a: taken.append(a[1:]) or plan_slice(*a))
+    assert_matches_oracles(
+        q,
+        k,
+        v,
+        grad_out,
+        block_mask,
+        dense,
+        atol=1e-10,
+        backend="sparse",
+        max_chunk_elements=pairs * _widest_pair_chunk(block_mask, group),
+    )
+    batch, kv_heads = q.size(0), k.size(1)
+    if pairs >= batch * kv_heads:
+        assert not taken
+    else:
+        covered = {(b, h) for b0, b1, h0, h1 in taken for b in range(b0, b1) for h in range(h0, h1)}
+        assert covered == {(b, h) for b in range(batch) for h in range(kv_heads)}
+
+
+def test_batch_slices_read_each_rows_intervals():
+    """A flexmask mask with other documents on each batch row (intervals per row, no
+    mask_mod call) sliced one row at a time equals the dense oracle."""
+    lengths = [[50, 7, 130, 113], [300], [1, 1, 298]]
+    mask = flexmask.causal() & flexmask.document(lengths)
+    block_mask = flexmask.create_block_mask(mask, 3, 1, 300, 300, "cpu", BLOCK_SIZE=32)
+    dense = create_mask(mask.mask_mod, 3, 1, 300, 300, device="cpu")
+    q, k, v, grad_out = random_qkv(3, 2, 2, 300, 300)
+    assert_matches_oracles(
+        q,
+        k,
+        v,
+        grad_out,
+        block_mask,
+        dense,
+        atol=1e-10,
+        backend="sparse",
+        mask=mask,
+        max_chunk_elements=_widest_pair_chunk(block_mask, 1),
+    )
+
+
 def test_mask_broadcast_over_batch_and_heads_equals_per_head_mask():
     mask_mod = generate_doc_causal(document_ids([40, 89]))
     q, k, v, _ = random_qkv(2, 3, 3, 129, 129)
