@@ -177,7 +177,8 @@ def block_sparse_attention(
             each kind of call runs either in the calling thread with torch's intra-op threads
             (faster on free cores) or on ``torch.get_num_threads()`` such workers (faster on
             busy ones), whichever ran it faster lately, trying the other now and then
-            (``block_sparse_kernel.ThreadChoice``). The result is the same every way.
+            (``block_sparse_kernel.ThreadChoice``). The result is the same every way. On
+            other devices than the CPU the groups run in the calling thread, on its stream.
 
     Returns:
         The output ``(B, Hq, Q_LEN, Dv)`` in ``query.dtype``, and with ``return_lse`` the pair
@@ -213,9 +214,9 @@ def block_sparse_attention(
         raise ValueError(f"memory_budget must be an int of bytes >= 0, got {memory_budget!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if threads is None:
-        threads = kernel.AUTO
-    elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
         raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
     if mask is not None and not isinstance(mask, Mask):
         raise TypeError(
@@ -223,6 +224,7 @@ def block_sparse_attention(
             f"{type(mask).__name__}"
         )
     plan = _plan(query, key, value, block_mask, score_mod, scale, enable_gqa, mod_eval)
+    workers = _kernel_workers(threads, query.device)
     mask = _checked_mask(block_mask, mask)
     if plan.batch == 0:
         return _empty_batch(query, key, value, return_lse)
@@ -250,7 +252,7 @@ def block_sparse_attention(
             save_budget,
             needs_grad,
             bounds,
-            threads,
+            workers,
         )
         return (out, lse) if return_lse else out
     return _chunked_attention(
@@ -264,6 +266,15 @@ def block_sparse_attention(
         needs_grad,
         return_lse,
     )
+
+
+def _kernel_workers(threads: int | None, device: torch.device) -> int:
+    """``workers`` for the kernel. Its threads are a CPU matter (torch's intra-op threads);
+    elsewhere the groups run in the calling thread, which also keeps them on the caller's
+    stream (a helper thread would launch on its own default stream, unordered with it)."""
+    if device.type != "cpu":
+        return 1
+    return kernel.AUTO if threads is None else threads
 
 
 def _checked_mask(block_mask: BlockMask, mask: Mask | None) -> Mask | None:

@@ -944,6 +944,17 @@ def test_threads_none_takes_both_ways_exactly(monkeypatch):
     assert {(d, w) for d in ("forward", "backward") for w in ("torch", "workers")} <= set(taken)
 
 
+def test_threads_are_a_cpu_matter():
+    """On the CPU threads=None measures (AUTO) and an int is kept; on another device the
+    groups run in the calling thread (helper threads would launch on their own stream)."""
+    from flexmask.block_sparse import _kernel_workers
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert _kernel_workers(None, cpu) == kernel.AUTO
+    assert _kernel_workers(3, cpu) == 3
+    assert _kernel_workers(None, cuda) == _kernel_workers(3, cuda) == 1
+
+
 def test_thread_choice_follows_the_faster_way():
     """Each way is measured once, the faster one runs, the other is tried again after
     ``first`` calls and then at doubling intervals up to ``most`` while it loses; a probe that
