@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -42,7 +41,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # _memory.py, and flexmask when not installed
 
 from _memory import peak_extra_bytes, peak_rss_bytes  # noqa: E402
-from common import fmt_bytes, fmt_time, markdown_table, ratio  # noqa: E402
+from common import busy_processes, fmt_bytes, fmt_time, markdown_table, ratio  # noqa: E402
 
 import flexmask  # noqa: E402
 from flexmask.block_sparse import (  # noqa: E402
@@ -217,12 +216,6 @@ def run_case(
     return rows
 
 
-def _spin(stop) -> None:  # a busy process: pure Python, no torch threads
-    count = 0
-    while not stop.is_set():
-        count += 1
-
-
 def _load() -> str:
     """The 1-minute load average: timings from a busy machine are not comparable."""
     return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"
@@ -334,21 +327,13 @@ def main() -> None:
     )
     started = time.perf_counter()
     rows: list[dict] = []
-    stop = mp.Event()
-    spinners = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.busy)]
-    for spinner in spinners:
-        spinner.start()
-    try:
+    with busy_processes(args.busy):
         for seq_len in grid["lengths"]:
             for batch in grid["batches"]:
                 for heads in grid["heads"]:
                     repeats = args.repeats or (3 if seq_len * batch * heads <= 4096 * 4 else 1)
                     for name in grid["masks"]:
                         rows += run_case(name, seq_len, batch, heads, args.head_dim, repeats)
-    finally:
-        stop.set()
-        for spinner in spinners:
-            spinner.join()
 
     print(f"\nload average at the end {_load()}, {time.perf_counter() - started:.0f} s in all")
     print(table(rows))

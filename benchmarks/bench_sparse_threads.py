@@ -17,24 +17,17 @@ spinning processes alongside (as DataLoader workers or other jobs would)::
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
 import time
 
 import torch
-from common import documents, fmt_time, machine, markdown_table, save_json
+from common import busy_processes, documents, fmt_time, machine, markdown_table, save_json
 
 import flexmask
 from flexmask import block_sparse_kernel as kernel
 from flexmask.block_sparse import block_sparse_attention
 
 WAYS = ("workers", "one thread", "torch's threads", "measured choice")
-
-
-def _spin(stop) -> None:  # a busy process: pure Python, no torch threads
-    count = 0
-    while not stop.is_set():
-        count += 1
 
 
 def cases() -> dict[str, tuple[flexmask.Mask, int, int, int, int, int]]:
@@ -74,9 +67,8 @@ def time_ways(mask, S, B, H, D, block, repeats) -> dict[str, list[float]]:
         )
         out.sum().backward()
 
-    def in_this_thread(one, groups, layout, workers, direction="forward"):
-        for index in range(len(groups)):
-            one(index)
+    def in_this_thread(one, groups, *_):
+        kernel._in_this_thread(one, len(groups))
 
     times: dict[str, list[float]] = {}
     for way in WAYS:
@@ -102,12 +94,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     print(machine(), f"torch threads {torch.get_num_threads()}, busy processes {args.busy}")
-    stop = mp.Event()
-    spinners = [mp.Process(target=_spin, args=(stop,)) for _ in range(args.busy)]
-    for spinner in spinners:
-        spinner.start()
     rows, payload = [], []
-    try:
+    with busy_processes(args.busy):
         for name, (mask, S, B, H, D, block) in cases().items():
             times = time_ways(mask, S, B, H, D, block, args.repeats)
             rows.append(
@@ -119,10 +107,6 @@ def main() -> None:
             )
             payload.append(dict(case=name, busy=args.busy, times=times))
             print(rows[-1], flush=True)
-    finally:
-        stop.set()
-        for spinner in spinners:
-            spinner.join()
     print(markdown_table(["case (best / median)", *WAYS], rows))
     save_json(args.json, dict(rows=payload))
 

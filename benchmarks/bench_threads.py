@@ -8,19 +8,20 @@ a closed-form build (document-causal, B=1 and B=8) and a tile build (a tree).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 
 import torch
-from common import best_time, documents, fmt_time, machine, markdown_table, response_tree
+from common import (
+    best_time,
+    busy_processes,
+    documents,
+    fmt_time,
+    machine,
+    markdown_table,
+    response_tree,
+)
 
 import flexmask
-
-
-def _spin(stop) -> None:  # a busy worker process: pure Python, no torch threads
-    x = 0
-    while not stop.is_set():
-        x += 1
 
 
 def cases(S: int) -> dict[str, tuple[flexmask.Mask, int]]:
@@ -51,16 +52,8 @@ def main() -> None:
     rows = []
     for name, (mask, B) in cases(S).items():
         for busy in (0, 1, 2):
-            stop = mp.Event()
-            workers = [mp.Process(target=_spin, args=(stop,)) for _ in range(busy)]
-            for worker in workers:
-                worker.start()
-            try:
+            with busy_processes(busy):
                 one, many = measure(mask, B, S, "1"), measure(mask, B, S, default)
-            finally:
-                stop.set()
-                for worker in workers:
-                    worker.join()
             label = f"{busy} busy process{'es' if busy != 1 else ''}" if busy else "quiet"
             rows.append([name, label, fmt_time(one), fmt_time(many), f"{many / one:.1f}×"])
     print(f"# Build threads, S={S}\n\n{machine()}\n")

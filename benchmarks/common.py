@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing as mp
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,28 @@ def settle_allocator() -> None:
     block = torch.empty(32 << 20, dtype=torch.uint8)
     block.fill_(0)
     del block
+
+
+def _spin(stop) -> None:  # a busy process: pure Python, no torch threads
+    count = 0
+    while not stop.is_set():
+        count += 1
+
+
+@contextlib.contextmanager
+def busy_processes(count: int) -> Iterator[None]:
+    """``count`` spinning processes for the duration, as DataLoader workers or other jobs
+    would take cores."""
+    stop = mp.Event()
+    spinners = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(count)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for spinner in spinners:
+            spinner.join()
 
 
 def best_time(fn: Callable[[], Any], repeat: int = 5, warmup: int = 1) -> float:
