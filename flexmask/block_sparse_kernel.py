@@ -362,14 +362,14 @@ class ThreadChoice:
 
     Neither wins everywhere (``benchmarks/bench_sparse_threads.py``, 2 cores, forward +
     backward): on free cores torch's threads took 0.55-0.81x the workers' time at 2k-8k and
-    0.58x on the demo's small calls (the workers' thread starts and turns at the GIL); with
-    one other busy process they took 1.3-1.7x (medians) at 2k-8k, every op waiting for a
-    descheduled thread. What the cores are free for changes while a job runs (DataLoader
-    workers, other jobs), and the load average lags a minute behind, so the choice is
-    measured: each kind of call (forward or backward, and its score elements to within a
-    factor of 2) runs the way whose recent seconds per element are lowest, and tries the
-    other way again after ``first`` calls, then after twice as many each time the probe
-    loses (at most ``most``): settled, a way that is 3x slower costs about 3% more time.
+    0.58x on the demo's small calls; with one other busy process they took 1.3-1.7x
+    (medians) at 2k-8k, every op waiting for a descheduled thread. What the cores are free
+    for changes while a job runs (DataLoader workers, other jobs), and the load average lags
+    a minute behind, so the choice is measured: each kind of call (forward or backward, and
+    its score elements to within a factor of 2) runs the way whose recent seconds per
+    element are lowest, and tries the other way again after ``first`` calls, then after
+    twice as many each time the probe loses (at most ``most``): settled, a way that is 3x
+    slower costs about 3% more time.
     Results are the same either way: only the time differs.
     """
 
