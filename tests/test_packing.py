@@ -26,7 +26,7 @@ needs_flex_attention = pytest.mark.skipif(
     reason="flexmask.flex_attention / flexmask.lazy are not importable yet (core API pending)",
 )
 
-PAD, IGNORE = -1, -7  # distinct from every token the strategies draw, so padding is visible
+PAD, IGNORE = 99, -7  # unlike every token the strategies draw (0..50): padding shows
 FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 token_lists = st.lists(st.integers(0, 50), min_size=1, max_size=30)

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from flexmask.packing import pack_trees
 from tests import oracle
 
+PAD = 99  # above every token groups() draws, so padding shows
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -65,7 +66,7 @@ def test_every_sequence_lands_in_exactly_one_tree_within_budget(data, slack, ext
         budget = 1
     expected_rows, expected_sizes = reference_rows(sequences, budget)
     rows = max(len(expected_sizes), 1) + extra_rows
-    batch = pack_trees(sequences, budget, num_rows=rows, pad_id=-1)
+    batch = pack_trees(sequences, budget, num_rows=rows, pad_id=PAD)
 
     assert batch.row_of == expected_rows
     assert batch.num_rows == rows
@@ -87,7 +88,7 @@ def test_every_sequence_lands_in_exactly_one_tree_within_budget(data, slack, ext
     for r in range(rows):
         reference = oracle.tree(batch.parents[r].tolist(), budget, budget)
         assert (dense[r] == reference).all()
-        assert (batch.tokens[r, batch.num_tokens[r] :] == -1).all()
+        assert (batch.tokens[r, batch.num_tokens[r] :] == PAD).all()
 
 
 def gather_by_loop(batch, logits, sequences, prompt_lens, temperature):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from flexmask.packing import pack
 from tests import oracle
 
-IGNORE, PAD = -7, -1
+IGNORE, PAD = -7, 99  # PAD: above every token drawn (0..50), so padding shows
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import numbers
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -18,10 +17,11 @@ from flexmask.packing.tokens import (
     Device,
     Policy,
     Strategy,
-    _aligned,
     _best_fit,
     _check_choice,
+    _check_memory,
     _first_fit,
+    _labels,
     _loss_masks,
     _next_fit,
     _ranges,
@@ -167,8 +167,7 @@ class PackedBatch:
             >>> batch.tokens[batch.sequence_index(0)].tolist()
             [7, 8, 9]
         """
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
-            raise TypeError(f"i must be an int, got {type(i).__name__}")
+        i = check_int(i, "i")
         if not 0 <= i < self.num_sequences:
             raise IndexError(f"i must be in [0, {self.num_sequences}), got {i}")
         chunks = self.placement[i]
@@ -269,12 +268,13 @@ def pack(
     before it in the document predicts it).
 
     Args:
-        sequences: lists/tuples of ints, or 1-d integer tensors/arrays; none may be empty.
+        sequences: lists/tuples of token ids (ints >= 0), or 1-d integer tensors/arrays; none
+            may be empty.
         max_len: the row length, >= 1.
         policy: what to do with a sequence longer than ``max_len``: ``"split"`` cuts it into
             ``max_len``-token chunks (the last one shorter), each its own document, so no
             token attends or predicts across a cut; ``"reject"`` raises ``ValueError``.
-        pad_id: token id written into padding.
+        pad_id: token id (>= 0) written into padding.
         ignore_index: label written at each document's last token and at padding.
         strategy: how pieces are assigned to rows:
 
@@ -308,9 +308,16 @@ def pack(
         TypeError: ``sequences`` is not a collection of sequences, a token is not an integer
             (floats, bools and strings are refused), or ``max_len``/``pad_id``/``ignore_index``
             is not an int.
-        ValueError: ``sequences`` or one of them is empty, ``max_len < 1``, an unknown
+        ValueError: ``sequences`` or one of them is empty, a token id or ``pad_id`` is
+            negative (ids index the vocabulary, where a negative one would wrap), a label is
+            negative but not ``ignore_index``, ``max_len < 1``, an unknown
             ``policy``/``strategy``, a sequence longer than ``max_len`` under ``"reject"``,
             ``labels``/``loss_mask`` not one per sequence of the same length, or both given.
+            Also, before anything is allocated, when the packed tensors would not fit in
+            memory: ``tokens``, ``labels`` and ``position_ids`` take 24 bytes per slot
+            (``B * max_len * 24``), and more than the machine's RAM (or the process's cgroup
+            limit, when lower) is refused, since those tensors are written in full. Any
+            ``max_len`` that fits is accepted, however much of it is padding.
 
     Example:
         >>> from flexmask.packing import pack
@@ -335,7 +342,7 @@ def pack(
         [[1, 2, 3, 4], [5, 6, 0, 0]]
     """
     max_len = check_int(max_len, "max_len", minimum=1)
-    pad_id = check_int(pad_id, "pad_id")
+    pad_id = check_int(pad_id, "pad_id", minimum=0)
     ignore_index = check_int(ignore_index, "ignore_index")
     _check_choice("policy", policy, _POLICIES)
     _check_choice("strategy", strategy, _STRATEGIES)
@@ -354,7 +361,7 @@ def pack(
     token_lists = _token_lists(sequences)
     target_lists = None
     if labels is not None:
-        target_lists = _aligned("labels", labels, token_lists)
+        target_lists = _labels("labels", labels, token_lists, ignore_index)
     elif loss_mask is not None:
         masks = _loss_masks("loss_mask", loss_mask, token_lists)
         target_lists = [
@@ -399,6 +406,14 @@ def pack(
     for (i, _, _), chunk in zip(pieces, chunk_of_piece, strict=True):
         placement[i].append(chunk)
     dest_start = [c.row * max_len + c.start for c in chunk_of_piece]
+    _check_memory(
+        24 * num_rows * max_len,
+        f"tokens, labels and position_ids (3 int64 tensors of {num_rows} x {max_len})",
+        f"max_len={max_len}",
+        f"the sequences hold {sum(map(len, token_lists))} tokens, the longest "
+        f"{max(map(len, token_lists))}: a max_len near the longest wastes little on padding, "
+        "and fewer sequences per call make fewer rows",
+    )
 
     # Pieces in input order are `flat` split by `piece_lens`: label = next token in the piece,
     # position = offset in the piece; then one scatter puts them all in place.

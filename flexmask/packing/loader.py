@@ -18,6 +18,7 @@ from flexmask.packing.tokens import (
     Policy,
     Strategy,
     _check_choice,
+    _check_memory,
 )
 
 
@@ -29,7 +30,9 @@ class PackingCollator:
     device, so no mask crosses process boundaries and no worker touches the accelerator.
 
     Args:
-        max_len: row length, see :func:`pack`.
+        max_len: row length, see :func:`pack`. A ``max_len`` whose one row would not fit in
+            memory (24 bytes a token, more than the RAM or cgroup limit) is refused here,
+            not later inside a worker.
         num_heads: ``H`` of the BlockMask.
         device: where the BlockMask will be built (``None``: flexmask's default).
         block_size: the BlockMask's ``BLOCK_SIZE``.
@@ -68,13 +71,20 @@ class PackingCollator:
     ) -> None:
         # Validated here so a bad setting fails at construction, not later inside a worker.
         self.max_len = check_int(max_len, "max_len", minimum=1)
+        # One row is the least a batch needs; pack checks the whole batch once rows are known.
+        _check_memory(
+            24 * self.max_len,
+            f"one row of tokens, labels and position_ids (3 int64 tensors of {self.max_len})",
+            f"max_len={self.max_len}",
+            "a max_len near the longest sequence wastes little on padding",
+        )
         self.num_heads = check_int(num_heads, "num_heads", minimum=1)
         self.block_size = check_int(block_size, "block_size", minimum=1)
         # A name or torch.device, checked; nothing touches the device until a handle builds.
         self.device = None if device is None else check_device(device)
         self.key = key
         self.policy = _check_choice("policy", policy, _POLICIES)
-        self.pad_id = check_int(pad_id, "pad_id")
+        self.pad_id = check_int(pad_id, "pad_id", minimum=0)
         self.ignore_index = check_int(ignore_index, "ignore_index")
         self.strategy = _check_choice("strategy", strategy, _STRATEGIES)
         if (labels_key or loss_mask_key) and key is None:

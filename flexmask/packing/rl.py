@@ -19,7 +19,7 @@ import torch
 
 from flexmask._validate import check_int
 from flexmask.lazy import lazy
-from flexmask.packing.tokens import Device, _loss_masks, _token_lists
+from flexmask.packing.tokens import Device, _check_memory, _loss_masks, _token_lists
 from flexmask.packing.trie import _Edge, _insert, _lay_out, _shared
 from flexmask.pieces import tree
 
@@ -81,6 +81,8 @@ class TreeBatch:
     _target_col: torch.Tensor = dataclasses.field(repr=False)
     _width: int = dataclasses.field(repr=False)
     _max_target: int = dataclasses.field(repr=False)
+    _max_token: int = dataclasses.field(repr=False)
+    _pad_id: int = dataclasses.field(repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -142,8 +144,7 @@ class TreeBatch:
             >>> batch.tokens[batch.sequence_index(1)].tolist()
             [1, 2, 4]
         """
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
-            raise TypeError(f"i must be an int, got {type(i).__name__}")
+        i = check_int(i, "i")
         if not 0 <= i < self.num_sequences:
             raise IndexError(f"i must be in [0, {self.num_sequences}), got {i}")
         flat = self._paths[self._path_offsets[i] : self._path_offsets[i + 1]]
@@ -187,7 +188,8 @@ class TreeBatch:
 
         Args:
             logits: ``(B, max_tokens, V)`` model output for :attr:`tokens`, or for the rows
-                ``rows`` selects.
+                ``rows`` selects. ``V`` is the vocabulary: every packed token id and
+                ``pad_id`` must be below it (``ValueError`` otherwise).
             temperature: the sampling temperature; logits are divided by it first, as the
                 sampler did, so the log-probs are those of the policy that sampled.
             entropy: also return the entropy of each predicting distribution.
@@ -235,10 +237,23 @@ class TreeBatch:
             or not temperature > 0
         ):
             raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-        if logits.shape[2] <= self._max_target:
+        # Token ids are >= 0 (pack_trees refuses negatives, which would wrap as indices), so
+        # V bounds them from above: every id, prompt tokens and pad_id included, must be < V.
+        vocab = logits.shape[2]
+        if vocab <= self._max_target:
             raise ValueError(
-                f"logits has V={logits.shape[2]} entries but the targets go up to token "
+                f"logits has V={vocab} entries but the targets go up to token "
                 f"{self._max_target}; pass logits over the whole vocabulary"
+            )
+        if vocab <= self._max_token:
+            raise ValueError(
+                f"logits has V={vocab} entries but the sequences hold token {self._max_token}; "
+                "pass logits over the whole vocabulary"
+            )
+        if vocab <= self._pad_id:
+            raise ValueError(
+                f"pad_id={self._pad_id} is not a token of the logits' vocabulary (V={vocab}); "
+                f"pack with a pad_id in [0, {vocab})"
             )
         device = logits.device
         predictor, inverse = self._predictor, self._predictor_inverse
@@ -302,16 +317,18 @@ def pack_trees(
     it). :meth:`TreeBatch.log_probs` returns them, in order, one row per sequence.
 
     Args:
-        sequences: token lists or 1-d integer tensors, e.g. prompt + completion for every
+        sequences: token id lists (ints >= 0) or 1-d integer tensors/arrays, e.g. prompt +
+            completion for every
             sample of every GRPO group. Empty sequences are allowed: they take no tokens and
             get an all-masked row from :meth:`TreeBatch.log_probs`.
         max_tokens: the token budget of one tree and the row length, >= 1.
-        prompt_lens: per sequence, how many leading tokens are prompt (not trained on).
+        prompt_lens: per sequence, how many leading tokens are prompt (not trained on): a
+            list of ints or a 1-d integer tensor/array.
         loss_mask: per sequence, a bool per token: ``True`` where it is trained on (multi-turn
             masks, tool outputs masked out).
         num_rows: pad the batch to at least this many rows with dummy trees, e.g. the largest
             row count over data-parallel ranks, so every rank runs the same steps.
-        pad_id: token id written into padding.
+        pad_id: token id (>= 0) written into padding.
 
     Returns:
         A :class:`TreeBatch`.
@@ -319,7 +336,13 @@ def pack_trees(
     Raises:
         TypeError: a token, prompt length or mask value has the wrong type.
         ValueError: a sequence longer than ``max_tokens``, ``prompt_lens``/``loss_mask`` not one
-            per sequence (a prompt length past its sequence's end), ``max_tokens < 1``.
+            per sequence (a prompt length past its sequence's end), ``max_tokens < 1``, a
+            token id or ``pad_id`` negative (ids index the vocabulary, where a negative one
+            would wrap). Also, before anything is allocated, when the batch would not fit in
+            memory: ``B * (16 * max_tokens + 16)`` bytes (two int64 tensors, plus a parent
+            tensor and a count per row), more than the machine's RAM (or the process's cgroup
+            limit, when lower), is refused, naming ``num_rows`` when it sets ``B``, else
+            ``max_tokens``. Any size that fits is accepted.
 
     Example:
         >>> from flexmask.packing import pack_trees
@@ -331,7 +354,7 @@ def pack_trees(
         ([0, 0, 1], [5, 5, 0], 2)
     """
     max_tokens = check_int(max_tokens, "max_tokens", minimum=1)
-    pad_id = check_int(pad_id, "pad_id")
+    pad_id = check_int(pad_id, "pad_id", minimum=0)
     if num_rows is not None:
         num_rows = check_int(num_rows, "num_rows", minimum=0)
     token_lists = _token_lists(sequences, allow_empty=True)
@@ -365,6 +388,19 @@ def pack_trees(
         row_of.append(row)
 
     rows = max(len(roots), num_rows or 0, 1)  # at least one row, even if every sequence is empty
+    if num_rows is not None and num_rows > max(len(roots), 1):
+        culprit = f"num_rows={num_rows} with max_tokens={max_tokens}"
+    else:
+        culprit = f"max_tokens={max_tokens}"
+    _check_memory(
+        rows * (16 * max_tokens + 16),
+        f"tokens and position_ids (2 int64 tensors of {rows} x {max_tokens}) and a parent "
+        "tensor and a node count per row",
+        culprit,
+        f"the sequences make {len(roots)} tree(s) of at most {max(sizes, default=0)} tokens; "
+        "max_tokens needs only the longest sequence's length, and num_rows only the most "
+        "trees any rank has",
+    )
     tokens = torch.full((rows, max_tokens), pad_id, dtype=torch.int64)
     position_ids = torch.zeros((rows, max_tokens), dtype=torch.int64)
     parents = [torch.tensor([-1], dtype=torch.int64)] * rows  # dummy rows: one lone node
@@ -420,10 +456,19 @@ def pack_trees(
         _target_col=column,
         _width=int(per_sequence.max()),
         _max_target=int(target.max()) if target.numel() else -1,
+        _max_token=max(map(max, filter(None, token_lists)), default=-1),
+        _pad_id=pad_id,
     )
 
 
 def _prompt_lens(value: Any, token_lists: list[list[int]]) -> list[int]:
+    if not isinstance(value, (torch.Tensor, list, tuple)) and hasattr(value, "__array__"):
+        try:  # a numpy array: read as a tensor, then checked as one
+            value = torch.as_tensor(value)
+        except (TypeError, RuntimeError) as error:
+            raise TypeError(
+                f"prompt_lens is an array torch cannot read as integers: {error}"
+            ) from None
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
             raise TypeError(

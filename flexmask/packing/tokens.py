@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
+import functools
 import numbers
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -29,9 +32,19 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 def _token_list(
-    seq: Any, index: int, name: str = "sequences", *, allow_empty: bool = False
+    seq: Any,
+    index: int,
+    name: str = "sequences",
+    *,
+    allow_empty: bool = False,
+    allow_negative: bool = False,
 ) -> list[int]:
-    """Validates ``name[index]`` and returns it as a list of Python ints."""
+    """Validates ``name[index]`` and returns it as a list of Python ints.
+
+    Token ids index the embedding and the logits, so they must be >= 0: a negative id would
+    wrap to the end of the vocabulary in ``x[id]`` instead of failing. ``allow_negative`` is
+    for label lists, where a negative value is the ignore index.
+    """
     where = f"{name}[{index}]"
     if isinstance(seq, (str, bytes)):
         raise TypeError(
@@ -83,6 +96,12 @@ def _token_list(
     if lo < _INT64_MIN or hi > _INT64_MAX:
         bad = lo if lo < _INT64_MIN else hi
         raise ValueError(f"{where} holds the token {bad}, which does not fit in int64")
+    if lo < 0 and not allow_negative:
+        at = tokens.index(lo)
+        raise ValueError(
+            f"{where}[{at}] is the token id {lo}; token ids must be >= 0 (they index the "
+            "vocabulary, where a negative id would silently wrap to the end)"
+        )
     return tokens
 
 
@@ -100,7 +119,11 @@ def _token_value(token: Any, where: str) -> int:
 
 
 def _token_lists(
-    sequences: Any, name: str = "sequences", *, allow_empty: bool = False
+    sequences: Any,
+    name: str = "sequences",
+    *,
+    allow_empty: bool = False,
+    allow_negative: bool = False,
 ) -> list[list[int]]:
     if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):
         raise TypeError(
@@ -112,17 +135,33 @@ def _token_lists(
             "tensor with one sequence per row (to pack one sequence, pass [tensor])"
         )
     token_lists = [
-        _token_list(seq, i, name, allow_empty=allow_empty) for i, seq in enumerate(sequences)
+        _token_list(seq, i, name, allow_empty=allow_empty, allow_negative=allow_negative)
+        for i, seq in enumerate(sequences)
     ]
     if not token_lists:
         raise ValueError(f"{name} is empty; pass at least one sequence to pack")
     return token_lists
 
 
-def _aligned(name: str, values: Any, token_lists: list[list[int]]) -> list[list[int]]:
-    """Per-sequence integer lists (labels), one per sequence and each as long as its sequence."""
-    lists = _token_lists(values, name, allow_empty=True)
+def _labels(
+    name: str, values: Any, token_lists: list[list[int]], ignore_index: int
+) -> list[list[int]]:
+    """Per-sequence label lists, one per sequence and each as long as its sequence.
+
+    A label is a token id (>= 0) or ``ignore_index``; any other negative value would wrap as an
+    index into the logits, or be read as "ignore" by a loss with another ignore index.
+    """
+    lists = _token_lists(values, name, allow_empty=True, allow_negative=True)
     _check_aligned(name, lists, token_lists)
+    for i, labels in enumerate(lists):
+        if labels and min(labels) < 0:
+            found = [(t, v) for t, v in enumerate(labels) if v < 0 and v != ignore_index]
+            if found:
+                t, bad = found[0]
+                raise ValueError(
+                    f"{name}[{i}][{t}] is {bad}; a label is a token id (>= 0) or "
+                    f"ignore_index={ignore_index}"
+                )
     return lists
 
 
@@ -148,14 +187,25 @@ def _loss_masks(name: str, values: Any, token_lists: list[list[int]]) -> list[li
                 "1-d bool tensor"
             )
         if not set(map(type, mask)) <= {bool, int}:
-            bad = next(v for v in mask if type(v) not in (bool, int))
-            raise TypeError(f"{where} holds {bad!r}; a loss mask holds only True/False (or 1/0)")
+            mask = [_mask_value(v, where) for v in mask]
         if not set(mask) <= {0, 1}:  # True == 1 and False == 0
             bad = next(v for v in mask if v not in (0, 1))
             raise ValueError(f"{where} holds {bad!r}; a loss mask holds only True/False (or 1/0)")
         masks.append([bool(v) for v in mask])
     _check_aligned(name, masks, token_lists)
     return masks
+
+
+def _mask_value(value: Any, where: str) -> bool | int:
+    """One loss-mask entry that is not a plain bool/int: a numpy bool/integer or a 0-d tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not (value.dtype.is_floating_point or value.dtype.is_complex):
+            return value.item()  # type: ignore[return-value]
+    elif isinstance(value, numbers.Integral):  # numpy integers
+        return int(value)
+    elif getattr(getattr(value, "dtype", None), "kind", None) == "b":  # numpy.bool_
+        return bool(value)
+    raise TypeError(f"{where} holds {value!r}; a loss mask holds only True/False (or 1/0)")
 
 
 def _check_aligned(name: str, lists: Sequence[Sequence[Any]], token_lists: list[list[int]]) -> None:
@@ -239,3 +289,54 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     total = int(lengths.sum())
     shift = torch.repeat_interleave(starts - offsets, lengths, output_size=total)
     return shift + torch.arange(total)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: a size whose padded tensors this process could never hold is refused up front.
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _memory_limit() -> int | None:
+    """Bytes this process can hold: the machine's RAM, or its cgroup's limit when lower.
+
+    ``None`` where neither can be read (no ``os.sysconf``, no cgroup files): then nothing is
+    refused up front and torch's allocator is left to fail.
+    """
+    limits = []
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # not POSIX: unknown
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    # cgroup v2, then v1: a container's limit, "max" (v2) or a huge number (v1) when unlimited.
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as file:
+                text = file.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    positive = [limit for limit in limits if limit > 0]
+    return min(positive) if positive else None
+
+
+def _format_bytes(count: int) -> str:
+    for unit, shift in (("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if count >= 1 << shift:
+            return f"{count / (1 << shift):.1f} {unit}"
+    return f"{count} bytes"
+
+
+def _check_memory(nbytes: int, what: str, culprit: str, advice: str) -> None:
+    """Raises ValueError, before anything is allocated, when ``nbytes`` exceed the memory limit.
+
+    The rule: the padded tensors are written in full (every page touched), so they need real
+    memory; more than the machine's RAM (or the process's cgroup limit) can only fail, be
+    OOM-killed, or swap for hours. Nothing smaller is refused, however much of it is padding.
+    """
+    limit = _memory_limit()
+    if limit is not None and nbytes > limit:
+        raise ValueError(
+            f"{culprit} would need {_format_bytes(nbytes)} for {what}, more than the "
+            f"{_format_bytes(limit)} of memory this process can have (RAM, or its cgroup "
+            f"limit); {advice}"
+        )

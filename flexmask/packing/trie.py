@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -12,7 +11,7 @@ import torch
 
 from flexmask._validate import check_int
 from flexmask.lazy import lazy
-from flexmask.packing.tokens import Device, _ranges, _token_lists
+from flexmask.packing.tokens import Device, _check_memory, _ranges, _token_lists
 from flexmask.pieces import tree
 
 if TYPE_CHECKING:
@@ -115,8 +114,7 @@ class TreePack:
             >>> logp.shape
             torch.Size([1])
         """
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
-            raise TypeError(f"i must be an int, got {type(i).__name__}")
+        i = check_int(i, "i")
         if not 0 <= i < self.num_sequences:
             raise IndexError(f"i must be in [0, {self.num_sequences}), got {i}")
         return self._paths[self._path_offsets[i] : self._path_offsets[i + 1]]
@@ -176,18 +174,24 @@ def pack_tree(
     as if each sequence had been run alone.
 
     Args:
-        sequences: lists/tuples of ints, or 1-d integer tensors/arrays; none may be empty.
+        sequences: lists/tuples of token ids (ints >= 0), or 1-d integer tensors/arrays; none
+            may be empty.
         pad_to: pad ``tokens``/``position_ids`` to this length (e.g. a multiple of the block
             size, so shapes repeat across steps); padding is masked. ``None`` means no padding.
-        pad_id: token id written into padding.
+        pad_id: token id (>= 0) written into padding.
 
     Returns:
         A :class:`TreePack`.
 
     Raises:
         TypeError: a token is not an integer, or ``pad_to``/``pad_id`` is not an int.
-        ValueError: ``sequences`` or one of them is empty, or ``pad_to`` is smaller than the
-            number of trie nodes.
+        ValueError: ``sequences`` or one of them is empty, a token id or ``pad_id`` is
+            negative (ids index the vocabulary, where a negative one would wrap), or ``pad_to``
+            is smaller than the number of trie nodes. Also, before anything is allocated, when
+            ``pad_to`` is too large to hold: ``tokens`` and ``position_ids`` take 16 bytes per
+            position, and more than the machine's RAM (or the process's cgroup limit, when
+            lower) is refused, since both are written in full. Any ``pad_to`` that fits is
+            accepted.
 
     Example:
         >>> from flexmask.packing import pack_tree
@@ -197,7 +201,7 @@ def pack_tree(
         >>> tp.sequence_index(1).tolist(), tp.saved_tokens
         ([0, 1, 3], 4)
     """
-    pad_id = check_int(pad_id, "pad_id")
+    pad_id = check_int(pad_id, "pad_id", minimum=0)
     if pad_to is not None:
         pad_to = check_int(pad_to, "pad_to", minimum=1)
     token_lists = _token_lists(sequences)
@@ -214,6 +218,13 @@ def pack_tree(
                 f"pad_to={pad_to} is smaller than the packed tree, which has {num_tokens} "
                 f"tokens; pass pad_to >= {num_tokens} or None"
             )
+        _check_memory(
+            16 * pad_to,
+            f"tokens and position_ids (2 int64 tensors of {pad_to})",
+            f"pad_to={pad_to}",
+            f"the tree has {num_tokens} tokens, so pad_to only needs to reach that (rounded up "
+            "to a multiple of the block size, say)",
+        )
 
     flat_tokens, parents, depths, paths = _lay_out(root, token_lists)
     num_tokens = len(flat_tokens)
