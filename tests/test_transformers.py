@@ -7,8 +7,12 @@ backend flexmask prepares masks for.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip(
     "transformers",
@@ -18,8 +22,27 @@ transformers = pytest.importorskip(
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    Llama4TextConfig,
     LlamaConfig,
     Qwen2Config,
+)
+from transformers.masking_utils import (  # noqa: E402
+    and_masks,
+    blockwise_overlay,
+    causal_mask_function,
+    chunked_overlay,
+    create_causal_mask,
+    create_chunked_causal_mask,
+    create_sliding_window_causal_mask,
+    or_masks,
+    packed_sequence_mask_function,
+    padding_mask_function,
+    remap_positions_for_packed_sequence,
+    sliding_window_overlay,
+)
+from transformers.models.gemma3.modeling_gemma3 import (  # noqa: E402
+    create_masks_for_vision_model,
+    get_block_sequence_ids_for_mask,
 )
 
 import flexmask  # noqa: E402
@@ -220,3 +243,374 @@ def test_transformers_flex_attention_path_takes_the_block_masks():
         logits = m(**model_inputs(m, batch, block_size=8)).logits
     for got, seq in zip(batch.unpack(logits), sequences, strict=True):
         torch.testing.assert_close(got, alone("qwen2_sliding", seq), atol=1e-5, rtol=1e-5)
+
+
+# --- Parity with transformers' own masks --------------------------------------------------
+#
+# The references below are transformers' own: the masks its models build (create_causal_mask,
+# create_sliding_window_causal_mask, create_chunked_causal_mask, Gemma 3's
+# create_masks_for_vision_model) and, for the random cases, its mask functions from
+# masking_utils composed as Gemma 3 composes them: AND(window, OR(causal, image blocks)).
+# Only the rows of real tokens are compared: what a padding query attends is never read
+# (flexmask lets it attend itself in dense masks, transformers leaves it as its rule falls).
+
+W = 4  # sliding window of the hybrid configs below
+C = 3  # chunk size
+
+
+def gemma3_config(window=W):
+    config = Gemma3TextConfig(
+        **SMALL,
+        head_dim=8,
+        sliding_window=window,
+        sliding_window_pattern=3,
+        query_pre_attn_scalar=8,
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def llama4_config(chunk=C):
+    config = Llama4TextConfig(
+        **{**SMALL, "num_hidden_layers": 4},
+        head_dim=8,
+        intermediate_size_mlp=64,
+        attention_chunk_size=chunk,
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def qwen2_config(window=W):
+    config = Qwen2Config(
+        **SMALL, use_sliding_window=True, sliding_window=window, max_window_layers=1
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def embeds(batch_size, seq_len):
+    return torch.zeros(batch_size, seq_len, 1)
+
+
+def transformers_masks(
+    config, attention_mask=None, position_ids=None, token_type_ids=None, shape=None
+):
+    """{layer_type: (B, 1, S, S) bool} as transformers' own mask creation builds them."""
+    if attention_mask is not None:
+        shape = tuple(attention_mask.shape)
+    elif position_ids is not None:
+        shape = tuple(position_ids.shape)
+    kwargs = {
+        "config": config,
+        "inputs_embeds": embeds(*shape),
+        "attention_mask": attention_mask,
+        "cache": None,
+        "position_ids": position_ids,
+    }
+    if token_type_ids is not None:
+        blocks = get_block_sequence_ids_for_mask(token_type_ids)
+        return create_masks_for_vision_model(block_sequence_ids=blocks, **kwargs)
+    makers = {
+        "full_attention": create_causal_mask,
+        "sliding_attention": create_sliding_window_causal_mask,
+        "chunked_attention": create_chunked_causal_mask,
+    }
+    return {
+        kind: makers[kind](**kwargs, allow_is_causal_skip=False)
+        for kind in dict.fromkeys(config.layer_types)
+    }
+
+
+def block_mask_pairs(block_mask):
+    """(B, H, Q, KV) bool: what a BlockMask attends, read from its fields as torch documents
+    them: full blocks attend every pair, partial blocks where the mask_mod is True (evaluated
+    on broadcast index grids, as transformers evaluates its own mask functions)."""
+    q_len, kv_len = block_mask.seq_lengths
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    batch_size, heads = block_mask.kv_num_blocks.shape[:2]
+    b = torch.arange(batch_size)[:, None, None, None]
+    h = torch.arange(heads)[None, :, None, None]
+    q = torch.arange(q_len)[None, None, :, None]
+    kv = torch.arange(kv_len)[None, None, None, :]
+    mod = block_mask.mask_mod(b, h, q, kv).expand(batch_size, heads, q_len, kv_len)
+    out = torch.zeros_like(mod)
+    for b in range(batch_size):
+        for h in range(heads):
+            for qb in range(block_mask.kv_num_blocks.shape[2]):
+                q = slice(qb * q_block, (qb + 1) * q_block)
+                n = int(block_mask.kv_num_blocks[b, h, qb])
+                for kb in block_mask.kv_indices[b, h, qb, :n].tolist():
+                    kv = slice(kb * kv_block, (kb + 1) * kv_block)
+                    out[b, h, q, kv] = mod[b, h, q, kv]
+                n = int(block_mask.full_kv_num_blocks[b, h, qb])
+                for kb in block_mask.full_kv_indices[b, h, qb, :n].tolist():
+                    out[b, h, q, kb * kv_block : (kb + 1) * kv_block] = True
+    return out
+
+
+def assert_same_on_real_rows(config, batch, reference, real, **kwargs):
+    """Our sdpa masks and our BlockMasks (element by element) equal the reference on every
+    query row where ``real`` (B, S) is True, for every layer type of the config."""
+    batch_size, seq_len = real.shape
+    dense = attention_masks(config, batch, implementation="sdpa", **kwargs)
+    blocks = attention_masks(config, batch, implementation="flexmask", block_size=8, **kwargs)
+    if not isinstance(dense, dict):
+        dense, blocks = {"full_attention": dense}, {"full_attention": blocks}
+    assert set(dense) == set(reference)
+    rows = real[:, None, :, None].expand(batch_size, 1, seq_len, seq_len)
+    for kind, ref in reference.items():
+        assert ref is not None and ref.shape == (batch_size, 1, seq_len, seq_len), kind
+        for name, ours in (("sdpa", dense[kind]), ("flexmask", block_mask_pairs(blocks[kind]))):
+            diff = (ours != ref) & rows
+            assert not diff.any(), (
+                f"{kind} ({name}): {int(diff.sum())} cells differ, first at "
+                f"{diff.nonzero()[0].tolist()}"
+            )
+
+
+def padded(lengths, seq_len, side):
+    """transformers' 2-D attention_mask and the flexmask mask of a padded batch."""
+    am = torch.zeros(len(lengths), seq_len, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        if side == "left":
+            am[b, seq_len - n :] = 1
+        else:
+            am[b, :n] = 1
+    if side == "left":
+        # Keys in the left padding are masked; causal() then leaves its queries nothing.
+        keep = ~flexmask.prefix([seq_len - n for n in lengths])
+    else:
+        keep = flexmask.padding(list(lengths))
+    return am, keep
+
+
+def image_ids(am, images):
+    """token_type_ids (1 at images) and flexmask span ids for images placed at
+    ``(offset from the row's first real token, length)``."""
+    token_type_ids = torch.zeros_like(am)
+    span_ids = torch.full(am.shape, -1, dtype=torch.long)
+    for b in range(am.shape[0]):
+        first = int(am[b].nonzero()[0])
+        for k, (start, length) in enumerate(images[b]):
+            token_type_ids[b, first + start : first + start + length] = 1
+            span_ids[b, first + start : first + start + length] = k
+    return token_type_ids, span_ids
+
+
+def generate_positions(am):
+    # What generate() passes: counted from each row's first real token.
+    return (am.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_images_with_padding_match_gemma3s_own_masks(side):
+    # Images as Gemma 3 marks them (token_type_ids), one of them longer than the window.
+    am, keep = padded([19, 13], 20, side)
+    tti, span_ids = image_ids(am, [[(2, 9), (13, 3)], [(0, 2), (5, 6)]])
+    config = gemma3_config()
+    reference = transformers_masks(config, attention_mask=am, token_type_ids=tti)
+    mask = (flexmask.causal() | flexmask.spans(span_ids)) & keep
+    assert_same_on_real_rows(
+        config, mask, reference, am.bool(), shape=(2, 20), position_ids=generate_positions(am)
+    )
+    # Windows are differences of positions: offsets give the same masks on real rows.
+    assert_same_on_real_rows(config, mask, reference, am.bool(), shape=(2, 20))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+def test_chunked_layers_with_padding_match_llama4s_own_masks(side, chunk):
+    # Under left padding transformers' chunked_overlay starts each row's chunks at its first
+    # real token (it shifts them by the row's left padding): the position_ids do here.
+    am, keep = padded([14, 9, 5], 14, side)
+    config = llama4_config(chunk)
+    reference = transformers_masks(config, attention_mask=am)
+    assert set(reference) == {"chunked_attention", "full_attention"}
+    assert_same_on_real_rows(
+        config,
+        flexmask.causal() & keep,
+        reference,
+        am.bool(),
+        shape=(3, 14),
+        position_ids=generate_positions(am),
+    )
+
+
+@pytest.mark.parametrize("config_of", [gemma3_config, qwen2_config, llama4_config])
+def test_packed_documents_match_transformers_own_packed_masks(config_of):
+    # transformers reads packed documents from position_ids that restart (no attention_mask).
+    batch = pack([list(range(n)) for n in (9, 4, 13, 2, 7, 1)], 20)
+    assert batch.num_rows > 1
+    config = config_of()
+    reference = transformers_masks(config, position_ids=batch.position_ids)
+    real = torch.zeros(batch.num_rows, 20, dtype=torch.bool)
+    for b, lens in enumerate(batch.seq_lens):
+        real[b, : sum(lens)] = True
+    assert_same_on_real_rows(config, batch, reference, real)
+
+
+@st.composite
+def mixed_batches(draw):
+    """Rows of documents holding images, padded on one side: what each token is."""
+    batch_size = draw(st.integers(1, 3))
+    seq_len = draw(st.integers(1, 24))
+    side = draw(st.sampled_from(["left", "right"]))
+    rows = []
+    for _ in range(batch_size):
+        real = draw(st.integers(0, seq_len))
+        docs, left = [], real
+        while left:
+            docs.append(draw(st.integers(1, left)))
+            left -= docs[-1]
+        images = []  # (start, length) from the row's first real token, inside a document
+        start = 0
+        for n in docs:
+            at = start
+            while at < start + n and draw(st.booleans()):
+                at += draw(st.integers(0, start + n - at - 1))
+                length = draw(st.integers(1, start + n - at))
+                images.append((at, length))
+                at += length + 1  # a text token between images, as token_type_ids need
+            start += n
+        rows.append((real, docs, images))
+    return seq_len, side, rows
+
+
+def mixed_tensors(seq_len, side, rows):
+    """Per-token tensors, and the flexmask mask of the batch."""
+    batch_size = len(rows)
+    am = torch.zeros(batch_size, seq_len, dtype=torch.bool)
+    doc = torch.arange(seq_len).repeat(batch_size, 1) + 1000  # padding: one id per token
+    pos = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    span_ids = torch.full((batch_size, seq_len), -1, dtype=torch.long)
+    doc_lens = []
+    for b, (real, docs, images) in enumerate(rows):
+        first = seq_len - real if side == "left" else 0
+        am[b, first : first + real] = True
+        at = first
+        for d, n in enumerate(docs):
+            doc[b, at : at + n] = d
+            pos[b, at : at + n] = torch.arange(n)
+            at += n
+        for k, (start, length) in enumerate(images):
+            span_ids[b, first + start : first + start + length] = k
+        # The left padding is one more document, whose keys ~prefix masks.
+        doc_lens.append(([first] if first else []) + docs or [0])
+    lefts = [seq_len - real if side == "left" else 0 for real, _, _ in rows]
+    mask = (
+        (flexmask.causal() | flexmask.spans(span_ids))
+        & flexmask.document(doc_lens)
+        & ~flexmask.prefix(lefts)
+    )
+    return am, doc, pos, span_ids, mask
+
+
+def reference_from_mask_functions(kind, size, am, doc, pos, span_ids):
+    """transformers' mask functions, composed as Gemma 3 composes them, with positions
+    remapped per document as transformers does for packed sequences."""
+    base = or_masks(
+        remap_positions_for_packed_sequence(causal_mask_function, pos),
+        blockwise_overlay(span_ids),
+    )
+    parts = [base, packed_sequence_mask_function(doc), padding_mask_function(am)]
+    if kind == "sliding_attention":
+        parts.append(remap_positions_for_packed_sequence(sliding_window_overlay(size), pos))
+    if kind == "chunked_attention":
+        zero = torch.zeros(am.shape[0], dtype=torch.long)
+        parts.append(remap_positions_for_packed_sequence(chunked_overlay(size, zero), pos))
+    fn = and_masks(*parts)
+    batch_size, seq_len = am.shape
+    b = torch.arange(batch_size)[:, None, None, None]
+    q = torch.arange(seq_len)[None, None, :, None]
+    kv = torch.arange(seq_len)[None, None, None, :]
+    return fn(b, torch.zeros_like(b), q, kv).expand(batch_size, 1, seq_len, seq_len)
+
+
+@given(batch=mixed_batches(), size=st.integers(1, 7))
+@settings(max_examples=30)
+def test_every_layer_type_matches_transformers_mask_functions(batch, size):
+    seq_len, side, rows = batch
+    am, doc, pos, span_ids, mask = mixed_tensors(seq_len, side, rows)
+    config = SimpleNamespace(
+        layer_types=["full_attention", "sliding_attention", "chunked_attention"],
+        sliding_window=size,
+        attention_chunk_size=size,
+    )
+    reference = {
+        kind: reference_from_mask_functions(kind, size, am, doc, pos, span_ids)
+        for kind in config.layer_types
+    }
+    assert_same_on_real_rows(config, mask, reference, am, shape=tuple(am.shape), position_ids=pos)
+
+
+# --- Regressions --------------------------------------------------------------------------
+
+
+def test_block_masks_keep_their_own_positions():
+    # attention_masks used to read batch.position_ids live: zeroing them in place afterwards
+    # (a reused buffer) changed what the BlockMasks' partial blocks attend: here 66 pairs
+    # more on the sliding layers of Qwen2 and 99 on the chunked ones of Llama 4.
+    batch = pack([list(range(n)) for n in (9, 4, 13, 2, 7, 1)], 20)
+    real = torch.zeros(batch.num_rows, 20, dtype=torch.bool)
+    for b, lens in enumerate(batch.seq_lens):
+        real[b, : sum(lens)] = True
+    rows = real[:, None, :, None].expand(batch.num_rows, 1, 20, 20)
+    checks = []
+    for config, kind in (
+        (qwen2_config(), "sliding_attention"),
+        (llama4_config(), "chunked_attention"),
+    ):
+        reference = transformers_masks(config, position_ids=batch.position_ids)[kind]
+        ours = attention_masks(config, batch, implementation="flexmask", block_size=8)[kind]
+        checks.append((kind, reference, ours))
+    batch.position_ids.zero_()
+    for kind, reference, ours in checks:
+        diff = (block_mask_pairs(ours) != reference) & rows
+        assert not diff.any(), f"{kind}: {int(diff.sum())} pairs changed with the positions"
+
+
+def test_sliding_window_is_one_sided_over_bidirectional_images():
+    # The issue's case: causal text around one image, window 2. Row 1 (an image token) sees
+    # the whole image, as transformers' Gemma 3 lets it; sliding_window(2) is two-sided and
+    # cut it to [1, 1, 1, 0, 0, 0].
+    config = gemma3_config(window=2)
+    mask = flexmask.causal() | flexmask.spans([[-1, 0, 0, 0, 0, -1]])
+    ours = attention_masks(config, mask, shape=(1, 6), implementation="sdpa")
+    reference = transformers_masks(
+        config, token_type_ids=torch.tensor([[0, 1, 1, 1, 1, 0]]), shape=(1, 6)
+    )
+    assert ours["sliding_attention"][0, 0, 1].int().tolist() == [1, 1, 1, 1, 1, 0]
+    assert torch.equal(ours["sliding_attention"], reference["sliding_attention"])
+
+
+def test_gemma3_logits_with_a_long_image_equal_transformers_own_masks():
+    # A 20-token image with window 8: the two-sided window differed from Gemma 3's own
+    # sliding mask in 78 cells here and moved the logits by 0.32.
+    seq_len = 32
+    tti = torch.zeros(1, seq_len, dtype=torch.long)
+    tti[0, 6:26] = 1
+    mask = flexmask.causal() | flexmask.spans(torch.where(tti == 1, 0, -1))
+    reference = transformers_masks(gemma3_config(8), token_type_ids=tti, shape=(1, seq_len))
+    tokens = torch.randint(0, VOCAB, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = gemma3_model(8, "sdpa")(input_ids=tokens, attention_mask=reference).logits
+        for implementation in ("sdpa", "eager", "flexmask"):
+            masks = attention_masks(
+                gemma3_config(8),
+                mask,
+                shape=(1, seq_len),
+                implementation=implementation,
+                block_size=8,
+            )
+            if implementation == "sdpa":
+                assert torch.equal(masks["sliding_attention"], reference["sliding_attention"])
+            got = gemma3_model(8, implementation)(input_ids=tokens, attention_mask=masks).logits
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def gemma3_model(window, implementation):
+    torch.manual_seed(0)  # the same weights for every implementation
+    return AutoModelForCausalLM.from_config(
+        gemma3_config(window), attn_implementation=implementation
+    ).eval()

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask import create_block_mask, pieces
-from flexmask._validate import digest
+from flexmask._validate import check_int, digest
 from flexmask.attention import flex_attention
 from flexmask.lazy import LazyBlockMask
 from flexmask.mask import Mask
@@ -48,8 +48,43 @@ def _text_config(config: Any) -> Any:
     return get() if callable(get) else config
 
 
-def _batch_parts(batch: Any, shape: tuple[int, int] | None) -> tuple[Mask, Tensor | None, int, int]:
+def _check_shape(shape: Any) -> tuple[int, int]:
+    if shape is None:
+        raise TypeError("with a flexmask Mask as batch, pass shape=(batch_size, seq_len)")
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__") or len(shape) != 2:
+        raise ValueError(f"shape must be (batch_size, seq_len), two ints >= 1; got {shape!r}")
+    return (
+        check_int(shape[0], "shape[0] (batch_size)", minimum=1),
+        check_int(shape[1], "shape[1] (seq_len)", minimum=1),
+    )
+
+
+def _check_positions(position_ids: Any, batch_size: int, seq_len: int) -> Tensor:
+    if not isinstance(position_ids, Tensor):
+        raise TypeError(
+            f"position_ids must be a (batch_size, seq_len) integer tensor, got "
+            f"{type(position_ids).__name__}"
+        )
+    dtype = position_ids.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f"position_ids must be an integer tensor, got dtype {dtype}")
+    if tuple(position_ids.shape) != (batch_size, seq_len):
+        raise ValueError(
+            f"position_ids must have shape (batch_size, seq_len) = {(batch_size, seq_len)}, got "
+            f"{tuple(position_ids.shape)}"
+        )
+    return position_ids
+
+
+def _batch_parts(
+    batch: Any, shape: Any, position_ids: Tensor | None
+) -> tuple[Mask, Tensor | None, int, int]:
     """The base mask, the (B, S) positions (None: 0..S-1 in every row), B and S."""
+    if position_ids is not None and not isinstance(batch, Mask):
+        raise TypeError(
+            f"position_ids is only for a flexmask Mask as batch: a {type(batch).__name__} "
+            f"brings its own position_ids"
+        )
     if isinstance(batch, PackedBatch):
         return batch.mask, batch.position_ids, batch.num_rows, batch.max_len
     if isinstance(batch, TreeBatch):
@@ -57,13 +92,24 @@ def _batch_parts(batch: Any, shape: tuple[int, int] | None) -> tuple[Mask, Tenso
     if isinstance(batch, TreePack):
         return batch.mask, batch.position_ids[None], 1, batch.length
     if isinstance(batch, Mask):
-        if shape is None:
-            raise TypeError("with a flexmask Mask as batch, pass shape=(batch_size, seq_len)")
-        return batch, None, int(shape[0]), int(shape[1])
+        batch_size, seq_len = _check_shape(shape)
+        if position_ids is not None:
+            position_ids = _check_positions(position_ids, batch_size, seq_len)
+        return batch, position_ids, batch_size, seq_len
     raise TypeError(
         f"batch must be a PackedBatch (flexmask.pack), a TreePack (pack_tree), a TreeBatch "
         f"(pack_trees) or a flexmask Mask with shape=(B, S); got {type(batch).__name__}"
     )
+
+
+def _size(value: Any, what: str, layer_type: str) -> int:
+    """A window or chunk size: an int (numpy integers and 0-d tensors too) >= 1."""
+    if value is None:
+        raise ValueError(f"{layer_type} needs {what} >= 1, got None")
+    try:
+        return check_int(value, what, minimum=1)
+    except ValueError as err:
+        raise ValueError(f"{layer_type} needs {what} >= 1: {err}") from None
 
 
 def layer_mask(
@@ -80,11 +126,14 @@ def layer_mask(
         layer_type: ``"full_attention"``, ``"sliding_attention"`` or ``"chunked_attention"``.
         base: the batch's mask (``causal() & document(...)``, ``tree(...)``, ...).
         positions: ``(B, S)`` position of every token (restarting per document, depth in a
-            tree), or ``None`` when positions are the offsets ``0..S-1`` themselves.
+            tree, counted from the first real token under left padding), or ``None`` when
+            positions are the offsets ``0..S-1`` themselves. The mask keeps its own copy.
         sliding: the window, for ``"sliding_attention"``: q attends kv only when
-            ``position[q] - position[kv] < sliding`` (transformers' convention).
+            ``position[q] - position[kv] < sliding`` — one-sided, as transformers'
+            ``sliding_window_overlay``: keys after the query that ``base`` lets it see (a
+            bidirectional image) stay visible. An int >= 1 (numpy integers too).
         chunk: the chunk size, for ``"chunked_attention"``: q attends kv only when
-            ``position[q] // chunk == position[kv] // chunk``.
+            ``position[q] // chunk == position[kv] // chunk``. An int >= 1.
 
     Example:
         >>> import flexmask
@@ -95,44 +144,35 @@ def layer_mask(
     """
     if layer_type == "full_attention":
         return base
+    # A copy: the caller's position_ids may change after the mask is made (a reused buffer,
+    # an in-place op), and the mask (and the BlockMask cached on its key) must not.
+    pos = None if positions is None else positions.detach().to(torch.int64, copy=True)
     if layer_type == "sliding_attention":
-        if not isinstance(sliding, int) or sliding < 1:
-            raise ValueError(
-                f"sliding_attention needs a window >= 1 (config.sliding_window), got {sliding!r}"
-            )
-        if positions is None:
-            return base & pieces.sliding_window(sliding)
-        pos = positions.to(torch.int64)
-        window = torch.tensor(sliding)  # 0-d: a new window size does not recompile
+        window = _size(sliding, "a window (config.sliding_window)", layer_type)
+        if pos is None:
+            # q - kv < window, one-sided as in transformers' sliding_window_overlay: keys
+            # after the query (a bidirectional image, an encoder prefix) stay visible
+            # whatever their distance; sliding_window(window) alone would cut them at it.
+            return base & (pieces.sliding_window(window) | ~pieces.causal())
+        size = torch.tensor(window)  # 0-d: a new window size does not recompile
 
         def within_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return pos[b, q_idx] - pos[b, kv_idx] < window
+            return pos[b, q_idx] - pos[b, kv_idx] < size
 
         return base & pieces.from_mask_mod(
-            within_window, key=("positions_window", digest(pos), sliding), head_dependent=False
+            within_window, key=("positions_window", digest(pos), window), head_dependent=False
         )
     if layer_type == "chunked_attention":
-        if not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(
-                "chunked_attention needs a chunk size >= 1 (config.attention_chunk_size), "
-                f"got {chunk!r}"
-            )
-        size = torch.tensor(chunk)
-        if positions is None:
+        chunk_size = _size(chunk, "a chunk size (config.attention_chunk_size)", layer_type)
+        if pos is None:
+            return base & pieces.chunked(chunk_size)
+        per_chunk = torch.tensor(chunk_size)
 
-            def same_chunk(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return q_idx // size == kv_idx // size
+        def same_chunk(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return pos[b, q_idx] // per_chunk == pos[b, kv_idx] // per_chunk
 
-            key: tuple = ("offsets_chunk", chunk)
-        else:
-            pos = positions.to(torch.int64)
-
-            def same_chunk(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return pos[b, q_idx] // size == pos[b, kv_idx] // size
-
-            key = ("positions_chunk", digest(pos), chunk)
         return base & pieces.from_mask_mod(
-            same_chunk, key=key, batch_dependent=positions is not None, head_dependent=False
+            same_chunk, key=("positions_chunk", digest(pos), chunk_size), head_dependent=False
         )
     raise ValueError(
         f"layer_type must be one of {', '.join(map(repr, LAYER_TYPES))}; got {layer_type!r}"
@@ -145,6 +185,7 @@ def attention_masks(
     *,
     implementation: str | None = None,
     shape: tuple[int, int] | None = None,
+    position_ids: Tensor | None = None,
     block_size: int = 128,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
@@ -160,6 +201,12 @@ def attention_masks(
         implementation: ``"flex_attention"``, ``"flexmask"`` (see :func:`register`),
             ``"sdpa"`` or ``"eager"``.
         shape: ``(B, S)``, only with a ``Mask`` as ``batch``.
+        position_ids: ``(B, S)`` integer positions, only with a ``Mask`` as ``batch`` (a
+            packed batch brings its own): the ``position_ids`` given to the model. Windows
+            and chunks count them; without them they count offsets ``0..S-1``. Pass them for
+            a left-padded batch (``attention_mask.cumsum(-1) - 1``, as ``generate`` does), so
+            that chunks start at each row's first real token, as transformers' own chunked
+            mask starts them.
         block_size: the BlockMask's block size (flex paths).
         device: where the mask is built (default: flexmask's default device).
         dtype: the float dtype of eager's additive mask (the model's dtype).
@@ -186,7 +233,7 @@ def attention_masks(
         raise ValueError(
             f"implementation must be 'flex_attention', 'flexmask', 'sdpa' or 'eager', got {kind!r}"
         )
-    base, positions, batch_size, seq_len = _batch_parts(batch, shape)
+    base, positions, batch_size, seq_len = _batch_parts(batch, shape, position_ids)
     layer_types = list(dict.fromkeys(getattr(text, "layer_types", None) or ["full_attention"]))
     masks = {}
     for layer_type in layer_types:
