@@ -3,6 +3,7 @@ balancers against torch's, and forward/backward on 2 and 4 gloo processes."""
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import numpy as np
@@ -21,6 +22,7 @@ from flexmask.context_parallel import (
     MaskAwareBalancer,
     PerDocumentBalancer,
     ShardCache,
+    default_shard_cache,
     imbalance,
     lazy_shard,
 )
@@ -358,6 +360,34 @@ def test_cache_and_lazy_keys_are_rank_aware():
     assert a.block_mask is b.block_mask and cache.info().hits == 1
     a.release()
     assert a.key not in cache
+
+
+@pytest.mark.parametrize(
+    "balancer", ["head_tail", "mask_aware", None, PerDocumentBalancer([[256, 192, 64]], 2)]
+)
+def test_lazy_shard_pickles_its_recipe(balancer):
+    """Before: pickle.dumps(lazy_shard(...)) raised "cannot pickle '_thread.lock' object" (the
+    handle held its ShardCache). Now it pickles the recipe — a mesh as the world size and rank
+    it gave — and the unpickled handle builds through the process-wide ShardCache a shard
+    tensor-equal to the original's and to the dense rows under the permutation."""
+    S, lengths = 512, [256, 192, 64]
+    mask = flexmask.causal() & flexmask.document(lengths)
+    handle = lazy_shard(
+        mask, 1, 2, S, cache=ShardCache(), mesh=FakeMesh(2, 1), balancer=balancer, BLOCK_SIZE=64
+    )
+    built = handle.shard  # built before pickling: the pickle still holds only the recipe
+    copy = pickle.loads(pickle.dumps(handle))
+    assert copy.cache is None and copy._shard is None
+    assert (copy.key, copy.world_size, copy.rank) == (handle.key, 2, 1)
+    assert copy.key not in default_shard_cache()
+    got = copy.shard
+    assert copy.key in default_shard_cache() and got is not built
+    assert torch.equal(got.indices, built.indices)
+    for field in oracle.BLOCK_FIELDS:
+        assert torch.equal(getattr(got.block_mask, field), getattr(built.block_mask, field))
+    check_against_oracle(got, document_dense(lengths, S), 1, 2)
+    copy.release()
+    assert copy.key not in default_shard_cache()
 
 
 def _distributed_checks(rank, world, S):

@@ -10,13 +10,16 @@ head-tail, ``W * block_size`` for the mask-aware one); tokens past the real leng
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 
-from flexmask._validate import check_int, digest
+from flexmask._validate import check_device, check_int, checked_sum, digest
 from flexmask.build.classify import classify_blocks
 from flexmask.build.closed_form import row_runs
 from flexmask.build.codes import EMPTY, FULL, PARTIAL
@@ -29,6 +32,33 @@ from flexmask.pieces import padding
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def _device(device: Any) -> torch.device:
+    """Where a balancer's indices live: None is the CPU (torch's balancers take a device)."""
+    return torch.device("cpu") if device is None else check_device(device)
+
+
+def _is_row(value: Any, ndim: int) -> bool:
+    """A list/tuple, or a tensor or array of ``ndim`` dims (never a string or a scalar)."""
+    if isinstance(value, (str, bytes)):
+        return False
+    if hasattr(value, "ndim"):  # a tensor or an array (a numpy scalar has ndim 0)
+        return value.ndim == ndim
+    return isinstance(value, Sequence)
+
+
+def _check_cost(partial_cost: Any) -> float:
+    """``partial_cost`` as a float, finite and >= 0 (a NaN would deal blocks at random)."""
+    if isinstance(partial_cost, bool) or not isinstance(partial_cost, numbers.Real):
+        raise TypeError(
+            f"partial_cost must be a number (a partial block's cost relative to a full one), "
+            f"got {partial_cost!r}"
+        )
+    cost = float(partial_cost)
+    if not math.isfinite(cost) or cost < 0:
+        raise ValueError(f"partial_cost must be a finite number >= 0, got {partial_cost!r}")
+    return cost
 
 
 def _restore(indices: Tensor, restore: bool) -> Tensor:
@@ -57,8 +87,10 @@ class HeadTailBalancer(_LoadBalancer):
     ) -> None:
         self.seq_length = check_int(seq_length, "seq_length", minimum=1)
         self.world_size = check_int(world_size, "world_size", minimum=1)
-        self.device = torch.device("cpu" if device is None else device)
-        self.padded_length = _round_up(seq_length, 2 * world_size)
+        self.device = _device(device)
+        self.padded_length = _round_up(self.seq_length, 2 * self.world_size)
+
+    rows = 1  # one permutation for every batch row
 
     @property
     def key(self) -> tuple:
@@ -99,27 +131,52 @@ class PerDocumentBalancer(_LoadBalancer):
         device: torch.device | str | None = None,
     ) -> None:
         self.world_size = check_int(world_size, "world_size", minimum=1)
-        self.device = torch.device("cpu" if device is None else device)
-        rows = [list(row) for row in seq_length_per_doc]
-        if not rows or any(not row for row in rows):
-            raise ValueError(
-                "seq_length_per_doc must be a list of rows of document lengths, e.g. "
-                f"[[128, 256]], got {seq_length_per_doc!r}"
+        self.device = _device(device)
+        example = "e.g. [[128, 256]] for one row of two documents"
+        if not _is_row(seq_length_per_doc, 2):
+            raise TypeError(
+                f"seq_length_per_doc must be a list of rows of document lengths ({example}), "
+                f"got {seq_length_per_doc!r}"
             )
-        for row in rows:
-            for length in row:
-                check_int(length, "seq_length_per_doc entries", minimum=0)
-                if length % (2 * world_size):
+        if len(seq_length_per_doc) == 0:
+            raise ValueError(f"seq_length_per_doc must hold at least one row ({example}), got []")
+        rows: list[list[int]] = []
+        for i, row in enumerate(seq_length_per_doc):
+            if not _is_row(row, 1):
+                raise TypeError(
+                    f"seq_length_per_doc[{i}] must be a row (a list) of document lengths "
+                    f"({example}; a flat list of lengths is one row: wrap it in brackets), "
+                    f"got {row!r}"
+                )
+            if len(row) == 0:
+                raise ValueError(
+                    f"seq_length_per_doc[{i}] is empty: each row lists its documents ({example})"
+                )
+            lengths = []
+            for j, length in enumerate(row):
+                length = check_int(length, f"seq_length_per_doc[{i}][{j}]", minimum=0)
+                if length % (2 * self.world_size):
                     raise ValueError(
-                        f"seq_length_per_doc: document length {length} is not a multiple of "
-                        f"2 * world_size = {2 * world_size} (torch's per-document balancer "
-                        "needs that; pad documents or use the mask-aware balancer)"
+                        f"seq_length_per_doc[{i}][{j}]: document length {length} is not a "
+                        f"multiple of 2 * world_size = {2 * self.world_size} (torch's "
+                        "per-document balancer needs that; pad documents or use the "
+                        "mask-aware balancer)"
                     )
+                lengths.append(length)
+            checked_sum(torch.tensor(lengths), f"seq_length_per_doc[{i}]")
+            rows.append(lengths)
         totals = {sum(row) for row in rows}
         if len(totals) != 1:
             raise ValueError(f"seq_length_per_doc: rows must sum alike, got sums {totals}")
         self.seq_length_per_doc = rows
         self.seq_length = self.padded_length = totals.pop()
+        if self.seq_length == 0:
+            raise ValueError(f"seq_length_per_doc: the documents hold no tokens, got {rows}")
+
+    @property
+    def rows(self) -> int:
+        """Permutations given: one per batch row, or one shared by every row."""
+        return len(self.seq_length_per_doc)
 
     @property
     def key(self) -> tuple:
@@ -283,12 +340,12 @@ class MaskAwareBalancer(_LoadBalancer):
         self.seq_length = check_int(seq_length, "seq_length", minimum=1)
         self.world_size = check_int(world_size, "world_size", minimum=1)
         self.block_size = check_int(block_size, "block_size", minimum=1)
-        if not isinstance(partial_cost, (int, float)) or partial_cost < 0:
-            raise ValueError(f"partial_cost must be a number >= 0, got {partial_cost!r}")
-        self.partial_cost = float(partial_cost)
-        self.device = torch.device("cpu" if device is None else device)
-        self.B, self.H = B, H
-        self.padded_length = _round_up(seq_length, world_size * block_size)
+        self.partial_cost = partial_cost = _check_cost(partial_cost)
+        self.device = _device(device)
+        self.B = B = None if B is None else check_int(B, "B", minimum=1)
+        self.H = H = None if H is None else check_int(H, "H", minimum=1)
+        world_size, block_size = self.world_size, self.block_size
+        self.padded_length = _round_up(self.seq_length, world_size * block_size)
         # Small tensor ops: on a busy machine one thread beats waiting for a second one.
         with cpu_threads(self.device):
             padded = [self._padded(m) for m in self.masks]
@@ -309,6 +366,11 @@ class MaskAwareBalancer(_LoadBalancer):
         if self.padded_length == self.seq_length:
             return mask
         return mask & padding(self.seq_length)
+
+    @property
+    def rows(self) -> int:
+        """Permutations given: one per batch row, or one shared by every row."""
+        return self._indices.shape[0]
 
     @property
     def imbalance(self) -> float:
@@ -413,8 +475,11 @@ class PTRRBalancer(_LoadBalancer):
                 "permutation for every head, from a BlockMask with H == 1; pass H=None or a "
                 "mask that is the same on every head"
             )
-        self.mask, self.B, self.H = mask, B, H
-        self.device = torch.device("cpu" if device is None else device)
+        self.mask = mask
+        self.B = B = None if B is None else check_int(B, "B", minimum=1)
+        self.H = None if H is None else check_int(H, "H", minimum=1)
+        self.device = _device(device)
+        seq_length, world_size, block_size = self.seq_length, self.world_size, self.block_size
         self.padded_length = _round_up(seq_length, world_size * block_size)
         padded = mask if self.padded_length == seq_length else mask & padding(seq_length)
         with cpu_threads(self.device):
@@ -425,6 +490,11 @@ class PTRRBalancer(_LoadBalancer):
             rows = groups.shape[0]
             tokens = groups.reshape(rows, -1, 1) * block_size + torch.arange(block_size)
             self._indices = tokens.reshape(rows, -1).to(self.device)
+
+    @property
+    def rows(self) -> int:
+        """Permutations given: one per batch row, or one shared by every row."""
+        return self._indices.shape[0]
 
     @property
     def rank_costs(self) -> Tensor:

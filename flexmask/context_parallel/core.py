@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import cachetools
 import torch
@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask._validate import INT64_MAX, check_device, check_int
 from flexmask.build.create import build as build_window
 from flexmask.build.create import cpu_threads
 from flexmask.build.grid import BlockGrid, make_grid
@@ -23,6 +24,8 @@ from flexmask.context_parallel.balance import (
     HeadTailBalancer,
     MaskAwareBalancer,
     PTRRBalancer,
+    _check_cost,
+    _round_up,
     balancer_indices,
     balancer_key,
 )
@@ -65,8 +68,31 @@ class CPShard:
         size = self.padded_length // self.world_size
         return slice(self.rank * size, (self.rank + 1) * size)
 
+    def _dim(self, tensor: Any, seq_dim: Any, method: str) -> int:
+        """``seq_dim`` as a dim of ``tensor`` (negative ones counted from the end), or a
+        TypeError/ValueError naming the argument of ``method``."""
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{method}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        dim = check_int(seq_dim, "seq_dim")
+        if not -tensor.dim() <= dim < tensor.dim():
+            raise ValueError(
+                f"{method}: seq_dim={dim} is not a dim of a tensor of shape "
+                f"{tuple(tensor.shape)}: pass one in [{-tensor.dim()}, {tensor.dim()})"
+            )
+        return dim % tensor.dim()
+
+    def _rows_match(self, tensor: Tensor, seq_dim: int, method: str) -> None:
+        rows = self.indices.shape[0]
+        if rows > 1 and (seq_dim == 0 or tensor.shape[0] != rows):
+            raise ValueError(
+                f"{method}: this shard has one permutation per batch row ({rows} rows), so the "
+                f"tensor must be batch first with {rows} rows and its sequence on another dim; "
+                f"got shape {tuple(tensor.shape)} with seq_dim={seq_dim}"
+            )
+
     def pad(self, tensor: Tensor, seq_dim: int) -> Tensor:
         """``tensor`` zero-padded along ``seq_dim`` to ``padded_length``."""
+        seq_dim = self._dim(tensor, seq_dim, "pad")
         extra = self.padded_length - tensor.shape[seq_dim]
         if extra < 0:
             raise ValueError(
@@ -81,6 +107,8 @@ class CPShard:
 
     def shard_tensor(self, tensor: Tensor, seq_dim: int) -> Tensor:
         """This rank's slice of ``tensor`` (batch first), padded and permuted: no collective."""
+        seq_dim = self._dim(tensor, seq_dim, "shard_tensor")
+        self._rows_match(tensor, seq_dim, "shard_tensor")
         tensor = self.pad(tensor, seq_dim)
         index = self.indices[:, self.local].to(tensor.device)
         if seq_dim == 0:
@@ -97,6 +125,7 @@ class CPShard:
         positions torch's ``_context_parallel_shard`` keeps without a balancer."""
         if self.kv_length is None:
             return self.shard_tensor(tensor, seq_dim)
+        seq_dim = self._dim(tensor, seq_dim, "shard_kv")
         if tensor.shape[seq_dim] != self.kv_length or self.kv_length % self.world_size:
             raise ValueError(
                 f"tensor has {tensor.shape[seq_dim]} positions on dim {seq_dim}; keys of "
@@ -108,7 +137,16 @@ class CPShard:
 
     def restore(self, gathered: Tensor, seq_dim: int) -> Tensor:
         """A gathered (permuted, padded) tensor back in the original order, unpadded."""
+        seq_dim = self._dim(gathered, seq_dim, "restore")
+        self._rows_match(gathered, seq_dim, "restore")
+        if gathered.shape[seq_dim] != self.padded_length:
+            raise ValueError(
+                f"restore: gathered has {gathered.shape[seq_dim]} positions on dim {seq_dim}, "
+                f"but every rank's slices gathered make padded_length = {self.padded_length}"
+            )
         index = torch.argsort(self.indices, dim=-1).to(gathered.device)
+        if seq_dim == 0:
+            return gathered.index_select(0, index[0]).narrow(0, 0, self.seq_length)
         shape = [1] * gathered.dim()
         shape[0], shape[seq_dim] = index.shape[0], index.shape[1]
         out = torch.gather(gathered, seq_dim, index.view(shape).expand(gathered.shape))
@@ -135,47 +173,122 @@ def _resolve_balancer(
 ) -> _LoadBalancer | None:
     if balancer is None or isinstance(balancer, _LoadBalancer):
         return balancer
+    if not isinstance(balancer, str) or balancer not in BALANCERS:
+        raise ValueError(
+            f"balancer must be 'head_tail', 'mask_aware', 'ptrr', None or a torch _LoadBalancer "
+            f"(e.g. flexmask.PerDocumentBalancer(...)), got {balancer!r}"
+        )
     if balancer == "head_tail":
         return HeadTailBalancer(seq_length, world, device)
-    if balancer in ("mask_aware", "ptrr"):
-        # Costing every query block reads the whole mask: made once per mask and group,
-        # not once per rank (ranks simulated in one process, or a shard rebuilt per step).
-        key = (balancer, mask.key, B, H, seq_length, world, block, device.type, device.index)
+    # "mask_aware" or "ptrr". Costing every query block reads the whole mask: made once per
+    # mask and group, not once per rank (ranks simulated in one process, or a shard rebuilt
+    # per step).
+    key = (balancer, mask.key, B, H, seq_length, world, block, device.type, device.index)
+    with _PERMUTATIONS_LOCK:
+        found = _BALANCERS.get(key)
+    if found is None:
+        kind = MaskAwareBalancer if balancer == "mask_aware" else PTRRBalancer
+        found = kind(mask, B, H, seq_length, world, block, device=device)
         with _PERMUTATIONS_LOCK:
-            found = _BALANCERS.get(key)
-        if found is None:
-            kind = MaskAwareBalancer if balancer == "mask_aware" else PTRRBalancer
-            found = kind(mask, B, H, seq_length, world, block, device=device)
-            with _PERMUTATIONS_LOCK:
-                _BALANCERS[key] = found
-        return found
-    raise ValueError(
-        f"balancer must be 'head_tail', 'mask_aware', 'ptrr', None or a torch _LoadBalancer (e.g. "
-        f"flexmask.PerDocumentBalancer(...)), got {balancer!r}"
-    )
+            _BALANCERS[key] = found
+    return found
 
 
 def _world_and_rank(world_size: Any, rank: Any, mesh: Any) -> tuple[int, int]:
     if mesh is not None:
         if world_size is not None or rank is not None:
             raise ValueError("pass either mesh or world_size and rank, not both")
+        if not callable(getattr(mesh, "size", None)) or not callable(
+            getattr(mesh, "get_local_rank", None)
+        ):
+            raise TypeError(
+                f"mesh must be a 1-D torch DeviceMesh (or None, with world_size and rank), got "
+                f"{type(mesh).__name__} {mesh!r}"
+            )
         return mesh.size(), mesh.get_local_rank()
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1 (or pass mesh), got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
-    return world_size, rank
+    if world_size is None or rank is None:
+        raise ValueError(
+            f"pass world_size and rank (or mesh, a 1-D DeviceMesh), got world_size="
+            f"{world_size!r} and rank={rank!r}"
+        )
+    world = check_int(world_size, "world_size", minimum=1)
+    rank = check_int(rank, "rank", minimum=0)
+    if rank >= world:
+        raise ValueError(f"rank must be an int in [0, world_size={world}), got {rank}")
+    return world, rank
 
 
 def _block(BLOCK_SIZE: Any) -> int:
-    if isinstance(BLOCK_SIZE, tuple) and len(BLOCK_SIZE) == 2 and BLOCK_SIZE[0] == BLOCK_SIZE[1]:
-        BLOCK_SIZE = BLOCK_SIZE[0]
-    if isinstance(BLOCK_SIZE, bool) or not isinstance(BLOCK_SIZE, int) or BLOCK_SIZE < 1:
+    if isinstance(BLOCK_SIZE, (tuple, list)):
+        if len(BLOCK_SIZE) != 2:
+            raise ValueError(f"BLOCK_SIZE must be an int or an (n, n) pair, got {BLOCK_SIZE!r}")
+        q_block = check_int(BLOCK_SIZE[0], "BLOCK_SIZE[0]", minimum=1)
+        if check_int(BLOCK_SIZE[1], "BLOCK_SIZE[1]", minimum=1) != q_block:
+            raise ValueError(
+                f"BLOCK_SIZE must be an int or an (n, n) pair (queries and keys are permuted "
+                f"alike, so their blocks are one size), got {tuple(BLOCK_SIZE)!r}"
+            )
+        return q_block
+    return check_int(BLOCK_SIZE, "BLOCK_SIZE", minimum=1)
+
+
+# The shard holds int64 positions of the padded sequence, padded again to whole blocks:
+# a tensor of more than this many cannot be addressed (its byte size overflows int64).
+MAX_POSITIONS = INT64_MAX // 8
+
+
+def _check_positions(length: int, multiple: int, what: str) -> None:
+    """``length`` rounded up to ``multiple`` must be an addressable int64 tensor."""
+    padded = _round_up(length, multiple)
+    if padded > MAX_POSITIONS:
         raise ValueError(
-            f"BLOCK_SIZE must be an int >= 1 (or an (n, n) pair: queries and keys are permuted "
-            f"alike), got {BLOCK_SIZE!r}"
+            f"{what}: padded to a multiple of {multiple}, {padded} positions, more than "
+            f"a tensor of int64 positions can hold ({MAX_POSITIONS}); a sequence is far "
+            "shorter, and world_size and BLOCK_SIZE far smaller"
         )
-    return BLOCK_SIZE
+
+
+def _check_balancer(
+    lb: _LoadBalancer, mask: Mask, B: int | None, Q_LEN: int, world: int, rows: int
+) -> None:
+    """A balancer made for another sequence, group or batch is refused by name."""
+    seq_length = getattr(lb, "seq_length", None)
+    if isinstance(seq_length, int) and seq_length != Q_LEN:
+        raise ValueError(
+            f"balancer {type(lb).__name__} was built for a sequence of seq_length={seq_length} "
+            f"tokens, but Q_LEN is {Q_LEN}: build the balancer for Q_LEN (e.g. "
+            f"HeadTailBalancer({Q_LEN}, {world}), or documents that sum to {Q_LEN})"
+        )
+    lb_world = getattr(lb, "world_size", None)
+    if isinstance(lb_world, int) and lb_world != world:
+        raise ValueError(
+            f"balancer {type(lb).__name__} was built for world_size={lb_world}, but this "
+            f"group has world_size={world}: build it for the group that shards"
+        )
+    batch = B if B is not None else mask.rows
+    if rows > 1 and rows != batch:
+        raise ValueError(
+            f"balancer {type(lb).__name__} gives {rows} permutations (one per batch row), but "
+            f"B is {batch}: pass B={rows}, or a balancer with one row (shared by every row)"
+        )
+
+
+class _Plan(NamedTuple):
+    """A shard's arguments, validated (Python ints, a torch.device, a resolved balancer),
+    and its cache key: made at the call, before anything is built."""
+
+    mask: Mask
+    B: int | None
+    H: int | None
+    Q_LEN: int
+    world: int
+    rank: int
+    block: int
+    device: torch.device
+    balancer: _LoadBalancer | None
+    padded: int
+    key: tuple
+    kv_length: int | None
 
 
 def _plan(
@@ -190,28 +303,47 @@ def _plan(
     balancer: Any,
     BLOCK_SIZE: Any,
     device: Any,
-) -> tuple:
+) -> _Plan:
+    """Every argument validated on Python ints (nothing built but a named balancer)."""
     if not isinstance(mask, Mask):
         raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
     world, rank = _world_and_rank(world_size, rank, mesh)
     block = _block(BLOCK_SIZE)
-    if isinstance(Q_LEN, bool) or not isinstance(Q_LEN, int) or Q_LEN < 1:
-        raise ValueError(f"Q_LEN must be an int >= 1, got {Q_LEN!r}")
-    device = torch.device("cpu" if device is None else device)
+    Q_LEN = check_int(Q_LEN, "Q_LEN", minimum=1)
+    B = None if B is None else check_int(B, "B", minimum=1)
+    H = None if H is None else check_int(H, "H", minimum=1)
+    device = torch.device("cpu") if device is None else check_device(device)
+    KV_LEN = None if KV_LEN is None else check_int(KV_LEN, "KV_LEN", minimum=1)
     if KV_LEN is not None and KV_LEN != Q_LEN:
         return _plan_other_keys(mask, B, H, Q_LEN, KV_LEN, world, rank, balancer, block, device)
+    # Any balancer pads to at most a multiple of 2 W BLOCK_SIZE: refused before it is made.
+    _check_positions(
+        Q_LEN, 2 * world * block, f"Q_LEN={Q_LEN} with world_size={world}, BLOCK_SIZE={block}"
+    )
     lb = _resolve_balancer(balancer, mask, B, H, Q_LEN, world, block, device)
     padded = getattr(lb, "padded_length", None)
+    indices = None
     if padded is None:
         if lb is None:
-            padded = -(-Q_LEN // world) * world
+            padded = _round_up(Q_LEN, world)
         else:
-            padded = balancer_indices(lb).shape[-1]
+            indices = balancer_indices(lb)
+            if indices.dim() != 2:
+                raise ValueError(
+                    f"balancer {type(lb).__name__} gives indices of shape "
+                    f"{tuple(indices.shape)}; torch's _LoadBalancer contract is (rows, Q_LEN)"
+                )
+            padded = indices.shape[-1]
             if padded != Q_LEN:
                 raise ValueError(
                     f"balancer permutes {padded} positions but Q_LEN is {Q_LEN}: build the "
                     "balancer for this sequence length"
                 )
+    if lb is not None:
+        rows = getattr(lb, "rows", None)
+        if not isinstance(rows, int):
+            rows = (balancer_indices(lb) if indices is None else indices).shape[0]
+        _check_balancer(lb, mask, B, Q_LEN, world, rows)
     if padded % world:
         raise ValueError(f"the balancer's length {padded} does not split into {world} ranks")
     key = (
@@ -227,26 +359,24 @@ def _plan(
         (device.type, device.index),
         mask.key,
     )
-    return world, rank, block, device, lb, padded, key, None
+    return _Plan(mask, B, H, Q_LEN, world, rank, block, device, lb, padded, key, None)
 
 
 def _plan_other_keys(
     mask: Mask,
-    B: Any,
-    H: Any,
+    B: int | None,
+    H: int | None,
     Q_LEN: int,
-    KV_LEN: Any,
+    KV_LEN: int,
     world: int,
     rank: int,
     balancer: Any,
     block: int,
     device: torch.device,
-) -> tuple:
+) -> _Plan:
     """KV_LEN != Q_LEN, as torch's ``_create_cp_block_mask`` builds it: without a balancer
     only. Rank ``r`` keeps query rows ``[r Q_LEN / W, (r + 1) Q_LEN / W)`` against all
     KV_LEN keys in their own order (contiguous kv slices, all-gathered)."""
-    if isinstance(KV_LEN, bool) or not isinstance(KV_LEN, int) or KV_LEN < 1:
-        raise ValueError(f"KV_LEN must be None or an int >= 1, got {KV_LEN!r}")
     if balancer is not None:
         raise ValueError(
             f"KV_LEN ({KV_LEN}) != Q_LEN ({Q_LEN}) needs balancer=None, got {balancer!r}: a "
@@ -259,9 +389,11 @@ def _plan_other_keys(
             f"Q_LEN ({Q_LEN}) must be a multiple of world_size ({world}) when KV_LEN != Q_LEN "
             "(the queries are not padded then): pad the queries"
         )
+    _check_positions(Q_LEN, block, f"Q_LEN={Q_LEN} with BLOCK_SIZE={block}")
+    _check_positions(KV_LEN, block, f"KV_LEN={KV_LEN} with BLOCK_SIZE={block}")
     where = (device.type, device.index)
     key = ("cp_shard", world, rank, ("none",), B, H, Q_LEN, ("kv", KV_LEN), block, where, mask.key)
-    return world, rank, block, device, None, Q_LEN, key, KV_LEN
+    return _Plan(mask, B, H, Q_LEN, world, rank, block, device, None, Q_LEN, key, KV_LEN)
 
 
 def _permutation(
@@ -279,6 +411,7 @@ def _permutation(
         indices = torch.arange(padded).view(1, -1)
     else:
         indices = balancer_indices(lb).to(torch.int64).cpu()
+        _check_permutation(indices, lb)
     made = indices, tuple(KeyOrder.of(row, block) for row in indices)
     if isinstance(key, tuple):
         with _PERMUTATIONS_LOCK:
@@ -286,8 +419,26 @@ def _permutation(
     return made
 
 
-def _build(mask: Mask, B: Any, H: Any, Q_LEN: int, plan: tuple) -> CPShard:
-    world, rank, block, device, lb, padded, key, kv_length = plan
+def _check_permutation(indices: Tensor, lb: _LoadBalancer) -> None:
+    """Each row of a balancer's indices must hold every position once (O(S) per row):
+    anything else would index past the sequence or drop tokens."""
+    length = indices.shape[-1]
+    for i, row in enumerate(indices):
+        seen = torch.zeros(length, dtype=torch.bool)
+        inside = bool(((row >= 0) & (row < length)).all())
+        if inside:
+            seen[row] = True
+        if not inside or not bool(seen.all()):
+            raise ValueError(
+                f"balancer {type(lb).__name__}'s indices row {i} is not a permutation of "
+                f"range({length}): each position must appear exactly once"
+            )
+
+
+def _build(plan: _Plan) -> CPShard:
+    mask, B, H, Q_LEN = plan.mask, plan.B, plan.H, plan.Q_LEN
+    world, rank, block, device = plan.world, plan.rank, plan.block, plan.device
+    lb, padded, key, kv_length = plan.balancer, plan.padded, plan.key, plan.kv_length
     with cpu_threads(device):
         indices, keys = _permutation(lb, padded, block)
         if kv_length is not None:  # contiguous query rows against keys in their order
@@ -359,10 +510,15 @@ def shard(
         >>> s.block_mask.shape, s.indices[0, s.local][::64].tolist()
         ((1, 1, 128, 256), [64, 128])
     """
+    if cache is not None and not isinstance(cache, ShardCache):
+        raise TypeError(
+            f"cache must be a flexmask ShardCache or None (build every call), got "
+            f"{type(cache).__name__}"
+        )
     plan = _plan(mask, B, H, Q_LEN, KV_LEN, world_size, rank, mesh, balancer, BLOCK_SIZE, device)
     if cache is None:
-        return _build(mask, B, H, Q_LEN, plan)
-    return cache.get_or_build(plan[6], lambda: _build(mask, B, H, Q_LEN, plan))
+        return _build(plan)
+    return cache.get_or_build(plan.key, lambda: _build(plan))
 
 
 class ShardCache(KeyedCache):
@@ -384,41 +540,83 @@ class ShardCache(KeyedCache):
         super().__init__(maxsize, maxbytes, lambda shard: block_mask_nbytes(shard.block_mask))
 
 
+_DEFAULT_SHARD_CACHE: ShardCache | None = None
+_DEFAULT_SHARD_CACHE_LOCK = threading.Lock()
+
+
+def default_shard_cache() -> ShardCache:
+    """The process-wide ShardCache: lazy shards made without one, or unpickled, use it."""
+    global _DEFAULT_SHARD_CACHE
+    with _DEFAULT_SHARD_CACHE_LOCK:
+        if _DEFAULT_SHARD_CACHE is None:
+            _DEFAULT_SHARD_CACHE = ShardCache()
+        return _DEFAULT_SHARD_CACHE
+
+
 class LazyShard:
     """A shard to be: built through a ShardCache on first use, dropped on release.
 
-    Holds only the recipe (mask, shape, group, balancer); its key is computed once, when
-    made, and carries world size, rank and balancer.
+    Holds only the recipe (mask, shape, group, balancer), validated when made; its key is
+    computed once, then, and carries world size, rank and balancer. It pickles that recipe
+    (a mesh as the world size and rank it gave), never the built shard nor the cache, which
+    are process-local: an unpickled handle builds through ``default_shard_cache()``.
     """
 
+    # The recipe, in the order it pickles.
+    _RECIPE: tuple[str, ...] = (
+        *("mask", "B", "H", "Q_LEN", "KV_LEN", "world_size", "rank", "balancer"),
+        *("BLOCK_SIZE", "device", "key"),
+    )
+
     def __init__(
-        self, mask: Mask, B: Any, H: Any, Q_LEN: int, *, cache: ShardCache, **kwargs: Any
+        self,
+        mask: Mask,
+        B: int | None = None,
+        H: int | None = None,
+        Q_LEN: int = 128,
+        KV_LEN: int | None = None,
+        *,
+        world_size: int | None = None,
+        rank: int | None = None,
+        mesh: Any = None,
+        balancer: str | _LoadBalancer | None = "head_tail",
+        BLOCK_SIZE: int = 128,
+        device: torch.device | str | None = None,
+        cache: ShardCache | None = None,
     ) -> None:
-        if not isinstance(cache, ShardCache):
-            raise TypeError(f"cache must be a flexmask ShardCache, got {type(cache).__name__}")
-        self.mask, self.B, self.H, self.Q_LEN = mask, B, H, Q_LEN
-        self.kwargs, self.cache = kwargs, cache
+        if cache is not None and not isinstance(cache, ShardCache):
+            raise TypeError(
+                f"cache must be a flexmask ShardCache or None (the process-wide one), got "
+                f"{type(cache).__name__}"
+            )
         plan = _plan(
-            mask,
-            B,
-            H,
-            Q_LEN,
-            kwargs.get("KV_LEN"),
-            kwargs.get("world_size"),
-            kwargs.get("rank"),
-            kwargs.get("mesh"),
-            kwargs.get("balancer", "head_tail"),
-            kwargs.get("BLOCK_SIZE", 128),
-            kwargs.get("device"),
+            mask, B, H, Q_LEN, KV_LEN, world_size, rank, mesh, balancer, BLOCK_SIZE, device
         )
-        self.key = plan[6]
+        self.mask, self.B, self.H, self.Q_LEN = mask, plan.B, plan.H, plan.Q_LEN
+        self.KV_LEN = plan.kv_length
+        self.world_size, self.rank = plan.world, plan.rank
+        # The argument, not the resolved balancer: a name stays a name (made where built).
+        self.balancer = balancer
+        self.BLOCK_SIZE, self.device = plan.block, plan.device
+        self.key = plan.key
+        self.cache = cache
         self._shard: CPShard | None = None
 
     @property
     def shard(self) -> CPShard:
         if self._shard is None:
             self._shard = shard(
-                self.mask, self.B, self.H, self.Q_LEN, cache=self.cache, **self.kwargs
+                self.mask,
+                self.B,
+                self.H,
+                self.Q_LEN,
+                self.KV_LEN,
+                world_size=self.world_size,
+                rank=self.rank,
+                balancer=self.balancer,
+                BLOCK_SIZE=self.BLOCK_SIZE,
+                device=self.device,
+                cache=self._cache(),
             )
         return self._shard
 
@@ -428,16 +626,49 @@ class LazyShard:
 
     def release(self) -> None:
         self._shard = None
-        self.cache.discard(self.key)
+        self._cache().discard(self.key)
+
+    def _cache(self) -> ShardCache:
+        return self.cache if self.cache is not None else default_shard_cache()
+
+    def __getstate__(self) -> tuple:
+        return tuple(getattr(self, name) for name in self._RECIPE)
+
+    def __setstate__(self, state: tuple) -> None:
+        for name, value in zip(self._RECIPE, state, strict=True):
+            setattr(self, name, value)
+        self.cache = None
+        self._shard = None
+
+    def __repr__(self) -> str:
+        return (
+            f"LazyShard({self.mask!r}, B={self.B}, H={self.H}, Q_LEN={self.Q_LEN}, "
+            f"KV_LEN={self.KV_LEN}, world_size={self.world_size}, rank={self.rank}, "
+            f"balancer={self.balancer!r}, BLOCK_SIZE={self.BLOCK_SIZE}, "
+            f"built={self._shard is not None})"
+        )
 
 
 def lazy_shard(
-    mask: Mask, B: Any = None, H: Any = None, Q_LEN: int = 128, *, cache: ShardCache, **kwargs: Any
+    mask: Mask,
+    B: int | None = None,
+    H: int | None = None,
+    Q_LEN: int = 128,
+    KV_LEN: int | None = None,
+    *,
+    world_size: int | None = None,
+    rank: int | None = None,
+    mesh: Any = None,
+    balancer: str | _LoadBalancer | None = "head_tail",
+    BLOCK_SIZE: int = 128,
+    device: torch.device | str | None = None,
+    cache: ShardCache | None = None,
 ) -> LazyShard:
     """A rank-aware lazy handle: ``flexmask.shard`` on first use, through ``cache``.
 
-    Takes ``shard``'s keyword arguments (world_size/rank or mesh, balancer, BLOCK_SIZE,
-    device).
+    Takes ``shard``'s arguments, checked now (a misspelled keyword is a TypeError here, not
+    at first use). ``cache``: the ShardCache to build through (None: the process-wide one,
+    ``default_shard_cache()``). The handle pickles its recipe, not the shard.
 
     Example:
         >>> import flexmask
@@ -447,7 +678,20 @@ def lazy_shard(
         >>> h.key in cache, h.block_mask.shape, h.key in cache
         (False, (1, 1, 256, 512), True)
     """
-    return LazyShard(mask, B, H, Q_LEN, cache=cache, **kwargs)
+    return LazyShard(
+        mask,
+        B,
+        H,
+        Q_LEN,
+        KV_LEN,
+        world_size=world_size,
+        rank=rank,
+        mesh=mesh,
+        balancer=balancer,
+        BLOCK_SIZE=BLOCK_SIZE,
+        device=device,
+        cache=cache,
+    )
 
 
 def imbalance(
@@ -463,6 +707,10 @@ def imbalance(
     """Max rank cost / mean rank cost of a balancer, from every rank's shard (full blocks +
     ``partial_cost`` × partial blocks, summed over masks, rows and heads)."""
     masks = (masks,) if isinstance(masks, Mask) else tuple(masks)
+    if not masks or not all(isinstance(m, Mask) for m in masks):
+        raise TypeError(f"masks must be a flexmask Mask or a non-empty list of them, got {masks!r}")
+    world_size = check_int(world_size, "world_size", minimum=1)
+    partial_cost = _check_cost(partial_cost)
     costs = torch.zeros(world_size, dtype=torch.float64)
     for mask in masks:
         for rank in range(world_size):

@@ -19,6 +19,7 @@ from torch.distributed.tensor.experimental._context_parallel._cp_custom_ops impo
 )
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask._validate import check_int
 from flexmask.attention import flex_attention
 from flexmask.mask import Mask
 
@@ -26,12 +27,76 @@ if TYPE_CHECKING:
     from flexmask.context_parallel.core import CPShard, LazyShard
 
 
-def _group_name(group: Any) -> str:
+def _process_group(group: Any) -> c10d.ProcessGroup:
+    """The process group of ``group``: None (the default group), a 1-D DeviceMesh, or a
+    ProcessGroup. Local: no collective."""
     if group is None:
-        group = c10d._get_default_group()
-    elif hasattr(group, "get_group"):  # a DeviceMesh
-        group = group.get_group()
-    return c10d._get_process_group_name(group)
+        return c10d._get_default_group()
+    if callable(getattr(group, "get_group", None)):  # a DeviceMesh
+        return group.get_group()
+    if isinstance(group, c10d.ProcessGroup):
+        return group
+    raise TypeError(
+        f"group must be None (the default group), a 1-D DeviceMesh or a ProcessGroup, got "
+        f"{type(group).__name__} {group!r}"
+    )
+
+
+def _check_before_gather(
+    query: Any, key: Any, value: Any, shard: Any, seq_dim: Any, group: Any
+) -> tuple[BlockMask, int, c10d.ProcessGroup]:
+    """Every check that this rank can make alone, made before the all-gather: a rank whose
+    keys or values do not fit its shard raises here, instead of entering a collective that
+    aborts the process (gloo: "Received data size doesn't match expected size") or leaves
+    the other ranks waiting. Returns the BlockMask, ``seq_dim`` as a dim of ``key`` and the
+    process group."""
+    from flexmask.context_parallel.core import CPShard, LazyShard
+
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if not isinstance(shard, (CPShard, LazyShard, BlockMask)):
+        raise TypeError(
+            f"shard must be this rank's CPShard (flexmask.shard), a LazyShard or its "
+            f"BlockMask, got {type(shard).__name__}"
+        )
+    dim = check_int(seq_dim, "seq_dim")
+    if key.dim() < 2 or not -key.dim() <= dim < key.dim() or dim % key.dim() != key.dim() - 2:
+        raise ValueError(
+            f"seq_dim={dim} must be the keys' sequence dim, which flex_attention reads as the "
+            f"second to last: 2 (or -2) for (B, H, S, D) keys, got key of shape "
+            f"{tuple(key.shape)}"
+        )
+    dim %= key.dim()
+    if value.dim() != key.dim() or value.shape[:-1] != key.shape[:-1]:
+        raise ValueError(
+            f"value must match key in every dim but the last, (B, H, S), got key of shape "
+            f"{tuple(key.shape)} and value of shape {tuple(value.shape)}"
+        )
+    process_group = _process_group(group)
+    world = c10d.get_world_size(process_group)
+    if isinstance(shard, (CPShard, LazyShard)):
+        shard_world = shard.world_size
+        if shard_world != world:
+            raise ValueError(
+                f"shard was made for world_size={shard_world}, but group has {world} ranks: "
+                "pass the group the shard was made for"
+            )
+    block_mask = shard if isinstance(shard, BlockMask) else shard.block_mask
+    q_len, kv_len = block_mask.seq_lengths
+    if query.dim() < 2 or query.shape[-2] != q_len:
+        raise ValueError(
+            f"query must hold this rank's {q_len} queries on dim -2 (the shard's rows), got "
+            f"shape {tuple(query.shape)}"
+        )
+    if kv_len % world or key.shape[dim] * world != kv_len:
+        raise ValueError(
+            f"key and value must hold this rank's slice of the keys on dim {dim}: the shard "
+            f"attends {kv_len} keys gathered from {world} ranks, so {kv_len / world:g} per "
+            f"rank; got key of shape {tuple(key.shape)}. Every rank must pass a slice of that "
+            "length (CPShard.shard_tensor / shard_kv give it)"
+        )
+    return block_mask, dim, process_group
 
 
 @overload
@@ -80,17 +145,28 @@ def cp_flex_attention(
             ``CPShard.shard_tensor``.
         shard: this rank's ``CPShard`` (or a lazy one, or its BlockMask).
         group: the context-parallel ``DeviceMesh`` or process group (None: the default).
-        seq_dim: the sequence dimension of key and value.
+        seq_dim: the sequence dimension of key and value: 2 (or -2), where flex_attention
+            reads it.
         return_lse: also return the log-sum-exp of the scores, as ``flexmask.flex_attention``.
         **kwargs: passed to ``flexmask.flex_attention`` (score_mod, scale, compile, ...).
 
     Returns:
         This rank's attention output, (B, H, S / W, Dv); differentiable in all three inputs.
         With ``return_lse`` the pair (output, lse).
+
+    Raises:
+        ValueError / TypeError: before any collective, where this rank's inputs do not fit
+            its shard (keys or values of another length, a wrong ``seq_dim``, a group of
+            another size). Only this rank raises; the others wait in the all-gather until
+            this process leaves the group or the group's timeout passes (gloo's default: 30
+            minutes; ``init_process_group(timeout=...)`` sets it). See
+            docs/context-parallel.md.
     """
-    block_mask = shard if isinstance(shard, BlockMask) else shard.block_mask
+    block_mask, seq_dim, process_group = _check_before_gather(
+        query, key, value, shard, seq_dim, group
+    )
     full_key, full_value = flex_cp_allgather(
-        key.contiguous(), value.contiguous(), seq_dim, _group_name(group)
+        key.contiguous(), value.contiguous(), seq_dim, c10d._get_process_group_name(process_group)
     )
     return flex_attention(
         query, full_key, full_value, block_mask=block_mask, return_lse=return_lse, **kwargs
@@ -109,8 +185,15 @@ def shard_buffers(
     BlockMask / Mask / lazy-shard entries become this rank's prebuilt BlockMask (torch does
     not rebuild it). The drop-in for torchtitan-style ``cp_shard``.
     """
-    from flexmask.context_parallel.core import LazyShard
+    from flexmask.context_parallel.core import CPShard, LazyShard
 
+    if not isinstance(shard, CPShard):
+        raise TypeError(f"shard must be a CPShard (flexmask.shard), got {type(shard).__name__}")
+    for arg, given in (("buffers", buffers), ("seq_dims", seq_dims)):
+        if isinstance(given, (str, bytes)) or not isinstance(given, (Sequence, Mapping)):
+            raise TypeError(
+                f"{arg} must be a list (or a dict by name), one entry per buffer, got {given!r}"
+            )
     is_map = isinstance(buffers, Mapping)
     items: list[tuple[str | int, Any]] = (
         list(buffers.items()) if isinstance(buffers, Mapping) else list(enumerate(buffers))
@@ -153,6 +236,17 @@ def shard_buffers(
 def unshard(shard: CPShard, mesh: Any, buffers: Sequence[Tensor], seq_dims: Sequence[int]):
     """torch's ``context_parallel_unshard`` with the shard's balancer, padding dropped."""
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    from flexmask.context_parallel.core import CPShard
+
+    if not isinstance(shard, CPShard):
+        raise TypeError(f"shard must be a CPShard (flexmask.shard), got {type(shard).__name__}")
+    if len(buffers) != len(seq_dims):
+        raise ValueError(
+            f"seq_dims must give one dim per buffer ({len(buffers)}), got {len(seq_dims)}"
+        )
+    # Checked here, before torch's all-gather: a bad dim raises on this rank alone.
+    seq_dims = [shard._dim(t, d, "unshard") for t, d in zip(buffers, seq_dims, strict=True)]
 
     full = context_parallel_unshard(mesh, list(buffers), list(seq_dims), shard.balancer)
     return [t.narrow(d, 0, shard.seq_length) for t, d in zip(full, seq_dims, strict=False)]
