@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -103,7 +104,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=1024)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    # A rank that raises (flexmask checks its inputs before each all-gather) leaves the others
+    # waiting in the collective: a short timeout ends them too (gloo's default is 30 min).
+    dist.init_process_group("gloo", timeout=timedelta(minutes=2))
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     rng = random.Random(0)
