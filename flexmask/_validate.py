@@ -25,6 +25,7 @@ def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
     if not isinstance(value, Tensor) and _is_array(value) and getattr(value, "ndim", None) == 0:
         value = value[()]  # a 0-d numpy array: its scalar (a numpy integer, or not an integer)
     if isinstance(value, Tensor):
+        _has_values(value, name)
         if (
             value.dim() != 0
             or value.dtype.is_floating_point
@@ -48,6 +49,15 @@ def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
     return value
 
 
+def _has_values(value: Tensor, name: str) -> None:
+    """A meta tensor has a shape but no values to read: say so, naming ``name``."""
+    if value.is_meta:
+        raise ValueError(
+            f"{name} is a meta tensor (shape {tuple(value.shape)}), which holds no values to "
+            f"read: pass its values as ints or as a tensor on a real device (e.g. 'cpu')"
+        )
+
+
 def _is_array(value: Any) -> bool:
     """A numpy array or another array-like that is not a tensor or a Python sequence."""
     return hasattr(value, "__array__") and not isinstance(value, (Tensor, list, tuple))
@@ -56,6 +66,7 @@ def _is_array(value: Any) -> bool:
 def int_vector(value: Any, name: str) -> Tensor:
     """A 1-D int64 CPU tensor from a list/tuple of ints or a 1-D integer tensor/array."""
     if isinstance(value, Tensor):
+        _has_values(value, name)
         if value.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got a tensor of shape {tuple(value.shape)}")
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
@@ -191,3 +202,59 @@ def env_int(
     if value < minimum:
         raise ValueError(f"environment variable {name}={raw!r} must be >= {minimum}")
     return value
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory ``device`` has in all; None where unknown (meta: no memory at all).
+
+    Read only for a build on that device: asking about a CUDA device initialises CUDA.
+    """
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, OSError, ValueError):  # not POSIX: unknown
+            return None
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return int(torch.cuda.get_device_properties(index).total_memory)
+    return None
+
+
+def _bytes_text(nbytes: int) -> str:
+    for unit, shift in (("EiB", 60), ("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit} ({nbytes} bytes)"
+    return f"{nbytes} bytes"
+
+
+def check_fits(nbytes: int, device: torch.device, what: str, fix: str) -> None:
+    """Refuses, before anything is allocated, ``nbytes`` that exceed all of ``device``'s
+    memory: a ValueError saying ``what`` would need them and ``fix``. Sizes that fit pass
+    (whether they fit beside what is already allocated is the allocator's to say)."""
+    total = device_memory(device)
+    if total is not None and nbytes > total:
+        raise ValueError(
+            f"{what} would need {_bytes_text(nbytes)} on {device}, more than all of its memory "
+            f"({_bytes_text(total)}): {fix}"
+        )
+
+
+def block_mask_bytes(
+    rows: int, heads: int, q_len: int, kv_len: int, q_block: int, kv_block: int
+) -> int:
+    """Bytes of a BlockMask's eight int32 tensors: per (row, head), the counts of both sides
+    and the ``(nq, nkv)`` / ``(nkv, nq)`` index tensors, partial and full."""
+    nq, nkv = -(-q_len // q_block), -(-kv_len // kv_block)
+    return 8 * rows * heads * (nq + nkv + 2 * nq * nkv)
+
+
+def check_window(offset: int, length: int, block: int, offset_name: str, length_name: str) -> None:
+    """Positions ``[offset, offset + length)``, padded to whole blocks, are int64 tensor
+    values: refuse an end past 2**63 - 1 (where they would wrap) naming both arguments."""
+    end = offset + -(-length // block) * block
+    if end > INT64_MAX + 1:
+        raise ValueError(
+            f"{offset_name}={offset} plus {length_name}={length} (rounded up to the block size "
+            f"{block}) ends at {end}, past 2**63: positions are int64, so {offset_name} + "
+            f"{length_name} must stay below 2**63 - {block}"
+        )

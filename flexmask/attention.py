@@ -29,6 +29,15 @@ from flexmask.mask import Mask
 from flexmask.pieces import Full
 
 ENV_COMPILE = "FLEXMASK_COMPILE"
+BLOCK_SPARSE_OPTIONS = (
+    "threads",
+    "memory_budget",
+    "recompute",
+    "max_chunk_elements",
+    "backend",
+    "mod_eval",
+)
+"""block_sparse_attention's options that flex_attention passes through where that path runs."""
 
 _compiled: Callable[..., Any] | None = None
 _compiled_lock = threading.Lock()
@@ -164,7 +173,11 @@ def flex_attention(
             FLEXMASK_COMPILE where either is set, and otherwise compiles on accelerators but
             not on the CPU (whose first compiled call takes 20-40 s): a no-grad CPU call then
             runs the block-sparse path, or SDPA where that is faster.
-        **kwargs: passed to torch's flex_attention (e.g. ``kernel_options``).
+        **kwargs: passed to torch's flex_attention (e.g. ``kernel_options``); where the
+            block-sparse path runs (the CPU with gradients or compile off) its options
+            instead — ``threads``, ``memory_budget``, ``recompute``, ``max_chunk_elements``,
+            ``backend``, ``mod_eval`` (see ``flexmask.block_sparse.block_sparse_attention``);
+            those raise TypeError where torch's kernel runs.
 
     Returns:
         The attention output, (B, Hq, Q_LEN, Dv); with ``return_lse`` the pair (output, lse).
@@ -194,11 +207,13 @@ def flex_attention(
     # torch has no flex backward on the CPU, and its uncompiled CPU forward materialises the
     # full score matrix and re-traces the mask for every new BlockMask: the block-sparse path
     # serves both cases, driven by the same BlockMask.
+    knobs = {name: kwargs.pop(name) for name in BLOCK_SPARSE_OPTIONS if name in kwargs}
     if on_cpu and (needs_grad or not use_compile):
         if kwargs:
             raise TypeError(
                 f"on the CPU flexmask runs its block-sparse path here (gradients needed or "
-                f"compile off), which takes no extra flex_attention options; got {sorted(kwargs)}"
+                f"compile off), which takes none of torch's extra flex_attention options; got "
+                f"{sorted(kwargs)} (it takes {', '.join(BLOCK_SPARSE_OPTIONS)})"
             )
         if resolved is None:
             resolved = _full_block_mask(query, key)
@@ -212,6 +227,13 @@ def flex_attention(
             enable_gqa=enable_gqa,
             return_lse=return_lse,
             mask=structure if isinstance(structure, Mask) else None,
+            **knobs,
+        )
+    if knobs:
+        raise TypeError(
+            f"{sorted(knobs)} tune flexmask's block-sparse CPU path, but torch's flex_attention "
+            f"kernel runs this call (device {query.device.type}, compile={use_compile}): drop "
+            f"them, or pass compile=False on the CPU"
         )
     if use_compile:
         _announce_compile(query, key)

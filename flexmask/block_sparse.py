@@ -210,14 +210,19 @@ def block_sparse_attention(
         raise ValueError(f"max_chunk_elements must be >= 1, got {max_chunk_elements}")
     if recompute is not None and not isinstance(recompute, bool):
         raise TypeError(f"recompute must be True, False or None, got {recompute!r}")
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 0:
+    if (
+        isinstance(memory_budget, bool)
+        or not isinstance(memory_budget, numbers.Integral)  # numpy integers too
+        or memory_budget < 0
+    ):
         raise ValueError(f"memory_budget must be an int of bytes >= 0, got {memory_budget!r}")
+    memory_budget = int(memory_budget)
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
-    ):
-        raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
+        threads = int(threads)  # numpy integers too
     if mask is not None and not isinstance(mask, Mask):
         raise TypeError(
             f"mask must be the flexmask Mask block_mask was built from, or None, got "
@@ -794,6 +799,11 @@ def _plan(
     kv_heads, kv_len = key.size(1), key.size(2)
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if q_heads == 0 or kv_heads == 0:
+        raise ValueError(
+            f"query and key/value must have at least one head (H >= 1, as torch's flex_attention "
+            f"needs), got query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+        )
     if not enable_gqa and q_heads != kv_heads:
         raise ValueError(
             f"query has {q_heads} heads but key/value have {kv_heads}; pass enable_gqa=True "
@@ -867,7 +877,7 @@ def _plan(
             )
         num = num[:, :, :num_q_blocks].long()
         idx = idx[:, :, :num_q_blocks].long()
-        if int(num.min()) < 0 or int(num.max()) > slots:
+        if num.numel() and (int(num.min()) < 0 or int(num.max()) > slots):  # B=0: none
             raise ValueError(f"block_mask's counts for {name} must lie in [0, {slots}]")
         in_use = torch.arange(slots, device=idx.device) < num[..., None]
         if bool((in_use & ((idx < 0) | (idx >= num_kv_blocks))).any()):

@@ -23,7 +23,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import env_int
-from flexmask.build.create import build
+from flexmask.build.create import build, check_size, emptied, no_rows_or_heads
 from flexmask.build.grid import BlockGrid, make_grid
 from flexmask.build.read import block_mask_nbytes
 from flexmask.mask import Mask
@@ -212,6 +212,20 @@ class MaskCache(KeyedCache):
         """
         if not isinstance(mask, Mask):
             raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
+        empty = no_rows_or_heads(mask, B, H)
+        if empty is not None:  # B=0 or H=0: the one-row (head) entry, emptied as torch's
+            one = self.get(
+                mask,
+                *empty,
+                Q_LEN,
+                KV_LEN,
+                device,
+                BLOCK_SIZE,
+                q_offset=q_offset,
+                kv_offset=kv_offset,
+            )
+            return emptied(one, B, H)
+        check_size(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset, reduced=True)
         grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
         return self.get_or_build(_key(mask, grid), lambda: build(mask, grid_for_key(mask, grid)))
 

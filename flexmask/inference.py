@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask._validate import check_int, int_vector
+from flexmask._validate import INT64_MAX, block_mask_bytes, check_fits, check_int, int_vector
 from flexmask.build.create import create_block_mask
 from flexmask.build.read import BLOCK_FIELDS
 from flexmask.mask import Mask, MaskMod, ShiftedMod
@@ -77,6 +77,34 @@ def _check_window(lens: list[int], q_len: int, capacity: int) -> None:
                 f"cache_lens[{i}]={length} plus q_len={q_len} is past capacity={capacity}: "
                 f"the step's queries must fit in the cache (raise capacity to the next bucket)"
             )
+
+
+def _check_step_size(
+    lens: list[int],
+    q_len: int,
+    capacity: int,
+    heads: int,
+    blocks: tuple[int, int],
+    rows: int,
+    device: torch.device,
+) -> None:
+    """Refuses, before anything is allocated, a step whose BlockMask cannot fit the device
+    or whose cache positions (padded to whole kv blocks) overflow int64."""
+    q_block, kv_block = blocks
+    if -(-capacity // kv_block) * kv_block > INT64_MAX + 1:
+        raise ValueError(
+            f"capacity={capacity} rounded up to the kv block size {kv_block} is past 2**63: "
+            f"cache positions are int64 (with capacity None it is max(cache_lens) + q_len)"
+        )
+    nq, nkv = -(-q_len // q_block), -(-capacity // kv_block)
+    check_fits(
+        block_mask_bytes(rows, heads, q_len, capacity, q_block, kv_block) + 16 * (nq + nkv) * rows,
+        device,
+        f"the step's BlockMask for capacity={capacity} (with capacity None: max(cache_lens)="
+        f"{max(lens)} + q_len={q_len}), heads={heads}, block_size={blocks}",
+        "the cache holds max(cache_lens) + q_len tokens at most: pass the cache lengths in "
+        "tokens and a capacity the KV cache really has",
+    )
 
 
 def _device(mask: Mask, device: Any) -> torch.device:
@@ -161,10 +189,13 @@ def decode_mask(
     heads = check_int(heads, "heads", minimum=1)
     _check_window(lens, q_len, capacity)
     dev = _device(mask, device)
+    blocks = _block_pair(block_size)
+    per_row = not _is_scalar(cache_lens) or mask.rows is not None
+    _check_step_size(lens, q_len, capacity, heads, blocks, len(lens) if per_row else 1, dev)
     offsets = torch.tensor(lens, dtype=torch.int64, device=dev)
     if _is_scalar(cache_lens) and mask.rows is None:
         offsets = offsets[0]  # one length for every row: a (1, H, ...) BlockMask, broadcast
-    return _build(mask, offsets, q_len, capacity, heads, _block_pair(block_size), dev)
+    return _build(mask, offsets, q_len, capacity, heads, blocks, dev)
 
 
 def _build(
@@ -246,6 +277,15 @@ class DecodeMasks:
         self._blocks = _block_pair(block_size)
         self.device = _device(mask, device)
         _check_window(self._lens, self.q_len, self.capacity)
+        _check_step_size(
+            self._lens,
+            self.q_len,
+            self.capacity,
+            self.heads,
+            self._blocks,
+            len(self._lens),
+            self.device,
+        )
         # Append applies where each step's block row is "every kv block up to the last query",
         # with a single, incomplete q block (so no block is full): causal decode.
         self.appendable = bool(append) and mask == causal() and q_len < self._blocks[0]
@@ -380,6 +420,14 @@ def speculative_tree(prefix_lens: Any, draft_parents: Any) -> Mask:
             f"prefix_lens gives {len(prefixes)} rows but draft_parents {len(drafts)}: pass one "
             f"of each per row, or one shared"
         )
+    longest = max(prefixes) if prefixes is not None else shared_prefix
+    check_fits(
+        # per row: the prefix's parents and the joined list, int64, before the tree's own
+        16 * rows * longest,
+        torch.device("cpu"),
+        f"speculative_tree with prefix_lens up to {longest}",
+        "prefix_lens counts the tokens before the draft (the cache length), not bytes",
+    )
     parents = []
     for row in range(rows):
         prefix = prefixes[row] if prefixes is not None else shared_prefix

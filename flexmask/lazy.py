@@ -13,6 +13,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import check_device, check_int
+from flexmask.build.create import check_size, no_rows_or_heads
 from flexmask.build.grid import block_sizes, make_grid
 from flexmask.cache import MaskCache, _key, default_cache
 from flexmask.mask import Extent, Mask
@@ -26,8 +27,8 @@ def _validate(
 
     Returns (B, H, Q_LEN, KV_LEN, BLOCK_SIZE, device), device None where none was given.
     """
-    batch = 1 if B is None else check_int(B, "B", minimum=1)
-    heads = 1 if H is None else check_int(H, "H", minimum=1)
+    batch = 1 if B is None else check_int(B, "B", minimum=0)
+    heads = 1 if H is None else check_int(H, "H", minimum=0)
     q_len = check_int(Q_LEN, "Q_LEN", minimum=0)
     kv_len = check_int(KV_LEN, "KV_LEN", minimum=0)
     blocks = block_sizes(BLOCK_SIZE)
@@ -38,7 +39,12 @@ def _validate(
     # check needs none: the default device is resolved by the build, in the process that
     # builds (asking for it here could initialise CUDA in a worker).
     where = given or mask.device or torch.device("meta")
-    mask._check(Extent(batch, heads, max(q_len, kv_len), where))
+    if batch == 0 or heads == 0:
+        no_rows_or_heads(mask, B, H)  # per-row data for B=0 is refused, as the build would
+    else:
+        mask._check(Extent(batch, heads, max(q_len, kv_len), where))
+        if where.type == "cpu":  # another device's memory is read where it builds
+            check_size(mask, B, H, q_len, kv_len, where, blocks, reduced=True)
     return batch, heads, q_len, kv_len, blocks, given
 
 
@@ -129,7 +135,7 @@ class LazyBlockMask:
         built, self._block_mask = self._block_mask is not None, None
         # Only a handle that built has an entry to drop, and has used its device already:
         # releasing an unbuilt handle (in a worker, say) touches no device.
-        if built and self.mask.carries_batch_data:
+        if built and self.mask.carries_batch_data and self.B and self.H:
             cache = self._cache()
             grid = make_grid(
                 self.mask, self.B, self.H, self.Q_LEN, self.KV_LEN, self.device, self.BLOCK_SIZE
@@ -141,6 +147,11 @@ class LazyBlockMask:
 
         Returns the hook's removable handle.
         """
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"module must be a torch.nn.Module (the handle is released when its forward "
+                f"returns), got {type(module).__name__} {module!r}"
+            )
         hooks: list[Any] = []
 
         def _release(*_: Any) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
+from flexmask._validate import check_int
 from flexmask.build.codes import EMPTY, FULL, PARTIAL
 from flexmask.build.create import create_block_mask
 from flexmask.build.read import kv_codes
@@ -147,6 +148,11 @@ def plot(
         raise ValueError(f"max_elements must be an int >= 1, got {max_elements!r}")
     max_elements = int(max_elements)
     block_mask, label = _block_mask_of(mask_or_block_mask, Q_LEN, KV_LEN, B, H, BLOCK_SIZE)
+    if min(block_mask.seq_lengths) < 1:
+        raise ValueError(
+            f"a BlockMask with no rows or columns has nothing to draw: its (Q_LEN, KV_LEN) is "
+            f"{tuple(block_mask.seq_lengths)}, both must be >= 1"
+        )
     classes = block_classes(block_mask, batch, head)
     elements = _element_picture(block_mask, classes, batch, head, max_elements)
     q_len, kv_len = block_mask.seq_lengths
@@ -232,6 +238,8 @@ def _block_mask_of(
                 "plot(mask, path, Q_LEN=..., KV_LEN=...) (or pass a BlockMask)"
             )
         kv_len = Q_LEN if KV_LEN is None else KV_LEN
+        for value, name in ((Q_LEN, "Q_LEN"), (kv_len, "KV_LEN")):
+            check_int(value, name, minimum=1)  # no rows or columns: nothing to draw
         bm = create_block_mask(obj, B, H, Q_LEN, kv_len, obj.device or "cpu", BLOCK_SIZE)
         return bm, repr(obj)
     raise TypeError(

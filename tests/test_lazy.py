@@ -185,7 +185,7 @@ def test_int_validation_builds_what_torch_builds(cache):
         ({"cache": {}}, TypeError, "cache must be a flexmask.MaskCache"),
         ({"device": "bogus"}, ValueError, "device must be a torch device or its name"),
         ({"device": 1.5}, ValueError, "device must be a torch device or its name"),
-        ({"B": 0}, ValueError, "B must be >= 1"),
+        ({"B": -1}, ValueError, "B must be >= 0"),
         ({"H": "2"}, TypeError, "H must be an int"),
         ({"Q_LEN": -1}, ValueError, "Q_LEN must be >= 0"),
         ({"KV_LEN": 2.0}, TypeError, "KV_LEN must be an int"),

@@ -59,7 +59,7 @@ def test_bad_pieces(make, error, match):
         (dict(KV_LEN=-5), ValueError, "KV_LEN must be >= 0"),
         (dict(Q_LEN=2**63), ValueError, "Q_LEN must fit in a signed 64-bit"),
         (dict(Q_LEN=10.0), TypeError, "Q_LEN must be an int"),
-        (dict(B=0), ValueError, "B must be >= 1"),
+        (dict(B=-1), ValueError, "B must be >= 0"),
         (dict(H="2"), TypeError, "H must be an int"),
         (dict(BLOCK_SIZE=0), ValueError, "BLOCK_SIZE must be >= 1"),
         (dict(BLOCK_SIZE=(64, -1)), ValueError, r"BLOCK_SIZE\[1\] must be >= 1"),

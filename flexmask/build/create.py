@@ -13,17 +13,25 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
-from flexmask._validate import check_device, env_int
+from flexmask._validate import (
+    block_mask_bytes,
+    check_device,
+    check_fits,
+    check_int,
+    check_window,
+    env_int,
+)
 from flexmask.build import closed_form, unions
 from flexmask.build.classify import classify_blocks
-from flexmask.build.grid import BlockGrid, make_grid
+from flexmask.build.grid import BlockGrid, block_sizes, make_grid, offsets
+from flexmask.build.read import BLOCK_FIELDS
 from flexmask.build.write import Ordered, assemble, empty_sides, ordered_from_codes
 from flexmask.mask import Mask, MaskMod, ShiftedMod
 
@@ -247,17 +255,137 @@ def create_block_mask(
                     "q_offset/kv_offset need a flexmask Mask (a plain mask_mod has no structure "
                     "to window): wrap it with flexmask.from_mask_mod(fn, key=...)"
                 )
-            return torch_create_block_mask(
-                mask,
-                B,
-                H,
-                Q_LEN,
-                KV_LEN,
-                device=check_device(device),
-                BLOCK_SIZE=BLOCK_SIZE,
-            )
+            return _torch_build(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
         raise TypeError(
             f"mask must be a flexmask Mask or a mask_mod callable, got {type(mask).__name__}"
         )
+    empty = no_rows_or_heads(mask, B, H)
+    if empty is not None:
+        one = create_block_mask(
+            mask, *empty, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset=q_offset, kv_offset=kv_offset
+        )
+        return emptied(one, B, H)
+    check_size(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
     grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
     return build(mask, grid)
+
+
+def _torch_build(
+    mask_mod: MaskMod, B: Any, H: Any, Q_LEN: Any, KV_LEN: Any, device: Any, BLOCK_SIZE: Any
+) -> BlockMask:
+    """torch's create_block_mask of a plain mask_mod, its arguments checked first: torch
+    evaluates the mask on the whole ``(B, H, Q_LEN, KV_LEN)`` grid, padded to whole blocks."""
+    batch = None if B is None else check_int(B, "B", minimum=0)
+    heads = None if H is None else check_int(H, "H", minimum=0)
+    q_len = check_int(Q_LEN, "Q_LEN", minimum=0)
+    kv_len = check_int(KV_LEN, "KV_LEN", minimum=0)
+    q_block, kv_block = block_sizes(BLOCK_SIZE)
+    where = check_device(device)
+    rows, cols = (batch or 1) * (heads or 1), 1
+    padded = -(-q_len // q_block) * q_block * -(-kv_len // kv_block) * kv_block
+    check_fits(
+        rows * (q_len * kv_len + padded)
+        + block_mask_bytes(rows, cols, q_len, kv_len, q_block, kv_block),
+        where,
+        f"create_block_mask of a plain mask_mod with B={B}, H={H}, Q_LEN={q_len}, "
+        f"KV_LEN={kv_len}, BLOCK_SIZE={(q_block, kv_block)} (torch evaluates it on every "
+        f"element, padded to whole blocks, as bools)",
+        "use shorter lengths, fewer B/H or a BLOCK_SIZE no longer than the sequence; a flexmask "
+        "expression (flexmask.from_mask_mod(fn, key=...) & ...) evaluates only the blocks its "
+        "structure leaves undecided",
+    )
+    return torch_create_block_mask(
+        mask_mod, batch, heads, q_len, kv_len, device=where, BLOCK_SIZE=(q_block, kv_block)
+    )
+
+
+def check_size(
+    mask: Mask,
+    B: Any,
+    H: Any,
+    Q_LEN: Any,
+    KV_LEN: Any,
+    device: Any,
+    BLOCK_SIZE: Any,
+    q_offset: Any = 0,
+    kv_offset: Any = 0,
+    *,
+    reduced: bool = False,
+) -> None:
+    """Refuses, before anything is allocated, a build that cannot fit the device — its
+    BlockMask (``reduced``: B and H cut to 1 where the mask ignores them, as the cache
+    builds), the grid's tile bounds and, in closed form, one block's queries at a time — and
+    a window whose positions would overflow int64. Arithmetic on Python ints only."""
+    batch = (mask.rows or 1) if B is None else check_int(B, "B", minimum=1)
+    heads = 1 if H is None else check_int(H, "H", minimum=1)
+    q_len = check_int(Q_LEN, "Q_LEN", minimum=0)
+    kv_len = check_int(KV_LEN, "KV_LEN", minimum=0)
+    q_block, kv_block = block_sizes(BLOCK_SIZE)
+    per_row = False
+    for value, name, length, length_name, block in (
+        (q_offset, "q_offset", q_len, "Q_LEN", q_block),
+        (kv_offset, "kv_offset", kv_len, "KV_LEN", kv_block),
+    ):
+        offset = offsets(value, name, batch)
+        per_row |= hasattr(value, "__len__") and not (
+            isinstance(value, Tensor) and value.dim() == 0
+        )
+        check_window(
+            max(offset) if isinstance(offset, list) else offset, length, block, name, length_name
+        )
+    rows = batch if not reduced or per_row or mask.batch_dependent else 1
+    built_heads = heads if not reduced or mask.head_dependent else 1
+    nq, nkv = -(-q_len // q_block), -(-kv_len // kv_block)
+    nbytes = block_mask_bytes(rows, built_heads, q_len, kv_len, q_block, kv_block)
+    nbytes += 16 * (nq + nkv) * (batch if per_row else 1)  # the grid's first/last tokens
+    if in_closed_form(mask) and nq and nkv:
+        # int64 queries of a block and both ends of their intervals, live together
+        nbytes += 24 * rows * q_block
+    check_fits(
+        nbytes,
+        check_device(device, mask.device),
+        f"a BlockMask with B={batch}, H={heads}, Q_LEN={q_len}, KV_LEN={kv_len}, "
+        f"BLOCK_SIZE={(q_block, kv_block)} ({nq} x {nkv} blocks per row and head)",
+        "use shorter lengths, fewer B/H, or a BLOCK_SIZE no longer than the sequence (a block's "
+        "queries are evaluated together)",
+    )
+
+
+def no_rows_or_heads(mask: Mask, B: Any, H: Any) -> tuple[Any, Any] | None:
+    """For B=0 or H=0 (torch builds an empty BlockMask for those): the B and H to build one
+    row or head with and then empty (``emptied``); None otherwise."""
+    batch = None if B is None else check_int(B, "B", minimum=0)
+    heads = None if H is None else check_int(H, "H", minimum=0)
+    if batch != 0 and heads != 0:
+        return None
+    if batch == 0 and mask.rows is not None:
+        raise ValueError(
+            f"B=0 but the mask's data is given for {mask.rows} batch rows: pass B={mask.rows} "
+            f"(or None), or data shared by every row for an empty batch"
+        )
+    return (1 if batch == 0 else B), (1 if heads == 0 else H)
+
+
+def emptied(block_mask: BlockMask, B: Any, H: Any) -> BlockMask:
+    """``block_mask`` with its batch (B=0) or head (H=0) dimension emptied: torch's
+    create_block_mask for B=0 or H=0 has every tensor ``(0, H, ...)`` or ``(B, 0, ...)``."""
+    rows = 0 if B is not None and int(B) == 0 else None
+    heads = 0 if H is not None and int(H) == 0 else None
+    fields = {}
+    for name in BLOCK_FIELDS:
+        tensor = getattr(block_mask, name)
+        if rows is not None:
+            tensor = tensor[:0]
+        if heads is not None:
+            tensor = tensor[:, :0]
+        fields[name] = tensor.contiguous()
+    out = BlockMask(
+        seq_lengths=block_mask.seq_lengths,
+        **fields,
+        BLOCK_SIZE=block_mask.BLOCK_SIZE,
+        mask_mod=block_mask.mask_mod,
+    )
+    tag = getattr(block_mask, _BUILT_FROM, None)
+    if tag is not None:
+        setattr(out, _BUILT_FROM, tag)
+    return out

@@ -66,13 +66,25 @@ class VmappedMod(MaskModFn):
         shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
         flat = [t.expand(shape).reshape(-1) for t in (b, h, q_idx, kv_idx)]
         with TransformGetItemToIndex():
-            out = torch.vmap(self.fn)(*flat)
+            out = torch.vmap(self._tensor_out)(*flat)
         if out.dtype != torch.bool:
             raise TypeError(
                 f"mask_mod {getattr(self.fn, '__name__', self.fn)!r} must return a bool tensor, "
                 f"got dtype {out.dtype}"
             )
         return out.view(shape)
+
+    def _tensor_out(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        # vmap's own complaint about a Python value names vmap's out_dims, not the mask_mod.
+        out = self.fn(b, h, q_idx, kv_idx)
+        if not isinstance(out, Tensor):
+            raise TypeError(
+                f"mask_mod fn {getattr(self.fn, '__name__', self.fn)!r} must return a bool tensor "
+                f"computed from its index arguments, got a Python {type(out).__name__} "
+                f"({out!r}): write e.g. q_idx >= kv_idx, or q_idx >= 0 for 'always' "
+                f"(flexmask.full() / flexmask.empty() for a constant mask)"
+            )
+        return out
 
     def __repr__(self) -> str:
         return f"vmapped({getattr(self.fn, '__name__', self.fn)})"
