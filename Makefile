@@ -24,8 +24,11 @@ TORCH_INDEX_URL ?=
 # OpenMP threads spin-wait on cores the other worker holds).
 PYTEST_WORKERS ?= auto
 TEST_THREADS ?= 1
+# Only the pytest plugins the project declares (.venv sees the system's packages, where a
+# globally installed plugin, pytest-benchmark say, would otherwise load into the run).
+PYTEST := PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(PYTHON) -m pytest -p xdist.plugin -p _hypothesis_pytestplugin
 
-.PHONY: install demo quickstart test test-slow lint docs bench clean-venv print-python print-torch-spec
+.PHONY: install demo quickstart test test-slow lint docs bench clean-venv print-python print-pytest print-torch-spec
 
 install: $(STAMP)
 
@@ -33,10 +36,11 @@ $(PYTHON):
 	$(SYSTEM_PYTHON) -m venv --system-site-packages $(VENV)
 
 $(STAMP): pyproject.toml | $(PYTHON)
+	@echo "installing flexmask and its test/demo/docs/dev tools into $(VENV) (about a minute; pip's progress follows)"
 	@$(PYTHON) -c "import torch, sys; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 5))" 2>/dev/null \
 		&& echo "keeping torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')" \
-		|| $(PYTHON) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
-	$(PYTHON) -m pip install -q -e ".[test,demo,docs,dev]"
+		|| $(PYTHON) -m pip install --progress-bar on "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
+	$(PYTHON) -m pip install --progress-bar on -e ".[test,demo,docs,dev]"
 	@touch $@
 
 demo: $(STAMP)
@@ -46,10 +50,10 @@ quickstart: $(STAMP)
 	$(PYTHON) examples/quickstart.py
 
 test: $(STAMP)
-	OMP_NUM_THREADS=$(TEST_THREADS) $(PYTHON) -m pytest -q -m "not slow" -n $(PYTEST_WORKERS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PYTEST) -q -m "not slow" -n $(PYTEST_WORKERS)
 
 test-slow: $(STAMP)
-	$(PYTHON) -m pytest -q -m slow
+	$(PYTEST) -q -m slow
 
 lint: $(STAMP)
 	$(PYTHON) -m ruff check flexmask tests benchmarks examples .ci
@@ -67,6 +71,9 @@ clean-venv:
 
 print-python:  # for scripts: the interpreter the targets use
 	@echo $(abspath $(PYTHON))
+
+print-pytest:  # for tests: the pytest command the test targets run
+	@echo "$(PYTEST)"
 
 print-torch-spec:  # for scripts: the torch requirement installed where none is found
 	@echo "$(TORCH_SPEC)"

@@ -100,6 +100,23 @@ def test_demo_without_workers_or_tqdm(tmp_path: Path) -> None:
     assert json.loads((out / "demo_report.json").read_text())["steps"] == 3
 
 
+@pytest.mark.slow  # two short runs: ~20 s on 2 busy cores
+def test_demo_result_does_not_depend_on_threads_or_load(tmp_path: Path) -> None:
+    """A fixed amount of work: the same steps and the same losses with 1 torch thread and
+    with 2 (how the block-sparse path spreads its work follows the machine's load), and no
+    time limit unless asked for."""
+    reports = []
+    for threads in ("1", "2"):
+        out = tmp_path / threads
+        run_example(
+            "demo.py", "--steps", "6", "--workers", "0", "--threads", threads, "--out", str(out)
+        )
+        reports.append(json.loads((out / "demo_report.json").read_text()))
+    assert [r["steps"] for r in reports] == [6, 6]
+    assert [r["stopped_early"] for r in reports] == [None, None]
+    assert reports[0]["loss"] == reports[1]["loss"]
+
+
 def test_lazy_layers() -> None:
     stdout = run_example("lazy_layers.py", "--quick")
     rows = [line.split() for line in stdout.splitlines() if "causal &" in line]

@@ -4,6 +4,7 @@ picture, readable reprs, a complete package."""
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,26 @@ def test_package_metadata_license_and_typing():
     assert not any(d.startswith("numpy") for d in meta["project"]["dependencies"])
     manifest = (ROOT / "MANIFEST.in").read_text()
     assert "graft tests" in manifest  # conftest.py, oracle.py, strategies.py ride along
+
+
+def test_make_test_loads_only_the_declared_pytest_plugins():
+    # .venv sees the system's packages: a plugin installed there (pytest-benchmark, say) must
+    # not load into `make test`. Third-party plugins registered by the Makefile's command are
+    # exactly the two the project declares (pytest-xdist, hypothesis).
+    command = subprocess.run(
+        ["make", "-s", "print-pytest"], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout.strip()
+    result = subprocess.run(
+        f"{command} --trace-config --co -q -p no:cacheprovider tests/test_algebra.py",
+        shell=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    registered = re.findall(r"PLUGIN registered: <module '([\w.]+)' from '([^']+)'", result.stdout)
+    third_party = {
+        name for name, path in registered if "-packages" in path and not name.startswith("_pytest")
+    }
+    assert third_party == {"xdist.plugin", "_hypothesis_pytestplugin"}, third_party
