@@ -86,6 +86,43 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def safe_globals() -> list[type]:
+    """The classes a saved flexmask object may hold, for ``torch.load(weights_only=True)``.
+
+    torch's default loader refuses any class it was not told of — its own ``BlockMask``
+    included. Give it these: every flexmask mask class (pieces, ``And``/``Or``/``Not``), every
+    mask_mod class a built BlockMask holds, ``LazyBlockMask``, and torch's ``BlockMask``. Only
+    classes are listed (no function is called on load beyond building these objects from
+    their saved state). A ``from_mask_mod`` leaf holds your function: add it to the list too.
+    Classes of modules imported later (``flexmask.context_parallel``) join the list once
+    imported.
+
+    Example:
+        >>> import io, torch, flexmask
+        >>> mask = flexmask.causal() & flexmask.document([100, 156])
+        >>> buffer = io.BytesIO()
+        >>> torch.save(mask, buffer)
+        >>> _ = buffer.seek(0)
+        >>> with torch.serialization.safe_globals(flexmask.safe_globals()):
+        ...     loaded = torch.load(buffer)       # weights_only=True, torch's default
+        >>> loaded == mask
+        True
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from flexmask.mask import MaskModFn
+
+    found: set[type] = {LazyBlockMask, BlockMask}
+    pending: list[type] = [Mask, MaskModFn]
+    while pending:
+        for sub in pending.pop().__subclasses__():
+            if sub not in found:
+                pending.append(sub)
+                if sub.__module__.split(".")[0] == "flexmask":
+                    found.add(sub)
+    return sorted(found, key=lambda cls: f"{cls.__module__}.{cls.__qualname__}")
+
+
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_CONTEXT_PARALLEL))
 

@@ -126,7 +126,22 @@ def _torch_save(bm):
     return torch.load(buffer, weights_only=False)
 
 
-ROUND_TRIPS = {"pickle": _pickle, "torch.save": _torch_save, "deepcopy": copy.deepcopy}
+def _torch_load_safe(obj):
+    """torch.save, then torch.load with its default weights_only=True: flexmask's classes (and
+    the user's module-level mask_mod a from_mask_mod leaf holds) allowed, nothing else."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    with torch.serialization.safe_globals([*flexmask.safe_globals(), checkerboard]):
+        return torch.load(buffer)
+
+
+ROUND_TRIPS = {
+    "pickle": _pickle,
+    "torch.save": _torch_save,
+    "torch.load(weights_only)": _torch_load_safe,
+    "deepcopy": copy.deepcopy,
+}
 
 
 def _dense(mask_mod, q_len, kv_len):
@@ -180,6 +195,56 @@ def test_mask_mods_name_themselves():
     )
     leaf = flexmask.create_block_mask(flexmask.from_mask_mod(checkerboard), 1, 1, 32, 32, "cpu")
     assert leaf.mask_mod is checkerboard  # a user's mask_mod is kept as given
+
+
+EVERY_PIECE = {
+    "causal": flexmask.causal(),
+    "document": flexmask.document([[5, 30, 5], [44]]),
+    "padding": flexmask.padding([33, 50]),
+    "prefix": flexmask.prefix(7),
+    "sliding_window": flexmask.sliding_window([3, 9]),
+    "chunked": flexmask.chunked(8),
+    "spans": flexmask.spans([0, 0, 0, -1, 1, 1, 2, 2, 2, 2]),
+    "tree": flexmask.tree([RANDOM, PREORDER]),
+    "per_head": flexmask.per_head(flexmask.causal(), flexmask.prefix(4)),
+    "full": flexmask.full(),
+    "empty": flexmask.empty(),
+    "from_mask_mod": flexmask.from_mask_mod(checkerboard),
+    "expression": (flexmask.causal() & flexmask.document([20, 17, 9]))
+    | ~(flexmask.sliding_window(5) & flexmask.from_mask_mod(checkerboard)),
+}
+
+
+@pytest.mark.parametrize("name", EVERY_PIECE)
+def test_mask_loads_with_weights_only(name):
+    mask = EVERY_PIECE[name]
+    restored = _torch_load_safe(mask)
+    assert restored is not mask and restored == mask and hash(restored) == hash(mask)
+    # Equal by value, not by key alone: the same elements, evaluated from the loaded data.
+    rows = mask.rows or 1
+    assert torch.equal(restored.to_dense(rows, 2, 50, 50), mask.to_dense(rows, 2, 50, 50))
+
+
+def test_weights_only_load_needs_the_list():
+    buffer = io.BytesIO()
+    torch.save(flexmask.create_block_mask(flexmask.causal(), 1, 1, 32, 32, "cpu"), buffer)
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
+        torch.load(buffer)  # torch's own BlockMask is not allowed by default either
+
+
+def test_lazy_handle_loads_with_weights_only():
+    mask = flexmask.causal() & flexmask.tree([RANDOM, PREORDER])
+    handle = flexmask.lazy(mask, B, H, 50, 50, "cpu", BLOCK_SIZE=16, cache=flexmask.MaskCache())
+    restored = _torch_load_safe(handle)  # the recipe, without its (process-local) cache
+    assert not restored.built and restored.mask == mask
+    recipe = ("B", "H", "Q_LEN", "KV_LEN", "device", "BLOCK_SIZE")
+    assert [getattr(restored, n) for n in recipe] == [getattr(handle, n) for n in recipe]
+    expected = torch.from_numpy(oracle.stack(_and(O_CAUSAL, CASES["tree_rows"][1])(50, 50), H))
+    assert torch.equal(_dense(restored.block_mask.mask_mod, 50, 50), expected)
+    _assert_same(restored.block_mask, handle.block_mask)  # the original's build, equal
+    restored.release()
+    handle.release()
 
 
 def test_lazy_handle_round_trip():
