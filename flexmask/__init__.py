@@ -114,6 +114,7 @@ def safe_globals() -> list[type]:
 
     found: set[type] = {LazyBlockMask, BlockMask}
     pending: list[type] = [Mask, MaskModFn]
+    sub: type
     while pending:
         for sub in pending.pop().__subclasses__():
             if sub not in found:
