@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import hashlib
 import numbers
 import os
@@ -204,38 +206,67 @@ def env_int(
     return value
 
 
+@functools.lru_cache(maxsize=1)
+def host_memory() -> int | None:
+    """Bytes this process can hold on the CPU: the machine's RAM, or its cgroup's limit when
+    lower. None where neither can be read (no ``os.sysconf``, no cgroup files)."""
+    limits = []
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # not POSIX: unknown
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    # cgroup v2, then v1: a container's limit, "max" (v2) or a huge number (v1) when unlimited.
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as file:
+                text = file.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    positive = [limit for limit in limits if limit > 0]
+    return min(positive) if positive else None
+
+
 def device_memory(device: torch.device) -> int | None:
-    """Bytes of memory ``device`` has in all; None where unknown (meta: no memory at all).
+    """Bytes of memory ``device`` has in all (the CPU: what this process can hold); None
+    where unknown (meta: no memory at all).
 
     Read only for a build on that device: asking about a CUDA device initialises CUDA.
     """
     if device.type == "cpu":
-        try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (AttributeError, OSError, ValueError):  # not POSIX: unknown
-            return None
+        return host_memory()
     if device.type == "cuda" and torch.cuda.is_available():
         index = torch.cuda.current_device() if device.index is None else device.index
         return int(torch.cuda.get_device_properties(index).total_memory)
     return None
 
 
-def _bytes_text(nbytes: int) -> str:
+def bytes_text(nbytes: int) -> str:
+    """``24.0 TiB (26388279066624 bytes)``: a size as people read it, and exactly."""
     for unit, shift in (("EiB", 60), ("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20)):
         if nbytes >= 1 << shift:
             return f"{nbytes / (1 << shift):.1f} {unit} ({nbytes} bytes)"
     return f"{nbytes} bytes"
 
 
-def check_fits(nbytes: int, device: torch.device, what: str, fix: str) -> None:
+def check_fits(
+    nbytes: int, device: torch.device, what: str, fix: str, *, purpose: str = ""
+) -> None:
     """Refuses, before anything is allocated, ``nbytes`` that exceed all of ``device``'s
-    memory: a ValueError saying ``what`` would need them and ``fix``. Sizes that fit pass
-    (whether they fit beside what is already allocated is the allocator's to say)."""
+    memory (on the CPU: the RAM or cgroup limit of this process): a ValueError saying
+    ``what`` would need them and ``fix``. Tensors written in full need real memory, so more
+    can only fail, be OOM-killed or swap; sizes that fit pass (whether they fit beside what
+    is already allocated is the allocator's to say)."""
     total = device_memory(device)
     if total is not None and nbytes > total:
+        where = (
+            "of memory this process can have (RAM, or its cgroup limit)"
+            if device.type == "cpu"
+            else "of memory in all"
+        )
         raise ValueError(
-            f"{what} would need {_bytes_text(nbytes)} on {device}, more than all of its memory "
-            f"({_bytes_text(total)}): {fix}"
+            f"{what} would need {bytes_text(nbytes)} on {device}"
+            f"{f' for {purpose}' if purpose else ''}, more than the "
+            f"{bytes_text(total)} {where}: {fix}"
         )
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import flexmask._validate
 from flexmask.packing import PackedDataset, PackingCollator, pack, pack_tree, pack_trees
-from flexmask.packing import tokens as packing_tokens
 
 HUGE = 2**40
 IGNORE = -100
@@ -150,10 +150,10 @@ def test_a_size_that_cannot_be_allocated_names_the_argument_and_the_bytes(call, 
 def test_the_rule_refuses_just_above_the_memory_limit_and_accepts_at_it(monkeypatch):
     # 1 MiB of memory: pack needs 24 bytes per slot, pack_tree 16 per position, pack_trees
     # 16 per slot + 16 per row.
-    monkeypatch.setattr(packing_tokens, "_memory_limit", lambda: 2**20)
+    monkeypatch.setattr(flexmask._validate, "device_memory", lambda device: 2**20)
     fits, over = 2**20 // 24, 2**20 // 24 + 1
     assert pack([[1]], fits).tokens.shape == (1, fits)
-    with pytest.raises(ValueError, match=rf"max_len={over} would need 1\.0 MiB for tokens"):
+    with pytest.raises(ValueError, match=rf"max_len={over} would need 1\.0 MiB .* for tokens"):
         pack([[1]], over)
     with pytest.raises(ValueError, match=rf"max_len={over} would need"):
         PackingCollator(over)
@@ -171,7 +171,7 @@ def test_the_rule_refuses_just_above_the_memory_limit_and_accepts_at_it(monkeypa
 
 
 def test_the_memory_limit_is_at_most_the_machine_ram():
-    limit = packing_tokens._memory_limit()
+    limit = flexmask._validate.host_memory()
     try:
         with open("/proc/meminfo") as file:
             total = next(

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import bisect
-import contextlib
-import functools
 import numbers
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
+
+from flexmask._validate import check_fits
 
 Device = torch.device | str | None
 Policy = Literal["split", "reject"]
@@ -296,47 +295,8 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def _memory_limit() -> int | None:
-    """Bytes this process can hold: the machine's RAM, or its cgroup's limit when lower.
-
-    ``None`` where neither can be read (no ``os.sysconf``, no cgroup files): then nothing is
-    refused up front and torch's allocator is left to fail.
-    """
-    limits = []
-    with contextlib.suppress(AttributeError, ValueError, OSError):  # not POSIX: unknown
-        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    # cgroup v2, then v1: a container's limit, "max" (v2) or a huge number (v1) when unlimited.
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as file:
-                text = file.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            limits.append(int(text))
-    positive = [limit for limit in limits if limit > 0]
-    return min(positive) if positive else None
-
-
-def _format_bytes(count: int) -> str:
-    for unit, shift in (("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if count >= 1 << shift:
-            return f"{count / (1 << shift):.1f} {unit}"
-    return f"{count} bytes"
-
-
 def _check_memory(nbytes: int, what: str, culprit: str, advice: str) -> None:
-    """Raises ValueError, before anything is allocated, when ``nbytes`` exceed the memory limit.
-
-    The rule: the padded tensors are written in full (every page touched), so they need real
-    memory; more than the machine's RAM (or the process's cgroup limit) can only fail, be
-    OOM-killed, or swap for hours. Nothing smaller is refused, however much of it is padding.
-    """
-    limit = _memory_limit()
-    if limit is not None and nbytes > limit:
-        raise ValueError(
-            f"{culprit} would need {_format_bytes(nbytes)} for {what}, more than the "
-            f"{_format_bytes(limit)} of memory this process can have (RAM, or its cgroup "
-            f"limit); {advice}"
-        )
+    """Raises ValueError, before anything is allocated, when the padded tensors (written in
+    full, so needing real memory) exceed what this process can hold on the CPU; nothing
+    smaller is refused, however much of it is padding."""
+    check_fits(nbytes, torch.device("cpu"), culprit, advice, purpose=what)
