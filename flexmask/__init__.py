@@ -160,6 +160,7 @@ __all__ = [
     "chunked",
     "create_block_mask",
     "same_blocks",
+    "safe_globals",
     "document",
     "empty",
     "from_mask_mod",
