@@ -96,7 +96,9 @@ def leaves(draw, batch: int, length: int, kinds: tuple[str, ...] = ALL_KINDS):
         return mask, per_batch(lambda r, q, kv: oracle.spans(rows[r if per_row else 0], q, kv))
     if kind in ("window", "prefix", "padding"):
         hi = length + 3 if kind == "window" else length
-        values = [draw(st.integers(1, hi)) for _ in range(batch if per_row else 1)]
+        # padding(0): a row that attends nothing at all.
+        lo = 0 if kind == "padding" else 1
+        values = [draw(st.integers(lo, hi)) for _ in range(batch if per_row else 1)]
         ref = {"window": oracle.sliding_window, "prefix": oracle.prefix, "padding": oracle.padding}[
             kind
         ]
@@ -169,6 +171,10 @@ def expressions(draw, batch: int, heads: int, length: int, max_leaves: int = 5):
             mask, ref = mask & other, (lambda q, kv, a=ref, b=other_ref: a(q, kv) & b(q, kv))
         else:
             mask, ref = mask | other, (lambda q, kv, a=ref, b=other_ref: a(q, kv) | b(q, kv))
+        if draw(st.integers(0, 2)) == 0:
+            # A negated compound, ~(a & b) or ~(a | b): its codes are those of a build path
+            # (closed form, union, refinement) with the edge tiles still to be demoted.
+            mask, ref = ~mask, (lambda q, kv, f=ref: ~f(q, kv))
     return mask, ref
 
 
@@ -216,3 +222,111 @@ def interval_intersections(draw, batch: int, length: int, max_leaves: int = 4):
     for other, other_ref in items[1:]:
         mask, ref = mask & other, (lambda q, kv, a=ref, b=other_ref: a(q, kv) & b(q, kv))
     return mask, ref
+
+
+@st.composite
+def ending_intersections(draw, batch: int, length: int):
+    """(mask, dense): ``interval_intersections`` with a document or padding piece, so that
+    the queries past the documents or the padding attend nothing."""
+    end, end_ref = draw(leaves(batch, length, ("document", "padding")), label="ending")
+    mask, ref = draw(interval_intersections(batch, length, max_leaves=2))
+    if draw(st.booleans()):
+        return end & mask, lambda q, kv: end_ref(q, kv) & ref(q, kv)
+    return mask & end, lambda q, kv: ref(q, kv) & end_ref(q, kv)
+
+
+@st.composite
+def negated_compounds(draw, batch: int, heads: int, length: int):
+    """(mask, dense) with dense(q_len, kv_len) -> (B, H, Q, KV): ``~`` over an ``&`` of
+    interval pieces or an ``|`` of two such (the closed-form and union paths), sometimes
+    combined with a random expression."""
+    mask, ref = draw(interval_intersections(batch, length, max_leaves=3))
+    if draw(st.booleans()):
+        other, other_ref = draw(interval_intersections(batch, length, max_leaves=2))
+        mask, ref = mask | other, (lambda q, kv, a=ref, b=other_ref: a(q, kv) | b(q, kv))
+    mask = ~mask
+
+    def dense(q, kv, f=ref):
+        return np.repeat(~f(q, kv)[:, None], heads, axis=1)
+
+    if draw(st.booleans()):
+        other, other_ref = draw(expressions(batch, heads, length, max_leaves=2))
+        if draw(st.booleans()):
+            return mask & other, lambda q, kv: dense(q, kv) & other_ref(q, kv)
+        return mask | other, lambda q, kv: dense(q, kv) | other_ref(q, kv)
+    return mask, dense
+
+
+# Tiny tiles and pairs: many tiles per row, incomplete edge tiles at most lengths, and
+# offsets that are rarely a block multiple.
+SMALL_BLOCKS = st.sampled_from([1, 2, 3, 4, 5, 8, (2, 4), (4, 3), (3, 1), (5, 2), (8, 3)])
+
+
+def _attending_runs(attends: np.ndarray, kv_len: int, q_block: int, rows: int) -> list:
+    """``(kv_offset, first, last)`` for every kv window ``[kv_offset, kv_offset + kv_len)``
+    of the dense ``(n, n)`` mask that queries ``first..last`` (below ``rows``) attend, and no
+    other, with ``first >= 1`` and a run short enough to sit strictly inside a q block."""
+    found = []
+    for k0 in range(attends.shape[1] - kv_len + 1):
+        hit = attends[:rows, k0 : k0 + kv_len].any(1).nonzero()[0]
+        if hit.size and hit[0] >= 1 and hit[-1] - hit[0] <= q_block - 3:
+            found.append((k0, int(hit[0]), int(hit[-1])))
+    return found
+
+
+@st.composite
+def small_windows(draw, batch: int, masks, max_len: int = 24):
+    """``(mask, dense, q_len, kv_len, q_offset, kv_offset, block)``: a mask drawn from
+    ``masks(batch, length)`` (a strategy of ``(mask, dense)``) and a small window of it with
+    tiny tiles, its queries running past the mask's data (past the documents or the
+    padding). Offsets are an int or one per row.
+
+    Three times in four the window is cornered, from the dense reference: its kv offset picked so
+    that the queries attending the window are a short run, and its q offset so that the run
+    lies strictly inside a q block past the first — whose first query attends nothing in the
+    window (its keys end before it) and neither does its last (past the data, say). Else the
+    offsets are drawn near the last query that attends, or anywhere, the kv offset most
+    often off the kv block grid."""
+    block = draw(SMALL_BLOCKS, label="block")
+    q_block, kv_block = block if isinstance(block, tuple) else (block, block)
+    length = draw(st.integers(1, max_len), label="length")
+    kv_len = draw(st.integers(1, max_len), label="kv_len")
+    mask, dense = draw(masks(batch, length))
+    q_past = draw(st.integers(1, 3), label="q_past")
+    # Queries past the data attend too (causal): look at every position a window reaches.
+    n = length + q_past + max_len + q_block
+    attends = dense(n, n).reshape(-1, n, n).any(0)
+
+    def offsets(one, name: str):
+        if draw(st.booleans()):
+            return draw(one, label=name)
+        return draw(st.lists(one, min_size=batch, max_size=batch), label=name)
+
+    runs = _attending_runs(attends, kv_len, q_block, length + q_past)
+    # Those followed by a query that attends nothing at all, when there are any.
+    runs = [r for r in runs if not attends[r[2] + 1].any()] or runs
+    if runs and draw(st.integers(0, 3), label="cornered") != 0:
+        kv_off, first, last = draw(st.sampled_from(runs), label="run")
+        # The run's block starts at a in [last + 2 - q_block, first - 1], the window at a
+        # block before it where there is room.
+        a = draw(st.integers(max(0, last + 2 - q_block), first - 1), label="block_start")
+        starts = [a - j * q_block for j in range(1, a // q_block + 1)] or [a]
+        q_off = draw(st.sampled_from(starts), label="q_offset")
+        q_len = max(length, last + 2) - q_off + q_past - 1
+        if draw(st.booleans()):
+            q_off, kv_off = [q_off] * batch, [kv_off] * batch
+        return mask, dense, q_len, kv_len, q_off, kv_off, block
+    rows = attends[:length].nonzero()[0]
+    last = int(rows[-1]) if rows.size else length - 1
+
+    def near(block: int):
+        return st.integers(max(0, last - 2 * block), last + 1)
+
+    q_off = offsets(st.one_of(near(q_block), st.integers(0, length - 1)), "q_offset")
+    kv_one = st.one_of(near(kv_block), st.integers(0, length + 3))
+    if kv_block > 1:
+        kv_one = st.one_of(kv_one.filter(lambda k: k % kv_block), kv_one)
+    kv_off = offsets(kv_one, "kv_offset")
+    # Every row's queries reach the data's end: the window holds all the data it describes.
+    q_len = max(1, length - min(q_off if isinstance(q_off, list) else [q_off])) + q_past - 1
+    return mask, dense, q_len, kv_len, q_off, kv_off, block

@@ -15,7 +15,12 @@ from torch.nn.attention.flex_attention import create_mask, flex_attention
 import flexmask
 from flexmask.build.grid import make_grid
 from tests import oracle
-from tests.strategies import expressions, interval_intersections
+from tests.strategies import (
+    ending_intersections,
+    expressions,
+    interval_intersections,
+    small_windows,
+)
 
 BLOCKS = st.sampled_from([16, 32, 64, 128, (16, 32), (64, 16)])
 
@@ -97,6 +102,32 @@ def test_any_expression_windows_equal_the_oracle(data, batch, heads, q_len, kv_l
     kv_off = _offsets(data.draw, batch, 150, "kv_offset")
     span = max(max(_per_row(q_off, batch)) + q_len, max(_per_row(kv_off, batch)) + kv_len)
     mask, dense = data.draw(expressions(batch, heads, span))
+    _check(mask, dense, batch, heads, q_len, kv_len, q_off, kv_off, block)
+
+
+def _dense4(dense, heads: int):
+    return lambda q, kv: np.repeat(dense(q, kv)[:, None], heads, axis=1)
+
+
+@settings(max_examples=120)
+@given(data=st.data(), batch=st.integers(1, 2))
+def test_small_unaligned_windows_equal_the_oracle(data, batch):
+    # Tiny tiles and kv offsets off the block grid: a q block may hold every query that
+    # attends the window while its first and last queries attend nothing in it (the first
+    # ends before kv_offset, the last is past the documents or the padding).
+    drawn = data.draw(small_windows(batch, ending_intersections))
+    mask, dense, q_len, kv_len, q_off, kv_off, block = drawn
+    assert mask._has_monotone_intervals()
+    _check(mask, _dense4(dense, 1), batch, 1, q_len, kv_len, q_off, kv_off, block)
+
+
+@settings(max_examples=60)
+@given(data=st.data(), batch=st.integers(1, 2), heads=st.integers(1, 2))
+def test_small_windows_of_any_expression_equal_the_oracle(data, batch, heads):
+    def masks(batch, length):
+        return expressions(batch, heads, length)
+
+    mask, dense, q_len, kv_len, q_off, kv_off, block = data.draw(small_windows(batch, masks))
     _check(mask, dense, batch, heads, q_len, kv_len, q_off, kv_off, block)
 
 

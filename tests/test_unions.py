@@ -19,7 +19,7 @@ from flexmask.build.create import build, build_counted, in_closed_form
 from flexmask.build.grid import make_grid
 from flexmask.build.unions import _reduce, union_operands
 from tests import oracle
-from tests.strategies import interval_intersections
+from tests.strategies import interval_intersections, small_windows
 from tests.test_offsets import BLOCKS, _check, _offsets, _per_row
 
 
@@ -62,6 +62,16 @@ def test_unions_equal_the_oracle(data, batch, heads, q_len, kv_len, block):
         kv_off,
         block,
     )
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 2))
+def test_small_windows_of_unions_equal_the_oracle(data, batch):
+    # Tiny tiles, kv offsets off the grid, queries past the data (tests.strategies).
+    mask, dense, q_len, kv_len, q_off, kv_off, block = data.draw(small_windows(batch, unions))
+    assert in_closed_form(mask), repr(mask)
+    dense4 = lambda q, kv: dense(q, kv)[:, None]  # noqa: E731
+    _check(mask, dense4, batch, 1, q_len, kv_len, q_off, kv_off, block)
 
 
 @pytest.mark.parametrize("block", [16, 64, 128, (32, 128), (128, 16)])

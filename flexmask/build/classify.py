@@ -57,10 +57,14 @@ def classify(mask: Mask, grid: BlockGrid) -> Classified:
         return Classified(not_codes(inner.codes), inner.refined)
     if isinstance(mask, (And, Or)) and mask._has_monotone_intervals():
         # Its closed-form runs are its exact codes, whatever its pieces' tiles would say.
-        return Classified(codes_from_runs(row_runs(mask, grid), grid), 0)
+        # In range, as every code here: full where every element inside the lengths
+        # attends, so a `~` above empties such an edge tile (classify_blocks demotes the
+        # edge tiles once, at the end; torch's runs would leave it partial).
+        return Classified(codes_from_runs(row_runs(mask, grid, in_range=True), grid), 0)
     if isinstance(mask, Or) and (operands := union_operands(mask)) is not None:
         rows, _ = grid.reduced(mask)
-        return Classified(codes_from_union_runs(union_row_runs(*operands, grid, rows), grid), 0)
+        runs = union_row_runs(*operands, grid, rows, in_range=True)
+        return Classified(codes_from_union_runs(runs, grid), 0)
     if isinstance(mask, (And, Or)):
         combine = and_codes if isinstance(mask, And) else or_codes
         first = classify(mask.children[0], grid)

@@ -56,10 +56,22 @@ class Runs(NamedTuple):
 
 
 def clipped(mask: Mask, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> tuple[Tensor, Tensor]:
-    """The mask's interval at each query, clipped to the grid's kv window."""
+    """The mask's interval at each query, clipped to the grid's kv window ``[k0, k1]``.
+
+    Both bounds never decrease over all the window's queries, those that attend nowhere
+    included: a query past the prefix that attends (its own interval empty, such as a piece's
+    ``[1, 0]`` past the documents or the padding) gets the empty ``[k1 + 1, k1]``, and ``lo``
+    is capped at ``k1 + 1``. So ``hi >= k0`` holds on a suffix of the queries
+    (``special_blocks`` finds where it begins): a past query's own ``[1, 0]`` would read as
+    "hi still below k0" and hide a block whose attending queries all lie inside it.
+    """
     lo, hi = mask._intervals(q_idx, row, grid)  # type: ignore[misc]
     shape = q_idx.shape
-    return lo.clamp(min=grid.kv_offset).expand(shape), hi.clamp(max=grid.kv_end - 1).expand(shape)
+    k0, k1 = grid.kv_offset, grid.kv_end - 1
+    past = (lo > hi).expand(shape)
+    lo = torch.where(past, k1 + 1, lo.clamp(min=k0).clamp(max=k1 + 1).expand(shape))
+    hi = torch.where(past, k1, hi.clamp(max=k1).expand(shape))
+    return lo, hi
 
 
 def special_blocks(
@@ -79,10 +91,16 @@ def special_blocks(
     return torch.cat([begins, stops], -1)
 
 
-def row_runs(mask: Mask, grid: BlockGrid) -> Runs:
+def row_runs(mask: Mask, grid: BlockGrid, *, in_range: bool = False) -> Runs:
     """The runs of every q block row of a mask with monotone intervals, from the intervals
     of each block's first and last query, and of every query of two blocks per row: where
     the attending queries begin and where they end.
+
+    Full runs are torch's by default: complete tiles only (torch pads the last tile row and
+    column with masked elements). With ``in_range`` a tile is full when every element inside
+    the lengths attends, incomplete edge tiles included: the codes ``classify`` combines
+    with other codes (a ``~`` turns such a full edge tile empty, where torch's demoted
+    partial one would stay partial); it demotes the edge tiles once, at the end.
 
     Clipped to the grid's kv window ``[k0, k1]``, the queries that attend are a range, not
     only a prefix: ``hi >= k0`` holds on a suffix (hi never decreases), ``lo <= hi`` and
@@ -120,11 +138,14 @@ def row_runs(mask: Mask, grid: BlockGrid) -> Runs:
     first = torch.where(some, grid.kv_tile(lo_first), torch.where(before, 0, nkv))
     last = torch.where(some, grid.kv_tile(hi_reach), torch.where(before, -1, nkv - 1))
     # Full: tiles inside [lo(z), hi(a)], in complete blocks whose queries all attend. As hi
-    # is clipped below the grid's kv end, the last tile counts only if it is complete.
-    complete = every & (first_q + qb <= grid.q_end)
+    # is clipped below the grid's kv end, the last tile counts only if it is complete
+    # (in range: also when incomplete, if hi(a) reaches the kv end).
+    complete = every if in_range else every & (first_q + qb <= grid.q_end)
     before = complete.cumsum(1) == 0
     full_first = grid.kv_tile(lo_z + (kb - 1))
     full_last = grid.kv_tile(hi_a + 1).sub_(1)
+    if in_range:
+        full_last = torch.where(hi_a >= grid.kv_end - 1, nkv - 1, full_last)
     full_first = torch.where(complete, full_first, torch.where(before, 0, nkv))
     full_last = torch.where(complete, full_last, torch.where(before, -1, nkv - 1))
     return Runs(first, last, full_first, full_last)

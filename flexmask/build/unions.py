@@ -135,11 +135,19 @@ def _reduce(lo: Tensor, hi: Tensor) -> Tensor:
 
 
 def _line_runs(
-    reduced: Tensor, incomplete: bool, other_offset: int | Tensor, other_block: int
+    reduced: Tensor,
+    incomplete: bool,
+    other_offset: int | Tensor,
+    other_block: int,
+    in_range_of: int | None = None,
 ) -> UnionRuns:
     """Each line's two non-empty and two full runs from its reductions (``_reduce``,
     ``(R, n, 8)``); ``incomplete`` when the last line runs past its axis's end (it holds no
-    full tile); tiles of the other axis start at ``other_offset``, ``other_block`` wide."""
+    full tile); tiles of the other axis start at ``other_offset``, ``other_block`` wide.
+
+    ``in_range_of``: the other axis's length, for full runs of in-range codes
+    (``closed_form.row_runs``): a hull reaching that end covers the last tile of the other
+    axis even when it is incomplete (pass ``incomplete=False`` for the last line)."""
     b = other_block
     # Each quantity as the tile bound it gives: one multiply-add and one floor division.
     # Non-empty runs [tile(lo), tile(hi) + 1); the hull's complete tiles [tile(m + b - 1),
@@ -152,6 +160,9 @@ def _line_runs(
     bounds = torch.addcmul(sign_shift[1], reduced, sign_shift[0])
     if isinstance(other_offset, Tensor):
         bounds.sub_(other_offset.view(-1, 1, 1))
+    if in_range_of is not None:  # the hull's stop M + 1 at the end: past the last tile
+        hull = bounds[..., 5]
+        hull.masked_fill_(hull >= in_range_of, -(-in_range_of // b) * b)
     tiles = bounds.div_(b, rounding_mode="floor")
     if incomplete:  # only complete tiles can be full: not those of the last line
         tiles[:, -1, 4:6] = 0
@@ -200,17 +211,27 @@ def _special(edges: tuple[Tensor, Tensor], start: int | Tensor) -> Tensor:
 
 
 def union_row_runs(
-    a: Mask, b: Mask, grid: BlockGrid, rows: int, queries: tuple[Tensor, Tensor] | None = None
+    a: Mask,
+    b: Mask,
+    grid: BlockGrid,
+    rows: int,
+    queries: tuple[Tensor, Tensor] | None = None,
+    *,
+    in_range: bool = False,
 ) -> UnionRuns:
     """The runs of every block row of ``a | b``, ``(R, nq, 4)``: reduced over each block's
     first and last query, and over every query of the blocks where an operand starts or
-    stops attending (``closed_form.special_blocks``: at most two per operand)."""
+    stops attending (``closed_form.special_blocks``: at most two per operand). Full runs
+    are torch's (complete tiles), or with ``in_range`` those of in-range codes
+    (``closed_form.row_runs``)."""
     nq, qb = grid.num_q_blocks, grid.q_block
     lo, hi = (t.view(2, rows, nq, qb) for t in (queries or _queries(a, b, grid, rows)))
     edges = lo[..., [0, -1]], hi[..., [0, -1]]
     special = _special(edges, grid.kv_offset)
     index = special[None, :, :, None].expand(2, -1, -1, qb)
     reduced = _lines(edges, (lo.gather(2, index), hi.gather(2, index)), special)
+    if in_range:
+        return _line_runs(reduced, False, grid.kv_offset, grid.kv_block, grid.kv_len)
     return _line_runs(reduced, grid.q_len % qb != 0, grid.kv_offset, grid.kv_block)
 
 
