@@ -15,7 +15,7 @@ lengths as a ``(B,)`` tensor and the mask's lookups padded to ``capacity``. So c
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -223,19 +223,119 @@ def _build(
     return _with_mask_mod(built, ShiftedMod(inner, offsets, torch.zeros_like(offsets)))
 
 
+def _span(lens: Sequence[int], q_len: int) -> str:
+    """Each row's query positions, as ``[126, 3]`` (one query) or ``[126-129, 3-6]``."""
+    if q_len == 1:
+        return "[" + ", ".join(map(str, lens)) + "]"
+    return "[" + ", ".join(f"{n}-{n + q_len - 1}" for n in lens) + "]"
+
+
+class DecodeStep:
+    """One step of a generation: its BlockMask and the positions its queries sit at.
+
+    Row b's queries are positions ``cache_lens[b] .. cache_lens[b] + q_len - 1``: write their
+    keys and values at those cache indices, and pass ``block_mask`` to flex_attention. A step
+    is valid until its ``DecodeMasks`` makes the next one (the append path rewrites the one
+    BlockMask in place); reading ``block_mask`` of an earlier step raises instead of
+    returning the later step's mask.
+
+    Example:
+        >>> import flexmask
+        >>> step = next(iter(flexmask.DecodeMasks(flexmask.causal(), [126, 3], capacity=512)))
+        >>> step
+        DecodeStep(0: queries at [126, 3], q_len=1, capacity=512, build)
+        >>> step.cache_lens, step.positions
+        ([126, 3], [range(126, 127), range(3, 4)])
+    """
+
+    __slots__ = (
+        "_owner",
+        "_generation",
+        "_block_mask",
+        "index",
+        "_lens",
+        "q_len",
+        "capacity",
+        "kind",
+    )
+
+    def __init__(
+        self, owner: DecodeMasks, generation: int, block_mask: BlockMask, index: int, kind: str
+    ) -> None:
+        self._owner = owner
+        self._generation = generation
+        self._block_mask = block_mask
+        self.index = index
+        """Steps made before this one by its ``DecodeMasks`` (0: the constructor's)."""
+        self._lens = tuple(owner._lens)
+        self.q_len = owner.q_len
+        self.capacity = owner.capacity
+        self.kind = kind
+        """How its BlockMask was made: "build" (from structure), "append" or "reuse"."""
+
+    @property
+    def cache_lens(self) -> list[int]:
+        """Each row's tokens in the cache before this step's queries (their first position)."""
+        return list(self._lens)
+
+    @property
+    def positions(self) -> list[range]:
+        """Each row's query positions (equally, the cache indices their keys go to)."""
+        return [range(n, n + self.q_len) for n in self._lens]
+
+    @property
+    def block_mask(self) -> BlockMask:
+        """The step's BlockMask, shape ``(B, H, q_len, capacity)``.
+
+        Raises:
+            RuntimeError: the ``DecodeMasks`` has made a later step since.
+        """
+        owner = self._owner
+        if owner._generation != self._generation:
+            raise RuntimeError(
+                f"{self!r} is stale: its DecodeMasks has moved on to queries at "
+                f"{_span(owner._lens, owner.q_len)}, and a step's BlockMask is valid only until "
+                f"the next step is made (the append path rewrites it in place). Use the step "
+                f"the loop gives now (`for step in steps:` or `step = steps.at(cache_lens)`)"
+            )
+        return self._block_mask
+
+    def __repr__(self) -> str:
+        return (
+            f"DecodeStep({self.index}: queries at {_span(self._lens, self.q_len)}, "
+            f"q_len={self.q_len}, capacity={self.capacity}, {self.kind})"
+        )
+
+
 class DecodeMasks:
-    """The BlockMask of every step of one generation, advanced as the cache grows.
+    """The BlockMasks of one generation, one step per position of the growing cache.
 
-    Each ``advance`` moves every row's cache length forward and returns the next step's
-    BlockMask. For ``causal()`` with ``q_len`` below the q block size (decode), the step's
-    block row is blocks ``0 .. (cache_len + q_len - 1) // block`` of the cache, listed in
-    order: ``advance`` reuses the BlockMask, writes the new lengths into its mask_mod's
-    offset tensor in place, and touches the block counts only for rows that cross a kv block
-    boundary (an *append*). Other masks, or ``append=False``, build each step with
-    ``decode_mask``. Both paths give tensors equal to torch's build of the shifted mask_mod.
+    Two ways to walk the steps, each of which says where every step's queries sit:
 
-    On the append path the BlockMask is one object updated in place: use the one ``advance``
-    returns, not an earlier step's.
+    * ``for step in steps:`` — the constructor's ``cache_lens`` first, then every row moves
+      ``q_len`` tokens per step; it stops before a window would pass ``capacity``
+      (``break`` when generation ends). Iterating again resumes after the last step given.
+    * ``step = steps.at(cache_lens)`` — the step whose queries start at the given per-row
+      cache lengths, the very numbers the loop writes the KV cache at (ragged batches,
+      finished rows that stay put, speculative decoding that accepts a different number of
+      tokens per row).
+
+    Each gives a ``DecodeStep``: ``step.block_mask`` for flex_attention, ``step.cache_lens``
+    and ``step.positions`` for the cache writes and position ids, and a repr that shows them.
+
+    For ``causal()`` with ``q_len`` below the q block size (decode), a step's block row is
+    blocks ``0 .. (cache_len + q_len - 1) // block`` of the cache, listed in order: a step
+    keeps the BlockMask, writes the new lengths into its mask_mod's offset tensor in place
+    (a *reuse*) and rewrites the block counts only for rows that cross a kv block boundary
+    (an *append*). Other masks, or ``append=False``, build each step with ``decode_mask``.
+    Both give tensors equal to torch's build of the shifted mask_mod. Since the BlockMask may
+    be rewritten in place, a step is valid until the next one is made: an earlier step's
+    ``block_mask`` raises rather than return a mask for other positions.
+
+    ``advance(step)`` (moves, then returns the next BlockMask) is kept for loops that read
+    ``block_mask`` before it. Called while the current step was never read (the
+    constructor's, in ``steps = DecodeMasks(...); bm = steps.advance()``) it raises: that loop
+    skipped the first step and fed every query the mask of the position after it.
 
     Args:
         mask, cache_lens, capacity, q_len, heads, block_size, device: as for ``decode_mask``;
@@ -245,14 +345,17 @@ class DecodeMasks:
     Example:
         >>> import flexmask
         >>> steps = flexmask.DecodeMasks(flexmask.causal(), [126, 3], capacity=512)
-        >>> steps.block_mask.kv_num_blocks.flatten().tolist()
-        [1, 1]
-        >>> steps.advance().kv_num_blocks.flatten().tolist()   # row 0 now at 127
-        [1, 1]
-        >>> steps.advance().kv_num_blocks.flatten().tolist()   # row 0 crosses into block 1
-        [2, 1]
-        >>> steps.cache_lens, steps.builds, steps.appends, steps.reuses
-        ([128, 5], 1, 1, 1)
+        >>> for step in steps:
+        ...     print(step, step.block_mask.kv_num_blocks.flatten().tolist())
+        ...     if step.index == 2:
+        ...         break
+        DecodeStep(0: queries at [126, 3], q_len=1, capacity=512, build) [1, 1]
+        DecodeStep(1: queries at [127, 4], q_len=1, capacity=512, reuse) [1, 1]
+        DecodeStep(2: queries at [128, 5], q_len=1, capacity=512, append) [2, 1]
+        >>> steps.at([300, 6])   # any lengths: each row's cache as the loop wrote it
+        DecodeStep(3: queries at [300, 6], q_len=1, capacity=512, append)
+        >>> steps.builds, steps.appends, steps.reuses
+        (1, 2, 1)
     """
 
     def __init__(
@@ -295,17 +398,100 @@ class DecodeMasks:
         """Steps that reused the BlockMask and appended a kv block to some row."""
         self.reuses = 0
         """Steps that reused the BlockMask, writing only the new cache lengths."""
+        self._index = 0  # steps made before the current one
+        self._generation = 0  # bumped by every move: what makes an earlier DecodeStep stale
+        self._served = False  # the current step was given out (iteration, at, block_mask)
+        self._kind = "build"
         self._block_mask = self._build_step()
 
     @property
     def block_mask(self) -> BlockMask:
-        """The current step's BlockMask."""
+        """The current step's BlockMask (prefer the ``DecodeStep`` that iteration or ``at``
+        give: it says which positions it is for)."""
+        self._served = True
         return self._block_mask
 
     @property
     def cache_lens(self) -> list[int]:
         """Each row's tokens in the cache before the current step's queries."""
         return list(self._lens)
+
+    def __repr__(self) -> str:
+        return (
+            f"DecodeMasks({self.mask!r}, current step {self._index}: queries at "
+            f"{_span(self._lens, self.q_len)}{'' if self._served else ' (not yet given)'}, "
+            f"q_len={self.q_len}, capacity={self.capacity}, builds={self.builds}, "
+            f"appends={self.appends}, reuses={self.reuses})"
+        )
+
+    def __iter__(self) -> Iterator[DecodeStep]:
+        """The steps from the current one on (each position once), every row moving
+        ``q_len`` tokens per step, until a window would pass ``capacity``."""
+        while True:
+            if self._served:
+                moved = [n + self.q_len for n in self._lens]
+                if max(moved) + self.q_len > self.capacity:
+                    return
+                self._move(moved)
+            yield self._step()
+
+    def at(self, cache_lens: Any) -> DecodeStep:
+        """The step whose row b queries start at ``cache_lens[b]`` (an int for every row, or
+        one per row): forward, in place or back (a slot reused by a new request).
+
+        Raises:
+            ValueError: a negative length, another number of rows, or a window past
+                ``capacity``. TypeError: non-integer lengths.
+        """
+        if _is_scalar(cache_lens):
+            lens = [check_int(cache_lens, "cache_lens", minimum=0)] * len(self._lens)
+        else:
+            lens = _lens(cache_lens, self.mask)
+        if len(lens) != len(self._lens):
+            raise ValueError(
+                f"cache_lens gives {len(lens)} rows but the generation has {len(self._lens)}: "
+                f"pass one int, or one per row"
+            )
+        _check_window(lens, self.q_len, self.capacity)
+        if lens != self._lens:
+            self._move(lens)
+        return self._step()
+
+    def advance(self, step: Any = 1) -> BlockMask:
+        """Moves every row's cache forward by ``step`` tokens (an int, or one per row) and
+        returns the next step's BlockMask. Prefer ``for step in steps`` or ``at``.
+
+        Raises:
+            RuntimeError: the current step's BlockMask was never read (``advance`` right
+                after the constructor would skip its step, the first).
+            ValueError: a negative step, or a row whose next window runs past ``capacity``.
+        """
+        steps = _lens(step, self.mask, "step") if not isinstance(step, numbers.Integral) else None
+        if steps is None:
+            steps = [check_int(step, "step", minimum=0)] * len(self._lens)
+        if len(steps) != len(self._lens):
+            raise ValueError(
+                f"step gives {len(steps)} rows but the generation has {len(self._lens)}: pass "
+                f"one int, or one per row"
+            )
+        if not self._served:
+            raise RuntimeError(
+                f"advance() would skip step {self._index}, whose queries sit at "
+                f"{_span(self._lens, self.q_len)} and whose BlockMask was never read: the "
+                f"constructor already holds the first step, so a loop that calls advance() "
+                f"before each step feeds every query the mask of a later position. Loop with "
+                f"`for step in steps:` (step.block_mask, step.cache_lens), or call "
+                f"`steps.at(cache_lens)` with the lengths the KV cache is written at"
+            )
+        new_lens = [length + s for length, s in zip(self._lens, steps, strict=True)]
+        _check_window(new_lens, self.q_len, self.capacity)
+        self._move(new_lens)
+        return self.block_mask
+
+    # ----------------------------------------------------------------- moving the window
+    def _step(self) -> DecodeStep:
+        self._served = True
+        return DecodeStep(self, self._generation, self._block_mask, self._index, self._kind)
 
     def _offsets(self) -> Tensor:
         return torch.tensor(self._lens, dtype=torch.int64, device=self.device)
@@ -325,43 +511,35 @@ class DecodeMasks:
     def _last_blocks(self, lens: list[int]) -> list[int]:
         return [(length + self.q_len - 1) // self._blocks[1] for length in lens]
 
-    def advance(self, step: Any = 1) -> BlockMask:
-        """Moves every row's cache forward by ``step`` tokens (an int, or one per row) and
-        returns the next step's BlockMask.
-
-        Raises:
-            ValueError: a negative step, or a row whose next window runs past ``capacity``.
-        """
-        steps = _lens(step, self.mask, "step") if not isinstance(step, numbers.Integral) else None
-        if steps is None:
-            steps = [check_int(step, "step", minimum=0)] * len(self._lens)
-        if len(steps) != len(self._lens):
-            raise ValueError(
-                f"step gives {len(steps)} rows but the generation has {len(self._lens)}: pass "
-                f"one int, or one per row"
-            )
-        new_lens = [length + s for length, s in zip(self._lens, steps, strict=True)]
-        _check_window(new_lens, self.q_len, self.capacity)
+    def _move(self, new_lens: list[int]) -> None:
+        """Makes the step at ``new_lens`` (checked) the current one."""
         crossed = self._last_blocks(new_lens) != self._last_blocks(self._lens)
         self._lens = new_lens
+        self._index += 1
+        self._generation += 1
+        self._served = False
         if not self.appendable:
+            self._kind = "build"
             self._block_mask = self._build_step()
-            return self._block_mask
+            return
         bm = self._block_mask
         offsets = self._offsets()
         bm.mask_mod.q_offset.copy_(offsets)  # type: ignore[attr-defined]
-        if crossed:
-            self.appends += 1
-            last = (offsets + (self.q_len - 1)).div_(self._blocks[1], rounding_mode="floor")
-            count = (last + 1).to(torch.int32).view(-1, 1, 1)
-            bm.kv_num_blocks.copy_(count.expand_as(bm.kv_num_blocks))
-            q_num_blocks = bm.q_num_blocks
-            assert q_num_blocks is not None  # every BlockMask built here has its q side
-            columns = torch.arange(q_num_blocks.shape[-1], device=self.device)
-            q_num_blocks.copy_((columns < count).to(torch.int32).expand_as(q_num_blocks))
-        else:
+        if not crossed:
+            self._kind = "reuse"
             self.reuses += 1
-        return bm
+            return
+        # Each row's block row is kv blocks 0 .. last in order (kv_indices is that order
+        # whatever the lengths), so the counts alone say where it ends: any move, any row.
+        self._kind = "append"
+        self.appends += 1
+        last = (offsets + (self.q_len - 1)).div_(self._blocks[1], rounding_mode="floor")
+        count = (last + 1).to(torch.int32).view(-1, 1, 1)
+        bm.kv_num_blocks.copy_(count.expand_as(bm.kv_num_blocks))
+        q_num_blocks = bm.q_num_blocks
+        assert q_num_blocks is not None  # every BlockMask built here has its q side
+        columns = torch.arange(q_num_blocks.shape[-1], device=self.device)
+        q_num_blocks.copy_((columns < count).to(torch.int32).expand_as(q_num_blocks))
 
 
 def speculative_tree(prefix_lens: Any, draft_parents: Any) -> Mask:

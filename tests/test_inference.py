@@ -96,10 +96,10 @@ def test_decode_steps_append_or_build_equal_fresh_builds(data, batch, capacity, 
         for _ in range(min(12, capacity - max(lens) - q_len)):
             step = [data.draw(st.integers(0, 1)) for _ in range(batch)]
             current = [n + s for n, s in zip(current, step, strict=True)]
-            got = steps.advance(step)
-            assert steps.cache_lens == current
+            got = steps.at(current)
+            assert steps.cache_lens == got.cache_lens == current
             expected = _shifted_torch(mask, current, 1, q_len, capacity, block)
-            oracle.assert_same_block_mask(got, expected, f"{mask!r} lens={current}")
+            oracle.assert_same_block_mask(got.block_mask, expected, f"{mask!r} lens={current}")
         if mask == flexmask.causal() and q_len < 16:
             assert steps.builds == 1  # every later step reused the BlockMask
         else:
@@ -117,8 +117,85 @@ def test_append_happens_only_at_block_boundaries():
     forced = flexmask.DecodeMasks(
         flexmask.causal(), [69, 19], capacity=256, block_size=64, append=False
     )
-    assert forced.advance() is not before and forced.builds == 2
+    assert forced.at([70, 20]).block_mask is not before and forced.builds == 2
     oracle.assert_same_block_mask(steps.block_mask, forced.block_mask)
+
+
+def test_advance_before_the_first_step_raises():
+    # The old misuse: the constructor holds step 0 and advance() moves first, so a loop that
+    # calls advance() before each step fed the query at 126 the mask of position 127.
+    steps = flexmask.DecodeMasks(flexmask.causal(), [126, 3], capacity=512)
+    with pytest.raises(RuntimeError, match=r"skip step 0, whose queries sit at \[126, 3\]"):
+        steps.advance()
+    assert steps.cache_lens == [126, 3]  # nothing moved
+    # Read first, then advance: the old correct loop still works.
+    first = steps.block_mask
+    oracle.assert_same_block_mask(
+        first, _shifted_torch(flexmask.causal(), [126, 3], 1, 1, 512, 128)
+    )
+    got = steps.advance()
+    expected = _shifted_torch(flexmask.causal(), [127, 4], 1, 1, 512, 128)
+    oracle.assert_same_block_mask(got, expected)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_iteration_gives_every_position_once_from_the_first(q_len, with_docs):
+    capacity, lens, block = 70, [40, 29], 16
+    mask = flexmask.causal()
+    if with_docs:
+        mask = mask & flexmask.document([[35, 35], [10, 60]])
+    steps = flexmask.DecodeMasks(mask, lens, capacity, q_len=q_len, block_size=block)
+    seen = []
+    for step in steps:
+        seen.append(step.cache_lens)
+        assert step.index == len(seen) - 1
+        assert step.positions == [range(n, n + q_len) for n in step.cache_lens]
+        expected = _shifted_torch(mask, step.cache_lens, 1, q_len, capacity, block)
+        oracle.assert_same_block_mask(step.block_mask, expected, repr(step))
+        if len(seen) == 3:
+            break
+    for step in steps:  # resumes after the last step given: no position twice
+        seen.append(step.cache_lens)
+        oracle.assert_same_block_mask(
+            step.block_mask, _shifted_torch(mask, step.cache_lens, 1, q_len, capacity, block)
+        )
+    # Every row moved q_len per step, from the constructor's lengths until the cache is full.
+    count = (capacity - max(lens) - q_len) // q_len + 1
+    assert seen == [[n + k * q_len for n in lens] for k in range(count)]
+    assert list(steps) == []
+
+
+def test_a_stale_step_raises_and_steps_show_their_positions():
+    steps = flexmask.DecodeMasks(flexmask.causal(), [126, 3], capacity=512, block_size=64)
+    first = steps.at([126, 3])
+    assert repr(first) == "DecodeStep(0: queries at [126, 3], q_len=1, capacity=512, build)"
+    second = steps.at([128, 9])
+    assert repr(second) == "DecodeStep(1: queries at [128, 9], q_len=1, capacity=512, append)"
+    assert "queries at [128, 9]" in repr(steps)
+    # The append path rewrote the one BlockMask: the first step's would now be position 128's.
+    with pytest.raises(RuntimeError, match=r"stale: .* moved on to queries at \[128, 9\]"):
+        _ = first.block_mask
+    assert second.block_mask is steps.block_mask
+    chunk = flexmask.DecodeMasks(flexmask.causal(), 0, capacity=64, q_len=40, block_size=16)
+    assert "queries at [0-39]" in repr(next(iter(chunk)))
+
+
+@settings(max_examples=10)
+@given(data=st.data(), batch=st.integers(1, 3), block=st.sampled_from([16, 32, (16, 8)]))
+def test_at_any_lengths_equals_a_fresh_build(data, batch, block):
+    # Forward, in place, far ahead or back (a slot reused by a new request), per row.
+    capacity = 150
+    mask = flexmask.causal()
+    first = [data.draw(st.integers(0, capacity - 1)) for _ in range(batch)]
+    steps = flexmask.DecodeMasks(mask, first, capacity, block_size=block)
+    for _ in range(6):
+        lens = [data.draw(st.integers(0, capacity - 1)) for _ in range(batch)]
+        step = steps.at(lens)
+        oracle.assert_same_block_mask(
+            step.block_mask, _shifted_torch(mask, lens, 1, 1, capacity, block), repr(step)
+        )
+    assert steps.builds == 1
 
 
 def test_speculative_tree_is_prefix_plus_draft_ancestors():
@@ -152,7 +229,9 @@ def test_speculative_tree_is_prefix_plus_draft_ancestors():
             ValueError,
             "rows",
         ),
-        (lambda: flexmask.DecodeMasks(flexmask.causal(), [3], 4).advance(1), ValueError, "q_len"),
+        (lambda: flexmask.DecodeMasks(flexmask.causal(), [3], 4).at(4), ValueError, "q_len"),
+        (lambda: flexmask.DecodeMasks(flexmask.causal(), [3, 1], 9).at([1]), ValueError, "rows"),
+        (lambda: flexmask.DecodeMasks(flexmask.causal(), [3], 9).at(-1), ValueError, "cache_lens"),
         (lambda: flexmask.DecodeMasks(flexmask.causal(), [3], 9).advance(-1), ValueError, "step"),
         (lambda: flexmask.speculative_tree(0, [-1]), ValueError, "prefix_lens"),
         (lambda: flexmask.speculative_tree(2, [-1, 1]), ValueError, "draft_parents[1]"),

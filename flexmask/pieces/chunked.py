@@ -82,7 +82,8 @@ def chunked(size: Any) -> Chunked:
     Args:
         size: chunk length >= 1, one int for every row or a list with one per batch row. A
             chunk at least the sequence length is full attention (any size up to
-            ``2**63 - 1``).
+            ``2**63 - 1``): clipped to the sequence, as every piece's lengths are
+            (docs/algebra.md).
 
     Raises:
         ValueError: a size below 1, or one that does not fit in int64; each names ``size``.

@@ -10,7 +10,7 @@ from torch import Tensor
 from flexmask._validate import checked_sum, digest, int_vector, is_nested, source_device
 from flexmask.build.codes import codes_from
 from flexmask.build.grid import BlockGrid
-from flexmask.mask import Extent, Intervals, Lowered
+from flexmask.mask import Intervals, Lowered
 from flexmask.pieces._base import Piece, PieceMod
 
 _PAST = 1 << 62  # pads document starts and ends: past every position
@@ -52,11 +52,17 @@ class Document(Piece):
         ]
         # Each row's document starts and ends (R, max documents), padded past every
         # position (never a match), and document counts (R,): what every lookup needs.
+        # Documents may run past the sequence (docs/algebra.md: clipped to it); bounds past
+        # _PAST are no position either, and clamping them keeps each row sorted for search.
         self._ends = torch.nn.utils.rnn.pad_sequence(
-            [r.cumsum(0) for r in self.seq_lens], batch_first=True, padding_value=_PAST
+            [r.cumsum(0).clamp(max=_PAST) for r in self.seq_lens],
+            batch_first=True,
+            padding_value=_PAST,
         )
         self._starts = torch.nn.utils.rnn.pad_sequence(
-            [r.cumsum(0) - r for r in self.seq_lens], batch_first=True, padding_value=_PAST
+            [(r.cumsum(0) - r).clamp(max=_PAST) for r in self.seq_lens],
+            batch_first=True,
+            padding_value=_PAST,
         )
         self._num_docs = torch.tensor([len(r) for r in self.seq_lens])
         natural = max(self._totals)
@@ -70,16 +76,6 @@ class Document(Piece):
             device=source_device(seq_lens),
             natural=natural,
         )
-
-    def _check(self, extent: Extent) -> None:
-        super()._check(extent)
-        for i, total in enumerate(self._totals):
-            if total > extent.length:
-                where = f"seq_lens[{i}]" if self.per_row else "seq_lens"
-                raise ValueError(
-                    f"sum({where})={total} is larger than the sequence length "
-                    f"{extent.length_name}={extent.length}: documents must fit in the sequence"
-                )
 
     def _classify(self, grid: BlockGrid) -> Tensor:
         device = grid.device
@@ -132,7 +128,8 @@ class Document(Piece):
         inside = doc < num_docs[lookup_row].view(-1, 1)
         doc = doc.clamp(max=ends.shape[1] - 1)
         lo = torch.where(inside, starts[lookup_row].gather(1, doc), 1)
-        hi = torch.where(inside, row_ends.gather(1, doc) - 1, 0)
+        # A document running past the sequence ends with it: no bound near int64's edge.
+        hi = torch.where(inside, row_ends.gather(1, doc).clamp(max=grid.length) - 1, 0)
         return Intervals(lo, hi)
 
     def _doc_ids(self, length: int, device: torch.device) -> Tensor:
@@ -192,7 +189,9 @@ def document(seq_lens: Any) -> Document:
     """Documents of the given lengths packed back to back from position 0.
 
     q attends kv iff both lie in the same document; positions at or beyond ``sum(seq_lens)``
-    belong to no document and attend nowhere. ``causal() & document(seq_lens)`` is the usual
+    belong to no document and attend nowhere. Documents that run past the sequence are
+    clipped to it (a truncated last document), as every piece's lengths are
+    (docs/algebra.md). ``causal() & document(seq_lens)`` is the usual
     packed-sequence mask.
 
     Args:
@@ -202,8 +201,8 @@ def document(seq_lens: Any) -> Document:
             changes nothing else.
 
     Raises:
-        ValueError: an empty list, a negative length, a sum that does not fit in int64, or
-            (when built) a sum larger than the sequence; each names the ``seq_lens`` entry.
+        ValueError: an empty list, a negative length, or a sum that does not fit in int64;
+            each names the ``seq_lens`` entry.
         TypeError: non-integer lengths.
 
     Example:

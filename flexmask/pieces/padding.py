@@ -34,6 +34,9 @@ class Padding(RowValuePiece):
 
     _arg = "lengths"
     _kind = "padding"
+    # docs/algebra.md "Lengths past the sequence": a length at or past the sequence is no
+    # padding at all, as the mask_mod says (every q_idx and kv_idx is below it).
+    _limit_by_length = False
 
     def _classify(self, grid: BlockGrid) -> Tensor:
         length = self._row_values(grid)
@@ -73,14 +76,13 @@ def padding(lengths: Any) -> Padding:
     """Mask out padding: tokens at or after ``lengths[b]`` neither attend nor are attended.
 
     Args:
-        lengths: real length of each batch row, or one int for every row: from 0 (a fully
-            padded row, which attends nothing) to the sequence length. A length past the
-            sequence is refused when the mask is built, since it describes tokens that are
-            not there (most likely lengths of another batch).
+        lengths: real length of each batch row, or one int for every row, >= 0: 0 is a
+            fully padded row, which attends nothing; a length at or past the sequence is a
+            row without padding (clipped to the sequence, as every piece's lengths are:
+            docs/algebra.md), up to ``2**63 - 1``.
 
     Raises:
-        ValueError: a negative length or one that does not fit in int64; when built, a
-            length larger than ``max(Q_LEN, KV_LEN)``, naming ``lengths``.
+        ValueError: a negative length or one that does not fit in int64, naming ``lengths``.
         TypeError: a length that is not an integer.
 
     Example:

@@ -68,7 +68,8 @@ def prefix(length: Any) -> Prefix:
     Args:
         length: prefix length >= 0, one int or one per batch row. 0 attends nothing
             (``causal() | prefix(0)`` is causal); a prefix at least the sequence length
-            covers every key (full attention), up to ``2**63 - 1``.
+            covers every key (full attention), up to ``2**63 - 1``: clipped to the sequence,
+            as every piece's lengths are (docs/algebra.md).
 
     Raises:
         ValueError: a negative length, or one that does not fit in int64.

@@ -76,7 +76,8 @@ def sliding_window(size: Any) -> SlidingWindow:
     Args:
         size: window size >= 0, one int for every row or a list with one per batch row.
             0 attends nothing; a window at least the sequence length is full attention
-            (any size up to ``2**63 - 1``, e.g. ``sys.maxsize`` for "no window").
+            (any size up to ``2**63 - 1``, e.g. ``sys.maxsize`` for "no window"): clipped to
+            the sequence, as every piece's lengths are (docs/algebra.md).
 
     Raises:
         ValueError: a negative size, or one that does not fit in int64.

@@ -10,7 +10,7 @@ from torch import Tensor
 from flexmask._validate import digest, int_vector, is_nested, source_device
 from flexmask.build.codes import codes_from
 from flexmask.build.grid import BlockGrid
-from flexmask.mask import Extent, Intervals, Lowered
+from flexmask.mask import Intervals, Lowered
 from flexmask.pieces._base import Piece, PieceMod
 
 _PAST = 1 << 62  # pads span starts and ends: past every position
@@ -70,15 +70,6 @@ class Spans(Piece):
     def carries_batch_data(self) -> bool:
         return True
 
-    def _check(self, extent: Extent) -> None:
-        super()._check(extent)
-        if self._natural > extent.length:
-            raise ValueError(
-                f"ids holds {self._natural} positions but the sequence length "
-                f"{extent.length_name}={extent.length}: give one id per token of the sequence "
-                f"(or fewer)"
-            )
-
     def _classify(self, grid: BlockGrid) -> Tensor:
         nq, nkv = grid.num_q_blocks, grid.num_kv_blocks
         firsts = torch.cat([grid.q_first.reshape(-1, nq), grid.kv_first.reshape(-1, nkv)], 1)
@@ -107,7 +98,8 @@ class Spans(Piece):
     def _lower(self, length: int, device: torch.device) -> Lowered:
         # int32 span ids padded with -1 to length + 1 (the last entry is the sentinel indices
         # past the lookup are clamped onto): one shape for every batch of this length.
-        span_ids = self._on("_span_ids", device)
+        # Ids past the sequence are clipped off (docs/algebra.md): no index reaches them.
+        span_ids = self._on("_span_ids", device)[:, :length]
         ids = torch.full((span_ids.shape[0], length + 1), -1, dtype=torch.int32, device=device)
         ids[:, : span_ids.shape[1]] = span_ids
         mod = SpansMod(ids if self.per_row else ids[0], self.per_row)
@@ -210,10 +202,12 @@ def spans(ids: Any) -> Spans:
         ids: one id per token — a list (or 1-D integer tensor or array) for every batch row,
             or a list of lists (or a 2-D tensor or array) with one list per row. Only where
             ids change matters: ``[0, 0, -1, 1]`` and ``[7, 7, -1, 3]`` are the same mask.
+            Ids past the sequence are clipped off, as every piece's lengths are
+            (docs/algebra.md); positions past the ids are in no span.
 
     Raises:
-        ValueError: an id below -1, an id whose tokens are not one contiguous run, or (when
-            built) more ids than the sequence length; each names the ``ids`` entry.
+        ValueError: an id below -1, or an id whose tokens are not one contiguous run; each
+            names the ``ids`` entry.
         TypeError: non-integer ids.
 
     Example:
