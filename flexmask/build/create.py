@@ -6,12 +6,16 @@ The one data path, one module per stage (``flexmask.build``):
 2. ``closed_form`` — an ``&`` of interval pieces: both sides' runs from the intervals at
    block edges, no tile grid; ``unions`` — an ``|`` of two such: two runs per row; otherwise
 3. ``classify`` — every tile's code from structure (``codes``), refining undecided tiles;
-4. ``write`` — torch's tensors, byte-identical to its ``create_block_mask``.
+4. ``write`` — torch's tensors, byte-identical to its ``create_block_mask``, under each of
+   the build flags the installed torch's ``create_block_mask`` takes (``TORCH_FLAGS``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import numbers
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -31,11 +35,86 @@ from flexmask._validate import (
 from flexmask.build import closed_form, unions
 from flexmask.build.classify import classify_blocks
 from flexmask.build.grid import BlockGrid, block_sizes, make_grid, offsets
-from flexmask.build.read import BLOCK_FIELDS
-from flexmask.build.write import Ordered, assemble, empty_sides, ordered_from_codes
+from flexmask.build.read import BLOCK_FIELDS, WRITE_ORDER_FIELDS
+from flexmask.build.write import (
+    TORCH_DEFAULTS,
+    Flags,
+    Ordered,
+    assemble,
+    empty_sides,
+    exporting,
+    ordered_from_codes,
+)
 from flexmask.mask import Mask, MaskMod, ShiftedMod
 
 ENV_BUILD_THREADS = "FLEXMASK_BUILD_THREADS"
+
+_SHAPE_ARGS = ("mask_mod", "B", "H", "Q_LEN", "KV_LEN", "device", "BLOCK_SIZE")
+TORCH_FLAGS: dict[str, Any] = {
+    name: parameter.default
+    for name, parameter in inspect.signature(torch_create_block_mask).parameters.items()
+    if name not in _SHAPE_ARGS
+    and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+}
+"""The keywords the installed torch's ``create_block_mask`` takes beyond the shape arguments,
+with their defaults — read from its signature, so each torch keeps its own set (2.13:
+``_compile``, ``separate_full_blocks``, ``compute_dq_write_order``, ``dq_kv_order``)."""
+
+
+def build_flags(flags: dict[str, Any]) -> Flags:
+    """The build flags of a ``create_block_mask(..., **flags)`` call, checked as the installed
+    torch checks them: a keyword it does not take raises its ``TypeError``; a non-bool
+    ``dq_kv_order`` its ``ValueError``."""
+    for name, value in flags.items():
+        if name not in TORCH_FLAGS:
+            raise TypeError(f"create_block_mask() got an unexpected keyword argument '{name}'")
+        if name in Flags._fields or name == "_compile" or _is_default(value, TORCH_FLAGS[name]):
+            continue
+        raise TypeError(
+            f"{name}={value!r}: flexmask does not build torch {torch.__version__}'s {name} yet; "
+            f"leave it at its default {TORCH_FLAGS[name]!r}, or build with torch: "
+            f"torch.nn.attention.flex_attention.create_block_mask(mask.mask_mod, ...)"
+        )
+    if flags.get("_compile"):
+        warnings.warn(
+            "create_block_mask(_compile=True) is deprecated in torch and ignored by flexmask, "
+            "which builds from structure without compiling: drop _compile",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    dq_kv_order = flags.get("dq_kv_order", True)
+    if not isinstance(dq_kv_order, bool):  # torch's own check and message, with the remedy
+        raise ValueError(
+            f"dq_kv_order must be a bool when using create_block_mask, got {dq_kv_order!r}: "
+            f"True ranks kv blocks descending, False ascending (a tensor order goes to "
+            f"BlockMask.from_kv_blocks with a precomputed dq_write_order)"
+        )
+    return Flags(
+        separate_full_blocks=_flag(flags, "separate_full_blocks", True),
+        compute_dq_write_order=_flag(flags, "compute_dq_write_order", False),
+        dq_kv_order=dq_kv_order,
+    )
+
+
+def _flag(flags: dict[str, Any], name: str, default: bool) -> bool:
+    value = flags.get(name, default)
+    if isinstance(value, bool | numbers.Integral) and value in (0, 1):
+        return bool(value)
+    if type(value).__name__ == "bool_":  # a numpy bool
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    try:
+        return value is default or (type(value) is type(default) and bool(value == default))
+    except Exception:  # noqa: BLE001 - a value that does not compare is not the default
+        return False
+
+
+def torch_keywords(flags: Flags) -> dict[str, Any]:
+    """``flags`` as keywords of the installed torch's ``create_block_mask`` (those it takes)."""
+    return {name: value for name, value in flags._asdict().items() if name in TORCH_FLAGS}
 
 
 def in_closed_form(mask: Mask) -> bool:
@@ -117,12 +196,15 @@ def cpu_threads(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def build(mask: Mask, grid: BlockGrid) -> BlockMask:
-    """Builds the BlockMask of a validated mask on a validated grid."""
-    return build_counted(mask, grid)[0]
+def build(mask: Mask, grid: BlockGrid, flags: Flags = TORCH_DEFAULTS) -> BlockMask:
+    """Builds the BlockMask of a validated mask on a validated grid, written as torch writes
+    it under ``flags``."""
+    return build_counted(mask, grid, flags)[0]
 
 
-def build_counted(mask: Mask, grid: BlockGrid) -> tuple[BlockMask, int]:
+def build_counted(
+    mask: Mask, grid: BlockGrid, flags: Flags = TORCH_DEFAULTS
+) -> tuple[BlockMask, int]:
     """``build``, and how many tiles it refined (what benchmarks report)."""
     with cpu_threads(torch.device(grid.device)):
         # The lookups the mask_mod keeps are allocated before the build's temporaries.
@@ -132,7 +214,7 @@ def build_counted(mask: Mask, grid: BlockGrid) -> tuple[BlockMask, int]:
             kv, q, refined = _row_by_row(mask, grid)
         else:
             kv, q, refined = ordered_sides(mask, grid)
-        block_mask = assemble(kv, q, grid, mask_mod)
+        block_mask = assemble(kv, q, grid, mask_mod, flags)
         if mask_mod is lowered:  # no window: the BlockMask means the mask itself
             setattr(block_mask, _BUILT_FROM, (mask, mask_mod))
         return block_mask, refined
@@ -206,6 +288,7 @@ def create_block_mask(
     *,
     q_offset: int | Sequence[int] | Tensor = 0,
     kv_offset: int | Sequence[int] | Tensor = 0,
+    **flags: Any,
 ) -> BlockMask:
     """Drop-in for ``torch.nn.attention.flex_attention.create_block_mask``, built from structure.
 
@@ -235,9 +318,24 @@ def create_block_mask(
             ``mod(b, h, q + q_offset[b], kv + kv_offset[b])``; its mask_mod takes local
             indices and holds the offsets as tensors (new offsets do not recompile).
 
+        **flags: every further keyword the installed torch's ``create_block_mask`` takes
+            (``TORCH_FLAGS``; by keyword only), with torch's meaning and the same tensors.
+            torch 2.13: ``separate_full_blocks=False`` lists every nonempty block as partial
+            (the full tensors are None); ``compute_dq_write_order=True`` adds
+            ``dq_write_order`` and ``dq_write_order_full``, ranked by ``dq_kv_order`` (True:
+            descending, False: ascending); ``_compile`` is ignored (with torch's
+            deprecation warning). A keyword the installed torch does not take raises the
+            ``TypeError`` torch raises.
+
     Returns:
         A ``torch.nn.attention.flex_attention.BlockMask`` whose ``mask_mod`` captures only
         lookups sized by the sequence length.
+
+    Under ``torch.export`` a mask in closed form is traced as built here (a graph of block
+    edge arithmetic); any other is built by torch's ``create_block_mask`` of its mask_mod,
+    the same tensors, since classifying tiles reads tensor values to choose what to refine.
+    A mask must be made outside the traced code: its pieces check and key their data by
+    value (see docs/blocks.md).
 
     Example:
         >>> import flexmask
@@ -255,23 +353,60 @@ def create_block_mask(
                     "q_offset/kv_offset need a flexmask Mask (a plain mask_mod has no structure "
                     "to window): wrap it with flexmask.from_mask_mod(fn, key=...)"
                 )
-            return _torch_build(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+            build_flags(flags)  # torch's errors for unknown keywords, before any work
+            return _torch_build(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, flags)
         raise TypeError(
             f"mask must be a flexmask Mask or a mask_mod callable, got {type(mask).__name__}"
         )
+    checked = build_flags(flags)
     empty = no_rows_or_heads(mask, B, H)
     if empty is not None:
         one = create_block_mask(
-            mask, *empty, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset=q_offset, kv_offset=kv_offset
+            mask,
+            *empty,
+            Q_LEN,
+            KV_LEN,
+            device,
+            BLOCK_SIZE,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            **torch_keywords(checked),
         )
         return emptied(one, B, H)
     check_size(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
     grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
-    return build(mask, grid)
+    if exporting() and not in_closed_form(mask):
+        return _traced_build(mask, grid, checked)
+    return build(mask, grid, checked)
+
+
+def _traced_build(mask: Mask, grid: BlockGrid, flags: Flags) -> BlockMask:
+    """Under ``torch.export``, a mask off the closed form: torch's ``create_block_mask`` of
+    its (windowed) mask_mod. Classifying tiles reads tensor values (which tiles are
+    undecided, how many runs a line has) that export cannot trace as shapes; torch's build
+    evaluates every element instead, and writes the same tensors."""
+    mask_mod = window_mask_mod(mask._lower(grid.length, grid.device).mask_mod, grid)
+    return torch_create_block_mask(
+        mask_mod,
+        grid.batch,
+        grid.heads,
+        grid.q_len,
+        grid.kv_len,
+        device=grid.device,
+        BLOCK_SIZE=(grid.q_block, grid.kv_block),
+        **torch_keywords(flags),
+    )
 
 
 def _torch_build(
-    mask_mod: MaskMod, B: Any, H: Any, Q_LEN: Any, KV_LEN: Any, device: Any, BLOCK_SIZE: Any
+    mask_mod: MaskMod,
+    B: Any,
+    H: Any,
+    Q_LEN: Any,
+    KV_LEN: Any,
+    device: Any,
+    BLOCK_SIZE: Any,
+    flags: dict[str, Any],
 ) -> BlockMask:
     """torch's create_block_mask of a plain mask_mod, its arguments checked first: torch
     evaluates the mask on the whole ``(B, H, Q_LEN, KV_LEN)`` grid, padded to whole blocks."""
@@ -295,7 +430,14 @@ def _torch_build(
         "structure leaves undecided",
     )
     return torch_create_block_mask(
-        mask_mod, batch, heads, q_len, kv_len, device=where, BLOCK_SIZE=(q_block, kv_block)
+        mask_mod,
+        batch,
+        heads,
+        q_len,
+        kv_len,
+        device=where,
+        BLOCK_SIZE=(q_block, kv_block),
+        **flags,
     )
 
 
@@ -371,14 +513,19 @@ def emptied(block_mask: BlockMask, B: Any, H: Any) -> BlockMask:
     create_block_mask for B=0 or H=0 has every tensor ``(0, H, ...)`` or ``(B, 0, ...)``."""
     rows = 0 if B is not None and int(B) == 0 else None
     heads = 0 if H is not None and int(H) == 0 else None
-    fields = {}
-    for name in BLOCK_FIELDS:
-        tensor = getattr(block_mask, name)
+    fields: dict[str, Any] = dict.fromkeys(BLOCK_FIELDS)
+    for name in (*BLOCK_FIELDS, *WRITE_ORDER_FIELDS):
+        tensor = getattr(block_mask, name, None)
+        if tensor is None:  # separate_full_blocks=False, or no write order
+            continue
         if rows is not None:
             tensor = tensor[:0]
         if heads is not None:
             tensor = tensor[:, :0]
         fields[name] = tensor.contiguous()
+    spt = getattr(block_mask, "dq_kv_order_spt", None)
+    if spt is not None:
+        fields["dq_kv_order_spt"] = spt
     out = BlockMask(
         seq_lengths=block_mask.seq_lengths,
         **fields,

@@ -22,6 +22,9 @@ SIDES = (
 BLOCK_FIELDS = tuple(name for side in SIDES for name in side)
 """The eight tensors of a BlockMask, in torch's constructor order."""
 
+WRITE_ORDER_FIELDS = ("dq_write_order", "dq_write_order_full")
+"""The dQ write-order tensors torch >= 2.13 adds with ``compute_dq_write_order=True``."""
+
 
 def block_mask_nbytes(block_mask: BlockMask) -> int:
     """Bytes held by a BlockMask's tensors, each storage counted once (views share one)."""

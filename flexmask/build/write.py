@@ -2,12 +2,13 @@
 
 Both sides (kv blocks per q block row, q blocks per kv block column), partial and full, each
 line listing its blocks ascending and then the unlisted ones ascending — byte-identical to
-torch's ``create_block_mask`` — as contiguous ``(B, H, ...)`` tensors with a storage each.
+torch's ``create_block_mask`` — as contiguous ``(B, H, ...)`` tensors with a storage each;
+with torch's build flags (``Flags``) the sides merged into one and the dQ write order.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -16,6 +17,22 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmask.build.codes import FULL, PARTIAL
 from flexmask.build.grid import BlockGrid
 from flexmask.mask import MaskMod
+
+
+class Flags(NamedTuple):
+    """torch's ``create_block_mask`` flags that change the tensors it writes (torch 2.13);
+    the defaults are what every torch writes."""
+
+    separate_full_blocks: bool = True
+    """False: every nonempty block is listed as partial, and the full sides are None."""
+    compute_dq_write_order: bool = False
+    """True: ``dq_write_order`` (and ``dq_write_order_full``) are written too."""
+    dq_kv_order: bool = True
+    """The order those rank kv blocks in: True descending (torch's "SPT"), False ascending."""
+
+
+TORCH_DEFAULTS = Flags()
+"""What every torch writes without flags."""
 
 
 class Ordered(NamedTuple):
@@ -28,6 +45,12 @@ class Ordered(NamedTuple):
     full_idx: Tensor
 
 
+def exporting() -> bool:
+    """True while ``torch.export`` traces: shapes must not follow tensor values then."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)  # torch >= 2.4
+    return bool(is_exporting is not None and is_exporting())
+
+
 def ordered_lines(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """(num_blocks, indices) of a bool grid, byte-identical to torch's stable argsort order:
     the set columns ascending, then the unset ones ascending.
@@ -36,7 +59,8 @@ def ordered_lines(blocks: Tensor) -> tuple[Tensor, Tensor]:
     in its line's output is found from run lengths alone, and the runs are expanded in one
     pass (``expand_runs``). Grids with many short runs are ranked column by column instead."""
     n = blocks.shape[-1]
-    if blocks.numel() == 0:
+    # Under torch.export the run counts below (nonzero) would be data-dependent shapes.
+    if blocks.numel() == 0 or exporting():
         return _ranked(blocks)
     lines = blocks.numel() // n
     flat = blocks.reshape(lines, n)
@@ -67,6 +91,9 @@ def ordered_lines(blocks: Tensor) -> tuple[Tensor, Tensor]:
 def _ranked(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """``ordered_lines`` column by column: a cumsum ranks each column and one scatter writes it."""
     n = blocks.shape[-1]
+    if n == 0:  # lines with no columns list nothing
+        count = torch.zeros(blocks.shape[:-1], dtype=torch.int32, device=blocks.device)
+        return count, torch.empty(blocks.shape, dtype=torch.int32, device=blocks.device)
     ones = blocks.cumsum(-1, dtype=torch.int32)  # set columns up to and including each one
     count = ones[..., -1:]
     col1 = torch.arange(1, n + 1, dtype=torch.int32, device=blocks.device)
@@ -131,7 +158,44 @@ def empty_sides(rows: int, heads: int, grid: BlockGrid) -> tuple[Ordered, Ordere
     )
 
 
-def assemble(kv: Ordered, q: Ordered, grid: BlockGrid, mask_mod: MaskMod) -> BlockMask:
+def listed(num_blocks: Tensor, indices: Tensor, n: int) -> Tensor:
+    """The blocks one side lists, as a bool grid ``(..., lines, n)``: the first
+    ``num_blocks`` indices of each line, the tail read as the kernels read it (not at all)."""
+    grid = torch.zeros((*indices.shape[:-1], n + 1), dtype=torch.bool, device=indices.device)
+    used = torch.arange(indices.shape[-1], device=indices.device) < num_blocks.unsqueeze(-1)
+    # One spare column takes the unlisted entries; it is dropped at the end.
+    grid.scatter_(-1, torch.where(used, indices.long(), n), True)
+    return grid[..., :n]
+
+
+def merged(kv: Ordered, num_kv: int) -> tuple[Ordered, Ordered, Tensor]:
+    """``separate_full_blocks=False``: every listed block as partial on both sides, the full
+    sides emptied (``assemble`` leaves them None); and the listed grid."""
+    blocks = listed(kv.partial_num, kv.partial_idx, num_kv) | listed(
+        kv.full_num, kv.full_idx, num_kv
+    )
+    kv_num, kv_idx = ordered_lines(blocks)
+    q_num, q_idx = ordered_lines(blocks.transpose(-2, -1).contiguous())
+    none = kv_num[..., :0]
+    return Ordered(kv_num, kv_idx, none, none), Ordered(q_num, q_idx, none, none), blocks
+
+
+def write_order(blocks: Tensor, q_indices: Tensor, descending: bool) -> Tensor:
+    """torch's ``dq_write_order`` of one q side: for each kv block column ``n`` and each entry
+    ``m`` of its q indices (the unlisted tail included), the rank of kv block ``n`` among the
+    blocks q block row ``m`` lists (``blocks``, partial and full) — ascending, or descending
+    with ``descending`` — int32 ``(..., num_kv, num_q)``, as torch 2.13 computes it."""
+    counts = blocks.to(torch.int32).cumsum(-1)  # int64: blocks listed up to each column
+    rank = counts - blocks.to(counts.dtype)
+    if descending:
+        rank = counts[..., -1:] - 1 - rank
+    by_column = rank.to(torch.int32).transpose(-2, -1)  # (..., num_kv, num_q)
+    return by_column.gather(-1, q_indices.long())
+
+
+def assemble(
+    kv: Ordered, q: Ordered, grid: BlockGrid, mask_mod: MaskMod, flags: Flags = TORCH_DEFAULTS
+) -> BlockMask:
     """torch's BlockMask from both sides' ordered tensors, each ``(B, H, ...)`` contiguous
     with a storage of its own, as torch's: an in-place edit of one row or head changes that
     one, and ``PagedAttention`` can view them.
@@ -139,22 +203,45 @@ def assemble(kv: Ordered, q: Ordered, grid: BlockGrid, mask_mod: MaskMod) -> Blo
     Sides come as counts ``(R, Hh, n)`` and indices ``(R, Hh, n, m)`` with R in {1, B},
     Hh in {1, H}; rows and heads the mask ignores are copied out here. (The cache builds
     on a grid with B or H reduced to 1 instead: flex_attention broadcasts those.)
+
+    ``flags`` as torch's ``create_block_mask`` takes them: ``separate_full_blocks=False``
+    lists every block as partial with the full sides None; ``compute_dq_write_order``
+    adds ``dq_write_order`` (``_full``) from the listed blocks, ``dq_kv_order`` kept as torch
+    keeps it (``dq_kv_order_spt``).
     """
     b, h, nq, nkv = grid.batch, grid.heads, grid.num_q_blocks, grid.num_kv_blocks
 
     def whole(t: Tensor, *shape: int) -> Tensor:
         return t.expand(b, h, *shape).contiguous()
 
+    blocks = None
+    if not flags.separate_full_blocks:
+        kv, q, blocks = merged(kv, nkv)
+    fields: dict[str, Any] = {
+        "kv_num_blocks": whole(kv.partial_num, nq),
+        "kv_indices": whole(kv.partial_idx, nq, nkv),
+        "q_num_blocks": whole(q.partial_num, nkv),
+        "q_indices": whole(q.partial_idx, nkv, nq),
+    }
+    full = flags.separate_full_blocks
+    fields["full_kv_num_blocks"] = whole(kv.full_num, nq) if full else None
+    fields["full_kv_indices"] = whole(kv.full_idx, nq, nkv) if full else None
+    fields["full_q_num_blocks"] = whole(q.full_num, nkv) if full else None
+    fields["full_q_indices"] = whole(q.full_idx, nkv, nq) if full else None
+    if flags.compute_dq_write_order:  # only torches that take the flag get here
+        if blocks is None:
+            blocks = listed(kv.partial_num, kv.partial_idx, nkv) | listed(
+                kv.full_num, kv.full_idx, nkv
+            )
+        order = write_order(blocks, q.partial_idx, flags.dq_kv_order)
+        fields["dq_write_order"] = whole(order, nkv, nq)
+        if full:
+            order = write_order(blocks, q.full_idx, flags.dq_kv_order)
+            fields["dq_write_order_full"] = whole(order, nkv, nq)
+        fields["dq_kv_order_spt"] = flags.dq_kv_order
     return BlockMask(
         seq_lengths=(grid.q_len, grid.kv_len),
-        kv_num_blocks=whole(kv.partial_num, nq),
-        kv_indices=whole(kv.partial_idx, nq, nkv),
-        full_kv_num_blocks=whole(kv.full_num, nq),
-        full_kv_indices=whole(kv.full_idx, nq, nkv),
-        q_num_blocks=whole(q.partial_num, nkv),
-        q_indices=whole(q.partial_idx, nkv, nq),
-        full_q_num_blocks=whole(q.full_num, nkv),
-        full_q_indices=whole(q.full_idx, nkv, nq),
+        **fields,
         BLOCK_SIZE=(grid.q_block, grid.kv_block),
         mask_mod=mask_mod,
     )
