@@ -7,9 +7,10 @@ A batch of rows with ragged prompts, each prompt several documents packed back t
 
 1. chunked prefill: chunks of ``--chunk`` queries (not a block multiple) against the growing
    cache, each step's BlockMask from ``flexmask.decode_mask(mask, starts, chunk, capacity)``;
-2. decode: one query per row per step, the BlockMasks from ``flexmask.DecodeMasks``, which
-   reuses the step's BlockMask and appends a block only when a row's cache crosses a block
-   boundary (for a causal mask) or builds from structure (here: documents);
+2. decode: one query per row per step, each step ``flexmask.DecodeMasks.at(cache_lens)`` at
+   the lengths the cache is written at, which reuses the step's BlockMask and appends a block
+   only when a row's cache crosses a block boundary (for a causal mask) or builds from
+   structure (here: documents);
 3. a speculative draft tree appended to every row, verified in one forward
    (``flexmask.speculative_tree``).
 
@@ -183,32 +184,25 @@ def prefill(model, rows, mask, cache, capacity, chunk, worst) -> tuple[list[int]
 
 
 def decode(model, rows, mask, cache, capacity, first, new_tokens, worst):
-    """Greedy decode; returns per-step (seconds, kind) of the mask step."""
+    """Greedy decode; returns per-step (seconds, kind) of the mask step after the first."""
     steps = flexmask.DecodeMasks(
         mask, [row.prompt_len for row in rows], capacity, block_size=BLOCK_SIZE
     )
     nxt, costs = first, []
-    for step in range(new_tokens):
-        if step:
-            before = (steps.builds, steps.appends)
-            began = time.perf_counter()
-            steps.advance()
-            elapsed = time.perf_counter() - began
-            kind = (
-                "build"
-                if steps.builds > before[0]
-                else "append"
-                if steps.appends > before[1]
-                else "reuse"
-            )
-            costs.append((elapsed, kind))
+    for index in range(new_tokens):
+        # The step at the cache's own lengths: the positions the keys are written at.
+        lens = [len(row.tokens()) for row in rows]
+        began = time.perf_counter()
+        step = steps.at(lens)
+        elapsed = time.perf_counter() - began
+        if index:
+            costs.append((elapsed, step.kind))
         for row, token in zip(rows, nxt, strict=True):
             row.current.append(token)
-        lens = steps.cache_lens
         tokens = torch.tensor(nxt).view(-1, 1)
         positions = torch.tensor([[row.position(n)] for row, n in zip(rows, lens, strict=True)])
         logits = cached_forward(
-            model, tokens, positions, cache, torch.tensor(lens), steps.block_mask
+            model, tokens, positions, cache, torch.tensor(lens), step.block_mask
         )
         for b, row in enumerate(rows):
             check("decode", logits[b, 0], reference_logits(model, row.current)[-1], worst)
