@@ -120,11 +120,15 @@ def _announce_compile(query: Tensor, key: Tensor) -> None:
 def resolve_block_mask(
     block_mask: LazyBlockMask | BlockMask | Mask | None, query: Tensor, key: Tensor
 ) -> BlockMask | None:
-    """A BlockMask from whatever the caller passed (shapes of a Mask come from q and k)."""
+    """A BlockMask from whatever the caller passed (shapes of a Mask come from q and k).
+
+    A handle gives its built, plain BlockMask: the compiled kernel then sees the same type
+    whether a handle or a BlockMask was passed (one graph for both).
+    """
+    if isinstance(block_mask, LazyBlockMask):  # before BlockMask: a handle is one too
+        return block_mask.block_mask
     if block_mask is None or isinstance(block_mask, BlockMask):
         return block_mask
-    if isinstance(block_mask, LazyBlockMask):
-        return block_mask.block_mask
     if isinstance(block_mask, Mask):
         return default_cache().get(
             block_mask,

@@ -210,11 +210,31 @@ class MaskCache(KeyedCache):
         (head): real tensors of that shape, not expanded views, which flex_attention
         broadcasts. A hit returns the very object cached.
         """
+        return self.get_keyed(
+            mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset=q_offset, kv_offset=kv_offset
+        )[1]
+
+    def get_keyed(
+        self,
+        mask: Mask,
+        B: int | None = None,
+        H: int | None = None,
+        Q_LEN: int = 128,
+        KV_LEN: int = 128,
+        device: torch.device | str | None = None,
+        BLOCK_SIZE: int | tuple[int, int] = 128,
+        *,
+        q_offset: Any = 0,
+        kv_offset: Any = 0,
+    ) -> tuple[tuple, BlockMask]:
+        """``get``, with the key the BlockMask is cached under: a lazy handle keeps it to
+        ``discard`` its entry on release without making the key again (the device a build
+        without one resolved is the one in the key)."""
         if not isinstance(mask, Mask):
             raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
         empty = no_rows_or_heads(mask, B, H)
         if empty is not None:  # B=0 or H=0: the one-row (head) entry, emptied as torch's
-            one = self.get(
+            key, one = self.get_keyed(
                 mask,
                 *empty,
                 Q_LEN,
@@ -224,10 +244,11 @@ class MaskCache(KeyedCache):
                 q_offset=q_offset,
                 kv_offset=kv_offset,
             )
-            return emptied(one, B, H)
+            return key, emptied(one, B, H)
         check_size(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset, reduced=True)
         grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
-        return self.get_or_build(_key(mask, grid), lambda: build(mask, grid_for_key(mask, grid)))
+        key = _key(mask, grid)
+        return key, self.get_or_build(key, lambda: build(mask, grid_for_key(mask, grid)))
 
     def __repr__(self) -> str:
         info = self.info()

@@ -14,8 +14,8 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import check_device, check_int
 from flexmask.build.create import check_size, no_rows_or_heads
-from flexmask.build.grid import block_sizes, make_grid
-from flexmask.cache import MaskCache, _key, default_cache
+from flexmask.build.grid import block_sizes
+from flexmask.cache import MaskCache, default_cache
 from flexmask.mask import Extent, Mask
 
 
@@ -48,8 +48,57 @@ def _validate(
     return batch, heads, q_len, kv_len, blocks, given
 
 
-class LazyBlockMask:
+class _Field(dict):
+    """The getter of one BlockMask field on a handle: ``property(_Field(name).__getitem__)``
+    reads ``name`` from the handle's BlockMask, built on this first read.
+
+    Why a dict: its bound ``__getitem__`` is a C function, and torch.compile (dynamo) reads
+    a property whose getter is a C function on the real object as it traces, rather than
+    tracing into it. The build then runs once, at trace time, and the tensors enter the
+    graph as inputs read from the handle; the next handle's guards read them the same way,
+    which builds it: no recompile for new content of the same shape, and no graph break (a
+    Python getter would be traced into the build, which dynamo cannot trace). The dict
+    stays empty: every lookup misses, and ``__missing__`` answers.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def __missing__(self, handle: LazyBlockMask) -> Any:
+        return getattr(handle.block_mask, self.name)
+
+
+def _refuse_set(name: str) -> Any:
+    def refuse(handle: LazyBlockMask, value: Any) -> None:
+        raise TypeError(
+            f"{name} of a LazyBlockMask is read from its build, and cannot be set on the "
+            f"handle; to edit a BlockMask, set it on a copy of handle.block_mask (the plain "
+            f"BlockMask, shared through the cache with every handle of the same mask)"
+        )
+
+    return refuse
+
+
+BUILT_FIELDS = tuple(name for name in BlockMask.__annotations__ if name != "BLOCK_SIZE")
+"""torch's BlockMask fields a handle reads from its built BlockMask (``BLOCK_SIZE`` is part
+of the recipe: the same tuple, known before the build)."""
+
+
+class LazyBlockMask(BlockMask):
     """A BlockMask to be: built through the cache on first use, dropped on release.
+
+    It *is* a torch ``BlockMask`` (a subclass), so it goes wherever one goes: torch's own
+    ``flex_attention``, eager or under ``torch.compile`` (no recompile when the next batch's
+    handle brings new content of the same shape), ``shape``, ``kv_num_blocks``,
+    ``mask_mod``, ``sparsity()``, ``to_dense()``, ``to(device)``, indexing, ``_adjust``,
+    torch's paged-attention and context-parallel helpers. The first read of a BlockMask
+    field builds it (through the cache, once for every layer that reads it); ``release``
+    drops it. Reading the recipe — ``mask``, ``B``, ``H``, ``Q_LEN``, ``KV_LEN``,
+    ``device``, ``BLOCK_SIZE``, ``built``, ``repr`` — builds nothing. Methods that make a
+    new BlockMask (``to``, ``_adjust``, indexing) return a plain, built ``BlockMask``.
 
     Example:
         >>> import flexmask, torch
@@ -60,25 +109,19 @@ class LazyBlockMask:
         >>> q = k = v = torch.randn(1, 2, 256, 16)
         >>> with handle:                    # released when the block ends
         ...     out = flexmask.flex_attention(q, k, v, block_mask=handle, compile=False)
-        ...     handle.built
-        True
+        ...     handle.built, handle.shape  # a BlockMask attribute: read from the build
+        (True, (1, 1, 256, 256))
         >>> handle.built
         False
     """
 
-    __slots__ = (
-        "mask",
-        "B",
-        "H",
-        "Q_LEN",
-        "KV_LEN",
-        "device",
-        "BLOCK_SIZE",
-        "cache",
-        "_block_mask",
-        "builds",
-        "__weakref__",
-    )
+    # The recipe, in the order it pickles.
+    _RECIPE = ("mask", "B", "H", "Q_LEN", "KV_LEN", "device", "BLOCK_SIZE")
+    __slots__ = (*_RECIPE, "cache", "_block_mask", "_key", "builds")
+
+    for _name in BUILT_FIELDS:
+        locals()[_name] = property(_Field(_name).__getitem__, _refuse_set(_name))
+    del _name
 
     def __init__(
         self,
@@ -91,6 +134,8 @@ class LazyBlockMask:
         BLOCK_SIZE: int | tuple[int, int] = 128,
         cache: MaskCache | None = None,
     ) -> None:
+        # torch's BlockMask.__init__ is not called: it would set the fields this handle
+        # reads from its build.
         if not isinstance(mask, Mask):
             raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
         if cache is not None and not isinstance(cache, MaskCache):
@@ -110,6 +155,7 @@ class LazyBlockMask:
         self.BLOCK_SIZE = BLOCK_SIZE
         self.cache = cache
         self._block_mask: BlockMask | None = None
+        self._key: tuple | None = None
         self.builds = 0
 
     @property
@@ -119,9 +165,9 @@ class LazyBlockMask:
 
     @property
     def block_mask(self) -> BlockMask:
-        """The BlockMask: built (or fetched from the cache) on first use, then held."""
+        """The plain BlockMask: built (or fetched from the cache) on first use, then held."""
         if self._block_mask is None:
-            self._block_mask = self._cache().get(
+            self._key, self._block_mask = self._cache().get_keyed(
                 self.mask, self.B, self.H, self.Q_LEN, self.KV_LEN, self.device, self.BLOCK_SIZE
             )
             self.builds += 1
@@ -133,14 +179,10 @@ class LazyBlockMask:
         A backward still pending keeps what it saved: autograd holds its own references.
         """
         built, self._block_mask = self._block_mask is not None, None
-        # Only a handle that built has an entry to drop, and has used its device already:
+        # Only a handle that built has an entry to drop, under the key its build made:
         # releasing an unbuilt handle (in a worker, say) touches no device.
-        if built and self.mask.carries_batch_data and self.B and self.H:
-            cache = self._cache()
-            grid = make_grid(
-                self.mask, self.B, self.H, self.Q_LEN, self.KV_LEN, self.device, self.BLOCK_SIZE
-            )
-            cache.discard(_key(self.mask, grid))
+        if built and self._key is not None and self.mask.carries_batch_data and self.B and self.H:
+            self._cache().discard(self._key)
 
     def release_after(self, module: torch.nn.Module) -> Any:
         """Releases this handle when ``module``'s next forward returns (a one-shot hook).
@@ -161,6 +203,16 @@ class LazyBlockMask:
         hooks.append(module.register_forward_hook(_release))
         return hooks[0]
 
+    # torch's BlockMask methods that make a new BlockMask call ``cls(...)`` with its fields:
+    # from a handle they make a plain BlockMask.
+    @classmethod
+    def from_kv_blocks(cls, *args: Any, **kwargs: Any) -> BlockMask:  # type: ignore[override]
+        return BlockMask.from_kv_blocks(*args, **kwargs)
+
+    @classmethod
+    def _unflatten(cls, *args: Any, **kwargs: Any) -> BlockMask:  # type: ignore[override]
+        return BlockMask._unflatten(*args, **kwargs)
+
     def _cache(self) -> MaskCache:
         return self.cache if self.cache is not None else default_cache()
 
@@ -172,14 +224,14 @@ class LazyBlockMask:
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickles the recipe, never the built tensors nor the cache (process-local).
-        state = {name: getattr(self, name) for name in self.__slots__[:7]}
-        state["cache"] = None
-        return state
+        return {name: getattr(self, name) for name in self._RECIPE}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        for name, value in state.items():
-            setattr(self, name, value)
+        for name in self._RECIPE:
+            setattr(self, name, state[name])
+        self.cache = None
         self._block_mask = None
+        self._key = None
         self.builds = 0
 
     def __repr__(self) -> str:
@@ -188,6 +240,10 @@ class LazyBlockMask:
             f"KV_LEN={self.KV_LEN}, device={self.device!r}, BLOCK_SIZE={self.BLOCK_SIZE}, "
             f"built={self.built})"
         )
+
+    # torch's __str__ draws the blocks (a build); printing a handle, in a DataLoader
+    # worker say, must build nothing: ``str(handle.block_mask)`` draws them.
+    __str__ = __repr__
 
 
 def lazy(
