@@ -67,14 +67,14 @@ class _Field(dict):
         super().__init__()
         self.name = name
 
-    def __missing__(self, handle: LazyBlockMask) -> Any:
+    def __missing__(self, handle: BuiltOnRead) -> Any:
         return getattr(handle.block_mask, self.name)
 
 
 def _refuse_set(name: str) -> Any:
-    def refuse(handle: LazyBlockMask, value: Any) -> None:
+    def refuse(handle: BuiltOnRead, value: Any) -> None:
         raise TypeError(
-            f"{name} of a LazyBlockMask is read from its build, and cannot be set on the "
+            f"{name} of a {type(handle).__name__} is read from its build, and cannot be set on the "
             f"handle; to edit a BlockMask, set it on a copy of handle.block_mask (the plain "
             f"BlockMask, shared through the cache with every handle of the same mask)"
         )
@@ -87,7 +87,45 @@ BUILT_FIELDS = tuple(name for name in BlockMask.__annotations__ if name != "BLOC
 of the recipe: the same tuple, known before the build)."""
 
 
-class LazyBlockMask(BlockMask):
+class BuiltOnRead(BlockMask):
+    """A torch BlockMask whose fields are read from ``self.block_mask``, which a subclass
+    provides (built on first use, held until released): the one mechanism behind a flexmask
+    handle that goes where a BlockMask goes.
+
+    Each field of ``BUILT_FIELDS`` is a read-only property with a C-level getter
+    (``_Field``): torch.compile reads it on the real handle, so the build runs when a
+    compiled call first reads the handle — no graph break, no recompile for new content.
+    ``BLOCK_SIZE`` stays the subclass's to give (a ``(q, kv)`` tuple, known before the
+    build). Methods that make a new BlockMask make a plain one; ``str`` builds nothing.
+    """
+
+    __slots__ = ()
+
+    for _name in BUILT_FIELDS:
+        locals()[_name] = property(_Field(_name).__getitem__, _refuse_set(_name))
+    del _name
+
+    @property
+    def block_mask(self) -> BlockMask:
+        raise NotImplementedError(f"{type(self).__name__} must define block_mask")
+
+    # torch's BlockMask methods that make a new BlockMask call ``cls(...)`` with its fields:
+    # from a handle they make a plain BlockMask.
+    @classmethod
+    def from_kv_blocks(cls, *args: Any, **kwargs: Any) -> BlockMask:  # type: ignore[override]
+        return BlockMask.from_kv_blocks(*args, **kwargs)
+
+    @classmethod
+    def _unflatten(cls, *args: Any, **kwargs: Any) -> BlockMask:  # type: ignore[override]
+        return BlockMask._unflatten(*args, **kwargs)
+
+    # torch's __str__ draws the blocks (a build); printing a handle, in a DataLoader
+    # worker say, must build nothing: ``str(handle.block_mask)`` draws them.
+    def __str__(self) -> str:
+        return repr(self)
+
+
+class LazyBlockMask(BuiltOnRead):
     """A BlockMask to be: built through the cache on first use, dropped on release.
 
     It *is* a torch ``BlockMask`` (a subclass), so it goes wherever one goes: torch's own
@@ -118,10 +156,6 @@ class LazyBlockMask(BlockMask):
     # The recipe, in the order it pickles.
     _RECIPE = ("mask", "B", "H", "Q_LEN", "KV_LEN", "device", "BLOCK_SIZE")
     __slots__ = (*_RECIPE, "cache", "_block_mask", "_key", "builds")
-
-    for _name in BUILT_FIELDS:
-        locals()[_name] = property(_Field(_name).__getitem__, _refuse_set(_name))
-    del _name
 
     def __init__(
         self,
@@ -203,16 +237,6 @@ class LazyBlockMask(BlockMask):
         hooks.append(module.register_forward_hook(_release))
         return hooks[0]
 
-    # torch's BlockMask methods that make a new BlockMask call ``cls(...)`` with its fields:
-    # from a handle they make a plain BlockMask.
-    @classmethod
-    def from_kv_blocks(cls, *args: Any, **kwargs: Any) -> BlockMask:  # type: ignore[override]
-        return BlockMask.from_kv_blocks(*args, **kwargs)
-
-    @classmethod
-    def _unflatten(cls, *args: Any, **kwargs: Any) -> BlockMask:  # type: ignore[override]
-        return BlockMask._unflatten(*args, **kwargs)
-
     def _cache(self) -> MaskCache:
         return self.cache if self.cache is not None else default_cache()
 
@@ -240,10 +264,6 @@ class LazyBlockMask(BlockMask):
             f"KV_LEN={self.KV_LEN}, device={self.device!r}, BLOCK_SIZE={self.BLOCK_SIZE}, "
             f"built={self.built})"
         )
-
-    # torch's __str__ draws the blocks (a build); printing a handle, in a DataLoader
-    # worker say, must build nothing: ``str(handle.block_mask)`` draws them.
-    __str__ = __repr__
 
 
 def lazy(
