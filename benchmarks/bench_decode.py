@@ -5,7 +5,7 @@ One decode step (q_len = 1 per row, ragged cache lengths, block 128) at capaciti
 
 * build: ``flexmask.decode_mask`` of ``causal() & document(lens)`` (the prompt's documents,
   the last one running to the capacity), and of ``causal()``;
-* append: ``DecodeMasks(causal()).advance()`` on a step where every row's cache crosses a kv
+* append: ``DecodeMasks(causal()).at(cache_lens)`` on a step where every row's cache crosses a kv
   block boundary (block counts rewritten);
 * reuse: the same on a step inside a block (only the cache-length tensor is written) — the
   decode counterpart of a cache hit: no block tensor is touched;
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from functools import partial
 
 import torch
 from common import best_time, fmt_time, machine, markdown_table, ratio, save_json
@@ -54,9 +55,10 @@ def measure(capacity: int, batch: int, repeat: int) -> dict[str, float]:
     appends, reuses = [], []
     for _ in range(repeat):
         steps = flexmask.DecodeMasks(causal, edge, capacity)
-        steps.advance()  # inside the block: reuse
-        appends.append(best_time(steps.advance, repeat=1, warmup=0))
-        reuses.append(best_time(steps.advance, repeat=1, warmup=0))
+        ahead = [[n + k for n in edge] for k in (1, 2, 3)]
+        steps.at(ahead[0])  # inside the block: reuse
+        appends.append(best_time(partial(steps.at, ahead[1]), repeat=1, warmup=0))
+        reuses.append(best_time(partial(steps.at, ahead[2]), repeat=1, warmup=0))
         assert (steps.appends, steps.reuses) == (1, 2)
     result["append"], result["reuse"] = min(appends), min(reuses)
     base = docs.mask_mod_for(capacity, capacity, "cpu")

@@ -16,7 +16,7 @@ from typing import Any
 from flexmask.attention import compile_enabled, flex_attention, set_compile
 from flexmask.build import create_block_mask, same_blocks
 from flexmask.cache import CacheInfo, MaskCache, cache_clear, cache_info, default_cache
-from flexmask.inference import DecodeMasks, decode_mask, speculative_tree
+from flexmask.inference import DecodeMasks, DecodeStep, decode_mask, speculative_tree
 from flexmask.lazy import LazyBlockMask, lazy
 from flexmask.mask import And, Mask, Not, Or
 from flexmask.packing import (
@@ -133,6 +133,7 @@ __all__ = [
     "And",
     "CacheInfo",
     "DecodeMasks",
+    "DecodeStep",
     "decode_mask",
     "speculative_tree",
     "LazyBlockMask",

@@ -74,13 +74,6 @@ def test_bad_build_arguments(kwargs, error, match):
         flexmask.create_block_mask(flexmask.causal(), **args)
 
 
-def test_documents_longer_than_the_sequence():
-    with pytest.raises(ValueError, match=r"sum\(seq_lens\)=12 is larger than the sequence"):
-        flexmask.create_block_mask(flexmask.document([5, 7]), 1, 1, 10, 10, "cpu")
-    with pytest.raises(ValueError, match=r"sum\(seq_lens\[1\]\)=11"):
-        flexmask.create_block_mask(flexmask.document([[5], [5, 6]]), 2, 1, 10, 10, "cpu")
-
-
 def test_per_row_count_must_match_batch():
     mask = flexmask.causal() & flexmask.padding([5, 6, 7])
     with pytest.raises(ValueError, match="given for 3 batch rows but B=2"):
@@ -89,9 +82,9 @@ def test_per_row_count_must_match_batch():
     assert flexmask.create_block_mask(mask, None, 1, 8, 8, "cpu").kv_num_blocks.shape[0] == 3
 
 
-def test_lengths_longer_than_the_sequence():
-    with pytest.raises(ValueError, match="lengths must be at most the sequence length"):
-        flexmask.create_block_mask(flexmask.padding(20), 1, 1, 10, 10, "cpu")
+def test_a_tree_longer_than_the_sequence_is_refused():
+    # Lengths past the sequence are clipped (tests/test_edges_consistent.py); a tree's parents
+    # are not a length, and a tree cut short would lose the nodes past the cut's ancestry.
     with pytest.raises(ValueError, match="parents has 12 tokens"):
         flexmask.create_block_mask(flexmask.tree([-1] * 12), 1, 1, 10, 10, "cpu")
 

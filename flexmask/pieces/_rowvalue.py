@@ -9,7 +9,6 @@ from torch import Tensor
 
 from flexmask._validate import scalar_or_rows, source_device
 from flexmask.build.grid import BlockGrid
-from flexmask.mask import Extent
 from flexmask.pieces._base import Piece, per_row_view
 
 
@@ -17,39 +16,29 @@ class RowValuePiece(Piece):
     """Holds ``values``: int64 of shape (R,) with ``per_row``, else shape (1,).
 
     Values are ints >= 0 (0 is well defined for every such piece: it attends nothing, or
-    nothing beyond another piece) that fit in int64. With ``_limit_by_length`` a value past
-    the sequence is refused when the mask is built; without it, such a value means "the
-    whole sequence" and is clamped to it wherever arithmetic is done on it.
+    nothing beyond another piece) that fit in int64. A value past the sequence means "the
+    whole sequence" (docs/algebra.md, "Lengths past the sequence") and is clamped to it
+    wherever arithmetic is done on it.
     """
 
     __slots__ = ("values", "per_row")
     _kind = ""
-    _limit_by_length = True  # a value larger than the sequence is a caller's mistake
 
     def __init__(self, value: Any, name: str, minimum: int = 0) -> None:
         values, per_row = scalar_or_rows(value, name, minimum=minimum)
         self.values = values
         self.per_row = per_row
-        natural = int(values.max()) if self._limit_by_length else 0
         key_data = tuple(values.tolist()) if per_row else int(values[0])
         super().__init__(
             (self._kind, key_data),
             rows=values.numel() if per_row else None,
             device=source_device(value),
-            natural=natural,
+            natural=0,  # a value past the sequence is clipped, never a length to build at
         )
 
     @property
     def carries_batch_data(self) -> bool:
         return self.per_row  # one value per row describes this batch; one for all is static
-
-    def _check(self, extent: Extent) -> None:
-        super()._check(extent)
-        if self._limit_by_length and int(self.values.max()) > extent.length:
-            raise ValueError(
-                f"{self._arg} must be at most the sequence length {extent.length_name}="
-                f"{extent.length}, got {int(self.values.max())}"
-            )
 
     def _row_values(self, grid: BlockGrid) -> Tensor:
         """(R, 1, 1, 1) values on the grid's device, for block classification."""

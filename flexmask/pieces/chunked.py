@@ -31,7 +31,6 @@ class Chunked(RowValuePiece):
     _interval_shape = "monotone"
     _arg = "size"
     _kind = "chunked"
-    _limit_by_length = False  # a chunk longer than the sequence is just full attention
 
     def __init__(self, size: Any) -> None:
         super().__init__(size, "size", minimum=1)

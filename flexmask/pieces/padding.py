@@ -36,7 +36,6 @@ class Padding(RowValuePiece):
     _kind = "padding"
     # docs/algebra.md "Lengths past the sequence": a length at or past the sequence is no
     # padding at all, as the mask_mod says (every q_idx and kv_idx is below it).
-    _limit_by_length = False
 
     def _classify(self, grid: BlockGrid) -> Tensor:
         length = self._row_values(grid)

@@ -29,7 +29,6 @@ class Prefix(RowValuePiece):
     _interval_shape = "from_zero"
     _arg = "length"
     _kind = "prefix"
-    _limit_by_length = False  # a prefix past the sequence covers all of it: full attention
 
     def _classify(self, grid: BlockGrid) -> Tensor:
         length = self._row_values(grid)

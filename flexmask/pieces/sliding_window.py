@@ -29,7 +29,6 @@ class SlidingWindow(RowValuePiece):
     _interval_shape = "monotone"
     _arg = "size"
     _kind = "sliding_window"
-    _limit_by_length = False  # a window wider than the sequence is just full attention
 
     def _classify(self, grid: BlockGrid) -> Tensor:
         size = self._row_values(grid)
