@@ -132,7 +132,9 @@ def test_memory_bound_refuses_only_past_it(monkeypatch):
         torch_create_block_mask(causal_mod, 1, 1, 1024, 1024, "cpu"),
     )
     monkeypatch.setattr(flexmask._validate, "device_memory", lambda device: 1000)
-    with pytest.raises(ValueError, match=r"Q_LEN=1024.*would need .* bytes.* more than the 1000 bytes of memory"):
+    with pytest.raises(
+        ValueError, match=r"Q_LEN=1024.*would need .* bytes.* more than the 1000 bytes of memory"
+    ):
         flexmask.create_block_mask(*args)
 
 
