@@ -199,9 +199,10 @@ def test_every_handle_argument_is_checked_at_creation(kwargs, error, match):
         flexmask.lazy(flexmask.causal(), **args)
 
 
-def test_documents_longer_than_the_sequence_fail_at_creation_on_any_device():
-    with pytest.raises(ValueError, match="larger than the sequence length"):
-        flexmask.lazy(flexmask.document([100, 100]), 1, 1, 128, 128, device="meta")
+def test_a_tree_longer_than_the_sequence_fails_at_creation_on_any_device():
+    # Documents and padding past the sequence are clipped to it; a tree's parents are not.
+    with pytest.raises(ValueError, match="more than the sequence length"):
+        flexmask.lazy(flexmask.tree([-1, *range(199)]), 1, 1, 128, 128, device="meta")
     with pytest.raises(ValueError, match="lives on cpu but the mask is built on meta"):
         flexmask.lazy(flexmask.padding(torch.tensor([3, 4])), None, 1, 8, 8, device="meta")
 
