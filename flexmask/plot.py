@@ -221,16 +221,16 @@ def _block_mask_of(
     BLOCK_SIZE: int | tuple[int, int],
 ) -> tuple[BlockMask, str]:
     """The BlockMask to draw and a label for the title."""
-    if isinstance(obj, BlockMask):
-        name = getattr(obj.mask_mod, "__name__", "mask_mod")
-        return obj, f"BlockMask({name})"
-    if isinstance(obj, LazyBlockMask):
+    if isinstance(obj, LazyBlockMask):  # first: a handle is a BlockMask too
         if obj.built:
             return obj.block_mask, repr(obj.mask)
         bm = create_block_mask(
             obj.mask, obj.B, obj.H, obj.Q_LEN, obj.KV_LEN, obj.mask.device or "cpu", obj.BLOCK_SIZE
         )
         return bm, repr(obj.mask)
+    if isinstance(obj, BlockMask):
+        name = getattr(obj.mask_mod, "__name__", "mask_mod")
+        return obj, f"BlockMask({name})"
     if isinstance(obj, Mask):
         if Q_LEN is None:
             raise TypeError(
