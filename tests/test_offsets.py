@@ -174,8 +174,6 @@ def test_offsets_are_held_as_tensors_and_validated():
         flexmask.create_block_mask(mask, 1, 1, 128, 512, "cpu", q_offset=1.5)
     with pytest.raises(TypeError, match="need a flexmask Mask"):
         flexmask.create_block_mask(mask.mask_mod, 1, 1, 128, 512, "cpu", q_offset=4)
-    with pytest.raises(ValueError, match="sum\\(seq_lens\\)=600"):  # data longer than reach
-        flexmask.create_block_mask(flexmask.document([600]), 1, 1, 100, 100, "cpu", q_offset=400)
 
 
 def test_cache_keys_windows_apart():
