@@ -1,0 +1,18 @@
+"""Exact lowerings of a mask to other kernels' mask formats (no kernel is called here).
+
+* ``to_varlen`` — FlashAttention's varlen kernels (``flash_attn_varlen_func``, torch's
+  ``varlen_attn``): ``cu_seqlens``, ``max_seqlen``, ``causal``, ``window_size`` and the
+  gather/scatter between ``(B, S)`` rows and packed tokens;
+* ``to_flashmask`` — PaddlePaddle's FlashMask: ``startend_row_indices`` and ``causal``;
+* ``to_magi`` — MagiAttention: ``q_ranges``, ``k_ranges``, ``attn_type_map``.
+
+Each returns the most compact form that masks exactly what the mask masks, or raises a
+ValueError naming the piece (or column) the format cannot express. docs/formats.md has the
+support matrix.
+"""
+
+from flexmask.formats.flashmask import FlashMask, to_flashmask
+from flexmask.formats.magi import MagiMask, to_magi
+from flexmask.formats.varlen import VarlenMask, to_varlen
+
+__all__ = ["FlashMask", "MagiMask", "VarlenMask", "to_flashmask", "to_magi", "to_varlen"]

@@ -1,0 +1,548 @@
+"""What the foreign formats read of a mask: the one module that looks inside the expression
+tree (``And``/``Or``/``Not`` nodes and each piece's data).
+
+Two views, both exact and neither evaluating the mask on every (query, key) pair:
+
+* ``lines`` — for every batch row and every query (or, transposed, every key) of a window,
+  the keys (queries) it attends as a short sorted list of disjoint intervals. Each piece
+  gives its own intervals from its data; ``&``, ``|`` and ``~`` intersect, join and
+  complement the lists. Magi's slices and FlashMask's column bounds are read from it.
+* ``varlen_plan`` — an ``&`` of causal/window rules and of partitions (documents, chunks,
+  padding): what a varlen kernel can run. Anything else is refused with a ValueError naming
+  the piece.
+
+The restructuring of the algebra into new modules is a one-file follow-up here: nothing else
+in ``flexmask.formats`` imports the algebra's internals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from flexmask._validate import check_int
+from flexmask.mask import And, Extent, Mask, Not, Or
+from flexmask.pieces import (
+    Causal,
+    Chunked,
+    Document,
+    Empty,
+    FromMaskMod,
+    Full,
+    Padding,
+    PerHead,
+    Prefix,
+    SlidingWindow,
+    Spans,
+    Tree,
+)
+
+INF = 1 << 61
+"""Stands for an unbounded interval end; every real position and length is below it."""
+_BIG = 1 << 62  # marks an empty slot of an interval list: lo = _BIG, hi = -_BIG
+
+
+class Lines(NamedTuple):
+    """Per batch row and per line (query, or key when transposed) the attended positions of
+    the other side as sorted, disjoint, non-adjacent intervals ``[lo, hi]`` (inclusive), in
+    the window's local indices. ``(R, N, K)`` int64 each, R = 1 when no row differs; empty
+    slots (lo > hi) come after the real ones."""
+
+    lo: Tensor
+    hi: Tensor
+
+
+class Window(NamedTuple):
+    """The positions a lowering sees: queries ``q_offset + [0, q_len)`` and keys
+    ``kv_offset + [0, kv_len)``, offsets one per row (``(R, 1)`` int64) or shared."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    q_offset: Tensor
+    kv_offset: Tensor
+
+
+def window(
+    mask: Mask,
+    B: Any,
+    H: Any,
+    Q_LEN: Any,
+    KV_LEN: Any,
+    q_offset: Any = 0,
+    kv_offset: Any = 0,
+) -> Window:
+    """Checked arguments of a lowering, the mask validated against them (rows, heads, tree
+    sizes), as the builder validates them."""
+    if not isinstance(mask, Mask):
+        raise TypeError(
+            f"mask must be a flexmask Mask (e.g. flexmask.causal() & flexmask.document(lens)), "
+            f"got {type(mask).__name__}"
+        )
+    batch = (mask.rows or 1) if B is None else check_int(B, "B", minimum=1)
+    heads = None if H is None else check_int(H, "H", minimum=1)
+    q_len = check_int(Q_LEN, "Q_LEN", minimum=1)
+    kv_len = q_len if KV_LEN is None else check_int(KV_LEN, "KV_LEN", minimum=1)
+    q_off = _offsets(q_offset, "q_offset", batch)
+    kv_off = _offsets(kv_offset, "kv_offset", batch)
+    length = max(int(q_off.max()) + q_len, int(kv_off.max()) + kv_len)
+    name = "max(q_offset + Q_LEN, kv_offset + KV_LEN)"
+    mask._check(Extent(batch, heads, length, torch.device("cpu"), name))
+    return Window(batch, q_len, kv_len, q_off, kv_off)
+
+
+def _offsets(value: Any, name: str, batch: int) -> Tensor:
+    if isinstance(value, Tensor) and value.dim() == 1 or isinstance(value, Sequence):
+        items = value.tolist() if isinstance(value, Tensor) else list(value)
+        if len(items) != batch:
+            raise ValueError(
+                f"{name} must be one int for every row or one per row (B={batch}), got "
+                f"{len(items)} values"
+            )
+        values = [check_int(v, f"{name}[{i}]", minimum=0) for i, v in enumerate(items)]
+        return torch.tensor(values, dtype=torch.int64).view(-1, 1)
+    return torch.tensor([[check_int(value, name, minimum=0)]], dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------- heads
+def head_masks(mask: Mask, heads: int) -> tuple[list[Mask], list[int]]:
+    """The distinct masks of the heads and, per head, which one it uses: ``per_head`` nodes
+    replaced by the mask of that head. A mask without ``per_head`` is one mask."""
+    if not _has_per_head(mask):
+        return [mask], [0] * heads
+    distinct: list[Mask] = []
+    which = []
+    for h in range(heads):
+        m = _at_head(mask, h)
+        if m not in distinct:
+            distinct.append(m)
+        which.append(distinct.index(m))
+    return distinct, which
+
+
+def _has_per_head(mask: Mask) -> bool:
+    if isinstance(mask, PerHead):
+        return True
+    if isinstance(mask, And | Or):
+        return any(_has_per_head(c) for c in mask.children)
+    if isinstance(mask, Not):
+        return _has_per_head(mask.child)
+    return False
+
+
+def _at_head(mask: Mask, h: int) -> Mask:
+    if isinstance(mask, PerHead):
+        return _at_head(mask.masks[(h // mask.group_size) % len(mask.masks)], h)
+    if isinstance(mask, And):
+        return And.of(*(_at_head(c, h) for c in mask.children))
+    if isinstance(mask, Or):
+        return Or.of(*(_at_head(c, h) for c in mask.children))
+    if isinstance(mask, Not):
+        return ~_at_head(mask.child, h)
+    return mask
+
+
+def one_mask_for_all_heads(mask: Mask, fmt: str) -> Mask:
+    """The mask every head uses, or a ValueError naming the ``per_head`` that differs."""
+    if not _has_per_head(mask):
+        return mask
+    cycle = _head_cycle(mask)
+    distinct, _ = head_masks(mask, cycle)
+    if len(distinct) == 1:
+        return distinct[0]
+    raise ValueError(
+        f"{_first(mask, PerHead)!r} cannot be lowered to {fmt}: its heads attend differently, "
+        f"and {fmt} takes one mask for every head. Lower each head group separately, or use "
+        f"flexmask.create_block_mask (flex_attention) or to_flashmask (per-head columns)"
+    )
+
+
+def _head_cycle(mask: Mask) -> int:
+    """Heads after which every ``per_head`` in the mask repeats."""
+    import math
+
+    cycle = 1
+    stack = [mask]
+    while stack:
+        m = stack.pop()
+        if isinstance(m, PerHead):
+            cycle = math.lcm(cycle, m.cycle)
+            stack.extend(m.masks)
+        elif isinstance(m, And | Or):
+            stack.extend(m.children)
+        elif isinstance(m, Not):
+            stack.append(m.child)
+    return cycle
+
+
+def _first(mask: Mask, kind: type) -> Mask:
+    stack = [mask]
+    while stack:
+        m = stack.pop(0)
+        if isinstance(m, kind):
+            return m
+        if isinstance(m, And | Or):
+            stack.extend(m.children)
+        elif isinstance(m, Not):
+            stack.append(m.child)
+        elif isinstance(m, PerHead):
+            stack.extend(m.masks)
+    return mask
+
+
+# ---------------------------------------------------------------------------- interval lists
+def _normalize(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
+    """Sorted, disjoint, non-adjacent intervals (joined where they overlap or touch), empty
+    slots last, as few slots as the fullest line needs (at least one)."""
+    valid = lo <= hi
+    lo = torch.where(valid, lo, _BIG)
+    hi = torch.where(valid, hi, -_BIG)
+    lo, order = lo.sort(dim=-1, stable=True)
+    hi = hi.gather(-1, order)
+    valid = lo <= hi
+    reach = hi.cummax(-1).values
+    before = torch.cat([torch.full_like(reach[..., :1], -_BIG), reach[..., :-1]], -1)
+    starts = valid & (lo > before + 1)
+    group = (starts.cumsum(-1) - 1).clamp(min=0)
+    slots = max(int(starts.sum(-1).max()) if starts.numel() else 0, 1)
+    shape = (*lo.shape[:-1], slots)
+    out_lo = torch.full(shape, _BIG, dtype=torch.int64)
+    out_hi = torch.full(shape, -_BIG, dtype=torch.int64)
+    keep = group < slots
+    out_lo.scatter_reduce_(-1, group * keep, torch.where(keep, lo, _BIG), "amin")
+    out_hi.scatter_reduce_(-1, group * keep, torch.where(keep, hi, -_BIG), "amax")
+    return out_lo, out_hi
+
+
+def _broadcast(*tensors: Tensor) -> list[Tensor]:
+    rows = max(t.shape[0] for t in tensors)
+    return [t.expand(rows, *t.shape[1:]) for t in tensors]
+
+
+def _intersect(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    a_lo, a_hi, b_lo, b_hi = _broadcast(*a, *b)
+    lo = torch.maximum(a_lo.unsqueeze(-1), b_lo.unsqueeze(-2)).flatten(-2)
+    hi = torch.minimum(a_hi.unsqueeze(-1), b_hi.unsqueeze(-2)).flatten(-2)
+    return _normalize(lo, hi)
+
+
+def _union(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    a_lo, a_hi, b_lo, b_hi = _broadcast(*a, *b)
+    return _normalize(torch.cat([a_lo, b_lo], -1), torch.cat([a_hi, b_hi], -1))
+
+
+def _clip(lists: tuple[Tensor, Tensor], first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+    lo, hi, first, last = _broadcast(*lists, first.unsqueeze(-1), last.unsqueeze(-1))
+    return _normalize(torch.maximum(lo, first), torch.minimum(hi, last))
+
+
+def _complement(lists: tuple[Tensor, Tensor], first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+    """The positions of ``[first, last]`` (per row, ``(R, 1)``) in none of the intervals."""
+    lo, hi = _clip(lists, first, last)
+    lo, hi, f, e = _broadcast(lo, hi, first.unsqueeze(-1), last.unsqueeze(-1))
+    empty = lo > hi
+    # Empty slots become one position past the window, so the gaps around them are empty too.
+    lo = torch.where(empty, e + 1, lo)
+    hi = torch.where(empty, e + 1, hi)
+    gap_lo = torch.cat([f.expand_as(lo[..., :1]), hi + 1], -1)
+    gap_hi = torch.cat([lo - 1, e.expand_as(lo[..., :1])], -1)
+    return _clip((gap_lo, gap_hi), first, last)
+
+
+def lines(mask: Mask, win: Window, *, transpose: bool = False) -> Lines:
+    """Each query's attended keys (each key's attending queries with ``transpose``), local.
+
+    The mask must be the same on every head (see ``head_masks``). Raises ValueError for a
+    ``from_mask_mod`` leaf (no structure to read).
+    """
+    if transpose:
+        pos = win.kv_offset + torch.arange(win.kv_len).view(1, -1)
+        first, length = win.q_offset, win.q_len
+    else:
+        pos = win.q_offset + torch.arange(win.q_len).view(1, -1)
+        first, length = win.kv_offset, win.kv_len
+    last = first + length - 1
+    lo, hi = _clip(_lines(mask, pos, first, last, transpose), first, last)
+    lo, hi, first = _broadcast(lo, hi, first.unsqueeze(-1))
+    empty = lo > hi
+    return Lines(torch.where(empty, _BIG, lo - first), torch.where(empty, -_BIG, hi - first))
+
+
+def _lines(
+    mask: Mask, pos: Tensor, first: Tensor, last: Tensor, transpose: bool
+) -> tuple[Tensor, Tensor]:
+    if isinstance(mask, And):
+        parts = [_lines(c, pos, first, last, transpose) for c in mask.children]
+        out = parts[0]
+        for part in parts[1:]:
+            out = _intersect(out, part)
+        return out
+    if isinstance(mask, Or):
+        parts = [_lines(c, pos, first, last, transpose) for c in mask.children]
+        out = parts[0]
+        for part in parts[1:]:
+            out = _union(out, part)
+        return out
+    if isinstance(mask, Not):
+        return _complement(_lines(mask.child, pos, first, last, transpose), first, last)
+    if isinstance(mask, PerHead):
+        return _lines(one_mask_for_all_heads(mask, "this format"), pos, first, last, transpose)
+    lo, hi = _piece(mask, pos, transpose)
+    return _normalize(lo, hi)
+
+
+def _row_values(piece: Any) -> Tensor:
+    """(R, 1) values of a one-int-per-row piece, clamped far below int64's edge."""
+    return piece.values.clamp(max=INF).view(-1, 1)
+
+
+def _one(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
+    lo, hi = torch.broadcast_tensors(lo, hi)
+    return lo.unsqueeze(-1), hi.unsqueeze(-1)
+
+
+def _piece(piece: Mask, pos: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
+    """(R, N, k) intervals of one piece at absolute line positions ``pos`` ((R, N))."""
+    none = torch.full_like(pos, INF), torch.full_like(pos, -INF)
+    if isinstance(piece, Full):
+        return _one(torch.full_like(pos, -INF), torch.full_like(pos, INF))
+    if isinstance(piece, Empty):
+        return _one(*none)
+    if isinstance(piece, Causal):
+        if transpose:  # key kv is attended by queries q >= kv
+            return _one(pos, torch.full_like(pos, INF))
+        return _one(torch.full_like(pos, -INF), pos)
+    if isinstance(piece, Padding):
+        size = _row_values(piece)
+        inside = pos < size
+        return _one(torch.where(inside, -INF, INF), torch.where(inside, size - 1, -INF))
+    if isinstance(piece, SlidingWindow):
+        size = _row_values(piece)
+        some = size > 0
+        return _one(torch.where(some, pos - size + 1, INF), torch.where(some, pos + size - 1, -INF))
+    if isinstance(piece, Prefix):
+        size = _row_values(piece)
+        if transpose:
+            inside = pos < size
+            return _one(torch.where(inside, -INF, INF), torch.where(inside, INF, -INF))
+        return _one(torch.full_like(pos, -INF), size - 1)
+    if isinstance(piece, Chunked):
+        size = _row_values(piece).clamp(min=1)
+        start = pos.div(size, rounding_mode="floor") * size
+        return _one(start, start + size - 1)
+    if isinstance(piece, Document):
+        starts, ends = _document_bounds(piece)
+        return _one(*_runs_at(starts, ends, pos))
+    if isinstance(piece, Spans):
+        return _one(*_runs_at(piece._starts, piece._ends, pos))
+    if isinstance(piece, Tree):
+        return _tree(piece, pos, transpose)
+    if isinstance(piece, FromMaskMod):
+        raise ValueError(
+            f"{piece!r} cannot be lowered to this format: a from_mask_mod leaf is a function "
+            f"flexmask cannot read intervals from. Write the mask with flexmask's pieces, or "
+            f"use flexmask.create_block_mask (flex_attention)"
+        )
+    raise ValueError(f"{piece!r} cannot be lowered to this format: unknown mask kind")
+
+
+def _document_bounds(piece: Document) -> tuple[Tensor, Tensor]:
+    """(R, D) document starts and exclusive ends, padded with empty documents at INF."""
+    ends = [lens.cumsum(0).clamp(max=INF) for lens in piece.seq_lens]
+    starts = [(e - lens).clamp(max=INF) for e, lens in zip(ends, piece.seq_lens, strict=True)]
+    pad = torch.nn.utils.rnn.pad_sequence
+    return (
+        pad(starts, batch_first=True, padding_value=INF),
+        pad(ends, batch_first=True, padding_value=INF),
+    )
+
+
+def _runs_at(starts: Tensor, ends: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """The run ``[start, end)`` (sorted, disjoint runs) holding each position, or empty."""
+    starts, ends, pos = (t.to(torch.int64) for t in _broadcast(starts, ends, pos))
+    k = torch.searchsorted(ends.contiguous(), pos.contiguous(), right=True)
+    k = k.clamp(max=ends.shape[1] - 1)
+    start, end = starts.gather(1, k), ends.gather(1, k)
+    inside = (start <= pos) & (pos < end)
+    return torch.where(inside, start, INF), torch.where(inside, end - 1, -INF)
+
+
+def _tree(piece: Tree, pos: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
+    rows = []
+    for r in range(max(len(piece.parents), pos.shape[0])):
+        parents = piece.parents[min(r, len(piece.parents) - 1)]
+        tree_row = min(r, len(piece.parents) - 1)
+        p = pos[min(r, pos.shape[0] - 1)]
+        n = parents.numel()
+        inside = (p >= 0) & (p < n)
+        at = p.clamp(0, n - 1)
+        if transpose:
+            if not piece.preorder[tree_row]:
+                raise ValueError(
+                    f"{piece!r} cannot be lowered to this format in this token order: the "
+                    f"queries attending a key are its subtree, which is one run of positions "
+                    f"only when the tokens are laid out in preorder (as flexmask.pack_tree "
+                    f"lays them out). Reorder the tokens, or use to_magi / create_block_mask"
+                )
+            end = piece.ends[tree_row][at]
+            rows.append((torch.where(inside, p, INF), torch.where(inside, end - 1, -INF)))
+            continue
+        # Ancestors of q as runs of consecutive positions: a run continues while a token's
+        # parent is the token before it; each jump leaves the run for the parent of its start.
+        index = torch.arange(n)
+        breaks = parents != index - 1
+        run_start = torch.where(breaks, index, 0).cummax(0).values
+        cur = torch.where(inside, at, -1)
+        los, his = [], []
+        while bool((cur >= 0).any()):
+            alive = cur >= 0
+            start = run_start[cur.clamp(min=0)]
+            los.append(torch.where(alive, start, INF))
+            his.append(torch.where(alive, cur, -INF))
+            cur = torch.where(alive, parents[start], -1)
+        if not los:
+            los, his = [torch.full_like(p, INF)], [torch.full_like(p, -INF)]
+        rows.append((torch.stack(los, -1), torch.stack(his, -1)))
+    if transpose:
+        lo = torch.stack([r[0] for r in rows])
+        hi = torch.stack([r[1] for r in rows])
+        return lo.unsqueeze(-1), hi.unsqueeze(-1)
+    width = max(r[0].shape[-1] for r in rows)
+    lo = torch.stack([_pad_to(r[0], width, INF) for r in rows])
+    hi = torch.stack([_pad_to(r[1], width, -INF) for r in rows])
+    return lo, hi
+
+
+def _pad_to(t: Tensor, width: int, value: int) -> Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=value)
+
+
+# ---------------------------------------------------------------------------- varlen
+class VarlenPlan(NamedTuple):
+    """A mask as a varlen kernel runs it: segments and one rule for all of them."""
+
+    segment_ids: list[Tensor]
+    """Per row (one, or one per batch row): the segment of each absolute position
+    ``0..length`` as int64, -1 outside every segment; equal ids are one contiguous run."""
+    causal: bool
+    window: int | None
+    """The sliding window size (|q - kv| < window), None for no window."""
+    rule_piece: Mask | None
+    """The piece that sets the alignment-sensitive rule (causal, else the window), for errors."""
+
+
+_VARLEN_REFUSALS = {
+    Tree: "a tree's queries attend their ancestors, which are not one block per document "
+    "(use to_magi, or flexmask.create_block_mask)",
+    Prefix: "a prefix is visible to queries outside its block, which a varlen kernel's "
+    "one-block-per-sequence layout cannot express (use to_flashmask or to_magi)",
+    Spans: "bidirectional spans inside causal text need two rules in one sequence "
+    "(use to_flashmask or to_magi)",
+    FromMaskMod: "a from_mask_mod leaf has no structure flexmask can read",
+}
+
+
+def varlen_plan(mask: Mask, length: int) -> VarlenPlan:
+    """The segments and the rule of an ``&`` of causal, full, sliding_window, document,
+    chunked and padding pieces (a ``per_head`` whose heads agree counts as its mask);
+    a ValueError naming the first other piece."""
+    mask = one_mask_for_all_heads(mask, "varlen")
+    leaves = list(mask.children) if isinstance(mask, And) else [mask]
+    causal = False
+    windows: list[Tensor] = []
+    window_piece: Mask | None = None
+    causal_piece: Mask | None = None
+    ids: list[Tensor] | None = None
+    nothing = False
+    for leaf in leaves:
+        if isinstance(leaf, PerHead):
+            leaf = one_mask_for_all_heads(leaf, "varlen")
+        if isinstance(leaf, Full):
+            continue
+        if isinstance(leaf, Empty):
+            nothing = True
+        elif isinstance(leaf, Causal):
+            causal, causal_piece = True, leaf
+        elif isinstance(leaf, SlidingWindow):
+            windows.append(leaf.values.clamp(max=INF))
+            window_piece = leaf
+        elif isinstance(leaf, Document | Chunked | Padding):
+            ids = _combine_ids(ids, _partition_ids(leaf, length))
+        elif isinstance(leaf, Or | Not | And):
+            kind = "a union (|)" if isinstance(leaf, Or) else "a complement (~)"
+            raise ValueError(
+                f"{leaf!r} cannot be lowered to varlen: {kind} is not one causal or "
+                f"bidirectional block per sequence; varlen takes an & of causal(), "
+                f"sliding_window(), document(), chunked() and padding() (use to_magi or "
+                f"to_flashmask for other masks)"
+            )
+        else:
+            reason = next(
+                (r for kind, r in _VARLEN_REFUSALS.items() if isinstance(leaf, kind)),
+                "varlen takes an & of causal(), sliding_window(), document(), chunked() and "
+                "padding()",
+            )
+            raise ValueError(f"{leaf!r} cannot be lowered to varlen: {reason}")
+    size: int | None = None
+    if windows:
+        values = torch.cat([w.view(-1) for w in windows])
+        if len(windows) > 1 or values.numel() > 1:
+            per_row = torch.stack(
+                [w.view(-1).expand(max(v.numel() for v in windows)) for w in windows]
+            ).amin(0)
+            if not bool((per_row == per_row[0]).all()):
+                raise ValueError(
+                    f"{window_piece!r} cannot be lowered to varlen: its window differs between "
+                    f"rows ({per_row.tolist()}), and a varlen call takes one window_size for "
+                    f"every sequence (lower each row separately)"
+                )
+            size = int(per_row[0])
+        else:
+            size = int(values[0])
+        if size == 0:
+            nothing = True
+            size = None
+    if ids is None:
+        ids = [torch.zeros(length + 1, dtype=torch.int64)]
+        ids[0][length] = -1
+    if nothing:
+        ids = [torch.full_like(i, -1) for i in ids]
+    piece = causal_piece if causal else window_piece
+    return VarlenPlan(ids, causal, size, piece)
+
+
+def _partition_ids(piece: Mask, length: int) -> list[Tensor]:
+    """Per row, the part of each absolute position ``0..length`` (-1 outside every part)."""
+    pos = torch.arange(length + 1)
+    if isinstance(piece, Document):
+        starts, ends = _document_bounds(piece)
+        out = []
+        for r in range(starts.shape[0]):
+            doc = torch.searchsorted(ends[r].contiguous(), pos, right=True)
+            inside = doc < len(piece.seq_lens[r])
+            out.append(torch.where(inside, doc, -1))
+        return out
+    size = _row_values(piece)  # Chunked or Padding
+    if isinstance(piece, Chunked):
+        return [pos.div(s, rounding_mode="floor") for s in size.view(-1)]
+    return [torch.where(pos < s, 0, -1) for s in size.view(-1)]
+
+
+def _combine_ids(ids: list[Tensor] | None, new: list[Tensor]) -> list[Tensor]:
+    """Parts of two partitions intersected: positions share a part iff they share both.
+    Part ids never decrease along a row, so equal pairs are contiguous runs."""
+    if ids is None:
+        return new
+    rows = max(len(ids), len(new))
+    out = []
+    for r in range(rows):
+        a, b = ids[min(r, len(ids) - 1)], new[min(r, len(new) - 1)]
+        pair = torch.where((a >= 0) & (b >= 0), a * (int(b.max()) + 1) + b, -1)
+        changed = torch.ones_like(pair, dtype=torch.bool)
+        changed[1:] = pair[1:] != pair[:-1]
+        run = changed.cumsum(0) - 1
+        out.append(torch.where(pair >= 0, run, -1))
+    return out
