@@ -16,6 +16,7 @@ from typing import Any
 from flexmask.attention import compile_enabled, flex_attention, set_compile
 from flexmask.build import create_block_mask, same_blocks
 from flexmask.cache import CacheInfo, MaskCache, cache_clear, cache_info, default_cache
+from flexmask.formats import FlashMask, MagiMask, VarlenMask, to_flashmask, to_magi, to_varlen
 from flexmask.inference import DecodeMasks, DecodeStep, decode_mask, speculative_tree
 from flexmask.lazy import LazyBlockMask, lazy
 from flexmask.mask import And, Mask, Not, Or
@@ -134,6 +135,12 @@ __all__ = [
     "CacheInfo",
     "DecodeMasks",
     "DecodeStep",
+    "FlashMask",
+    "MagiMask",
+    "VarlenMask",
+    "to_flashmask",
+    "to_magi",
+    "to_varlen",
     "decode_mask",
     "speculative_tree",
     "LazyBlockMask",
