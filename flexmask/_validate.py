@@ -161,12 +161,16 @@ def digest(*tensors: Tensor) -> str:
 
 
 def default_device() -> torch.device:
-    """torch's default for create_block_mask: the current accelerator, else the CPU."""
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None:
-        current = accelerator.current_accelerator()
-        return torch.device(current) if current is not None else torch.device("cpu")
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """torch's default for create_block_mask: the current accelerator, else the CPU.
+
+    An accelerator this process cannot use counts as none. A CUDA build of torch on a machine
+    without a GPU (PyPI's plain ``torch`` on Linux) names ``cuda`` as its current accelerator,
+    and torch's own build there fails on the driver; flexmask builds on the CPU instead.
+    """
+    if not torch.accelerator.is_available():
+        return torch.device("cpu")
+    current = torch.accelerator.current_accelerator()
+    return torch.device(current) if current is not None else torch.device("cpu")
 
 
 def check_device(device: Any, fallback: torch.device | None = None) -> torch.device:
