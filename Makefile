@@ -5,7 +5,7 @@
 # Where it installs: the active virtual environment if there is one ($VIRTUAL_ENV), else a
 # project-local one, .venv, made here — never a distribution's Python (PEP 668 refuses that)
 # nor another Python's global site. .venv sees the system's packages, so an installed
-# torch >= 2.5 is kept (CUDA builds included); where there is none, torch==2.13.0 is installed
+# torch in the declared range (2.13 to 2.14) is kept (CUDA builds included); where there is none, torch==2.13.0 is installed
 # from pip's configured sources, or from $TORCH_INDEX_URL when set (PyTorch's CPU index, say:
 # a bare `torch` from PyPI on Linux is the multi-GB CUDA build). pip runs again only when
 # pyproject.toml changes (a stamp in the environment).
@@ -37,7 +37,7 @@ $(PYTHON):
 
 $(STAMP): pyproject.toml | $(PYTHON)
 	@echo "installing flexmask and its test/demo/docs/dev tools into $(VENV) (about a minute; pip's progress follows)"
-	@$(PYTHON) -c "import torch, sys; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 5))" 2>/dev/null \
+	@$(PYTHON) -c "import torch, sys; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(not (2, 13) <= v < (2, 15))" 2>/dev/null \
 		&& echo "keeping torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')" \
 		|| $(PYTHON) -m pip install --progress-bar on "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
 	$(PYTHON) -m pip install --progress-bar on -e ".[test,demo,docs,dev]"
