@@ -48,8 +48,8 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexmask
-from flexmask.build import make_grid
-from flexmask.build.create import build_counted, cpu_threads, in_closed_form
+from flexmask.blocks.grid import make_grid
+from flexmask.builders.create import build_counted, cpu_threads, in_closed_form
 
 FIRST_CALL = """
 import time

@@ -21,7 +21,7 @@ from _memory import peak_rss_bytes
 from common import documents, fmt_bytes, fmt_time, machine, markdown_table, response_tree, save_json
 
 import flexmask
-from flexmask.block_sparse import DEFAULT_MAX_CHUNK_ELEMENTS, block_sparse_attention
+from flexmask.backends.block_sparse.api import DEFAULT_MAX_CHUNK_ELEMENTS, block_sparse_attention
 
 SIZES = (1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 22)
 

@@ -25,7 +25,7 @@ from common import best_time, settle_allocator  # noqa: F401  (sys.path set by c
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
 import flexmask
-from flexmask.build.read import BLOCK_FIELDS, block_mask_nbytes
+from flexmask.blocks.read import BLOCK_FIELDS, block_mask_nbytes
 from flexmask.context_parallel import (
     HeadTailBalancer,
     MaskAwareBalancer,

@@ -44,7 +44,7 @@ from _memory import peak_extra_bytes, peak_rss_bytes  # noqa: E402
 from common import busy_processes, fmt_bytes, fmt_time, markdown_table, ratio  # noqa: E402
 
 import flexmask  # noqa: E402
-from flexmask.block_sparse import (  # noqa: E402
+from flexmask.backends.block_sparse.api import (  # noqa: E402
     _plan,
     block_sparse_attention,
     choose_backend,

@@ -43,7 +43,7 @@ from common import documents, fmt_bytes, fmt_time, machine, markdown_table, rati
 from torch.nn.attention.flex_attention import BlockMask
 
 import flexmask
-from flexmask.cache import block_mask_nbytes
+from flexmask.runtime.cache import block_mask_nbytes
 
 
 def fake_forward(block_mask: BlockMask) -> int:

@@ -24,8 +24,8 @@ import torch
 from common import busy_processes, documents, fmt_time, machine, markdown_table, save_json
 
 import flexmask
-from flexmask import block_sparse_kernel as kernel
-from flexmask.block_sparse import block_sparse_attention
+from flexmask.backends.block_sparse import kernel
+from flexmask.backends.block_sparse.api import block_sparse_attention
 
 WAYS = ("workers", "one thread", "torch's threads", "measured choice")
 

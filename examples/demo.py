@@ -43,8 +43,8 @@ from _synthetic import TASKS, VOCAB, describe, make_corpus
 from torch.utils.data import DataLoader, Sampler
 
 import flexmask
-from flexmask.cache import block_mask_nbytes
 from flexmask.packing import PackedBatch
+from flexmask.runtime.cache import block_mask_nbytes
 
 IGNORE = -100
 # Share of rows * max_len a batch may fill: first-fit then always fits the documents (all

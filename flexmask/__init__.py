@@ -13,13 +13,12 @@ Example:
 
 from typing import Any
 
+from flexmask.algebra.mask import And, Mask, Not, Or
 from flexmask.attention import compile_enabled, flex_attention, set_compile
-from flexmask.build import create_block_mask, same_blocks
-from flexmask.cache import CacheInfo, MaskCache, cache_clear, cache_info, default_cache
+from flexmask.blocks.read import same_blocks
+from flexmask.builders.create import create_block_mask
 from flexmask.formats import FlashMask, MagiMask, VarlenMask, to_flashmask, to_magi, to_varlen
 from flexmask.inference import DecodeMasks, DecodeStep, decode_mask, speculative_tree
-from flexmask.lazy import LazyBlockMask, lazy
-from flexmask.mask import And, Mask, Not, Or
 from flexmask.packing import (
     PackedBatch,
     PackedDataset,
@@ -46,6 +45,8 @@ from flexmask.pieces import (
     tree,
 )
 from flexmask.plot import plot
+from flexmask.runtime.cache import CacheInfo, MaskCache, cache_clear, cache_info, default_cache
+from flexmask.runtime.lazy import LazyBlockMask, lazy
 
 __version__ = "0.1.0"
 
@@ -111,7 +112,7 @@ def safe_globals() -> list[type]:
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    from flexmask.mask import MaskModFn
+    from flexmask.algebra.mask import MaskModFn
 
     found: set[type] = {LazyBlockMask, BlockMask}
     pending: list[type] = [Mask, MaskModFn]

@@ -22,11 +22,11 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
 
-from flexmask.block_sparse import block_sparse_attention
-from flexmask.cache import default_cache
-from flexmask.lazy import LazyBlockMask
-from flexmask.mask import Mask
+from flexmask.algebra.mask import Mask
+from flexmask.backends.block_sparse.api import block_sparse_attention
 from flexmask.pieces import Full
+from flexmask.runtime.cache import default_cache
+from flexmask.runtime.lazy import LazyBlockMask
 
 ENV_COMPILE = "FLEXMASK_COMPILE"
 BLOCK_SPARSE_OPTIONS = (

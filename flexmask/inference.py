@@ -23,9 +23,9 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import INT64_MAX, block_mask_bytes, check_fits, check_int, int_vector
-from flexmask.build.create import create_block_mask
-from flexmask.build.read import BLOCK_FIELDS
-from flexmask.mask import Mask, MaskMod, ShiftedMod
+from flexmask.algebra.mask import Mask, MaskMod, ShiftedMod
+from flexmask.blocks.read import BLOCK_FIELDS
+from flexmask.builders.create import create_block_mask
 from flexmask.pieces import causal, tree
 
 

@@ -32,8 +32,8 @@ from torch.nn.attention.flex_attention import (
 )
 
 import flexmask
-from flexmask import block_sparse_kernel as kernel
-from flexmask.block_sparse import _plan, block_sparse_attention, choose_backend
+from flexmask.backends.block_sparse import kernel
+from flexmask.backends.block_sparse.api import _plan, block_sparse_attention, choose_backend
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
@@ -383,7 +383,7 @@ def test_batch_and_head_slices_equal_the_oracle(monkeypatch, name, pairs):
     call runs in slices of ``pairs`` (batch row, kv head) pairs (a part of the heads, or whole
     rows): a mask that differs per batch row and head, GQA, and Q_LEN != KV_LEN give the
     oracle's output, lse and gradients, and the slices are really taken."""
-    import flexmask.block_sparse as module
+    import flexmask.backends.block_sparse.api as module
 
     case = next(c for c in CASES if c[0] == name)
     block_mask, dense, q, k, v, grad_out = build_case(case)
@@ -496,7 +496,7 @@ def test_unlisted_blocks_are_skipped_even_where_mask_mod_allows():
 
 def test_kv_blocks_far_apart_are_gathered():
     """Columns that are not one contiguous run take the gather path instead of a slice."""
-    from flexmask.block_sparse import _chunks
+    from flexmask.backends.block_sparse.api import _chunks
 
     def sink_and_recent(b, h, q_idx, kv_idx):  # attention sinks plus a causal local window
         return (kv_idx < 16) | ((q_idx >= kv_idx) & (q_idx - kv_idx < 16))
@@ -920,7 +920,7 @@ def test_threads_none_takes_both_ways_exactly(monkeypatch):
     single-threaded workers, as a fresh ThreadChoice picks: the oracle's output, lse and
     gradients every time, both ways taken for the forward and the backward, and torch's
     thread count left as it was."""
-    from flexmask import block_sparse_kernel
+    from flexmask.backends.block_sparse import kernel as block_sparse_kernel
 
     choice = block_sparse_kernel.ThreadChoice(first=1, most=2)
     monkeypatch.setattr(block_sparse_kernel, "CHOICE", choice)
@@ -947,7 +947,7 @@ def test_threads_none_takes_both_ways_exactly(monkeypatch):
 def test_threads_are_a_cpu_matter():
     """On the CPU threads=None measures (AUTO) and an int is kept; on another device the
     groups run in the calling thread (helper threads would launch on their own stream)."""
-    from flexmask.block_sparse import _kernel_workers
+    from flexmask.backends.block_sparse.api import _kernel_workers
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert _kernel_workers(None, cpu) == kernel.AUTO
@@ -959,7 +959,7 @@ def test_thread_choice_follows_the_faster_way():
     """Each way is measured once, the faster one runs, the other is tried again after
     ``first`` calls and then at doubling intervals up to ``most`` while it loses; a probe that
     wins takes over, and an incumbent that slows past the other's cost gives way unprobed."""
-    from flexmask.block_sparse_kernel import ThreadChoice
+    from flexmask.backends.block_sparse.kernel import ThreadChoice
 
     choice, kind = ThreadChoice(first=2, most=8), ("forward", 20)
     cost = {"torch": 1.0, "workers": 3.0}
@@ -1030,7 +1030,7 @@ def test_a_forked_child_does_not_inherit_the_thread_choice_lock():
     import os
     import threading
 
-    from flexmask import block_sparse_kernel
+    from flexmask.backends.block_sparse import kernel as block_sparse_kernel
 
     held, release = threading.Event(), threading.Event()
 

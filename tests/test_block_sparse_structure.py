@@ -16,7 +16,12 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 import flexmask
 from flexmask import attention
-from flexmask.block_sparse import _plan, block_sparse_attention, interval_bounds, is_causal
+from flexmask.backends.block_sparse.api import (
+    _plan,
+    block_sparse_attention,
+    interval_bounds,
+    is_causal,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -193,7 +198,7 @@ def test_a_block_mask_with_no_record_ignores_the_mask_argument(derive):
 def test_a_flexmask_block_mask_reads_its_own_intervals(monkeypatch):
     """No mask argument needed: the BlockMask's recorded Mask gives the intervals, so
     mask_mod is never called on the partial blocks."""
-    from flexmask import block_sparse
+    from flexmask.backends.block_sparse import api as block_sparse
 
     def refuse(*args, **kwargs):
         raise AssertionError("mask_mod path taken")
@@ -362,7 +367,7 @@ def test_no_grad_cpu_call_compiles_only_when_asked(monkeypatch):
 
 def test_dense_masks_go_to_sdpa_and_sparse_ones_stay():
     """Half the blocks listed is the line: ~36% stays sparse, ~59% goes to SDPA."""
-    from flexmask.block_sparse import SDPA_MIN_DENSITY, choose_backend
+    from flexmask.backends.block_sparse.api import SDPA_MIN_DENSITY, choose_backend
 
     for mask, expected in (
         (flexmask.causal() & flexmask.sliding_window(700), "sparse"),

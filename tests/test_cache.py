@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flexmask
-from flexmask.cache import block_mask_nbytes
+from flexmask.runtime.cache import block_mask_nbytes
 from tests import oracle
 from tests.strategies import expressions
 

@@ -1,4 +1,4 @@
-"""The closed-form path (flexmask.build.closed_form): its preconditions hold for every
+"""The closed-form path (flexmask.builders.closed_form): its preconditions hold for every
 intersection of interval pieces, and what it writes equals torch's create_block_mask on a
 plain dense reference, and the general path's (classify every tile, rank the grid)."""
 
@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import BlockMask
 
 import flexmask
-from flexmask.build import closed_form
-from flexmask.build.classify import classify_blocks
-from flexmask.build.grid import make_grid
-from flexmask.build.write import assemble, ordered_from_codes
+from flexmask.blocks.grid import make_grid
+from flexmask.blocks.write import assemble, ordered_from_codes
+from flexmask.builders import closed_form
+from flexmask.builders.classify import classify_blocks
 from tests import oracle
 from tests.strategies import interval_intersections
 
@@ -204,7 +204,7 @@ def test_closed_form_asks_only_for_block_edges(monkeypatch):
 
     monkeypatch.setattr(type(mask), "_intervals", spy)
     monkeypatch.setattr(
-        "flexmask.build.create.classify_blocks",
+        "flexmask.builders.create.classify_blocks",
         lambda *a: pytest.fail("the closed form must not classify tiles"),
     )
     flexmask.create_block_mask(mask, rows, 1, S, S, "cpu", block)

@@ -191,7 +191,7 @@ def test_any_block_size_and_length_against_oracle(name, monkeypatch):
 def _no_tile_path(monkeypatch):
     """Makes the tile path (a classification of the rank's tiles) fail: closed-form shards
     are written from runs (aligned) or segments (not)."""
-    module = __import__("sys").modules["flexmask.context_parallel.shard"]
+    module = __import__("sys").modules["flexmask.builders.cp_shard"]
 
     def refuse(*args, **kwargs):
         raise AssertionError("an aligned closed-form shard took the tile path")

@@ -1,4 +1,4 @@
-"""Context-parallel shards written from segments (``flexmask.context_parallel.segments``),
+"""Context-parallel shards written from segments (``flexmask.builders.segments``),
 the mask-aware balancer's costs and deal, and ``import flexmask`` without torch.distributed:
 against torch's ``_create_cp_block_mask``, torch's BlockMask of the dense oracle rows, and
 plain references."""
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import flexmask
+from flexmask.builders.segments import segment_sides
 from flexmask.context_parallel import MaskAwareBalancer, PerDocumentBalancer
 from flexmask.context_parallel.balance import _block_costs, deal, ptrr_schedule
-from flexmask.context_parallel.segments import segment_sides
 from tests import oracle
 from tests.test_context_parallel import (
     check_against_oracle,
@@ -28,10 +28,10 @@ from tests.test_context_parallel import (
     torch_shard,
 )
 
-SHARD = sys.modules["flexmask.context_parallel.shard"]
+SHARD = sys.modules["flexmask.builders.cp_shard"]
 
 
-SEGMENTS = sys.modules["flexmask.context_parallel.segments"]
+SEGMENTS = sys.modules["flexmask.builders.segments"]
 
 
 @pytest.fixture

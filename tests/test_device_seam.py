@@ -15,8 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexmask
-from flexmask.build.create import build, in_closed_form
-from flexmask.build.grid import make_grid
+from flexmask.blocks.grid import make_grid
+from flexmask.builders.create import build, in_closed_form
 
 # Ops that wait for a device's values: a scalar read, or an output whose shape depends on
 # the data.

@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
-from flexmask.build import closed_form
-from flexmask.build.classify import classify, classify_blocks, refine_by_evaluation
-from flexmask.build.codes import UNDECIDED
-from flexmask.build.grid import make_grid
-from flexmask.build.write import assemble, ordered_from_codes
+from flexmask.blocks.codes import UNDECIDED
+from flexmask.blocks.grid import make_grid
+from flexmask.blocks.write import assemble, ordered_from_codes
+from flexmask.builders import closed_form
+from flexmask.builders.classify import classify, classify_blocks, refine_by_evaluation
 from tests import oracle
 
 INT64_MAX = 2**63 - 1
@@ -390,7 +390,7 @@ def test_any_size_gives_the_right_mask_or_a_clear_error(data):
 
 
 def test_numpy_integers_in_attention_and_plot_options(tmp_path):
-    from flexmask.block_sparse import block_sparse_attention
+    from flexmask.backends.block_sparse.api import block_sparse_attention
 
     q = torch.randn(1, 2, 40, 8)
     bm = flexmask.create_block_mask(flexmask.causal(), 1, 1, 40, 40, "cpu", 16)

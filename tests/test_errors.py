@@ -11,7 +11,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 
 import flexmask
 import flexmask._validate
-from flexmask.block_sparse import block_sparse_attention
+from flexmask.backends.block_sparse.api import block_sparse_attention
 from tests import oracle
 
 

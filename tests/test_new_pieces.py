@@ -42,7 +42,7 @@ def _window(dense, q_off, kv_off, q_len, kv_len):
 
 def _no_tiles(monkeypatch):
     monkeypatch.setattr(
-        "flexmask.build.create.classify_blocks",
+        "flexmask.builders.create.classify_blocks",
         lambda *a: pytest.fail("the closed form must not classify tiles"),
     )
 
@@ -331,7 +331,7 @@ def test_closed_form_of_the_new_pieces_builds_on_a_device_with_no_values(mask):
 
 
 def test_per_head_builds_each_distinct_mask_once_in_closed_form(monkeypatch):
-    from flexmask.build import closed_form
+    from flexmask.builders import closed_form
 
     local = flexmask.causal() & flexmask.chunked([48, 100])
     mask = flexmask.per_head(flexmask.causal(), local, local, flexmask.causal())

@@ -13,7 +13,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 import flexmask
-from flexmask.build.grid import make_grid
+from flexmask.blocks.grid import make_grid
 from tests import oracle
 from tests.strategies import (
     ending_intersections,

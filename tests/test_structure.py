@@ -1,5 +1,5 @@
-"""The package's shape: no import cycle among flexmask modules, and the build package laid
-out in data-flow order with mask.py importing nothing from it."""
+"""The package's shape: no import cycle among flexmask modules, layers that import only
+downward, and no private name imported across packages."""
 
 from __future__ import annotations
 
@@ -81,11 +81,122 @@ def test_the_cycle_check_can_fail():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
 
 
-def test_mask_imports_nothing_from_the_build():
+# The layers, lowest first: a module imports only its own layer and the layers below.
+# Pieces stand on blocks (a piece classifies tiles of the grid); the consumers stand on
+# everything else and use only public names.
+LAYERS: list[tuple[str, ...]] = [
+    ("flexmask._validate",),
+    ("flexmask.algebra",),
+    ("flexmask.blocks",),
+    ("flexmask.pieces",),
+    ("flexmask.builders",),
+    ("flexmask.runtime",),
+    ("flexmask.backends", "flexmask.block_sparse"),
+    ("flexmask.attention",),
+    (
+        "flexmask.packing",
+        "flexmask.inference",
+        "flexmask.context_parallel",
+        "flexmask.integrations",
+        "flexmask.plot",
+        "flexmask.formats",
+    ),
+    ("flexmask",),
+]
+
+
+def layer_of(module: str) -> int:
+    """The layer of a module: its longest matching prefix in ``LAYERS``."""
+    best, found = -1, -1
+    for rank, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), rank
+    if found < 0:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a higher layer, as "importer -> imported"."""
+    return [
+        f"{name} -> {target}"
+        for name, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(name)
+    ]
+
+
+def _package(module: str, modules: set[str]) -> str:
+    """A module's package: itself when it is one (an ``__init__``), else its parent."""
+    return module if any(m.startswith(module + ".") for m in modules) else module.rsplit(".", 1)[0]
+
+
+def private_imports(sources: dict[str, str]) -> list[str]:
+    """``from x import _name`` where x is in another package than the importer (a package's
+    own ``__init__`` re-exporting counts as inside), and imports of a module named ``_x``
+    from outside its package. ``flexmask._validate`` is the shared base: importing it is
+    public; its own underscored names are not."""
+    modules = set(sources)
+    found = []
+    for name, text in sorted(sources.items()):
+        own = _package(name, modules)
+        for node in _runtime_imports(ast.parse(text)):
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith(
+                "flexmask"
+            ):
+                continue
+            target = node.module or ""
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                where = _package(full, modules) if full in modules else _package(target, modules)
+                inside = where == own or where.startswith(own + ".")
+                private_name = alias.name.startswith("_") and alias.name != "__version__"
+                private_module = any(
+                    part.startswith("_") and part != "_validate" and part != "__init__"
+                    for part in (full if full in modules else target).split(".")
+                )
+                if (private_name or private_module) and not inside:
+                    found.append(f"{name}: from {target} import {alias.name}")
+    return found
+
+
+def _sources() -> dict[str, str]:
+    return {_module_name(p): p.read_text() for p in ROOT.rglob("*.py")}
+
+
+def test_layers_import_only_downward():
     graph = import_graph()
-    assert not {m for m in graph["flexmask.mask"] if m.startswith("flexmask.build")}
-    # ... and the build stages import only earlier stages (data-flow order).
-    order = ["codes", "grid", "write", "closed_form", "classify", "read", "create"]
-    for later, stage in enumerate(order):
-        deps = {m.rsplit(".", 1)[-1] for m in graph[f"flexmask.build.{stage}"]}
-        assert not deps & set(order[later + 1 :]), f"build.{stage} imports a later stage"
+    for name in graph:
+        layer_of(name)  # every module is placed
+    upward = upward_imports(graph)
+    assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
+def test_no_private_import_across_packages():
+    leaks = private_imports(_sources())
+    assert not leaks, "private names imported across packages:\n" + "\n".join(leaks)
+
+
+def test_the_layer_and_privacy_checks_can_fail():
+    bad = {
+        "flexmask.algebra.mask": {"flexmask.builders.create"},
+        "flexmask.builders.create": {"flexmask.algebra.mask"},
+    }
+    assert upward_imports(bad) == ["flexmask.algebra.mask -> flexmask.builders.create"]
+    sources = {
+        "flexmask.runtime.lazy": "from flexmask.builders.create import _build\n",
+        "flexmask.runtime.cache": "from flexmask.runtime.lazy import _handle\n",
+        "flexmask.builders.create": "from flexmask.pieces._base import Piece\n",
+        "flexmask.pieces._base": "",
+        "flexmask.pieces": "from flexmask.pieces._base import Piece\n",
+    }
+    assert private_imports(sources) == [
+        "flexmask.builders.create: from flexmask.pieces._base import Piece",
+        "flexmask.runtime.lazy: from flexmask.builders.create import _build",
+    ]
+
+
+def test_no_package_named_build():
+    assert not (ROOT / "build").exists()
+    assert not (ROOT / "build.py").exists()

@@ -20,7 +20,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
-from flexmask.build import create
+from flexmask.builders import create
 from tests import oracle
 from tests.strategies import expressions, interval_intersections
 

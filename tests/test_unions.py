@@ -1,4 +1,4 @@
-"""Unions of two monotone masks in closed form (flexmask.build.unions): the eight tensors equal
+"""Unions of two monotone masks in closed form (flexmask.builders.unions): the eight tensors equal
 torch's create_block_mask of the (shifted) mask_mod and of the plain dense oracle, with no
 tile evaluated."""
 
@@ -13,11 +13,11 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexmask
-from flexmask.build.classify import classify
-from flexmask.build.codes import FULL, PARTIAL
-from flexmask.build.create import build, build_counted, in_closed_form
-from flexmask.build.grid import make_grid
-from flexmask.build.unions import _reduce, union_operands
+from flexmask.blocks.codes import FULL, PARTIAL
+from flexmask.blocks.grid import make_grid
+from flexmask.builders.classify import classify
+from flexmask.builders.create import build, build_counted, in_closed_form
+from flexmask.builders.unions import _reduce, union_operands
 from tests import oracle
 from tests.strategies import interval_intersections, small_windows
 from tests.test_offsets import BLOCKS, _check, _offsets, _per_row
@@ -114,8 +114,8 @@ def test_the_union_takes_the_closed_form_and_evaluates_no_tile(monkeypatch):
         return out
 
     grid = make_grid(mask, 1, 1, 1024, 1024, "cpu", 128)
-    monkeypatch.setattr("flexmask.build.classify.refine_by_evaluation", None)
-    monkeypatch.setattr("flexmask.build.classify.refine_by_intervals", None)
+    monkeypatch.setattr("flexmask.builders.classify.refine_by_evaluation", None)
+    monkeypatch.setattr("flexmask.builders.classify.refine_by_intervals", None)
     _, refined = build_counted(mask, grid)  # refinement, were it reached, would call None
     assert refined == 0
     monkeypatch.setattr(type(mask), "_lower", spy)

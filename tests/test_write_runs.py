@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexmask.build.write import ordered_lines
+from flexmask.blocks.write import ordered_lines
 
 
 def _torch_order(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

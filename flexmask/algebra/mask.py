@@ -8,7 +8,7 @@ Every node knows what the build (``flexmask.build``) asks of it:
 * and, for pieces, ``_classify(grid)`` (block codes from structure) and ``_intervals``.
 
 This module imports nothing from the build: ``&``, ``|`` and ``~`` combine block codes in
-``flexmask.build.classify``.
+``flexmask.builders.classify``.
 
 Equality and hashing come from ``key``: the piece kinds and their data (small data as tuples,
 large data as a strong digest of dtype, shape and bytes), never tensor or closure identity.
@@ -26,7 +26,7 @@ from torch import Tensor
 from flexmask._validate import check_device, check_int
 
 if TYPE_CHECKING:  # only for annotations: the build imports this module, not the reverse
-    from flexmask.build.grid import BlockGrid
+    from flexmask.blocks.grid import BlockGrid
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -279,8 +279,8 @@ class Mask(ABC):
         return None
 
     def _has_monotone_intervals(self) -> bool:
-        """True if ``_intervals`` are monotone in the sense of ``flexmask.build.closed_form``: on a
-        prefix of the positions ``lo`` never decreases and ``lo(q) <= q``, ``hi`` never
+        """True if ``_intervals`` are monotone in the sense of ``flexmask.builders.closed_form``:
+        on a prefix of the positions ``lo`` never decreases and ``lo(q) <= q``, ``hi`` never
         decreases and is ``>= q`` or constant; past the prefix, empty. The builder then
         writes the BlockMask in closed form from the intervals of the block edges."""
         return False

@@ -4,7 +4,7 @@ A BlockMask splits the (q, kv) plane into ``q_block x kv_block`` tiles. Every pi
 classifies each tile as EMPTY (no element attends), FULL (every in-range element attends) or
 PARTIAL (some do), from its own structure. Combining codes with ``&``, ``|`` and ``~`` is exact
 except where two PARTIAL tiles meet: the result is then UNDECIDED and the build refines those
-tiles alone (``flexmask.build.classify``).
+tiles alone (``flexmask.builders.classify``).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_device, check_int
-from flexmask.build.codes import FULL, PARTIAL
-from flexmask.mask import Extent, Mask
+from flexmask.algebra.mask import Extent, Mask
+from flexmask.blocks.codes import FULL, PARTIAL
 
 
 @dataclass(frozen=True)

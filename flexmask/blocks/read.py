@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.build.codes import CODE_DTYPE, FULL, PARTIAL
+from flexmask.blocks.codes import CODE_DTYPE, FULL, PARTIAL
 
 SIDES = (
     ("kv_num_blocks", "kv_indices"),

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.build.codes import FULL, PARTIAL
-from flexmask.build.grid import BlockGrid
-from flexmask.mask import MaskMod
+from flexmask.algebra.mask import MaskMod
+from flexmask.blocks.codes import FULL, PARTIAL
+from flexmask.blocks.grid import BlockGrid
 
 
 class Flags(NamedTuple):

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.build.closed_form import Runs, row_runs
-from flexmask.build.codes import (
+from flexmask.algebra.mask import And, Mask, MaskMod, Not, Or
+from flexmask.blocks.codes import (
     CODE_DTYPE,
     EMPTY,
     FULL,
@@ -28,9 +28,9 @@ from flexmask.build.codes import (
     not_codes,
     or_codes,
 )
-from flexmask.build.grid import BlockGrid
-from flexmask.build.unions import UnionRuns, union_operands, union_row_runs
-from flexmask.mask import And, Mask, MaskMod, Not, Or
+from flexmask.blocks.grid import BlockGrid
+from flexmask.builders.closed_form import Runs, row_runs
+from flexmask.builders.unions import UnionRuns, union_operands, union_row_runs
 
 # Undecided tiles are processed this many elements at a time (1 Mi per intermediate).
 REFINE_CHUNK_ELEMENTS = 1 << 20
@@ -80,7 +80,26 @@ def classify(mask: Mask, grid: BlockGrid) -> Classified:
             codes = codes.expand(rows, *codes.shape[1:]).contiguous()
             refined += refine_by_intervals(codes, (codes == UNDECIDED).nonzero(), mask, grid)
         return Classified(codes, refined)
+    if (parts := mask._head_parts(grid.heads)) is not None:
+        return Classified(per_head_codes(mask, *parts, grid), 0)
     return Classified(mask._classify(grid), 0)  # type: ignore[attr-defined]
+
+
+def per_head_codes(mask: Mask, distinct: tuple[Mask, ...], heads_of: list[Tensor], grid: BlockGrid):
+    """Codes of a mask that is one of several masks on each head (``per_head``): each
+    distinct mask classified once (for every head, if it depends on the head itself), its
+    codes written to the heads that use it. Tiles a mask leaves UNDECIDED stay so: the build
+    refines them with the whole mask's evaluator, which picks by head."""
+    rows = grid.batch if mask.batch_dependent or grid.per_row_offsets else 1
+    shape = (rows, grid.heads, grid.num_q_blocks, grid.num_kv_blocks)
+    out = torch.empty(shape, dtype=CODE_DTYPE, device=grid.device)
+    for part, heads in zip(distinct, heads_of, strict=True):
+        if heads.numel() == 0:
+            continue
+        codes = classify(part, grid).codes.expand(shape)
+        index = heads.to(grid.device)
+        out.index_copy_(1, index, codes.index_select(1, index))
+    return out
 
 
 def codes_from_runs(runs: Runs, grid: BlockGrid) -> Tensor:

@@ -3,7 +3,7 @@
 An ``&`` of interval pieces (causal, document, sliding window, chunked, prefix, padding,
 full, empty, and ``|``-unions of causal, prefix and full such as the prefix-LM
 ``causal() | prefix(n)``, whose intervals all start at key 0, or of causal or full with spans
-such as text with images ``causal() | spans(ids)``, proved in ``flexmask.mask.Or``) gives
+such as text with images ``causal() | spans(ids)``, proved in ``flexmask.algebra.mask.Or``) gives
 query ``q`` of each batch row one kv interval
 ``[lo(q), hi(q)]``. Each of these pieces declares (``Piece._interval_shape``, read through
 ``Mask._has_monotone_intervals``) that, on a prefix of the positions (its domain; past it the
@@ -39,9 +39,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.build.grid import BlockGrid
-from flexmask.build.write import Ordered, expand_runs
-from flexmask.mask import Mask
+from flexmask.algebra.mask import Mask
+from flexmask.blocks.grid import BlockGrid
+from flexmask.blocks.write import Ordered, expand_runs
 
 
 class Runs(NamedTuple):

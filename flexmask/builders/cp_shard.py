@@ -6,11 +6,11 @@ original queries and the permuted columns a few runs of consecutive original key
 shard is written with each row's blocks listed ascending (unset blocks after, ascending:
 torch's order), in one of three ways, all exact:
 
-* runs (``_closed_form_sides``): a closed-form mask (``flexmask.build.closed_form``) whose
+* runs (``_closed_form_sides``): a closed-form mask (``flexmask.builders.closed_form``) whose
   runs are whole blocks and whose rows ascend — the rank's blocks are a grid of their own,
   each row's block runs cut each key run into permuted runs, and both sides are written as
   runs laid end to end: O(the rank's blocks), no tile grid;
-* segments (``flexmask.context_parallel.segments``): a closed-form mask otherwise — rows
+* segments (``flexmask.builders.segments``): a closed-form mask otherwise — rows
   and keys cut at block and run boundaries into pieces, each piece's intervals met with
   the runs they touch (binary searches), the blocks of every line found from range events:
   O(pieces + touched runs) plus writing the output; where whole blocks touch so many runs
@@ -34,19 +34,19 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.build.classify import classify_blocks
-from flexmask.build.closed_form import Runs, line_runs, row_runs
-from flexmask.build.codes import EMPTY, FULL
-from flexmask.build.grid import BlockGrid, make_grid
-from flexmask.build.write import (
+from flexmask.algebra.mask import Mask
+from flexmask.blocks.codes import EMPTY, FULL
+from flexmask.blocks.grid import BlockGrid, make_grid
+from flexmask.blocks.write import (
     Ordered,
     expand_runs,
     ordered_from_codes,
     ordered_from_flags,
     ordered_lines,
 )
-from flexmask.context_parallel.segments import Columns, Pieces, pair_count, segment_sides, side
-from flexmask.mask import Mask
+from flexmask.builders.classify import classify_blocks
+from flexmask.builders.closed_form import Runs, line_runs, row_runs
+from flexmask.builders.segments import Columns, Pieces, pair_count, segment_sides, side
 
 
 class ShardMaskMod:
@@ -330,7 +330,7 @@ def _tile_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered,
     """Both sides from the classified tiles of the rank's query runs (R, heads, ...).
 
     Each query run is a window of the whole mask, cut at the layout's tile (which divides
-    every run boundary): pieces classify it as any build (``flexmask.build.classify``; only
+    every run boundary): pieces classify it as any build (``flexmask.builders.classify``; only
     tiles the structure leaves undecided are refined), against every original key tile.
     The runs' codes are stacked in local order, key tiles put in permuted order and, when
     the tile is below ``BLOCK_SIZE``, read back as blocks.

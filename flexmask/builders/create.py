@@ -32,11 +32,10 @@ from flexmask._validate import (
     check_window,
     env_int,
 )
-from flexmask.build import closed_form, unions
-from flexmask.build.classify import classify_blocks
-from flexmask.build.grid import BlockGrid, block_sizes, make_grid, offsets
-from flexmask.build.read import BLOCK_FIELDS, WRITE_ORDER_FIELDS
-from flexmask.build.write import (
+from flexmask.algebra.mask import Mask, MaskMod, ShiftedMod
+from flexmask.blocks.grid import BlockGrid, block_sizes, make_grid, offsets
+from flexmask.blocks.read import BLOCK_FIELDS, WRITE_ORDER_FIELDS
+from flexmask.blocks.write import (
     TORCH_DEFAULTS,
     Flags,
     Ordered,
@@ -45,7 +44,8 @@ from flexmask.build.write import (
     exporting,
     ordered_from_codes,
 )
-from flexmask.mask import Mask, MaskMod, ShiftedMod
+from flexmask.builders import closed_form, unions
+from flexmask.builders.classify import classify_blocks
 
 ENV_BUILD_THREADS = "FLEXMASK_BUILD_THREADS"
 
@@ -297,7 +297,7 @@ def create_block_mask(
     in the same order, the same full/partial split (``same_blocks``) — without evaluating the
     mask on every element. An ``&`` of interval pieces (causal, document, sliding window,
     prefix, padding) is written in closed form from the intervals at block edges
-    (``flexmask.build.closed_form``); any other expression has its tiles classified from each
+    (``flexmask.builders.closed_form``); any other expression has its tiles classified from each
     piece's data and is evaluated only on tiles the structure leaves undecided. The eight
     tensors equal torch's as whole tensors (the unlisted tail in torch's order), each
     ``(B, H, ...)``, contiguous, with a storage of its own — a mask that does not depend on

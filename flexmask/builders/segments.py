@@ -3,7 +3,7 @@
 A side's lines (kv side: the rank's q blocks; q side: the permuted kv blocks) are cut into
 *pieces*, ranges of consecutive original positions inside one block, and its columns are
 the *runs* of the other axis's permutation (consecutive original positions at consecutive
-permuted ones). For a mask with monotone intervals (``flexmask.build.closed_form``) each
+permuted ones). For a mask with monotone intervals (``flexmask.builders.closed_form``) each
 piece attends one original interval and covers another (every position of the piece
 attends all of it). Such an interval meets a range of runs in original order (two binary
 searches), and inside each run it is one permuted interval: so a piece's blocks are a few
@@ -14,7 +14,7 @@ its pieces' ranges lies, full where each piece's covered ranges (merged where th
 across runs) hold the whole block and the line is complete. The events, sorted by line and
 column block, cut every line into segments of one state, and each index tensor is those
 segments laid out in torch's order (listed blocks ascending, then the others) and expanded
-in one pass (``flexmask.build.write.expand_runs``).
+in one pass (``flexmask.blocks.write.expand_runs``).
 
 The keys attending a query are an interval, and so are the queries attending a key
 (``[u(k), v(k)]`` with ``u`` the first query whose ``hi`` reaches ``k`` and ``v`` the last
@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.build.write import Ordered, expand_runs
+from flexmask.blocks.write import Ordered, expand_runs
 
 
 class Pieces(NamedTuple):

@@ -59,10 +59,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.build.closed_form import clipped, special_blocks
-from flexmask.build.grid import BlockGrid
-from flexmask.build.write import Ordered, expand_runs
-from flexmask.mask import Mask, Or
+from flexmask.algebra.mask import Mask, Or
+from flexmask.blocks.grid import BlockGrid
+from flexmask.blocks.write import Ordered, expand_runs
+from flexmask.builders.closed_form import clipped, special_blocks
 
 # Larger than any position: the neutral value of a min over non-attending queries; the sum
 # of two stays inside int64.

@@ -20,13 +20,13 @@ from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 
 from flexmask._validate import check_device, check_int, checked_sum, digest
-from flexmask.build.classify import classify_blocks
-from flexmask.build.closed_form import row_runs
-from flexmask.build.codes import EMPTY, FULL, PARTIAL
-from flexmask.build.create import cpu_threads
-from flexmask.build.grid import make_grid
-from flexmask.build.write import expand_runs
-from flexmask.mask import Mask
+from flexmask.algebra.mask import Mask
+from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
+from flexmask.blocks.grid import make_grid
+from flexmask.blocks.write import expand_runs
+from flexmask.builders.classify import classify_blocks
+from flexmask.builders.closed_form import row_runs
+from flexmask.builders.create import cpu_threads
 from flexmask.pieces import padding
 
 

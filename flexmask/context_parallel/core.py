@@ -15,11 +15,12 @@ from torch.distributed.tensor.experimental._attention import _LoadBalancer
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import INT64_MAX, check_device, check_int
-from flexmask.build.create import build as build_window
-from flexmask.build.create import cpu_threads
-from flexmask.build.grid import BlockGrid, make_grid
-from flexmask.build.read import block_mask_nbytes
-from flexmask.cache import KeyedCache
+from flexmask.algebra.mask import Mask
+from flexmask.blocks.grid import BlockGrid, make_grid
+from flexmask.blocks.read import block_mask_nbytes
+from flexmask.builders.cp_shard import KeyOrder, build_shard
+from flexmask.builders.create import build as build_window
+from flexmask.builders.create import cpu_threads
 from flexmask.context_parallel.balance import (
     HeadTailBalancer,
     MaskAwareBalancer,
@@ -29,9 +30,8 @@ from flexmask.context_parallel.balance import (
     balancer_indices,
     balancer_key,
 )
-from flexmask.context_parallel.shard import KeyOrder, build_shard
-from flexmask.mask import Mask
 from flexmask.pieces import padding
+from flexmask.runtime.cache import KeyedCache
 
 BALANCERS = ("head_tail", "mask_aware", "ptrr", None)
 

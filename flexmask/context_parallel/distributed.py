@@ -20,8 +20,8 @@ from torch.distributed.tensor.experimental._context_parallel._cp_custom_ops impo
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import check_int
+from flexmask.algebra.mask import Mask
 from flexmask.attention import flex_attention
-from flexmask.mask import Mask
 
 if TYPE_CHECKING:
     from flexmask.context_parallel.core import CPShard, LazyShard

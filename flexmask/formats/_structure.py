@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_int
-from flexmask.mask import And, Extent, Mask, Not, Or
+from flexmask.algebra.mask import And, Extent, Mask, Not, Or
 from flexmask.pieces import (
     Causal,
     Chunked,

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_device
+from flexmask.algebra.mask import Mask
 from flexmask.formats._structure import lines, one_mask_for_all_heads, window
-from flexmask.mask import Mask
 
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3
 """MagiAttention's ``attn_type_map`` values (``AttnMaskType.to_int_type``)."""

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_device
+from flexmask.algebra.mask import Mask
 from flexmask.formats._structure import INF, lines, one_mask_for_all_heads, varlen_plan, window
-from flexmask.mask import Mask
 
 
 @dataclass(frozen=True, eq=False)

@@ -29,12 +29,13 @@ from cachetools import LRUCache
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask import create_block_mask, pieces
+from flexmask import pieces
 from flexmask._validate import check_int, digest
+from flexmask.algebra.mask import Mask
 from flexmask.attention import flex_attention
-from flexmask.lazy import LazyBlockMask
-from flexmask.mask import Mask
+from flexmask.builders.create import create_block_mask
 from flexmask.packing import PackedBatch, TreeBatch, TreePack
+from flexmask.runtime.lazy import LazyBlockMask
 
 __all__ = ["attention_masks", "flexmask_attention", "layer_mask", "model_inputs", "register"]
 

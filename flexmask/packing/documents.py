@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from flexmask._validate import check_int
-from flexmask.lazy import lazy
 from flexmask.packing.tokens import (
     _POLICIES,
     _STRATEGIES,
@@ -28,10 +27,11 @@ from flexmask.packing.tokens import (
     _token_lists,
 )
 from flexmask.pieces import causal, document
+from flexmask.runtime.lazy import lazy
 
 if TYPE_CHECKING:
-    from flexmask.lazy import LazyBlockMask
-    from flexmask.mask import Mask
+    from flexmask.algebra.mask import Mask
+    from flexmask.runtime.lazy import LazyBlockMask
 
 
 class Chunk(NamedTuple):

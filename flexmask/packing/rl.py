@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from flexmask._validate import check_int
-from flexmask.lazy import lazy
 from flexmask.packing.tokens import Device, _check_memory, _loss_masks, _token_lists
 from flexmask.packing.trie import _Edge, _insert, _lay_out, _shared
 from flexmask.pieces import tree
+from flexmask.runtime.lazy import lazy
 
 if TYPE_CHECKING:
-    from flexmask.lazy import LazyBlockMask
-    from flexmask.mask import Mask
+    from flexmask.algebra.mask import Mask
+    from flexmask.runtime.lazy import LazyBlockMask
 
 
 class SequenceLogProbs(NamedTuple):

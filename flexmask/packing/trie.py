@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from flexmask._validate import check_int
-from flexmask.lazy import lazy
 from flexmask.packing.tokens import Device, _check_memory, _ranges, _token_lists
 from flexmask.pieces import tree
+from flexmask.runtime.lazy import lazy
 
 if TYPE_CHECKING:
-    from flexmask.lazy import LazyBlockMask
-    from flexmask.mask import Mask
+    from flexmask.algebra.mask import Mask
+    from flexmask.runtime.lazy import LazyBlockMask
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

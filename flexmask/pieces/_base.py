@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.mask import Extent, Mask, MaskModFn
+from flexmask.algebra.mask import Extent, Mask, MaskModFn
 
 
 class Piece(Mask):
@@ -14,7 +14,7 @@ class Piece(Mask):
     __slots__ = ("_key", "_rows", "_device", "_natural", "_placed")
     _arg = "the mask's data"
     _interval_shape: str | None = None
-    """What the piece's ``_intervals`` promise (``flexmask.build.closed_form``): None — none;
+    """What the piece's ``_intervals`` promise (``flexmask.builders.closed_form``): None — none;
     "monotone" — one interval per query, monotone; "from_zero" — monotone and starting at
     key 0, possibly empty as ``[0, -1]`` (so ``|``-unions of such pieces are intervals too:
     ``[0, max hi]``); "diagonal" — from zero and reaching at least the query itself

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import scalar_or_rows, source_device
-from flexmask.build.grid import BlockGrid
+from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import Piece, per_row_view
 
 

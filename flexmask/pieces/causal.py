@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.build.codes import codes_from
-from flexmask.build.grid import BlockGrid
-from flexmask.mask import Intervals, Lowered
+from flexmask.algebra.mask import Intervals, Lowered
+from flexmask.blocks.codes import codes_from
+from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import Piece, PieceMod
 
 

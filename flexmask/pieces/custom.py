@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.build.codes import UNDECIDED, constant_codes
-from flexmask.build.grid import BlockGrid
-from flexmask.mask import Lowered, MaskMod, MaskModFn
+from flexmask.algebra.mask import Lowered, MaskMod, MaskModFn
+from flexmask.blocks.codes import UNDECIDED, constant_codes
+from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import Piece
 
 

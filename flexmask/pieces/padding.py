@@ -7,9 +7,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.build.codes import codes_from
-from flexmask.build.grid import BlockGrid
-from flexmask.mask import Intervals, Lowered
+from flexmask.algebra.mask import Intervals, Lowered
+from flexmask.blocks.codes import codes_from
+from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
 

@@ -8,10 +8,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_int
-from flexmask.build.classify import classify
-from flexmask.build.codes import CODE_DTYPE
-from flexmask.build.grid import BlockGrid
-from flexmask.mask import Composite, Extent, Lowered, Mask, MaskMod, MaskModFn
+from flexmask.algebra.mask import Composite, Extent, Lowered, Mask, MaskMod, MaskModFn
 
 
 class PerHead(Composite):
@@ -25,7 +22,8 @@ class PerHead(Composite):
 
     Equal masks are kept once (``distinct``): the build makes each distinct mask's tensors
     once (``Mask._head_parts``; in closed form where it has one) and copies them to the heads
-    that use it — inside ``&``/``|``/``~``, each distinct mask's tile codes; the mask_mod
+    that use it — inside ``&``/``|``/``~``, each distinct mask's tile codes
+    (``builders.classify.per_head_codes``); the mask_mod
     evaluates each distinct mask once.
     """
 
@@ -72,21 +70,6 @@ class PerHead(Composite):
         h = torch.arange(heads)
         which = self.head_table[(h // self.group_size) % len(self.masks)]
         return [(which == d).nonzero().view(-1) for d in range(len(self.distinct))]
-
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        # Each distinct mask classified once (for every head, if it depends on the head
-        # itself), its codes written to the heads that use it. Tiles a mask leaves UNDECIDED
-        # stay so: the build refines them with this mask's evaluator, which picks by head.
-        rows = grid.batch if self.batch_dependent or grid.per_row_offsets else 1
-        shape = (rows, grid.heads, grid.num_q_blocks, grid.num_kv_blocks)
-        out = torch.empty(shape, dtype=CODE_DTYPE, device=grid.device)
-        for mask, heads in zip(self.distinct, self._heads_of(grid.heads), strict=True):
-            if heads.numel() == 0:
-                continue
-            codes = classify(mask, grid).codes.expand(shape)
-            index = heads.to(grid.device)
-            out.index_copy_(1, index, codes.index_select(1, index))
-        return out
 
     def _lower(self, length: int, device: torch.device) -> Lowered:
         parts = [m._lower(length, device) for m in self.distinct]

@@ -8,9 +8,9 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import digest, int_vector, is_nested, source_device
-from flexmask.build.codes import codes_from
-from flexmask.build.grid import BlockGrid
-from flexmask.mask import Intervals, Lowered
+from flexmask.algebra.mask import Intervals, Lowered
+from flexmask.blocks.codes import codes_from
+from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import Piece, PieceMod
 
 _PAST = 1 << 62  # pads span starts and ends: past every position

@@ -23,10 +23,10 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import env_int
-from flexmask.build.create import build, check_size, emptied, no_rows_or_heads
-from flexmask.build.grid import BlockGrid, make_grid
-from flexmask.build.read import block_mask_nbytes
-from flexmask.mask import Mask
+from flexmask.algebra.mask import Mask
+from flexmask.blocks.grid import BlockGrid, make_grid
+from flexmask.blocks.read import block_mask_nbytes
+from flexmask.builders.create import build, check_size, emptied, no_rows_or_heads
 
 ENV_SIZE = "FLEXMASK_CACHE_SIZE"
 ENV_BYTES = "FLEXMASK_CACHE_BYTES"

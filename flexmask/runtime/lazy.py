@@ -13,10 +13,10 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import check_device, check_int
-from flexmask.build.create import check_size, no_rows_or_heads
-from flexmask.build.grid import block_sizes
-from flexmask.cache import MaskCache, default_cache
-from flexmask.mask import Extent, Mask
+from flexmask.algebra.mask import Extent, Mask
+from flexmask.blocks.grid import block_sizes
+from flexmask.builders.create import check_size, no_rows_or_heads
+from flexmask.runtime.cache import MaskCache, default_cache
 
 
 def _validate(

@@ -39,10 +39,10 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
-from flexmask import block_sparse_kernel as kernel
-from flexmask.build.create import built_from
-from flexmask.build.grid import make_grid
-from flexmask.mask import Mask
+from flexmask.algebra.mask import Mask
+from flexmask.backends.block_sparse import kernel
+from flexmask.blocks.grid import make_grid
+from flexmask.builders.create import built_from
 from flexmask.pieces.causal import Causal
 
 Backend = Literal["auto", "sparse", "sdpa"]
@@ -559,7 +559,7 @@ def _grouped_slice(
     bounds: kernel.Bounds | None,
     threads: int,
 ) -> tuple[Tensor, Tensor]:
-    """The grouped kernel (flexmask.block_sparse_kernel), in and out of its blocked layouts."""
+    """The grouped kernel (``kernel``), in and out of its blocked layouts."""
     layout = kernel.Layout(
         batch=plan.batch,
         kv_heads=plan.kv_heads,

@@ -1,0 +1,1 @@
+"""Attention backends: each lowers a BlockMask (and its Mask) to a kernel call."""
