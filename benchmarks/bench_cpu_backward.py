@@ -44,12 +44,9 @@ from _memory import peak_extra_bytes, peak_rss_bytes  # noqa: E402
 from common import busy_processes, fmt_bytes, fmt_time, markdown_table, ratio  # noqa: E402
 
 import flexmask  # noqa: E402
-from flexmask.backends.block_sparse.api import (  # noqa: E402
-    _plan,
-    block_sparse_attention,
-    choose_backend,
-    is_causal,
-)
+from flexmask.backends.block_sparse.api import block_sparse_attention  # noqa: E402
+from flexmask.backends.plan import make_plan  # noqa: E402
+from flexmask.backends.sdpa import choose_backend, is_causal  # noqa: E402
 
 
 def document_causal(seq_len: int, num_docs: int, seed: int) -> tuple[Callable[..., Tensor], Tensor]:
@@ -138,7 +135,7 @@ def run_case(
     start = time.perf_counter()
     block_mask: BlockMask = flexmask.create_block_mask(mask, 1, 1, seq_len, seq_len)
     build_s = time.perf_counter() - start
-    plan = _plan(q, k, v, block_mask, None, None, False, "auto")
+    plan = make_plan(q, k, v, block_mask, None, None, False, "auto")
     backend = choose_backend(plan, mask)
 
     def clear() -> None:

@@ -5,7 +5,7 @@
 * ``one thread``: every group in the calling thread on one intra-op thread (``threads=1``);
 * ``torch's threads``: every group in the calling thread, torch's intra-op threads in each op
   (no public knob: the kernel's ``run_groups`` is swapped here);
-* ``measured choice``: ``threads=None``, the default (``block_sparse_kernel.ThreadChoice``),
+* ``measured choice``: ``threads=None``, the default (``threads.ThreadChoice``),
   after 12 calls in which it times both ways and settles.
 
 Forward + backward, best and median of ``--repeats`` calls per way. ``--busy N`` runs N
@@ -68,11 +68,11 @@ def time_ways(mask, S, B, H, D, block, repeats) -> dict[str, list[float]]:
         out.sum().backward()
 
     def in_this_thread(one, groups, *_):
-        kernel._in_this_thread(one, len(groups))
+        threads.in_this_thread(one, len(groups))
 
     times: dict[str, list[float]] = {}
     for way in WAYS:
-        kernel.CHOICE = kernel.ThreadChoice()  # every case starts the choice afresh
+        threads.CHOICE = threads.ThreadChoice()  # every case starts the choice afresh
         kernel.run_groups = in_this_thread if way == "torch's threads" else run_groups
         try:
             for _ in range(12 if way == "measured choice" else 1):  # warm-up

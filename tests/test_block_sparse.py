@@ -33,7 +33,10 @@ from torch.nn.attention.flex_attention import (
 
 import flexmask
 from flexmask.backends.block_sparse import kernel
-from flexmask.backends.block_sparse.api import _plan, block_sparse_attention, choose_backend
+from flexmask.backends.block_sparse import threads as block_sparse_threads
+from flexmask.backends.block_sparse.api import block_sparse_attention
+from flexmask.backends.plan import make_plan
+from flexmask.backends.sdpa import choose_backend
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
@@ -383,14 +386,14 @@ def test_batch_and_head_slices_equal_the_oracle(monkeypatch, name, pairs):
     call runs in slices of ``pairs`` (batch row, kv head) pairs (a part of the heads, or whole
     rows): a mask that differs per batch row and head, GQA, and Q_LEN != KV_LEN give the
     oracle's output, lse and gradients, and the slices are really taken."""
-    import flexmask.backends.block_sparse.api as module
+    import flexmask.backends.block_sparse.grouped as module
 
     case = next(c for c in CASES if c[0] == name)
     block_mask, dense, q, k, v, grad_out = build_case(case)
     group = q.size(1) // k.size(1)
     taken = []
-    plan_slice = module._plan_slice
-    monkeypatch.setattr(module, "_plan_slice", lambda *a: taken.append(a[1:]) or plan_slice(*a))
+    plan_slice = module.plan_slice
+    monkeypatch.setattr(module, "plan_slice", lambda *a: taken.append(a[1:]) or plan_slice(*a))
     assert_matches_oracles(
         q,
         k,
@@ -496,7 +499,7 @@ def test_unlisted_blocks_are_skipped_even_where_mask_mod_allows():
 
 def test_kv_blocks_far_apart_are_gathered():
     """Columns that are not one contiguous run take the gather path instead of a slice."""
-    from flexmask.backends.block_sparse.api import _chunks
+    from flexmask.backends.block_sparse.score_mod import plan_chunks
 
     def sink_and_recent(b, h, q_idx, kv_idx):  # attention sinks plus a causal local window
         return (kv_idx < 16) | ((q_idx >= kv_idx) & (q_idx - kv_idx < 16))
@@ -505,8 +508,8 @@ def test_kv_blocks_far_apart_are_gathered():
         sink_and_recent, None, None, 200, 200, device="cpu", BLOCK_SIZE=16
     )
     q, k, v, grad_out = random_qkv(2, 2, 2, 200, 200)
-    plan = _plan(q, k, v, block_mask, None, None, False, "auto")
-    assert any(c.first_column is None for c in _chunks(plan, 1 << 22))  # score_mod path
+    plan = make_plan(q, k, v, block_mask, None, None, False, "auto")
+    assert any(c.first_column is None for c in plan_chunks(plan, 1 << 22))  # score_mod path
     layout = kernel.Layout(2, 2, 1, 200, 200, 16, 16, 1.0, torch.float64)
     groups = kernel.make_groups(plan.kinds, layout, 1 << 22)
     assert any(bool((g.columns.diff(dim=-1) > 1).any()) for g in groups)  # grouped kernel
@@ -833,7 +836,7 @@ def test_backend_choice_follows_density_and_size():
     def choice(mask_mod, seq_len):
         block_mask = create_block_mask(mask_mod, None, None, seq_len, seq_len, device="cpu")
         q = k = v = torch.zeros(1, 1, seq_len, 8)
-        return choose_backend(_plan(q, k, v, block_mask, None, None, False, "auto"))
+        return choose_backend(make_plan(q, k, v, block_mask, None, None, False, "auto"))
 
     lengths = [40] * 51 + [2048 - 40 * 51]
     assert choice(generate_doc_causal(document_ids(lengths)), 2048) == "sparse"
@@ -920,7 +923,7 @@ def test_threads_none_takes_both_ways_exactly(monkeypatch):
     single-threaded workers, as a fresh ThreadChoice picks: the oracle's output, lse and
     gradients every time, both ways taken for the forward and the backward, and torch's
     thread count left as it was."""
-    from flexmask.backends.block_sparse import kernel as block_sparse_kernel
+    from flexmask.backends.block_sparse import threads as block_sparse_kernel
 
     choice = block_sparse_kernel.ThreadChoice(first=1, most=2)
     monkeypatch.setattr(block_sparse_kernel, "CHOICE", choice)
@@ -947,19 +950,19 @@ def test_threads_none_takes_both_ways_exactly(monkeypatch):
 def test_threads_are_a_cpu_matter():
     """On the CPU threads=None measures (AUTO) and an int is kept; on another device the
     groups run in the calling thread (helper threads would launch on their own stream)."""
-    from flexmask.backends.block_sparse.api import _kernel_workers
+    from flexmask.backends.block_sparse.threads import kernel_workers
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert _kernel_workers(None, cpu) == kernel.AUTO
-    assert _kernel_workers(3, cpu) == 3
-    assert _kernel_workers(None, cuda) == _kernel_workers(3, cuda) == 1
+    assert kernel_workers(None, cpu) == block_sparse_threads.AUTO
+    assert kernel_workers(3, cpu) == 3
+    assert kernel_workers(None, cuda) == kernel_workers(3, cuda) == 1
 
 
 def test_thread_choice_follows_the_faster_way():
     """Each way is measured once, the faster one runs, the other is tried again after
     ``first`` calls and then at doubling intervals up to ``most`` while it loses; a probe that
     wins takes over, and an incumbent that slows past the other's cost gives way unprobed."""
-    from flexmask.backends.block_sparse.kernel import ThreadChoice
+    from flexmask.backends.block_sparse.threads import ThreadChoice
 
     choice, kind = ThreadChoice(first=2, most=8), ("forward", 20)
     cost = {"torch": 1.0, "workers": 3.0}
@@ -1030,7 +1033,7 @@ def test_a_forked_child_does_not_inherit_the_thread_choice_lock():
     import os
     import threading
 
-    from flexmask.backends.block_sparse import kernel as block_sparse_kernel
+    from flexmask.backends.block_sparse import threads as block_sparse_kernel
 
     held, release = threading.Event(), threading.Event()
 

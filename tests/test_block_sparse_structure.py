@@ -16,12 +16,10 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 import flexmask
 from flexmask import attention
-from flexmask.backends.block_sparse.api import (
-    _plan,
-    block_sparse_attention,
-    interval_bounds,
-    is_causal,
-)
+from flexmask.backends.block_sparse.api import block_sparse_attention
+from flexmask.backends.block_sparse.grouped import interval_bounds
+from flexmask.backends.plan import make_plan
+from flexmask.backends.sdpa import is_causal
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -105,7 +103,7 @@ def test_bounds_equal_torch_create_mask(lengths, window, q_block, kv_block, with
         mask, 1, 1, seq_len, seq_len, BLOCK_SIZE=(q_block, kv_block)
     )
     q, k, v, _ = qkv(1, 1, seq_len, seq_len)
-    bounds = interval_bounds(mask, _plan(q, k, v, block_mask, None, None, False, "auto"))
+    bounds = interval_bounds(mask, make_plan(q, k, v, block_mask, None, None, False, "auto"))
     lo, hi = (t.flatten(1)[:, :seq_len, None] for t in bounds)
     kv_idx = torch.arange(seq_len)
     dense = create_mask(mask.mask_mod, 1, 1, seq_len, seq_len, device="cpu")[0]
@@ -120,7 +118,7 @@ def test_mask_without_intervals_falls_back_to_mask_mod():
     assert not mask._has_intervals()
     block_mask = flexmask.create_block_mask(mask, 1, 1, seq_len, seq_len, BLOCK_SIZE=16)
     q, k, v, _ = qkv(1, 2, seq_len, seq_len)
-    assert interval_bounds(mask, _plan(q, k, v, block_mask, None, None, False, "auto")) is None
+    assert interval_bounds(mask, make_plan(q, k, v, block_mask, None, None, False, "auto")) is None
     dense = create_mask(mask.mask_mod, 1, 1, seq_len, seq_len, device="cpu")
     out = block_sparse_attention(q, k, v, block_mask, mask=mask, backend="sparse")
     torch.testing.assert_close(out, oracle(q, k, v, dense), atol=1e-10, rtol=0)
@@ -198,12 +196,12 @@ def test_a_block_mask_with_no_record_ignores_the_mask_argument(derive):
 def test_a_flexmask_block_mask_reads_its_own_intervals(monkeypatch):
     """No mask argument needed: the BlockMask's recorded Mask gives the intervals, so
     mask_mod is never called on the partial blocks."""
-    from flexmask.backends.block_sparse import api as block_sparse
+    from flexmask.backends.block_sparse import grouped as block_sparse
 
     def refuse(*args, **kwargs):
         raise AssertionError("mask_mod path taken")
 
-    monkeypatch.setattr(block_sparse, "_group_mask_fn", refuse)
+    monkeypatch.setattr(block_sparse, "group_mask_fn", refuse)
     seq_len = 120
     built, _ = _two_document_masks(seq_len)
     block_mask = flexmask.create_block_mask(built, 1, 1, seq_len, seq_len, BLOCK_SIZE=32)
@@ -244,7 +242,7 @@ def causal_by_stack(b, h, q_idx, kv_idx):
 
 def plan_of(block_mask, q_len, kv_len, heads=2):
     q, k, v, _ = qkv(1, heads, q_len, kv_len)
-    return _plan(q, k, v, block_mask, None, None, False, "auto")
+    return make_plan(q, k, v, block_mask, None, None, False, "auto")
 
 
 @pytest.mark.parametrize(
@@ -367,7 +365,7 @@ def test_no_grad_cpu_call_compiles_only_when_asked(monkeypatch):
 
 def test_dense_masks_go_to_sdpa_and_sparse_ones_stay():
     """Half the blocks listed is the line: ~36% stays sparse, ~59% goes to SDPA."""
-    from flexmask.backends.block_sparse.api import SDPA_MIN_DENSITY, choose_backend
+    from flexmask.backends.sdpa import SDPA_MIN_DENSITY, choose_backend
 
     for mask, expected in (
         (flexmask.causal() & flexmask.sliding_window(700), "sparse"),

@@ -46,6 +46,16 @@ def import_graph() -> dict[str, set[str]]:
                         graph[name].add(target)
             else:
                 graph[name].update(a.name for a in node.names if a.name in modules)
+    # Importing a.b.c runs a.b's __init__ first: an edge to every package above a target
+    # that is not above the importer (those are already being imported), the root aside.
+    for name in graph:
+        above = {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)}
+        for target in list(graph[name]):
+            parts = target.split(".")
+            for i in range(2, len(parts)):
+                package = ".".join(parts[:i])
+                if package in modules and package not in above and package != name:
+                    graph[name].add(package)
     return graph
 
 

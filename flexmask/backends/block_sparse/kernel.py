@@ -24,19 +24,16 @@ forward of activation checkpointing. So this kernel
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-# Block kinds, as in flexmask.block_sparse.
-_ABSENT, _PARTIAL, _FULL = 0, 1, 2
+from flexmask.backends.block_sparse.threads import run_groups
+from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
 
 
 class Group(NamedTuple):
@@ -90,7 +87,7 @@ def make_groups(kinds: Tensor, layout: Layout, max_elements: int) -> list[Group]
     out (their output is 0 and lse ``-inf``).
     """
     num_kv_blocks = kinds.size(-1)
-    listed = (kinds != _ABSENT).flatten(0, 2).any(dim=0)  # (NQ, NKV)
+    listed = (kinds != EMPTY).flatten(0, 2).any(dim=0)  # (NQ, NKV)
     widths = listed.sum(dim=-1)
     # Columns of each q block, left-aligned: a stable sort puts listed columns first, in order.
     order = torch.sort((~listed).to(torch.int8), dim=-1, stable=True).indices
@@ -111,7 +108,7 @@ def make_groups(kinds: Tensor, layout: Layout, max_elements: int) -> list[Group]
             part = blocks[start : start + step]
             columns = order[part, :width]
             group_kinds = kinds[..., part[:, None], columns]
-            needs_mask = (group_kinds == _PARTIAL).flatten(0, 2).any(dim=0)  # (n, W)
+            needs_mask = (group_kinds == PARTIAL).flatten(0, 2).any(dim=0)  # (n, W)
             if per_row > 1:
                 needs_mask |= ~uniform[part[:, None], columns]
             if ragged:
@@ -170,13 +167,13 @@ def _refused(group: Group, layout: Layout, source: MaskSource) -> Tensor:
         rows = source.lo.size(0)
         lo = source.lo.index_select(1, span.blocks).view(rows, 1, 1, n, layout.q_block, 1, 1)
         hi = source.hi.index_select(1, span.blocks).view(rows, 1, 1, n, layout.q_block, 1, 1)
-        lo = torch.where(kinds == _FULL, 0, torch.where(kinds == _PARTIAL, lo, layout.kv_len))
-        hi = torch.where(kinds == _PARTIAL, hi, layout.kv_len - 1).clamp(max=layout.kv_len - 1)
+        lo = torch.where(kinds == FULL, 0, torch.where(kinds == PARTIAL, lo, layout.kv_len))
+        hi = torch.where(kinds == PARTIAL, hi, layout.kv_len - 1).clamp(max=layout.kv_len - 1)
         refused = (kv_tokens < lo) | (kv_tokens > hi)
     else:
-        allowed = kinds == _FULL
-        if bool((span.kinds == _PARTIAL).any()):
-            allowed = allowed | ((kinds == _PARTIAL) & source(span))
+        allowed = kinds == FULL
+        if bool((span.kinds == PARTIAL).any()):
+            allowed = allowed | ((kinds == PARTIAL) & source(span))
         if bool((kv_tokens >= layout.kv_len).any()):
             allowed = allowed & (kv_tokens < layout.kv_len)
         refused = ~allowed
@@ -232,7 +229,7 @@ def forward(
     element_size = q_blocks.element_size()
     keep_probs = []
     for g in groups:
-        size = _scores_numel(g, layout) * element_size
+        size = scores_numel(g, layout) * element_size
         keep_probs.append(size <= save_budget)
         save_budget -= size if keep_probs[-1] else 0
     mask_budget = _Budget(save_budget)
@@ -261,7 +258,7 @@ def forward(
         elif refused is not None and mask_budget.take(refused.numel()):
             saved_masks[index] = refused
 
-    run_groups(one, groups, layout, workers, "forward")
+    run_groups(one, [scores_numel(g, layout) for g in groups], workers, "forward")
     return out, lse, saved_probs, saved_masks
 
 
@@ -319,7 +316,7 @@ def backward(
         _scatter_rows(grad_q, g.blocks, torch.bmm(grad_scores, keys), layout)
         _add_columns(grad_k, g.columns, torch.bmm(grad_scores.transpose(1, 2), queries))
 
-    run_groups(one, groups, layout, workers, "backward")
+    run_groups(one, [scores_numel(g, layout) for g in groups], workers, "backward")
     if not grad_kv:
         return grad_q, torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
     parts = list(grad_kv.values())
@@ -330,7 +327,7 @@ def backward(
     return grad_q, grad_k, grad_v
 
 
-def _scores_numel(group: Group, layout: Layout) -> int:
+def scores_numel(group: Group, layout: Layout) -> int:
     n, width = group.columns.shape
     rows = layout.batch * layout.kv_heads * n * layout.group * layout.q_block
     return rows * width * layout.kv_block
@@ -349,182 +346,6 @@ class _Budget:
                 return False
             self.left -= size
             return True
-
-
-# ``workers`` for run_groups: choose per call between the two ways (see ThreadChoice).
-AUTO = 0
-
-
-class ThreadChoice:
-    """Which of two ways ran a kind of call faster lately: torch's intra-op threads in every
-    op of the calling thread ("torch"), or the groups dealt to single-threaded workers
-    ("workers").
-
-    Neither wins everywhere (``benchmarks/bench_sparse_threads.py``, 2 cores, forward +
-    backward): on free cores torch's threads took 0.55-0.81x the workers' time at 2k-8k and
-    0.58x on the demo's small calls; with one other busy process they took 1.3-1.7x
-    (medians) at 2k-8k, every op waiting for a descheduled thread. What the cores are free
-    for changes while a job runs (DataLoader workers, other jobs), and the load average lags
-    a minute behind, so the choice is measured: each kind of call (forward or backward, and
-    its score elements to within a factor of 2) runs the way whose recent seconds per
-    element are lowest, and tries the other way again after ``first`` calls, then after
-    twice as many each time the probe loses (at most ``most``): settled, a way that is 3x
-    slower costs about 3% more time.
-    Results are the same either way: only the time differs.
-    """
-
-    WAYS = ("torch", "workers")
-
-    def __init__(self, first: int = 4, most: int = 64) -> None:
-        self.first, self.most = first, most
-        self.lock = threading.Lock()
-        self.kinds: dict[tuple[str, int], _Kind] = {}
-
-    def pick(self, kind: tuple[str, int]) -> str:
-        with self.lock:
-            state = self.kinds.setdefault(kind, _Kind(self.first))
-            for way in self.WAYS:  # each way once, first
-                if way not in state.cost:
-                    return way
-            best = min(self.WAYS, key=state.cost.__getitem__)
-            if state.since >= state.interval:
-                return self.WAYS[1 - self.WAYS.index(best)]  # try the other way again
-            return best
-
-    def record(self, kind: tuple[str, int], way: str, seconds_per_unit: float) -> None:
-        with self.lock:
-            state = self.kinds.setdefault(kind, _Kind(self.first))
-            if len(state.cost) < len(self.WAYS):
-                state.cost[way] = seconds_per_unit
-                return
-            best = min(self.WAYS, key=state.cost.__getitem__)
-            if way == best:
-                state.cost[way] = (state.cost[way] + seconds_per_unit) / 2
-                state.since += 1
-                return
-            # A probe of the other way: it takes over when it beats the incumbent's recent
-            # cost, and is tried again soon; otherwise later, up to ``most`` calls.
-            state.cost[way] = seconds_per_unit
-            state.since = 0
-            won = seconds_per_unit < state.cost[best]
-            state.interval = self.first if won else min(2 * state.interval, self.most)
-
-    def way(self, kind: tuple[str, int]) -> str | None:
-        """The way this kind of call runs now, once both were measured (for reports)."""
-        with self.lock:
-            state = self.kinds.get(kind)
-            if state is None or len(state.cost) < len(self.WAYS):
-                return None
-            return min(self.WAYS, key=state.cost.__getitem__)
-
-
-class _Kind:
-    """Per kind of call: recent seconds per score element of each way, and the probe timer."""
-
-    def __init__(self, interval: int) -> None:
-        self.cost: dict[str, float] = {}
-        self.since = 0
-        self.interval = interval
-
-
-CHOICE = ThreadChoice()
-if hasattr(os, "register_at_fork"):  # a child (a DataLoader worker) must not inherit a held lock
-    os.register_at_fork(after_in_child=lambda: setattr(CHOICE, "lock", threading.Lock()))
-
-
-def run_groups(
-    one: Callable[[int], None],
-    groups: list[Group],
-    layout: Layout,
-    workers: int,
-    direction: str = "forward",
-) -> None:
-    """Calls ``one(index)`` for every group, on ``workers`` threads of one intra-op thread each
-    (``AUTO``: the way :data:`CHOICE` picks for this call).
-
-    A group is a dozen small ops (gathers, a matmul, passes over its scores). Run with torch's
-    intra-op threads, each op waits at its end for the slowest thread, and on a machine whose
-    cores are busy (DataLoader workers, other jobs) a descheduled thread stalls every op: on 2
-    loaded cores the path ran 1.1-1.2x SDPA's time at 2k, against 0.4-0.6x on one thread. So
-    the groups can be dealt to ``workers`` threads by cost, each single-threaded, which meet
-    once at the end. With one worker (or grad mode on, as in a double backward, which must
-    record the ops) the groups run here, in order, under one intra-op thread.
-    """
-    if not groups:
-        return
-    if workers == AUTO:
-        if torch.get_num_threads() == 1 or torch.is_grad_enabled() or len(groups) == 1:
-            _in_this_thread(one, len(groups))
-            return
-        elements = sum(_scores_numel(g, layout) for g in groups)
-        kind = (direction, elements.bit_length())
-        way = CHOICE.pick(kind)
-        start = time.perf_counter()
-        if way == "torch":
-            _in_this_thread(one, len(groups))
-        else:
-            run_groups(one, groups, layout, torch.get_num_threads())
-        CHOICE.record(kind, way, (time.perf_counter() - start) / max(elements, 1))
-        return
-    workers = max(1, min(workers, len(groups)))
-    if torch.is_grad_enabled():
-        workers = 1
-    # Largest first to the least loaded: costs are the score elements of each group.
-    shares: list[list[int]] = [[] for _ in range(workers)]
-    loads = [0] * workers
-    for index in sorted(range(len(groups)), key=lambda i: -_scores_numel(groups[i], layout)):
-        least = loads.index(min(loads))
-        shares[least].append(index)
-        loads[least] += _scores_numel(groups[index], layout)
-    inference = torch.is_inference_mode_enabled()
-    errors: list[BaseException] = []
-
-    def work(share: list[int]) -> None:
-        for index in sorted(share):
-            one(index)
-
-    def own_thread(share: list[int]) -> None:
-        try:
-            # A new thread starts with torch's default thread count and grad mode on (grad
-            # and inference mode are per thread; inference_mode(False) would turn grad mode
-            # on, hence one or the other). It ends after this: nothing to restore.
-            torch.set_num_threads(1)
-            with torch.inference_mode() if inference else torch.no_grad():
-                work(share)
-        except BaseException as error:  # re-raised by the caller's thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=own_thread, args=(share,)) for share in shares[1:]]
-    for thread in threads:
-        thread.start()
-    try:
-        with _one_thread():
-            work(shares[0])
-    finally:
-        for thread in threads:
-            thread.join()
-    if errors:
-        raise errors[0]
-
-
-def _in_this_thread(one: Callable[[int], None], count: int) -> None:
-    """Every group here, in order, with torch's intra-op threads in each op."""
-    for index in range(count):
-        one(index)
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread in this thread (OpenMP's count is per thread), restored after."""
-    previous = torch.get_num_threads()
-    if previous == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 class BlockSparseFunction(torch.autograd.Function):

@@ -1,0 +1,228 @@
+"""The plan: query, key, value and a BlockMask checked together, and the BlockMask's
+block lists read into one map of block kinds (EMPTY / PARTIAL / FULL per batch, head, q block
+and kv block) that every kernel of this backend and the SDPA lowering read."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
+
+MOD_EVALS = ("auto", "broadcast", "vmap")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Validated sizes and the block-kind map, laid out as (B | 1, Hkv | 1, G | 1, NQ, NKV)."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    group: int  # G = Hq // Hkv
+    q_len: int
+    kv_len: int
+    q_block: int
+    kv_block: int
+    head_dim: int
+    value_dim: int
+    scale: float
+    working_dtype: torch.dtype
+    kinds: Tensor  # int8 EMPTY / PARTIAL / FULL per (batch, head, q block, kv block)
+    listed: Tensor  # (NQ, NKV) bool on the CPU: listed for some batch and head
+    partial: Tensor  # (NQ, NKV) bool on the CPU: partial for some batch and head
+    mask_mod: Callable[..., Tensor]
+    score_mod: Callable[..., Tensor] | None
+
+
+def make_plan(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    block_mask: BlockMask,
+    score_mod: Callable[..., Tensor] | None,
+    scale: float | None,
+    enable_gqa: bool,
+    mod_eval: str,
+) -> Plan:
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (B, H, seq_len, head_dim), got shape {tuple(tensor.shape)}"
+            )
+        if not tensor.dtype.is_floating_point:
+            raise TypeError(f"{name} must have a floating-point dtype, got {tensor.dtype}")
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dtype != query.dtype:
+            raise TypeError(
+                f"{name}.dtype must equal query.dtype ({query.dtype}), got {tensor.dtype}"
+            )
+        if tensor.device != query.device:
+            raise ValueError(
+                f"{name} must be on query's device ({query.device}), got {tensor.device}"
+            )
+    batch, q_heads, q_len, head_dim = query.shape
+    if key.size(0) != batch or value.size(0) != batch:
+        raise ValueError(
+            f"key and value must have query's batch size {batch}, got key {key.size(0)} and "
+            f"value {value.size(0)}"
+        )
+    if key.size(-1) != head_dim:
+        raise ValueError(
+            f"key's head_dim must equal query's ({head_dim}), got key.shape={tuple(key.shape)}"
+        )
+    if value.shape[1:3] != key.shape[1:3]:
+        raise ValueError(
+            f"value must have key's heads and length {tuple(key.shape[1:3])}, "
+            f"got value.shape={tuple(value.shape)}"
+        )
+    kv_heads, kv_len = key.size(1), key.size(2)
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if q_heads == 0 or kv_heads == 0:
+        raise ValueError(
+            f"query and key/value must have at least one head (H >= 1, as torch's flex_attention "
+            f"needs), got query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+        )
+    if not enable_gqa and q_heads != kv_heads:
+        raise ValueError(
+            f"query has {q_heads} heads but key/value have {kv_heads}; pass enable_gqa=True "
+            "for grouped-query attention, or give them the same number of heads"
+        )
+    if kv_heads == 0 or q_heads % kv_heads != 0:
+        raise ValueError(
+            f"with enable_gqa=True, query's heads ({q_heads}) must be a multiple of key/value's "
+            f"heads ({kv_heads})"
+        )
+    if q_len == 0 or kv_len == 0:
+        raise ValueError(
+            f"query and key must hold at least one token, got Q_LEN={q_len}, KV_LEN={kv_len}"
+        )
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(
+            f"score_mod must be callable as score_mod(score, b, h, q_idx, kv_idx) or None, "
+            f"got {type(score_mod).__name__}"
+        )
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if mod_eval not in MOD_EVALS:
+        raise ValueError(f"mod_eval must be one of {MOD_EVALS}, got {mod_eval!r}")
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"block_mask must be a torch.nn.attention.flex_attention.BlockMask (for example "
+            f"from create_block_mask), got {type(block_mask).__name__}"
+        )
+    if tuple(block_mask.seq_lengths) != (q_len, kv_len):
+        raise ValueError(
+            f"block_mask was built for (Q_LEN, KV_LEN)={tuple(block_mask.seq_lengths)} but query "
+            f"and key give ({q_len}, {kv_len}); build it for these lengths"
+        )
+    if block_mask.kv_num_blocks.device != query.device:
+        raise ValueError(
+            f"block_mask must be on query's device ({query.device}), got "
+            f"{block_mask.kv_num_blocks.device}; use block_mask.to(device)"
+        )
+    q_block, kv_block = (int(s) for s in block_mask.BLOCK_SIZE)
+    group = q_heads // kv_heads
+    num_q_blocks = -(-q_len // q_block)
+    num_kv_blocks = -(-kv_len // kv_block)
+
+    batch_dims: set[tuple[int, int]] = set()
+    kinds: Tensor | None = None
+    lists = [(block_mask.kv_num_blocks, block_mask.kv_indices, "kv_indices", PARTIAL)]
+    if block_mask.full_kv_num_blocks is not None and block_mask.full_kv_indices is not None:
+        lists.append(
+            (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, "full_kv_indices", FULL)
+        )
+    for num, idx, name, kind in lists:
+        if num.dim() != 3 or idx.dim() != 4 or idx.shape[:3] != num.shape:
+            raise ValueError(
+                f"block_mask.{name} must be (B, H, q_blocks, max_blocks), got shape "
+                f"{tuple(idx.shape)} with counts of shape {tuple(num.shape)}"
+            )
+        mask_batch, mask_heads, mask_rows, slots = idx.shape
+        if mask_batch not in (1, batch) or mask_heads not in (1, q_heads):
+            raise ValueError(
+                f"block_mask's batch and head dims must be 1 or match query's ({batch}, "
+                f"{q_heads}), got ({mask_batch}, {mask_heads})"
+            )
+        batch_dims.add((mask_batch, mask_heads))
+        if mask_rows < num_q_blocks:
+            raise ValueError(
+                f"block_mask.{name} has {mask_rows} q blocks but Q_LEN={q_len} needs "
+                f"{num_q_blocks} of size {q_block}"
+            )
+        num = num[:, :, :num_q_blocks].long()
+        idx = idx[:, :, :num_q_blocks].long()
+        if num.numel() and (int(num.min()) < 0 or int(num.max()) > slots):  # B=0: none
+            raise ValueError(f"block_mask's counts for {name} must lie in [0, {slots}]")
+        in_use = torch.arange(slots, device=idx.device) < num[..., None]
+        if bool((in_use & ((idx < 0) | (idx >= num_kv_blocks))).any()):
+            raise ValueError(
+                f"block_mask.{name} points outside the {num_kv_blocks} kv blocks of KV_LEN={kv_len}"
+            )
+        # Slots past the count hold leftovers: send them to a spare column, dropped below.
+        idx = torch.where(in_use, idx, num_kv_blocks)
+        if kinds is None:
+            kinds = torch.zeros(
+                mask_batch,
+                mask_heads,
+                num_q_blocks,
+                num_kv_blocks + 1,
+                dtype=torch.int8,
+                device=idx.device,
+            )
+        if idx.size(-1):
+            # Full after partial, so a block listed in both counts once, as full.
+            kinds.scatter_(-1, idx, kind)
+    if len(batch_dims) != 1:
+        raise ValueError(
+            "block_mask's kv_indices and full_kv_indices must have the same batch and head dims, "
+            f"got {sorted(batch_dims)}"
+        )
+    assert kinds is not None  # the partial lists always exist
+    kinds = kinds[..., :num_kv_blocks]
+    listed = (kinds != EMPTY).flatten(0, 1).any(dim=0).cpu()
+    partial = (kinds == PARTIAL).flatten(0, 1).any(dim=0).cpu()
+    # Heads split as (Hkv, G) so a per-query-head map lines up with grouped kv heads.
+    mask_batch, mask_heads = kinds.shape[:2]
+    if mask_heads == q_heads:
+        kinds = kinds.view(mask_batch, kv_heads, group, num_q_blocks, num_kv_blocks)
+    else:
+        kinds = kinds.view(mask_batch, 1, 1, num_q_blocks, num_kv_blocks)
+
+    return Plan(
+        batch=batch,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        group=group,
+        q_len=q_len,
+        kv_len=kv_len,
+        q_block=q_block,
+        kv_block=kv_block,
+        head_dim=head_dim,
+        value_dim=value.size(-1),
+        scale=float(scale),
+        working_dtype=torch.float64 if query.dtype == torch.float64 else torch.float32,
+        kinds=kinds,
+        listed=listed,
+        partial=partial,
+        mask_mod=block_mask.mask_mod,
+        score_mod=score_mod,
+    )
+
+
+def pad_to_blocks(tensor: Tensor, block: int) -> Tensor:
+    """Zero-pads dim 2 (the sequence) up to a multiple of ``block``."""
+    missing = -tensor.size(2) % block
+    return torch.nn.functional.pad(tensor, (0, 0, 0, missing)) if missing else tensor
