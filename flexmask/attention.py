@@ -11,39 +11,20 @@ too (or SDPA, where that is faster) unless compilation was asked for — ``compi
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
-from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
 
+from flexmask import backends
 from flexmask.algebra.mask import Mask
-from flexmask.backends.block_sparse.api import block_sparse_attention
-from flexmask.pieces import Full
+from flexmask.backends.flex import ENV_COMPILE, compiled_flex_attention  # noqa: F401 - re-exported
+from flexmask.backends.request import Request
 from flexmask.runtime.cache import default_cache
 from flexmask.runtime.lazy import LazyBlockMask
 
-ENV_COMPILE = "FLEXMASK_COMPILE"
-BLOCK_SPARSE_OPTIONS = (
-    "threads",
-    "memory_budget",
-    "recompute",
-    "max_chunk_elements",
-    "backend",
-    "mod_eval",
-)
-"""block_sparse_attention's options that flex_attention passes through where that path runs."""
-
-_compiled: Callable[..., Any] | None = None
-_compiled_lock = threading.Lock()
-_logger = logging.getLogger("flexmask")
-_announced: set[tuple] = set()
-"""Shapes whose first compiled call has been announced in this process."""
 _compile_default: bool | None = None
 
 
@@ -80,43 +61,6 @@ def _compile_requested() -> bool | None:
     return None
 
 
-def compiled_flex_attention() -> Callable[..., Any]:
-    """torch's flex_attention compiled once for the process, with static shapes.
-
-    Static because, measured with torch 2.13 on CPU, automatic dynamic shapes kick in on the
-    second sequence length and the CPU kernel then failed to build; bucket sequence lengths
-    (e.g. pack to a few fixed ``max_len``) so each length compiles once.
-    """
-    global _compiled
-    with _compiled_lock:
-        if _compiled is None:
-            _compiled = torch.compile(torch_flex_attention, dynamic=False)
-        return _compiled
-
-
-def _announce_compile(query: Tensor, key: Tensor) -> None:
-    """One log line, once per process and shape, before a call that may compile for minutes.
-
-    A WARNING, so it shows without any logging set up: the wait would otherwise look like a
-    hang. ``logging.getLogger("flexmask").setLevel(logging.ERROR)`` silences it.
-    """
-    shape = (query.device.type, tuple(query.shape), tuple(key.shape), query.dtype)
-    with _compiled_lock:
-        if shape in _announced:
-            return
-        _announced.add(shape)
-    _logger.warning(
-        "flexmask: compiling flex_attention for query %s, key %s (%s) on %s; the first call "
-        "of each shape takes ~20-50 s on a CPU (%s=0 or flexmask.set_compile(False) turns "
-        "compilation off)",
-        tuple(query.shape),
-        tuple(key.shape),
-        str(query.dtype).removeprefix("torch."),
-        query.device.type,
-        ENV_COMPILE,
-    )
-
-
 def resolve_block_mask(
     block_mask: LazyBlockMask | BlockMask | Mask | None, query: Tensor, key: Tensor
 ) -> BlockMask | None:
@@ -142,10 +86,6 @@ def resolve_block_mask(
         "block_mask must be a flexmask handle (flexmask.lazy), a torch BlockMask, a flexmask "
         f"Mask or None, got {type(block_mask).__name__}"
     )
-
-
-def _full_block_mask(query: Tensor, key: Tensor) -> BlockMask:
-    return default_cache().get(Full(), 1, 1, query.shape[-2], key.shape[-2], query.device)
 
 
 def flex_attention(
@@ -201,57 +141,25 @@ def flex_attention(
     # The Mask behind the BlockMask, where flexmask built it: the block-sparse path reads
     # partial blocks from its intervals and recognises plain causal from its key.
     structure = block_mask.mask if isinstance(block_mask, LazyBlockMask) else block_mask
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    on_cpu = query.device.type == "cpu"
     if compile is None:
         requested = _compile_requested()
-        use_compile = (not on_cpu) if requested is None else requested
+        use_compile = (query.device.type != "cpu") if requested is None else requested
     else:
         use_compile = compile
-    # torch has no flex backward on the CPU, and its uncompiled CPU forward materialises the
-    # full score matrix and re-traces the mask for every new BlockMask: the block-sparse path
-    # serves both cases, driven by the same BlockMask.
-    knobs = {name: kwargs.pop(name) for name in BLOCK_SPARSE_OPTIONS if name in kwargs}
-    if on_cpu and (needs_grad or not use_compile):
-        if kwargs:
-            raise TypeError(
-                f"on the CPU flexmask runs its block-sparse path here (gradients needed or "
-                f"compile off), which takes none of torch's extra flex_attention options; got "
-                f"{sorted(kwargs)} (it takes {', '.join(BLOCK_SPARSE_OPTIONS)})"
-            )
-        if resolved is None:
-            resolved = _full_block_mask(query, key)
-        return block_sparse_attention(
-            query,
-            key,
-            value,
-            resolved,
-            score_mod=score_mod,
-            scale=scale,
-            enable_gqa=enable_gqa,
-            return_lse=return_lse,
-            mask=structure if isinstance(structure, Mask) else None,
-            **knobs,
-        )
-    if knobs:
-        raise TypeError(
-            f"{sorted(knobs)} tune flexmask's block-sparse CPU path, but torch's flex_attention "
-            f"kernel runs this call (device {query.device.type}, compile={use_compile}): drop "
-            f"them, or pass compile=False on the CPU"
-        )
-    if use_compile:
-        _announce_compile(query, key)
-    fn = (
-        compiled_flex_attention() if use_compile else cast(Callable[..., Any], torch_flex_attention)
-    )
-    return fn(
+    request = Request(
         query,
         key,
         value,
-        score_mod=score_mod,
-        block_mask=resolved,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        return_lse=return_lse,
-        **kwargs,
+        resolved,
+        structure if isinstance(structure, Mask) else None,
+        score_mod,
+        scale,
+        enable_gqa,
+        return_lse,
+        use_compile,
+        kwargs,
     )
+    # The first backend of the table that takes the call: torch's kernel, else (on the CPU
+    # with gradients or compile off) the block-sparse path, driven by the same BlockMask.
+    backend = backends.choose(request)
+    return backend.attend(backend.lower(request))

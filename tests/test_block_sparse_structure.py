@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 import flexmask
-from flexmask import attention
+from flexmask.backends import block_sparse as block_sparse_backend
+from flexmask.backends import flex as flex_backend
 from flexmask.backends.block_sparse.api import block_sparse_attention
 from flexmask.backends.block_sparse.grouped import interval_bounds
 from flexmask.backends.plan import make_plan
@@ -306,13 +307,13 @@ def test_causal_through_sdpa_matches_the_oracle(monkeypatch, gqa):
 
 def test_flex_attention_passes_the_mask_behind_a_handle_or_expression(monkeypatch):
     seen = []
-    inner = attention.block_sparse_attention
+    inner = block_sparse_backend.block_sparse_attention
 
     def spy(*args, mask=None, **kwargs):
         seen.append(mask)
         return inner(*args, mask=mask, **kwargs)
 
-    monkeypatch.setattr(attention, "block_sparse_attention", spy)
+    monkeypatch.setattr(block_sparse_backend, "block_sparse_attention", spy)
     mask = flexmask.causal() & flexmask.document([100, 156])
     q, k, v, _ = qkv(1, 2, 256, 256)
     handle = flexmask.lazy(mask, 1, 1, 256, 256)
@@ -339,7 +340,7 @@ def test_no_grad_cpu_call_compiles_only_when_asked(monkeypatch):
 
         return run
 
-    monkeypatch.setattr(attention, "compiled_flex_attention", fake_compiled)
+    monkeypatch.setattr(flex_backend, "compiled_flex_attention", fake_compiled)
     monkeypatch.delenv("FLEXMASK_COMPILE", raising=False)
     mask = flexmask.causal() & flexmask.document([60, 68])
     q, k, v, _ = qkv(1, 2, 128, 128)

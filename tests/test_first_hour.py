@@ -15,7 +15,7 @@ import tomllib
 import torch
 
 import flexmask
-import flexmask.attention as attention
+import flexmask.backends.flex as flex_backend
 from tests import oracle
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,8 +53,8 @@ def fake_compiled(monkeypatch):
         calls.append(tuple(query.shape))
         return torch.zeros_like(query)
 
-    monkeypatch.setattr(attention, "compiled_flex_attention", lambda: kernel)
-    monkeypatch.setattr(attention, "_announced", set())
+    monkeypatch.setattr(flex_backend, "compiled_flex_attention", lambda: kernel)
+    monkeypatch.setattr(flex_backend, "_announced", set())
     return calls
 
 

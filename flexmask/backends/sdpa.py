@@ -12,9 +12,12 @@ from torch import Tensor
 
 from flexmask.algebra.mask import Mask
 from flexmask.backends.mod_eval import broadcasts, call_mod
-from flexmask.backends.plan import Plan
+from flexmask.backends.plan import Plan, make_plan
+from flexmask.backends.request import Request
 from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
+from flexmask.pieces import Full
 from flexmask.pieces.causal import Causal
+from flexmask.runtime.cache import default_cache
 
 # choose_backend: SDPA with a dense mask wins on a CPU above this share of listed blocks, or
 # below this many (query, key) pairs in all (measured: benchmarks/bench_cpu_backward.py, S 2k
@@ -150,3 +153,43 @@ def sdpa_attention(
         query, key, value, attn_mask=mask, scale=plan.scale, enable_gqa=plan.group > 1
     )
     return out if all_have_keys else out * has_key
+
+
+NAME = "sdpa"
+
+
+def can_take(request: Request) -> str | None:
+    if request.score_mod is not None:
+        return "SDPA takes no score_mod"
+    if request.return_lse:
+        return "SDPA returns no log-sum-exp"
+    if set(request.options) - {"mod_eval"}:
+        return f"SDPA takes only mod_eval, got {sorted(request.options)}"
+    return None
+
+
+def lower(request: Request) -> Request:
+    """No mask made the full one (from the cache)."""
+    if request.block_mask is None:
+        q_len, kv_len = request.query.shape[-2], request.key.shape[-2]
+        full = default_cache().get(Full(), 1, 1, q_len, kv_len, request.query.device)
+        request = request._replace(block_mask=full)
+    return request
+
+
+def attend(request: Request) -> Tensor:
+    """SDPA over the dense mask the BlockMask means (``is_causal`` where it is causal)."""
+    assert request.block_mask is not None  # lower() made one
+    mod_eval = request.options.get("mod_eval", "auto")
+    plan = make_plan(
+        request.query,
+        request.key,
+        request.value,
+        request.block_mask,
+        None,
+        request.scale,
+        request.enable_gqa,
+        mod_eval,
+    )
+    causal = is_causal(plan, request.mask)
+    return sdpa_attention(request.query, request.key, request.value, plan, mod_eval, causal)

@@ -8,6 +8,72 @@ tiles, for CPUs and for devices without a compiled flex_attention.
 * ``score_mod`` — the chunked, checkpointed kernel that evaluates a ``score_mod``.
 """
 
-from flexmask.backends.block_sparse.api import DEFAULT_MAX_CHUNK_ELEMENTS, block_sparse_attention
+from __future__ import annotations
 
-__all__ = ["DEFAULT_MAX_CHUNK_ELEMENTS", "block_sparse_attention"]
+from torch import Tensor
+
+from flexmask.backends.block_sparse.api import DEFAULT_MAX_CHUNK_ELEMENTS, block_sparse_attention
+from flexmask.backends.request import Request
+from flexmask.pieces import Full
+from flexmask.runtime.cache import default_cache
+
+NAME = "block_sparse"
+OPTIONS = (
+    "threads",
+    "memory_budget",
+    "recompute",
+    "max_chunk_elements",
+    "backend",
+    "mod_eval",
+)
+"""block_sparse_attention's options that flexmask.flex_attention passes through."""
+
+
+def can_take(request: Request) -> str | None:
+    # Any CPU call: the table asks torch's kernel first, which takes the compiled no-grad ones.
+    if not request.on_cpu:
+        return f"it serves the CPU, and this call is on {request.query.device.type}"
+    return None
+
+
+def lower(request: Request) -> Request:
+    """The options checked, and no mask made the full one (from the cache)."""
+    extra = sorted(name for name in request.options if name not in OPTIONS)
+    if extra:
+        raise TypeError(
+            f"on the CPU flexmask runs its block-sparse path here (gradients needed or "
+            f"compile off), which takes none of torch's extra flex_attention options; got "
+            f"{extra} (it takes {', '.join(OPTIONS)})"
+        )
+    if request.block_mask is None:
+        q_len, kv_len = request.query.shape[-2], request.key.shape[-2]
+        full = default_cache().get(Full(), 1, 1, q_len, kv_len, request.query.device)
+        request = request._replace(block_mask=full)
+    return request
+
+
+def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:
+    assert request.block_mask is not None  # lower() made one
+    return block_sparse_attention(
+        request.query,
+        request.key,
+        request.value,
+        request.block_mask,
+        score_mod=request.score_mod,
+        scale=request.scale,
+        enable_gqa=request.enable_gqa,
+        return_lse=request.return_lse,
+        mask=request.mask,
+        **request.options,
+    )
+
+
+__all__ = [
+    "DEFAULT_MAX_CHUNK_ELEMENTS",
+    "NAME",
+    "OPTIONS",
+    "attend",
+    "block_sparse_attention",
+    "can_take",
+    "lower",
+]

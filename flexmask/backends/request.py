@@ -1,0 +1,47 @@
+"""What a backend is handed: one attention call, its mask already lowered.
+
+``flexmask.attention`` makes it once per call: the BlockMask resolved from a handle, a Mask
+(through the cache) or a BlockMask, and the Mask behind it where flexmask built it. A
+backend trusts it: the mask was validated when its spec was made, not again here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexmask.algebra.mask import Mask
+
+
+class Request(NamedTuple):
+    """One attention call as the backends see it."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    block_mask: BlockMask | None
+    """The lowered BlockMask; None means every query attends every key."""
+    mask: Mask | None
+    """The Mask flexmask built ``block_mask`` from (its intervals, its key), else None."""
+    score_mod: Callable[..., Tensor] | None
+    scale: float | None
+    enable_gqa: bool
+    return_lse: bool
+    compile: bool
+    """Whether torch's kernel is to be compiled (resolved from compile=, set_compile, env)."""
+    options: dict[str, Any]
+    """Backend options (``threads``, ``backend``, ...) and torch's extra kwargs, as given."""
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.query.device.type == "cpu"
+
+    @property
+    def needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and any(
+            t.requires_grad for t in (self.query, self.key, self.value)
+        )
