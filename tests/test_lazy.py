@@ -245,3 +245,34 @@ def test_collator_rejects_a_bad_device_at_construction():
 
     with pytest.raises(ValueError, match="device must be a torch device or its name"):
         PackingCollator(max_len=8, device="gpu0")
+
+
+def test_a_lazy_forward_and_backward_validates_the_mask_once(monkeypatch):
+    """One spec, validated once: the handle validates its mask when made; building it
+    through the cache, the block-sparse forward and backward and the release check nothing
+    again, and a second handle of the same mask that hits the cache validates only itself."""
+    from flexmask.algebra.mask import Mask
+
+    calls = []
+    validate = Mask.validate
+
+    def counted(self, extent):
+        calls.append(self)
+        return validate(self, extent)
+
+    monkeypatch.setattr(Mask, "validate", counted)
+    cache = flexmask.MaskCache()
+    mask = flexmask.causal() & flexmask.document([100, 156])
+    q, k, v = (torch.randn(1, 2, 256, 16, requires_grad=True) for _ in range(3))
+    handle = flexmask.lazy(mask, 1, 1, 256, 256, "cpu", cache=cache)
+    assert calls == [mask]
+    with handle:
+        out = flexmask.flex_attention(q, k, v, block_mask=handle, compile=False)
+        out.sum().backward()
+        assert calls == [mask] and handle.builds == 1 and q.grad is not None
+        again = flexmask.lazy(mask, 1, 1, 256, 256, "cpu", cache=cache)
+        assert calls == [mask, mask]  # made: validated once
+        calls.clear()
+        assert again.block_mask is handle.block_mask and cache.info().hits == 1
+        assert calls == []  # the cache hit: no validation
+    assert calls == []  # nor the release

@@ -248,6 +248,12 @@ class Mask(ABC):
     def _check(self, extent: Extent) -> None:  # noqa: B027 - optional hook: no checks by default
         """Raises ValueError if the mask cannot apply to this extent."""
 
+    def validate(self, extent: Extent) -> None:
+        """Checks the whole expression against ``extent`` (ValueError if it cannot apply): the
+        one entry every build, key and handle validates a mask through, once per spec
+        (``flexmask.runtime.spec``); each node's own check is its ``_check``."""
+        self._check(extent)
+
     def _extent(
         self, B: Any, H: Any, q_len: Any, kv_len: Any, device: Any, *, names=("Q_LEN", "KV_LEN")
     ) -> Extent:
@@ -258,7 +264,7 @@ class Mask(ABC):
         q = check_int(q_len, names[0], minimum=0)
         kv = check_int(kv_len, names[1], minimum=0)
         extent = Extent(batch, heads, max(q, kv), check_device(device, self.device))
-        self._check(extent)
+        self.validate(extent)
         return extent
 
     @abstractmethod

@@ -214,13 +214,14 @@ def make_grid(
         device,
         q_offset=q_off,
         kv_offset=kv_off,
-        row_offsets=_per_row(q_offset) or _per_row(kv_offset),
+        row_offsets=per_row(q_offset) or per_row(kv_offset),
     )
-    mask._check(grid.extent)
+    mask.validate(grid.extent)
     return grid
 
 
-def _per_row(value: Any) -> bool:
+def per_row(value: Any) -> bool:
+    """True when a window offset is given per batch row (a list, a (B,) tensor or array)."""
     return not (isinstance(value, Tensor) and value.dim() == 0 or not hasattr(value, "__len__"))
 
 
@@ -228,7 +229,7 @@ def offsets(value: Any, name: str, batch: int) -> int | list[int]:
     """A window offset: one int >= 0, or one per batch row (a list, or a (B,) tensor or
     array). Per-row values that are all equal are built as one int (``BlockGrid.row_offsets``
     keeps the window's mask_mod per row)."""
-    if not _per_row(value):
+    if not per_row(value):
         return check_int(value, name, minimum=0)
     if isinstance(value, Tensor) and value.dim() != 1:
         raise ValueError(f"{name} must be an int or hold one offset per batch row, shape (B,)")

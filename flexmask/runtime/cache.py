@@ -24,9 +24,10 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import env_int
 from flexmask.algebra.mask import Mask
-from flexmask.blocks.grid import BlockGrid, make_grid
+from flexmask.blocks.grid import BlockGrid
 from flexmask.blocks.read import block_mask_nbytes
-from flexmask.builders.create import build, check_size, emptied, no_rows_or_heads
+from flexmask.builders.create import build, emptied
+from flexmask.runtime.spec import Spec, make_spec
 
 ENV_SIZE = "FLEXMASK_CACHE_SIZE"
 ENV_BYTES = "FLEXMASK_CACHE_BYTES"
@@ -187,8 +188,8 @@ class MaskCache(KeyedCache):
         kv_offset: Any = 0,
     ) -> tuple:
         """The cache key of a build, after validating its arguments against the mask."""
-        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
-        return _key(mask, grid)
+        spec = make_spec(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
+        return key_of(spec.mask, spec.one_row().grid())
 
     def get(
         self,
@@ -230,25 +231,18 @@ class MaskCache(KeyedCache):
         """``get``, with the key the BlockMask is cached under: a lazy handle keeps it to
         ``discard`` its entry on release without making the key again (the device a build
         without one resolved is the one in the key)."""
-        if not isinstance(mask, Mask):
-            raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
-        empty = no_rows_or_heads(mask, B, H)
-        if empty is not None:  # B=0 or H=0: the one-row (head) entry, emptied as torch's
-            key, one = self.get_keyed(
-                mask,
-                *empty,
-                Q_LEN,
-                KV_LEN,
-                device,
-                BLOCK_SIZE,
-                q_offset=q_offset,
-                kv_offset=kv_offset,
-            )
-            return key, emptied(one, B, H)
-        check_size(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset, reduced=True)
-        grid = make_grid(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
-        key = _key(mask, grid)
-        return key, self.get_or_build(key, lambda: build(mask, grid_for_key(mask, grid)))
+        spec = make_spec(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
+        return self.get_spec(spec)
+
+    def get_spec(self, spec: Spec) -> tuple[tuple, BlockMask]:
+        """The key and BlockMask of a spec: cached, or built and cached. The spec was
+        validated when it was made (``make_spec``); nothing here checks the mask again."""
+        if spec.empty:  # B=0 or H=0: the one-row (head) entry, emptied as torch's
+            key, one = self.get_spec(spec.one_row())
+            return key, emptied(one, spec.batch, spec.heads)
+        grid = spec.grid()
+        key = key_of(spec.mask, grid)
+        return key, self.get_or_build(key, lambda: build(spec.mask, grid_for_key(spec.mask, grid)))
 
     def __repr__(self) -> str:
         info = self.info()
@@ -294,7 +288,8 @@ def _offset_key(offset: int | torch.Tensor) -> int | list[int]:
     return offset.view(-1).tolist() if isinstance(offset, torch.Tensor) else offset
 
 
-def _key(mask: Mask, grid: BlockGrid) -> tuple:
+def key_of(mask: Mask, grid: BlockGrid) -> tuple:
+    """The cache key of ``mask`` built on ``grid``: shape signature and content, never identity."""
     batch, heads = grid.reduced(mask)
     device = torch.device(grid.device)
     return (

@@ -12,40 +12,9 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask._validate import check_device, check_int
-from flexmask.algebra.mask import Extent, Mask
-from flexmask.blocks.grid import block_sizes
-from flexmask.builders.create import check_size, no_rows_or_heads
+from flexmask.algebra.mask import Mask
 from flexmask.runtime.cache import MaskCache, default_cache
-
-
-def _validate(
-    mask: Mask, B: Any, H: Any, Q_LEN: Any, KV_LEN: Any, device: Any, BLOCK_SIZE: Any
-) -> tuple[int, int, int, int, tuple[int, int], torch.device | None]:
-    """``make_grid``'s checks as arithmetic on Python ints: nothing is allocated on any device
-    (a handle made in a DataLoader worker must not initialise CUDA there).
-
-    Returns (B, H, Q_LEN, KV_LEN, BLOCK_SIZE, device), device None where none was given.
-    """
-    batch = 1 if B is None else check_int(B, "B", minimum=0)
-    heads = 1 if H is None else check_int(H, "H", minimum=0)
-    q_len = check_int(Q_LEN, "Q_LEN", minimum=0)
-    kv_len = check_int(KV_LEN, "KV_LEN", minimum=0)
-    blocks = block_sizes(BLOCK_SIZE)
-    if mask.rows is not None and B is None:
-        batch = mask.rows
-    given = None if device is None else check_device(device)
-    # With no device given and none in the mask's data no piece compares devices, so the
-    # check needs none: the default device is resolved by the build, in the process that
-    # builds (asking for it here could initialise CUDA in a worker).
-    where = given or mask.device or torch.device("meta")
-    if batch == 0 or heads == 0:
-        no_rows_or_heads(mask, B, H)  # per-row data for B=0 is refused, as the build would
-    else:
-        mask._check(Extent(batch, heads, max(q_len, kv_len), where))
-        if where.type == "cpu":  # another device's memory is read where it builds
-            check_size(mask, B, H, q_len, kv_len, where, blocks, reduced=True)
-    return batch, heads, q_len, kv_len, blocks, given
+from flexmask.runtime.spec import Spec, make_spec
 
 
 class _Field(dict):
@@ -155,7 +124,7 @@ class LazyBlockMask(BuiltOnRead):
 
     # The recipe, in the order it pickles.
     _RECIPE = ("mask", "B", "H", "Q_LEN", "KV_LEN", "device", "BLOCK_SIZE")
-    __slots__ = (*_RECIPE, "cache", "_block_mask", "_key", "builds")
+    __slots__ = (*_RECIPE, "spec", "cache", "_block_mask", "_key", "builds")
 
     def __init__(
         self,
@@ -177,16 +146,9 @@ class LazyBlockMask(BuiltOnRead):
                 f"cache must be a flexmask.MaskCache or None (the process-wide cache), "
                 f"got {type(cache).__name__} {cache!r}"
             )
-        # Validate now, so a bad batch fails in the worker that made it; Python ints only,
-        # nothing touches the device before the first use builds.
-        B, H, Q_LEN, KV_LEN, BLOCK_SIZE, device = _validate(
-            mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE
-        )
-        self.mask = mask
-        self.B, self.H = B, H
-        self.Q_LEN, self.KV_LEN = Q_LEN, KV_LEN
-        self.device = device
-        self.BLOCK_SIZE = BLOCK_SIZE
+        # Validate now, once, so a bad batch fails in the worker that made it; Python ints
+        # only, nothing touches the device before the first use builds.
+        self._set_spec(make_spec(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE))
         self.cache = cache
         self._block_mask: BlockMask | None = None
         self._key: tuple | None = None
@@ -201,9 +163,7 @@ class LazyBlockMask(BuiltOnRead):
     def block_mask(self) -> BlockMask:
         """The plain BlockMask: built (or fetched from the cache) on first use, then held."""
         if self._block_mask is None:
-            self._key, self._block_mask = self._cache().get_keyed(
-                self.mask, self.B, self.H, self.Q_LEN, self.KV_LEN, self.device, self.BLOCK_SIZE
-            )
+            self._key, self._block_mask = self._cache().get_spec(self.spec)
             self.builds += 1
         return self._block_mask
 
@@ -237,6 +197,14 @@ class LazyBlockMask(BuiltOnRead):
         hooks.append(module.register_forward_hook(_release))
         return hooks[0]
 
+    def _set_spec(self, spec: Spec) -> None:
+        self.spec = spec
+        self.mask = spec.mask
+        self.B, self.H = spec.batch, spec.heads
+        self.Q_LEN, self.KV_LEN = spec.q_len, spec.kv_len
+        self.device = spec.device
+        self.BLOCK_SIZE = spec.block_size
+
     def _cache(self) -> MaskCache:
         return self.cache if self.cache is not None else default_cache()
 
@@ -251,8 +219,9 @@ class LazyBlockMask(BuiltOnRead):
         return {name: getattr(self, name) for name in self._RECIPE}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        for name in self._RECIPE:
-            setattr(self, name, state[name])
+        # A loaded recipe is a new call: validated, once, as when the handle was made.
+        recipe = [state[name] for name in self._RECIPE]
+        self._set_spec(make_spec(*recipe))
         self.cache = None
         self._block_mask = None
         self._key = None

@@ -14,7 +14,7 @@ from flexmask.backends.block_sparse import kernel
 from flexmask.backends.mod_eval import broadcasts, call_mod
 from flexmask.backends.plan import Plan, pad_to_blocks
 from flexmask.blocks.codes import PARTIAL
-from flexmask.blocks.grid import make_grid
+from flexmask.blocks.grid import BlockGrid
 
 
 def grouped_attention(
@@ -175,14 +175,16 @@ def interval_bounds(mask: Mask, plan: Plan) -> kernel.Bounds | None:
     blocks (padding rows take the last query's): None where its rows are not intervals."""
     if not mask._has_intervals():
         return None
-    grid = make_grid(
-        mask,
+    # The mask is the one the BlockMask was built from (``api._checked_mask``), validated
+    # when its spec was made: its grid is laid out, not checked again.
+    grid = BlockGrid.make(
         plan.batch,
         plan.q_heads,
         plan.q_len,
         plan.kv_len,
+        plan.q_block,
+        plan.kv_block,
         plan.kinds.device,
-        (plan.q_block, plan.kv_block),
     )
     rows, _ = grid.reduced(mask)
     num_q_blocks = plan.kinds.size(3)
