@@ -66,7 +66,7 @@ def test_intervals_give_the_mask_mod_result(name, block_size):
     SDPA on torch's dense mask, fp64, lengths not multiples of the blocks, B=2, H=2."""
     seq_len = 150
     mask = interval_masks(seq_len)[name]
-    assert mask._has_intervals()
+    assert mask.has_intervals()
     batch = mask.rows or 2
     block_mask = flexmask.create_block_mask(mask, batch, 2, seq_len, seq_len, BLOCK_SIZE=block_size)
     dense = create_mask(mask.mask_mod, batch, 1, seq_len, seq_len, device="cpu")
@@ -116,7 +116,7 @@ def test_bounds_equal_torch_create_mask(lengths, window, q_block, kv_block, with
 def test_mask_without_intervals_falls_back_to_mask_mod():
     mask = flexmask.tree([-1, 0, 1, 0, 3, 3, 5] * 1 + [5] * 33)
     seq_len = 40
-    assert not mask._has_intervals()
+    assert not mask.has_intervals()
     block_mask = flexmask.create_block_mask(mask, 1, 1, seq_len, seq_len, BLOCK_SIZE=16)
     q, k, v, _ = qkv(1, 2, seq_len, seq_len)
     assert interval_bounds(mask, make_plan(q, k, v, block_mask, None, None, False, "auto")) is None

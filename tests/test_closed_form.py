@@ -26,7 +26,7 @@ def _general(mask, B, H, q_len, kv_len, block):
     """The same mask through the general path: classified tiles, ranked."""
     grid = make_grid(mask, B, H, q_len, kv_len, "cpu", block)
     kv, q = ordered_from_codes(classify_blocks(mask, grid).codes)
-    return assemble(kv, q, grid, mask._lower(grid.length, grid.device).mask_mod)
+    return assemble(kv, q, grid, mask.lower_at(grid.length, grid.device).mask_mod)
 
 
 def _case(data):
@@ -49,12 +49,12 @@ def test_intervals_are_the_dense_rows_and_monotone(data):
     # Check them on every query of random intersections, and that each interval is exactly
     # that query's row of the plain reference.
     batch, mask, dense, q_len, kv_len = _case(data)
-    assert mask._has_monotone_intervals()
+    assert mask.has_monotone_intervals()
     reference = dense(q_len, kv_len)
     grid = make_grid(mask, batch, 1, q_len, kv_len, "cpu", 16)
     for r in range(batch):
         q_idx = torch.arange(q_len).view(1, -1)
-        lo, hi = mask._intervals(q_idx, torch.tensor([[r]]), grid)
+        lo, hi = mask.intervals_at(q_idx, torch.tensor([[r]]), grid)
         lo = lo.clamp(min=0).expand(1, q_len)[0].tolist()
         hi = hi.clamp(max=kv_len - 1).expand(1, q_len)[0].tolist()
         attending = [lo[q] <= hi[q] for q in range(q_len)]
@@ -186,8 +186,8 @@ def test_only_intersections_of_interval_pieces_take_the_closed_form():
         flexmask.tree([-1, 0, 0]),
         flexmask.causal() & flexmask.from_mask_mod(lambda b, h, q, kv: q >= kv, key="c"),
     ]
-    assert all(m._has_monotone_intervals() for m in monotone)
-    assert not any(m._has_monotone_intervals() for m in general)
+    assert all(m.has_monotone_intervals() for m in monotone)
+    assert not any(m.has_monotone_intervals() for m in general)
 
 
 def test_closed_form_asks_only_for_block_edges(monkeypatch):
@@ -196,13 +196,13 @@ def test_closed_form_asks_only_for_block_edges(monkeypatch):
     S, block, rows = 4096, 128, 3
     mask = flexmask.causal() & flexmask.padding([S, 1000, 77])
     asked = []
-    original = type(mask)._intervals
+    original = type(mask).intervals_at
 
     def spy(self, q_idx, row, grid):
         asked.append(q_idx.numel())
         return original(self, q_idx, row, grid)
 
-    monkeypatch.setattr(type(mask), "_intervals", spy)
+    monkeypatch.setattr(type(mask), "intervals_at", spy)
     monkeypatch.setattr(
         "flexmask.builders.create.classify_blocks",
         lambda *a: pytest.fail("the closed form must not classify tiles"),

@@ -176,16 +176,16 @@ def _paths(mask, q_len, kv_len, block):
     are monotone), the closed form itself, the classified tiles (intervals refine them), and
     the tiles refined by evaluating the mask_mod."""
     grid = make_grid(mask, B, H, q_len, kv_len, "cpu", block)
-    mask_mod = mask._lower(grid.length, grid.device).mask_mod
+    mask_mod = mask.lower_at(grid.length, grid.device).mask_mod
     out = {"create_block_mask": flexmask.create_block_mask(mask, B, H, q_len, kv_len, "cpu", block)}
-    if mask._has_monotone_intervals():
+    if mask.has_monotone_intervals():
         out["closed form"] = assemble(*closed_form.ordered_sides(mask, grid), grid, mask_mod)
     out["tiles"] = assemble(*ordered_from_codes(classify_blocks(mask, grid).codes), grid, mask_mod)
     rows = B if mask.batch_dependent else 1
     codes = classify(mask, grid).codes.expand(rows, 1, grid.num_q_blocks, grid.num_kv_blocks)
     codes = codes.contiguous()
     undecided = (codes == UNDECIDED).nonzero()
-    refine_by_evaluation(codes, undecided, mask._lower(grid.length, grid.device).evaluate, grid)
+    refine_by_evaluation(codes, undecided, mask.lower_at(grid.length, grid.device).evaluate, grid)
     out["evaluated"] = assemble(*ordered_from_codes(grid.demote_incomplete(codes)), grid, mask_mod)
     return out
 
@@ -269,7 +269,7 @@ def test_intervals_of_edge_values_keep_the_closed_form_properties():
         flexmask.padding(length),
         flexmask.document([0, 7, 0]),
     ):
-        lo, hi = (t.expand(1, length) for t in piece._intervals(q_idx, row, grid))
+        lo, hi = (t.expand(1, length) for t in piece.intervals_at(q_idx, row, grid))
         assert bool((lo <= q_idx.clamp(min=1)).all()), f"{piece}: lo > q at {lo}"
         assert bool(((lo <= hi) | ((lo == 1) & (hi == 0)) | (hi == lo - 1)).all()), piece
         assert bool((lo.abs() <= 2 * length).all() and (hi.abs() <= 2 * length).all()), piece

@@ -139,7 +139,7 @@ def test_text_with_images_takes_the_closed_form_with_offsets(monkeypatch):
         ],
         heads=2,
     )
-    assert mask._has_monotone_intervals()
+    assert mask.has_monotone_intervals()
     _no_tiles(monkeypatch)
     for q_off, kv_off, q_len, kv_len in (
         (0, 0, 240, 240),

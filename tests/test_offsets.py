@@ -74,7 +74,7 @@ def test_closed_form_windows_equal_the_oracle(data, batch, q_len, kv_len, block)
     kv_off = _offsets(data.draw, batch, 200, "kv_offset")
     span = max(max(_per_row(q_off, batch)) + q_len, max(_per_row(kv_off, batch)) + kv_len)
     mask, dense = data.draw(interval_intersections(batch, span))
-    assert mask._has_monotone_intervals()
+    assert mask.has_monotone_intervals()
     _check(
         mask,
         lambda q, kv: np.repeat(dense(q, kv)[:, None], 2, axis=1),
@@ -117,7 +117,7 @@ def test_small_unaligned_windows_equal_the_oracle(data, batch):
     # ends before kv_offset, the last is past the documents or the padding).
     drawn = data.draw(small_windows(batch, ending_intersections))
     mask, dense, q_len, kv_len, q_off, kv_off, block = drawn
-    assert mask._has_monotone_intervals()
+    assert mask.has_monotone_intervals()
     _check(mask, _dense4(dense, 1), batch, 1, q_len, kv_len, q_off, kv_off, block)
 
 

@@ -106,7 +106,7 @@ def test_the_benchmark_unions_equal_torchs_build_of_the_shifted_mask_mod(
 def test_the_union_takes_the_closed_form_and_evaluates_no_tile(monkeypatch):
     mask = (flexmask.causal() & flexmask.document([300, 500, 224])) | flexmask.prefix(64)
     evaluated = []
-    lowered = type(mask)._lower
+    lowered = type(mask).lower_at
 
     def spy(self, length, device):
         out = lowered(self, length, device)
@@ -118,7 +118,7 @@ def test_the_union_takes_the_closed_form_and_evaluates_no_tile(monkeypatch):
     monkeypatch.setattr("flexmask.builders.classify.refine_by_intervals", None)
     _, refined = build_counted(mask, grid)  # refinement, were it reached, would call None
     assert refined == 0
-    monkeypatch.setattr(type(mask), "_lower", spy)
+    monkeypatch.setattr(type(mask), "lower_at", spy)
     build(mask, grid)
     assert len(evaluated) == 1  # the BlockMask's mask_mod only
 
@@ -147,8 +147,8 @@ def test_the_gaps_of_a_block_are_one_interval():
     grid = make_grid(a | b, 1, 1, 256, 256, "cpu", 16)
     q = torch.arange(256).view(1, -1)
     row = torch.zeros(1, 1, dtype=torch.int64)
-    lo_a, hi_a = a._intervals(q, row, grid)
-    lo_b, hi_b = (t.expand_as(q) for t in b._intervals(q, row, grid))
+    lo_a, hi_a = a.intervals_at(q, row, grid)
+    lo_b, hi_b = (t.expand_as(q) for t in b.intervals_at(q, row, grid))
     lo, hi = torch.stack([lo_a, lo_b]).view(2, 16, 16), torch.stack([hi_a, hi_b]).view(2, 16, 16)
     neg_g1, g0 = _reduce(lo, hi)[:, 6:].unbind(-1)
     g1 = -neg_g1

@@ -1,14 +1,20 @@
 """Masks are values: an expression tree of pieces joined by ``&``, ``|`` and ``~``.
 
-Every node knows what the build (``flexmask.build``) asks of it:
+The piece protocol — what the builders (``flexmask.builders``) ask of a node, declared here
+as ``Mask``'s methods (and ``Leaf.classify_tiles`` for leaves), public within the package:
 
-* ``_check(extent)`` — is the node valid for this batch size and sequence extent?
-* ``_lower(length, device)`` — its ``mask_mod`` with lookups padded to ``length``, plus an
+* ``check(extent)`` — is the node valid for this batch size and sequence extent? (The whole
+  expression is checked through ``validate``, once per spec.)
+* ``lower_at(length, device)`` — its ``mask_mod`` with lookups padded to ``length``, plus an
   evaluator the build may call with broadcasting index tensors to refine undecided blocks;
-* and, for pieces, ``_classify(grid)`` (block codes from structure) and ``_intervals``.
+* ``intervals_at(q_idx, row, grid)`` and the shape flags ``has_intervals``,
+  ``has_monotone_intervals``, ``attends_from_zero``, ``covers_diagonal``,
+  ``attends_around_self``, ``attends_nowhere`` — each query's kv interval, where it has one;
+* ``head_parts(heads)`` — for ``per_head``, its distinct masks and their heads;
+* for leaves, ``classify_tiles(grid)`` — block codes from structure (``Leaf``).
 
-This module imports nothing from the build: ``&``, ``|`` and ``~`` combine block codes in
-``flexmask.builders.classify``.
+This module imports nothing from the blocks or builders: ``&``, ``|`` and ``~`` combine block
+codes in ``flexmask.builders.classify``.
 
 Equality and hashing come from ``key``: the piece kinds and their data (small data as tuples,
 large data as a strong digest of dtype, shape and bytes), never tensor or closure identity.
@@ -245,14 +251,14 @@ class Mask(ABC):
         """Device of the tensors the mask was made from, if any."""
         return None
 
-    def _check(self, extent: Extent) -> None:  # noqa: B027 - optional hook: no checks by default
+    def check(self, extent: Extent) -> None:  # noqa: B027 - optional hook: no checks by default
         """Raises ValueError if the mask cannot apply to this extent."""
 
     def validate(self, extent: Extent) -> None:
         """Checks the whole expression against ``extent`` (ValueError if it cannot apply): the
         one entry every build, key and handle validates a mask through, once per spec
-        (``flexmask.runtime.spec``); each node's own check is its ``_check``."""
-        self._check(extent)
+        (``flexmask.runtime.spec``); each node's own check is its ``check``."""
+        self.check(extent)
 
     def _extent(
         self, B: Any, H: Any, q_len: Any, kv_len: Any, device: Any, *, names=("Q_LEN", "KV_LEN")
@@ -268,14 +274,14 @@ class Mask(ABC):
         return extent
 
     @abstractmethod
-    def _lower(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
         """The mask_mod and evaluator with lookups padded to ``length``."""
 
-    def _has_intervals(self) -> bool:
-        """True if ``_intervals`` describes this mask (every row one kv interval)."""
+    def has_intervals(self) -> bool:
+        """True if ``intervals_at`` describes this mask (every row one kv interval)."""
         return False
 
-    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals | None:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals | None:
         """Each query's attended kv as one interval, if the mask has that shape (else None).
 
         Args:
@@ -284,36 +290,36 @@ class Mask(ABC):
         """
         return None
 
-    def _has_monotone_intervals(self) -> bool:
-        """True if ``_intervals`` are monotone in the sense of ``flexmask.builders.closed_form``:
+    def has_monotone_intervals(self) -> bool:
+        """True if ``intervals_at`` are monotone in the sense of ``flexmask.builders.closed_form``:
         on a prefix of the positions ``lo`` never decreases and ``lo(q) <= q``, ``hi`` never
         decreases and is ``>= q`` or constant; past the prefix, empty. The builder then
         writes the BlockMask in closed form from the intervals of the block edges."""
         return False
 
-    def _attends_nowhere(self) -> bool:
+    def attends_nowhere(self) -> bool:
         """True if no query attends any key (``empty()``): a union drops it."""
         return False
 
-    def _attends_from_zero(self) -> bool:
+    def attends_from_zero(self) -> bool:
         """True if every query attends one non-empty kv interval starting at 0 (causal,
         prefix, full): a union of such intervals is again one, ``[0, max hi]``."""
         return False
 
-    def _covers_diagonal(self) -> bool:
-        """True if, besides ``_attends_from_zero``, every query ``q`` attends at least up to
-        itself (``hi >= q``: causal, full): a union with ``_attends_around_self`` intervals is
+    def covers_diagonal(self) -> bool:
+        """True if, besides ``attends_from_zero``, every query ``q`` attends at least up to
+        itself (``hi >= q``: causal, full): a union with ``attends_around_self`` intervals is
         then one interval too."""
         return False
 
-    def _attends_around_self(self) -> bool:
+    def attends_around_self(self) -> bool:
         """True if each query's interval is empty or holds the query itself, ``lo <= q <=
         hi``, and the intervals are disjoint runs: an interval holding a later query ``p``
         is ``p``'s own too (spans). Not monotone alone; see ``Or`` for the union with
-        ``_covers_diagonal`` masks."""
+        ``covers_diagonal`` masks."""
         return False
 
-    def _head_parts(self, heads: int) -> tuple[tuple[Mask, ...], list[Tensor]] | None:
+    def head_parts(self, heads: int) -> tuple[tuple[Mask, ...], list[Tensor]] | None:
         """For a mask that is one of several masks on each head (``per_head``): the distinct
         masks and, for each, the heads (of ``heads``) that use it; the build then builds each
         once. None for every other mask."""
@@ -372,7 +378,7 @@ class Mask(ABC):
             ([[[1, 1]]], [[[0, 1]]])
         """
         device = self.device or torch.device("cpu")
-        return self._lower(max(self.natural_length, 1), device).mask_mod
+        return self.lower_at(max(self.natural_length, 1), device).mask_mod
 
     def mask_mod_for(self, q_len: int, kv_len: int, device: torch.device | str | None = None):
         """The mask_mod with every lookup padded to ``max(q_len, kv_len)``, after validation.
@@ -385,7 +391,7 @@ class Mask(ABC):
             True
         """
         extent = self._extent(None, None, q_len, kv_len, device, names=("q_len", "kv_len"))
-        return self._lower(extent.length, extent.device).mask_mod
+        return self.lower_at(extent.length, extent.device).mask_mod
 
     def to_dense(
         self,
@@ -403,7 +409,7 @@ class Mask(ABC):
             [[1, 1, 0], [1, 1, 1], [0, 1, 1]]
         """
         grid = self._extent(B, H, Q_LEN, KV_LEN, device)
-        evaluate = self._lower(grid.length, grid.device).evaluate
+        evaluate = self.lower_at(grid.length, grid.device).evaluate
         dev = grid.device
         rows = grid.batch if self.batch_dependent else 1
         all_heads = grid.heads or 1
@@ -449,7 +455,7 @@ class Mask(ABC):
         # pad lookups for the whole span, but evaluate only the q_len x kv_len window.
         span = max(q_len, kv_len, self.natural_length)
         extent = self._extent(rows, None, span, span, "cpu", names=("q_len", "kv_len"))
-        evaluate = self._lower(extent.length, extent.device).evaluate
+        evaluate = self.lower_at(extent.length, extent.device).evaluate
         b = torch.tensor(batch if self.batch_dependent else 0).view(1, 1)
         h = torch.tensor(head if self.head_dependent else 0).view(1, 1)
         q = torch.arange(q_len).view(-1, 1)
@@ -499,6 +505,17 @@ def common_device(children: tuple[Mask, ...]) -> torch.device | None:
     return device
 
 
+class Leaf(Mask):
+    """A leaf of the algebra (every piece): it classifies its own tiles from its data."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def classify_tiles(self, grid: BlockGrid) -> Tensor:
+        """(R, H, nq, nkv) block codes of ``grid``'s tiles, EMPTY / PARTIAL / FULL (UNDECIDED
+        where the piece cannot tell), broadcastable: R and H 1 where it ignores them."""
+
+
 class Composite(Mask):
     """A mask made of other masks (``&``, ``|``, ``per_head``): its key is given, its rows
     and device are its parts' (validated to agree), and what depends on the data — rows,
@@ -545,9 +562,9 @@ class Composite(Mask):
     def carries_batch_data(self) -> bool:
         return any(c.carries_batch_data for c in self.parts)
 
-    def _check(self, extent: Extent) -> None:
+    def check(self, extent: Extent) -> None:
         for part in self.parts:
-            part._check(extent)
+            part.check(extent)
 
 
 class _Nary(Composite):
@@ -581,24 +598,24 @@ class And(_Nary):
     _name = "and"
     _symbol = "&"
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
-        return _combined(AndMod, [c._lower(length, device) for c in self.children])
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
+        return _combined(AndMod, [c.lower_at(length, device) for c in self.children])
 
-    def _has_intervals(self) -> bool:
-        return all(c._has_intervals() for c in self.children)
+    def has_intervals(self) -> bool:
+        return all(c.has_intervals() for c in self.children)
 
-    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals | None:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals | None:
         parts = []
         for child in self.children:
-            part = child._intervals(q_idx, row, grid)
+            part = child.intervals_at(q_idx, row, grid)
             if part is None:
                 return None
             parts.append(part)
         return _intersect(parts)
 
-    def _has_monotone_intervals(self) -> bool:
+    def has_monotone_intervals(self) -> bool:
         # Each child's properties carry over to their intersection (build.closed_form).
-        return all(c._has_monotone_intervals() for c in self.children)
+        return all(c.has_monotone_intervals() for c in self.children)
 
 
 def _intersect(parts: list[Intervals]) -> Intervals:
@@ -615,8 +632,8 @@ class Or(_Nary):
     _name = "or"
     _symbol = "|"
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
-        return _combined(OrMod, [c._lower(length, device) for c in self.children])
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
+        return _combined(OrMod, [c.lower_at(length, device) for c in self.children])
 
     # A union of intervals that all start at 0 is the interval up to the largest end: a
     # prefix-LM, `causal() | prefix(n)`, is [0, max(q, n - 1)]. Its lo is 0 and its hi a max
@@ -636,27 +653,27 @@ class Or(_Nary):
     #   children's hi never decrease already, and a max of non-decreasing functions does not
     #   decrease. These are the closed form's conditions (build.closed_form), so the union
     #   is written there; an `&` with document(...) stays monotone (an intersection).
-    def _attends_from_zero(self) -> bool:
+    def attends_from_zero(self) -> bool:
         children = self.children
-        if all(c._attends_from_zero() for c in children):
+        if all(c.attends_from_zero() for c in children):
             return True
-        return any(c._covers_diagonal() for c in children) and all(
-            c._attends_from_zero() or c._attends_around_self() for c in children
+        return any(c.covers_diagonal() for c in children) and all(
+            c.attends_from_zero() or c.attends_around_self() for c in children
         )
 
-    def _covers_diagonal(self) -> bool:
-        return self._attends_from_zero() and any(c._covers_diagonal() for c in self.children)
+    def covers_diagonal(self) -> bool:
+        return self.attends_from_zero() and any(c.covers_diagonal() for c in self.children)
 
-    def _has_intervals(self) -> bool:
-        return self._attends_from_zero()
+    def has_intervals(self) -> bool:
+        return self.attends_from_zero()
 
-    def _has_monotone_intervals(self) -> bool:
-        return self._attends_from_zero()
+    def has_monotone_intervals(self) -> bool:
+        return self.attends_from_zero()
 
-    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals | None:
-        if not self._attends_from_zero():
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals | None:
+        if not self.attends_from_zero():
             return None
-        parts = [child._intervals(q_idx, row, grid) for child in self.children]
+        parts = [child.intervals_at(q_idx, row, grid) for child in self.children]
         lo, hi = parts[0]  # type: ignore[misc]
         for part in parts[1:]:
             lo, hi = torch.minimum(lo, part.lo), torch.maximum(hi, part.hi)  # type: ignore[union-attr]
@@ -699,11 +716,11 @@ class Not(Mask):
     def carries_batch_data(self) -> bool:
         return self.child.carries_batch_data
 
-    def _check(self, extent: Extent) -> None:
-        self.child._check(extent)
+    def check(self, extent: Extent) -> None:
+        self.child.check(extent)
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
-        inner = self.child._lower(length, device)
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
+        inner = self.child.lower_at(length, device)
         mask_mod = NotMod(inner.mask_mod)
         if inner.evaluate is inner.mask_mod:
             return Lowered(mask_mod, mask_mod)

@@ -121,7 +121,7 @@ class BlockGrid:
 
     @property
     def extent(self) -> Extent:
-        """What a mask validates itself against (``Mask._check``)."""
+        """What a mask validates itself against (``Mask.check``)."""
         windowed = self.per_row_offsets or self.q_offset != 0 or self.kv_offset != 0
         name = "max(q_offset + Q_LEN, kv_offset + KV_LEN)" if windowed else "max(Q_LEN, KV_LEN)"
         return Extent(self.batch, self.heads, self.length, self.device, name)

@@ -1,6 +1,6 @@
 """Classification: every tile's code from structure, then refinement of undecided tiles.
 
-Leaves (pieces) classify their own tiles (``Piece._classify``); ``&``, ``|`` and ``~`` combine
+Leaves (pieces) classify their own tiles (``Piece.classify_tiles``); ``&``, ``|`` and ``~`` combine
 codes here. A sub-expression with monotone intervals (an ``&`` of interval pieces inside a
 union, say) takes its exact codes from its closed-form row runs instead. Tiles two partial
 codes leave UNDECIDED are refined at a cost proportional to their count, cheapest first: when
@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import And, Mask, MaskMod, Not, Or
+from flexmask.algebra.mask import And, Leaf, Mask, MaskMod, Not, Or
 from flexmask.blocks.codes import (
     CODE_DTYPE,
     EMPTY,
@@ -55,7 +55,7 @@ def classify(mask: Mask, grid: BlockGrid) -> Classified:
     if isinstance(mask, Not):
         inner = classify(mask.child, grid)
         return Classified(not_codes(inner.codes), inner.refined)
-    if isinstance(mask, (And, Or)) and mask._has_monotone_intervals():
+    if isinstance(mask, (And, Or)) and mask.has_monotone_intervals():
         # Its closed-form runs are its exact codes, whatever its pieces' tiles would say.
         # In range, as every code here: full where every element inside the lengths
         # attends, so a `~` above empties such an edge tile (classify_blocks demotes the
@@ -75,14 +75,16 @@ def classify(mask: Mask, grid: BlockGrid) -> Classified:
         # Two partial tiles met. If every child of an `&` is an interval per query, their
         # intersection settles those tiles here, so an expression above (an `|`, a `~`)
         # sees exact codes.
-        if isinstance(mask, And) and int(codes.max()) == UNDECIDED and mask._has_intervals():
+        if isinstance(mask, And) and int(codes.max()) == UNDECIDED and mask.has_intervals():
             rows, _ = grid.reduced(mask)
             codes = codes.expand(rows, *codes.shape[1:]).contiguous()
             refined += refine_by_intervals(codes, (codes == UNDECIDED).nonzero(), mask, grid)
         return Classified(codes, refined)
-    if (parts := mask._head_parts(grid.heads)) is not None:
+    if (parts := mask.head_parts(grid.heads)) is not None:
         return Classified(per_head_codes(mask, *parts, grid), 0)
-    return Classified(mask._classify(grid), 0)  # type: ignore[attr-defined]
+    if not isinstance(mask, Leaf):
+        raise TypeError(f"cannot classify {type(mask).__name__}: not a piece nor an operator")
+    return Classified(mask.classify_tiles(grid), 0)
 
 
 def per_head_codes(mask: Mask, distinct: tuple[Mask, ...], heads_of: list[Tensor], grid: BlockGrid):
@@ -134,10 +136,10 @@ def classify_blocks(mask: Mask, grid: BlockGrid) -> Classified:
     codes, refined = structure.codes.expand(shape).contiguous(), structure.refined
     if int(codes.max()) == UNDECIDED:
         undecided = (codes == UNDECIDED).nonzero()
-        if mask._has_intervals():
+        if mask.has_intervals():
             refined += refine_by_intervals(codes, undecided, mask, grid)
         else:
-            evaluate = mask._lower(grid.length, grid.device).evaluate
+            evaluate = mask.lower_at(grid.length, grid.device).evaluate
             refined += refine_by_evaluation(codes, undecided, evaluate, grid)
     return Classified(grid.demote_incomplete(codes), refined)
 
@@ -173,8 +175,8 @@ def refine_by_intervals(codes: Tensor, tiles: Tensor, mask: Mask, grid: BlockGri
         q_idx = grid.q_first.view(-1)[q_tile].view(-1, 1) + torch.arange(grid.q_block, device=dev)
         in_range = q_idx < grid.q_end
         q_idx = q_idx.clamp(max=grid.q_end - 1)
-        intervals = mask._intervals(q_idx, row.view(-1, 1), grid)
-        assert intervals is not None  # callers check mask._has_intervals()
+        intervals = mask.intervals_at(q_idx, row.view(-1, 1), grid)
+        assert intervals is not None  # callers check mask.has_intervals()
         lo, hi = intervals
         kv_first = grid.kv_first.view(-1)[kv_tile].view(-1, 1)
         kv_last = grid.kv_last.view(-1)[kv_tile].view(-1, 1)

@@ -5,8 +5,8 @@ full, empty, and ``|``-unions of causal, prefix and full such as the prefix-LM
 ``causal() | prefix(n)``, whose intervals all start at key 0, or of causal or full with spans
 such as text with images ``causal() | spans(ids)``, proved in ``flexmask.algebra.mask.Or``) gives
 query ``q`` of each batch row one kv interval
-``[lo(q), hi(q)]``. Each of these pieces declares (``Piece._interval_shape``, read through
-``Mask._has_monotone_intervals``) that, on a prefix of the positions (its domain; past it the
+``[lo(q), hi(q)]``. Each of these pieces declares (``Piece.interval_shape``, read through
+``Mask.has_monotone_intervals``) that, on a prefix of the positions (its domain; past it the
 piece attends nowhere),
 
 * ``lo`` never decreases and ``lo(q) <= q``, and
@@ -65,7 +65,7 @@ def clipped(mask: Mask, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> tuple[Te
     (``special_blocks`` finds where it begins): a past query's own ``[1, 0]`` would read as
     "hi still below k0" and hide a block whose attending queries all lie inside it.
     """
-    lo, hi = mask._intervals(q_idx, row, grid)  # type: ignore[misc]
+    lo, hi = mask.intervals_at(q_idx, row, grid)  # type: ignore[misc]
     shape = q_idx.shape
     k0, k1 = grid.kv_offset, grid.kv_end - 1
     past = (lo > hi).expand(shape)

@@ -250,7 +250,7 @@ def _closed_form_shard(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
     total = keys.perm.numel()
     q_idx = layout.q_perm.to(whole.device).view(1, -1).expand(rows, -1).contiguous()
     row = torch.arange(rows, device=whole.device).view(-1, 1)
-    lo, hi = mask._intervals(q_idx, row, whole)  # type: ignore[misc]
+    lo, hi = mask.intervals_at(q_idx, row, whole)  # type: ignore[misc]
     lo = lo.clamp(min=0).expand_as(q_idx).cpu()
     hi = hi.clamp(max=total - 1).expand_as(q_idx).cpu()
     made = segment_sides(lo, hi, layout.q_perm, layout.q_runs, keys.perm, keys.runs, layout.block)
@@ -388,7 +388,7 @@ def build_shard(
         layout = _Layout.of(
             KeyOrder.of(perm, block) if keys is None else keys[row], rank, world, block
         )
-        closed_form = mask._has_monotone_intervals() and not mask.head_dependent
+        closed_form = mask.has_monotone_intervals() and not mask.head_dependent
         if not closed_form:
             kv, q = _tile_sides(mask, whole, layout)
         else:

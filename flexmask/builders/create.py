@@ -120,7 +120,7 @@ def torch_keywords(flags: Flags) -> dict[str, Any]:
 def in_closed_form(mask: Mask) -> bool:
     """True if the build writes ``mask`` from intervals at block edges, no tiles: monotone
     intervals (``closed_form``) or an ``|`` of two such (``unions``)."""
-    return mask._has_monotone_intervals() or unions.union_operands(mask) is not None
+    return mask.has_monotone_intervals() or unions.union_operands(mask) is not None
 
 
 class Sides(NamedTuple):
@@ -138,11 +138,11 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> Sides:
     (``unions``), else from the classified tiles."""
     if grid.num_q_blocks == 0 or grid.num_kv_blocks == 0:
         return Sides(*empty_sides(*grid.reduced(mask), grid), 0)
-    if mask._has_monotone_intervals():
+    if mask.has_monotone_intervals():
         return Sides(*closed_form.ordered_sides(mask, grid), 0)
     if unions.union_operands(mask) is not None:
         return Sides(*unions.union_sides(mask, grid), 0)
-    parts = mask._head_parts(grid.heads)
+    parts = mask.head_parts(grid.heads)
     if parts is not None:
         return _by_head(mask, parts, grid)
     codes, refined = classify_blocks(mask, grid)
@@ -208,7 +208,7 @@ def build_counted(
     """``build``, and how many tiles it refined (what benchmarks report)."""
     with cpu_threads(torch.device(grid.device)):
         # The lookups the mask_mod keeps are allocated before the build's temporaries.
-        lowered = mask._lower(grid.length, grid.device).mask_mod
+        lowered = mask.lower_at(grid.length, grid.device).mask_mod
         mask_mod = window_mask_mod(lowered, grid)
         if grid.per_row_offsets and not in_closed_form(mask):
             kv, q, refined = _row_by_row(mask, grid)
@@ -385,7 +385,7 @@ def _traced_build(mask: Mask, grid: BlockGrid, flags: Flags) -> BlockMask:
     its (windowed) mask_mod. Classifying tiles reads tensor values (which tiles are
     undecided, how many runs a line has) that export cannot trace as shapes; torch's build
     evaluates every element instead, and writes the same tensors."""
-    mask_mod = window_mask_mod(mask._lower(grid.length, grid.device).mask_mod, grid)
+    mask_mod = window_mask_mod(mask.lower_at(grid.length, grid.device).mask_mod, grid)
     return torch_create_block_mask(
         mask_mod,
         grid.batch,

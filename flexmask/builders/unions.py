@@ -87,20 +87,20 @@ def union_operands(mask: Mask) -> tuple[Mask, Mask] | None:
     nowhere (``empty()``) drop out, and those that attend from key 0 (or around
     themselves, spans) join as one from-zero union (``causal() | prefix(n)`` is itself
     monotone); two operands must remain (or one, and an ``empty()``). A union that is
-    itself monotone (``Or._attends_from_zero``) goes to ``closed_form`` instead.
+    itself monotone (``Or.attends_from_zero``) goes to ``closed_form`` instead.
     """
-    if not isinstance(mask, Or) or mask._has_monotone_intervals():
+    if not isinstance(mask, Or) or mask.has_monotone_intervals():
         return None
     distinct = tuple(dict.fromkeys(mask.children))  # a | a is a
-    nowhere = [c for c in distinct if c._attends_nowhere()]
-    children = tuple(c for c in distinct if not c._attends_nowhere())
-    joins = [c._attends_from_zero() or c._attends_around_self() for c in children]
+    nowhere = [c for c in distinct if c.attends_nowhere()]
+    children = tuple(c for c in distinct if not c.attends_nowhere())
+    joins = [c.attends_from_zero() or c.attends_around_self() for c in children]
     if sum(joins) >= 2:
         zero = tuple(c for c, j in zip(children, joins, strict=True) if j)
         children = (*(c for c, j in zip(children, joins, strict=True) if not j), Or(zero))
     if len(children) < 2:  # a | empty(), a | a: a, written as a union with either
         children = ((*children, *nowhere) * 2)[:2]
-    if len(children) != 2 or not all(c._has_monotone_intervals() for c in children):
+    if len(children) != 2 or not all(c.has_monotone_intervals() for c in children):
         return None
     return children[0], children[1]
 

@@ -223,7 +223,7 @@ def _block_costs(
     the structure leaves undecided are evaluated)."""
     grid = make_grid(mask, B, H, length, length, device, block)
     _, heads = grid.reduced(mask)
-    if mask._has_monotone_intervals() and not mask.head_dependent:
+    if mask.has_monotone_intervals() and not mask.head_dependent:
         runs = row_runs(mask, grid)
         some = (runs.last - runs.first + 1).clamp_(min=0)
         full = (runs.full_last - runs.full_first + 1).clamp_(min=0)
@@ -404,7 +404,7 @@ def nonempty_blocks(
     with monotone intervals counts its closed-form runs (O(blocks)); any other has its
     blocks classified (only blocks the structure leaves undecided are evaluated)."""
     grid = make_grid(mask, B, H, length, length, device, block)
-    if mask._has_monotone_intervals() and not mask.head_dependent:
+    if mask.has_monotone_intervals() and not mask.head_dependent:
         runs = row_runs(mask, grid)
         return (runs.last - runs.first + 1).clamp_(min=0).to(torch.int64)
     codes = classify_blocks(mask, grid).codes  # (rows, heads, nq, nkv)

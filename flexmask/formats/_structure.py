@@ -90,7 +90,7 @@ def window(
     kv_off = _offsets(kv_offset, "kv_offset", batch)
     length = max(int(q_off.max()) + q_len, int(kv_off.max()) + kv_len)
     name = "max(q_offset + Q_LEN, kv_offset + KV_LEN)"
-    mask._check(Extent(batch, heads, length, torch.device("cpu"), name))
+    mask.check(Extent(batch, heads, length, torch.device("cpu"), name))
     return Window(batch, q_len, kv_len, q_off, kv_off)
 
 

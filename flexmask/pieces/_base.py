@@ -5,21 +5,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Extent, Mask, MaskModFn
+from flexmask.algebra.mask import Extent, Leaf, MaskModFn
 
 
-class Piece(Mask):
+class Piece(Leaf):
     """A leaf of the mask algebra. Subclasses set ``_key``, ``_rows``, ``_device``, ``_natural``."""
 
     __slots__ = ("_key", "_rows", "_device", "_natural", "_placed")
     _arg = "the mask's data"
-    _interval_shape: str | None = None
-    """What the piece's ``_intervals`` promise (``flexmask.builders.closed_form``): None — none;
+    interval_shape: str | None = None
+    """What the piece's ``intervals_at`` promise (``flexmask.builders.closed_form``): None — none;
     "monotone" — one interval per query, monotone; "from_zero" — monotone and starting at
     key 0, possibly empty as ``[0, -1]`` (so ``|``-unions of such pieces are intervals too:
     ``[0, max hi]``); "diagonal" — from zero and reaching at least the query itself
     (causal, full); "around_self" — empty or holding the query, disjoint runs, not monotone
-    alone but monotone in a union with a "diagonal" piece (``Mask._attends_around_self``)."""
+    alone but monotone in a union with a "diagonal" piece (``Mask.attends_around_self``)."""
 
     def __init__(
         self,
@@ -56,20 +56,20 @@ class Piece(Mask):
             object.__setattr__(self, name, value)
         self._placed = {}
 
-    def _has_intervals(self) -> bool:
-        return self._interval_shape is not None
+    def has_intervals(self) -> bool:
+        return self.interval_shape is not None
 
-    def _has_monotone_intervals(self) -> bool:
-        return self._interval_shape not in (None, "around_self")
+    def has_monotone_intervals(self) -> bool:
+        return self.interval_shape not in (None, "around_self")
 
-    def _attends_from_zero(self) -> bool:
-        return self._interval_shape in ("from_zero", "diagonal")
+    def attends_from_zero(self) -> bool:
+        return self.interval_shape in ("from_zero", "diagonal")
 
-    def _covers_diagonal(self) -> bool:
-        return self._interval_shape == "diagonal"
+    def covers_diagonal(self) -> bool:
+        return self.interval_shape == "diagonal"
 
-    def _attends_around_self(self) -> bool:
-        return self._interval_shape == "around_self"
+    def attends_around_self(self) -> bool:
+        return self.interval_shape == "around_self"
 
     @property
     def key(self) -> tuple:
@@ -87,7 +87,7 @@ class Piece(Mask):
     def natural_length(self) -> int:
         return self._natural
 
-    def _check(self, extent: Extent) -> None:
+    def check(self, extent: Extent) -> None:
         if self._rows is not None and self._rows != extent.batch:
             raise ValueError(
                 f"{self._arg} is given for {self._rows} batch rows but B={extent.batch}: pass one "

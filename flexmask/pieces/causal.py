@@ -23,19 +23,19 @@ class Causal(Piece):
     """
 
     __slots__ = ()
-    _interval_shape = "diagonal"
+    interval_shape = "diagonal"
 
     def __init__(self) -> None:
         super().__init__(("causal",))
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: BlockGrid) -> Tensor:
         return codes_from(grid.kv_first <= grid.q_last, grid.kv_last <= grid.q_first)
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
         mod = CausalMod()
         return Lowered(mod, mod)
 
-    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         return Intervals(torch.zeros_like(q_idx), q_idx)
 
     def __repr__(self) -> str:

@@ -28,14 +28,14 @@ class Chunked(RowValuePiece):
     __slots__ = ()
     # Query q attends [size * (q // size), size * (q // size) + size - 1]: lo never
     # decreases and is <= q, hi never decreases and is >= q (build.closed_form).
-    _interval_shape = "monotone"
+    interval_shape = "monotone"
     _arg = "size"
     _kind = "chunked"
 
     def __init__(self, size: Any) -> None:
         super().__init__(size, "size", minimum=1)
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: BlockGrid) -> Tensor:
         # Chunk ids grow along the sequence, so a tile's chunks are a range on each side:
         # the tile attends somewhere iff the two ranges overlap, everywhere iff both sides
         # lie in one and the same chunk. Only tile edges are divided, never every token.
@@ -45,11 +45,11 @@ class Chunked(RowValuePiece):
         nonempty = (q0 <= k1) & (k0 <= q1)
         return codes_from(nonempty, (q0 == q1) & (k0 == k1) & (q0 == k0))
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
         mod = ChunkedMod(self._captured(device), self.per_row)
         return Lowered(mod, mod)
 
-    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         size = self._at_rows(row, grid).clamp(min=1)  # clamped to the sequence: no overflow
         lo = q_idx.div(size, rounding_mode="floor") * size
         return Intervals(lo, lo + size - 1)

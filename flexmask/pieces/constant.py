@@ -22,19 +22,19 @@ class Full(Piece):
     """
 
     __slots__ = ()
-    _interval_shape = "diagonal"
+    interval_shape = "diagonal"
 
     def __init__(self) -> None:
         super().__init__(("full",))
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: BlockGrid) -> Tensor:
         return constant_codes(FULL, grid.device)
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
         mod = FullMod()
         return Lowered(mod, mod)
 
-    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         lo = torch.zeros_like(q_idx)
         return Intervals(lo, lo + grid.kv_end)
 
@@ -53,22 +53,22 @@ class Empty(Piece):
     """
 
     __slots__ = ()
-    _interval_shape = "monotone"
+    interval_shape = "monotone"
 
     def __init__(self) -> None:
         super().__init__(("empty",))
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: BlockGrid) -> Tensor:
         return constant_codes(EMPTY, grid.device)
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
         mod = EmptyMod()
         return Lowered(mod, mod)
 
-    def _attends_nowhere(self) -> bool:
+    def attends_nowhere(self) -> bool:
         return True
 
-    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         hi = torch.zeros_like(q_idx)
         return Intervals(hi + 1, hi)
 

@@ -40,10 +40,10 @@ class FromMaskMod(Piece):
     def head_dependent(self) -> bool:
         return self._head_dependent
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: BlockGrid) -> Tensor:
         return constant_codes(UNDECIDED, grid.device)
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
         return Lowered(self.fn, VmappedMod(self.fn))
 
     def __repr__(self) -> str:

@@ -29,7 +29,7 @@ class Document(Piece):
     """
 
     __slots__ = ("seq_lens", "per_row", "_totals", "_starts", "_ends", "_num_docs")
-    _interval_shape = "monotone"
+    interval_shape = "monotone"
 
     @property
     def carries_batch_data(self) -> bool:
@@ -77,7 +77,7 @@ class Document(Piece):
             natural=natural,
         )
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: BlockGrid) -> Tensor:
         device = grid.device
         num_docs = self._on("_num_docs", device)
         ends = self._on("_ends", device)
@@ -110,14 +110,14 @@ class Document(Piece):
         k_single = torch.where(k0 == k1, k0, -2)
         return codes_from(nonempty, q_single == k_single)
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
         # int32 ids, -1 past the documents; sized by the sequence length, never by the number
         # of documents, so a compiled kernel sees one shape for every batch of this length.
         doc_id = self._doc_ids(length, device)
         mod = DocumentMod(doc_id if self.per_row else doc_id[0], self.per_row)
         return Lowered(mod, mod)
 
-    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         # Only the queried positions: the document of each is one search among its row's
         # document ends; past the documents, the empty interval [1, 0].
         starts, ends = self._on("_starts", grid.device), self._on("_ends", grid.device)

@@ -26,7 +26,7 @@ class Padding(RowValuePiece):
     """
 
     __slots__ = ()
-    _interval_shape = "monotone"
+    interval_shape = "monotone"
 
     @property
     def carries_batch_data(self) -> bool:
@@ -37,17 +37,17 @@ class Padding(RowValuePiece):
     # docs/algebra.md "Lengths past the sequence": a length at or past the sequence is no
     # padding at all, as the mask_mod says (every q_idx and kv_idx is below it).
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: BlockGrid) -> Tensor:
         length = self._row_values(grid)
         nonempty = (grid.q_first < length) & (grid.kv_first < length)
         full = (grid.q_last < length) & (grid.kv_last < length)
         return codes_from(nonempty, full)
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
         mod = PaddingMod(self._captured(device), self.per_row)
         return Lowered(mod, mod)
 
-    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         row_len = self._at_rows(row, grid)
         inside = q_idx < row_len
         # Padding queries attend nothing: the empty interval [1, 0].

@@ -21,7 +21,7 @@ class PerHead(Composite):
                                              ■ ■ ■           ■ ■ ■
 
     Equal masks are kept once (``distinct``): the build makes each distinct mask's tensors
-    once (``Mask._head_parts``; in closed form where it has one) and copies them to the heads
+    once (``Mask.head_parts``; in closed form where it has one) and copies them to the heads
     that use it — inside ``&``/``|``/``~``, each distinct mask's tile codes
     (``builders.classify.per_head_codes``); the mask_mod
     evaluates each distinct mask once.
@@ -52,7 +52,7 @@ class PerHead(Composite):
         multiple of it."""
         return len(self.masks) * self.group_size
 
-    def _check(self, extent: Extent) -> None:
+    def check(self, extent: Extent) -> None:
         # Only where a head count is given: a mask_mod or a picture takes any head index.
         if extent.heads is not None and extent.heads % self.cycle:
             raise ValueError(
@@ -60,9 +60,9 @@ class PerHead(Composite):
                 f"{len(self.masks)} * {self.group_size} = {self.cycle} for per_head: head h "
                 f"uses masks[(h // group_size) % len(masks)], and every mask needs its heads"
             )
-        super()._check(extent)
+        super().check(extent)
 
-    def _head_parts(self, heads: int) -> tuple[tuple[Mask, ...], list[Tensor]]:
+    def head_parts(self, heads: int) -> tuple[tuple[Mask, ...], list[Tensor]]:
         return self.distinct, self._heads_of(heads)
 
     def _heads_of(self, heads: int) -> list[Tensor]:
@@ -71,8 +71,8 @@ class PerHead(Composite):
         which = self.head_table[(h // self.group_size) % len(self.masks)]
         return [(which == d).nonzero().view(-1) for d in range(len(self.distinct))]
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
-        parts = [m._lower(length, device) for m in self.distinct]
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
+        parts = [m.lower_at(length, device) for m in self.distinct]
         table = self.head_table.to(device)
         mask_mod = PerHeadMod(tuple(p.mask_mod for p in parts), table, self.group_size)
         if all(p.evaluate is p.mask_mod for p in parts):

@@ -26,19 +26,19 @@ class Prefix(RowValuePiece):
     """
 
     __slots__ = ()
-    _interval_shape = "from_zero"
+    interval_shape = "from_zero"
     _arg = "length"
     _kind = "prefix"
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: BlockGrid) -> Tensor:
         length = self._row_values(grid)
         return codes_from(grid.kv_first < length, grid.kv_last < length)
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
         mod = PrefixMod(self._captured(device), self.per_row)
         return Lowered(mod, mod)
 
-    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         # [0, length - 1]: for length 0 the empty [0, -1], still starting at key 0, so a
         # union with causal or full stays exact (causal() | prefix(0) is causal).
         hi = (self._at_rows(row, grid) - 1).expand_as(q_idx)

@@ -26,11 +26,11 @@ class SlidingWindow(RowValuePiece):
     """
 
     __slots__ = ()
-    _interval_shape = "monotone"
+    interval_shape = "monotone"
     _arg = "size"
     _kind = "sliding_window"
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: BlockGrid) -> Tensor:
         size = self._row_values(grid)
         zero = torch.zeros((), dtype=torch.int64, device=grid.device)
         nearest = torch.maximum(
@@ -39,11 +39,11 @@ class SlidingWindow(RowValuePiece):
         farthest = torch.maximum(grid.q_last - grid.kv_first, grid.kv_last - grid.q_first)
         return codes_from(nearest < size, farthest < size)
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
         mod = SlidingWindowMod(self._captured(device), self.per_row)
         return Lowered(mod, mod)
 
-    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         size = self._at_rows(row, grid)  # clamped to the sequence: no overflow below
         # A window of 0 attends nothing: the explicit empty interval [1, 0], not
         # [q + 1, q - 1], whose lo > q would break the closed form's lo(q) <= q.

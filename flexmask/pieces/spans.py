@@ -31,8 +31,8 @@ class Spans(Piece):
     __slots__ = ("per_row", "_span_ids", "_starts", "_ends", "_num_spans")
     # Each query's interval is empty or its own span [start, end], which holds the query;
     # spans are disjoint runs. Not monotone alone (a token outside every span between two
-    # spans attends nowhere), but a union with causal() is: see ``Mask._attends_around_self``.
-    _interval_shape = "around_self"
+    # spans attends nowhere), but a union with causal() is: see ``Mask.attends_around_self``.
+    interval_shape = "around_self"
     _arg = "ids"
 
     def __init__(self, ids: Any) -> None:
@@ -70,7 +70,7 @@ class Spans(Piece):
     def carries_batch_data(self) -> bool:
         return True
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: BlockGrid) -> Tensor:
         nq, nkv = grid.num_q_blocks, grid.num_kv_blocks
         firsts = torch.cat([grid.q_first.reshape(-1, nq), grid.kv_first.reshape(-1, nkv)], 1)
         lasts = torch.cat([grid.q_last.reshape(-1, nq), grid.kv_last.reshape(-1, nkv)], 1)
@@ -95,7 +95,7 @@ class Spans(Piece):
         nonempty = torch.maximum(q_lo, kv_lo) <= torch.minimum(q_hi, kv_hi)
         return codes_from(nonempty, (q_whole == kv_whole) & (q_whole >= 0))
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
         # int32 span ids padded with -1 to length + 1 (the last entry is the sentinel indices
         # past the lookup are clamped onto): one shape for every batch of this length.
         # Ids past the sequence are clipped off (docs/algebra.md): no index reaches them.
@@ -105,7 +105,7 @@ class Spans(Piece):
         mod = SpansMod(ids if self.per_row else ids[0], self.per_row)
         return Lowered(mod, mod)
 
-    def _intervals(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         device = grid.device
         lookup_row = row.view(-1) if self.per_row else torch.zeros_like(row.view(-1))
         starts = self._on("_starts", device)[lookup_row]

@@ -59,8 +59,8 @@ class Tree(Piece):
             natural=max(p.numel() for p in self.parents),
         )
 
-    def _check(self, extent: Extent) -> None:
-        super()._check(extent)
+    def check(self, extent: Extent) -> None:
+        super().check(extent)
         longest = max(p.numel() for p in self.parents)
         if longest > extent.length:
             raise ValueError(
@@ -83,7 +83,7 @@ class Tree(Piece):
             end[row, :n] = self.ends[row]
         return rank.to(device), end.to(device)
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: BlockGrid) -> Tensor:
         if not all(self.preorder):
             # Rank space is exact for any layout; rows already in preorder lose nothing to it
             # but a few passes, so mixed batches take it for every row.
@@ -216,7 +216,7 @@ class Tree(Piece):
             -1,
         )
 
-    def _lower(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device) -> Lowered:
         rank, end = self._lookups(length, device)
         if self.per_row:
             mod = TreeMod(rank, end, per_row=True)

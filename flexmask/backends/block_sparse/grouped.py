@@ -173,7 +173,7 @@ def grouped_slice(
 def interval_bounds(mask: Mask, plan: Plan) -> kernel.Bounds | None:
     """Each query's kv interval from ``mask``'s structure, over the queries padded to whole q
     blocks (padding rows take the last query's): None where its rows are not intervals."""
-    if not mask._has_intervals():
+    if not mask.has_intervals():
         return None
     # The mask is the one the BlockMask was built from (``api._checked_mask``), validated
     # when its spec was made: its grid is laid out, not checked again.
@@ -190,7 +190,7 @@ def interval_bounds(mask: Mask, plan: Plan) -> kernel.Bounds | None:
     num_q_blocks = plan.kinds.size(3)
     q_idx = torch.arange(num_q_blocks * plan.q_block, device=grid.device)
     q_idx = q_idx.clamp(max=plan.q_len - 1).expand(rows, -1)
-    found = mask._intervals(q_idx, torch.arange(rows, device=grid.device).view(rows, 1), grid)
+    found = mask.intervals_at(q_idx, torch.arange(rows, device=grid.device).view(rows, 1), grid)
     if found is None:
         return None
     lo, hi = (t.expand(rows, -1).reshape(rows, num_q_blocks, plan.q_block) for t in found)
