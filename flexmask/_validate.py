@@ -93,6 +93,32 @@ def int_vector(value: Any, name: str) -> Tensor:
     return torch.tensor(items, dtype=torch.int64)
 
 
+def check_parents(
+    value: Any,
+    name: str,
+    *,
+    token: str = "token",
+    rule: str = "each token's parent must be an earlier token",
+    root: str = "a root",
+    empty: str = "an empty array",
+) -> Tensor:
+    """A tree's parent list as int64: ``parents[i]`` is an earlier index (``< i``) or -1. The
+    one parents check (``tree``, ``speculative_tree``): the wording names what the caller
+    calls a token, its parent rule and its roots."""
+    parents = int_vector(value, name)
+    if parents.numel() == 0:
+        raise ValueError(f"{name} must hold at least one {token}, got {empty}")
+    index = torch.arange(parents.numel())
+    bad = ((parents >= index) | (parents < -1)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(
+            f"{name}[{i}]={int(parents[i])} is not a valid parent: {rule} (0 <= parent < {i}) "
+            f"or -1 for {root}"
+        )
+    return parents
+
+
 def is_nested(value: Any) -> bool:
     """True for a per-row value: a 2-D tensor or array, or a list whose items are lists,
     1-D tensors or 1-D arrays."""

@@ -22,7 +22,14 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask._validate import INT64_MAX, block_mask_bytes, check_fits, check_int, int_vector
+from flexmask._validate import (
+    INT64_MAX,
+    block_mask_bytes,
+    check_fits,
+    check_int,
+    check_parents,
+    int_vector,
+)
 from flexmask.algebra.mask import Mask, MaskMod, ShiftedMod
 from flexmask.blocks.read import BLOCK_FIELDS
 from flexmask.builders.create import create_block_mask
@@ -610,17 +617,14 @@ def speculative_tree(prefix_lens: Any, draft_parents: Any) -> Mask:
     for row in range(rows):
         prefix = prefixes[row] if prefixes is not None else shared_prefix
         name = f"draft_parents[{row}]" if drafts is not None else "draft_parents"
-        draft = int_vector(drafts[row] if drafts is not None else draft_parents, name)
-        if draft.numel() == 0:
-            raise ValueError(f"{name} must hold at least one draft token, got an empty list")
-        index = torch.arange(draft.numel())
-        bad = ((draft >= index) | (draft < -1)).nonzero()
-        if bad.numel():
-            i = int(bad[0, 0])
-            raise ValueError(
-                f"{name}[{i}]={int(draft[i])} is not a valid parent: a draft token's parent "
-                f"is an earlier draft token (0 <= parent < {i}) or -1 for the prefix's last"
-            )
+        draft = check_parents(
+            drafts[row] if drafts is not None else draft_parents,
+            name,
+            token="draft token",
+            rule="a draft token's parent is an earlier draft token",
+            root="the prefix's last",
+            empty="an empty list",
+        )
         chain = torch.arange(-1, prefix - 1)  # the prefix: each token's parent is the previous
         parents.append(torch.cat([chain, torch.where(draft < 0, prefix - 1, draft + prefix)]))
     per_row = drafts is not None or prefixes is not None

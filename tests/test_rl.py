@@ -6,9 +6,7 @@ first-fit over those sets, tests/oracle.py's tree mask, and per-sequence model r
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flexmask.packing import pack_trees
 from tests import oracle
+from tests.tiny import tiny_model
 
 PAD = 99  # above every token groups() draws, so padding shows
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -191,14 +190,6 @@ def test_gather_is_vectorised_the_same_ops_for_10x_the_sequences():
     assert sum(counts[1].values()) < 60
 
 
-def _tiny_model():
-    path = Path(__file__).resolve().parent.parent / "examples" / "_model.py"
-    spec = importlib.util.spec_from_file_location("flexmask_examples_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.TinyLM(vocab=12, dim=32, num_heads=2, num_layers=2, seed=0)
-
-
 def test_tree_batch_log_probs_equal_each_sequence_run_alone():
     gen = torch.Generator().manual_seed(3)
     sequences, prompt_lens = [], []
@@ -211,7 +202,7 @@ def test_tree_batch_log_probs_equal_each_sequence_run_alone():
     prompt_lens.insert(3, 0)
     batch = pack_trees(sequences, 24, prompt_lens=prompt_lens, num_rows=4)
     assert batch.num_rows == 4 and len(set(batch.row_of) - {-1}) >= 2  # several trees, a dummy
-    model = _tiny_model()
+    model = tiny_model(vocab=12)
     logits = model(batch.tokens, batch.position_ids, batch.lazy(2, block_size=8))
     got = batch.log_probs(logits, temperature=0.8, entropy=True)
     for i, seq in enumerate(sequences):

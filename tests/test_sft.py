@@ -5,9 +5,6 @@ References are plain walks over the input sequences, written without flexmask's 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -17,6 +14,7 @@ from hypothesis import strategies as st
 
 from flexmask.packing import pack
 from tests import oracle
+from tests.tiny import tiny_model
 
 IGNORE, PAD = -7, 99  # PAD: above every token drawn (0..50), so padding shows
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -207,14 +205,6 @@ def test_bad_labels_and_masks_name_the_argument(kwargs, error, pattern):
         pack([[1, 2]], 4, **kwargs)
 
 
-def _tiny_model():
-    path = Path(__file__).resolve().parent.parent / "examples" / "_model.py"
-    spec = importlib.util.spec_from_file_location("flexmask_examples_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.TinyLM(vocab=16, dim=32, num_heads=2, num_layers=2, seed=0)
-
-
 def test_packed_prompt_masked_loss_equals_each_sequence_alone():
     # SFT with train_on_input=False: the packed, shifted labels give the loss a model gives
     # each sequence alone with its prompt masked out (summed over targets).
@@ -222,7 +212,7 @@ def test_packed_prompt_masked_loss_equals_each_sequence_alone():
     lengths, prompts = [9, 5, 12, 3, 7], [4, 2, 6, 1, 7]
     sequences = [torch.randint(0, 16, (n,), generator=gen) for n in lengths]
     masks = [torch.arange(n) >= p for n, p in zip(lengths, prompts, strict=True)]
-    model = _tiny_model()
+    model = tiny_model(vocab=16)
     batch = pack(sequences, 16, loss_mask=masks)
     logits = model(batch.tokens, batch.position_ids, batch.lazy(2, block_size=8))
     packed = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")

@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import INT64_MAX, check_device, check_int
 from flexmask.algebra.mask import Mask
-from flexmask.blocks.grid import BlockGrid, make_grid
+from flexmask.blocks.grid import BlockGrid, block_sizes, make_grid
 from flexmask.blocks.read import block_mask_nbytes
 from flexmask.builders.cp_shard import KeyOrder, build_shard
 from flexmask.builders.create import build as build_window
@@ -219,17 +219,17 @@ def _world_and_rank(world_size: Any, rank: Any, mesh: Any) -> tuple[int, int]:
 
 
 def _block(BLOCK_SIZE: Any) -> int:
-    if isinstance(BLOCK_SIZE, (tuple, list)):
-        if len(BLOCK_SIZE) != 2:
-            raise ValueError(f"BLOCK_SIZE must be an int or an (n, n) pair, got {BLOCK_SIZE!r}")
-        q_block = check_int(BLOCK_SIZE[0], "BLOCK_SIZE[0]", minimum=1)
-        if check_int(BLOCK_SIZE[1], "BLOCK_SIZE[1]", minimum=1) != q_block:
-            raise ValueError(
-                f"BLOCK_SIZE must be an int or an (n, n) pair (queries and keys are permuted "
-                f"alike, so their blocks are one size), got {tuple(BLOCK_SIZE)!r}"
-            )
-        return q_block
-    return check_int(BLOCK_SIZE, "BLOCK_SIZE", minimum=1)
+    """One block size for queries and keys (they are permuted alike), parsed as every
+    build parses it (``blocks.grid.block_sizes``)."""
+    if isinstance(BLOCK_SIZE, (tuple, list)) and len(BLOCK_SIZE) != 2:
+        raise ValueError(f"BLOCK_SIZE must be an int or an (n, n) pair, got {BLOCK_SIZE!r}")
+    q_block, kv_block = block_sizes(BLOCK_SIZE)
+    if kv_block != q_block:
+        raise ValueError(
+            f"BLOCK_SIZE must be an int or an (n, n) pair (queries and keys are permuted "
+            f"alike, so their blocks are one size), got {tuple(BLOCK_SIZE)!r}"
+        )
+    return q_block
 
 
 # The shard holds int64 positions of the padded sequence, padded again to whole blocks:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask._validate import digest, int_vector, is_nested, source_device
+from flexmask._validate import check_parents, digest, is_nested, source_device
 from flexmask.algebra.mask import Extent, Lowered
 from flexmask.blocks.codes import codes_from
 from flexmask.blocks.grid import BlockGrid
@@ -46,7 +46,7 @@ class Tree(Piece):
         per_row = is_nested(parents)
         rows_in = list(parents) if per_row else [parents]
         self.parents = [
-            _check_parents(p, f"parents[{i}]" if per_row else "parents")
+            check_parents(p, f"parents[{i}]" if per_row else "parents")
             for i, p in enumerate(rows_in)
         ]
         self.per_row = per_row
@@ -275,22 +275,6 @@ def _search_subtrees(
         covered = inside & (ends[at.clamp(min=0)] > ranks)
         found[start : start + per_chunk] = covered.any(-1)
     return found
-
-
-def _check_parents(value: Any, name: str) -> Tensor:
-    parents = int_vector(value, name)
-    n = parents.numel()
-    if n == 0:
-        raise ValueError(f"{name} must hold at least one token, got an empty array")
-    index = torch.arange(n)
-    bad = ((parents >= index) | (parents < -1)).nonzero()
-    if bad.numel():
-        i = int(bad[0, 0])
-        raise ValueError(
-            f"{name}[{i}]={int(parents[i])} is not a valid parent: each token's parent must "
-            f"be an earlier token (0 <= parent < {i}) or -1 for a root"
-        )
-    return parents
 
 
 def _ranks_and_ends(parents: Tensor) -> tuple[Tensor, Tensor, bool]:
