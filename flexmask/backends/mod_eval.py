@@ -1,5 +1,5 @@
 """Calling a ``mask_mod`` or ``score_mod`` on index tensors: by broadcasting where the
-function allows it, else through ``torch.vmap`` — the backend's one evaluator."""
+function allows it, else through ``torch.vmap`` (``algebra.evaluate``, the one evaluator)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from flexmask.algebra.evaluate import vmap_broadcast
 
 
 def broadcasts(fn: Callable[..., Tensor], args: Sequence[Tensor], shape: tuple[int, ...]) -> bool:
@@ -46,28 +48,3 @@ def call_mod(
     if name == "mask_mod" and result.dtype != torch.bool:
         raise TypeError(f"mask_mod must return a bool tensor, got dtype {result.dtype}")
     return result
-
-
-def vmap_broadcast(
-    fn: Callable[..., Tensor], args: Sequence[Tensor], shape: tuple[int, ...]
-) -> Tensor:
-    """Calls ``fn`` elementwise on 0-d tensors over the broadcast of ``args`` (which is ``shape``).
-
-    One ``torch.vmap`` level per dim of ``shape`` longer than 1, the way
-    ``flex_attention._vmap_for_bhqkv`` nests them, with ``in_dims=None`` for the arguments that
-    are broadcast along that dim, so index tensors are never expanded in memory.
-    """
-    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-
-    ndim = len(shape)
-    args = [a.reshape((1,) * (ndim - a.dim()) + tuple(a.shape)) for a in args]
-    mapped_dims = [d for d in range(ndim) if shape[d] != 1]
-    squeezed = [a.reshape([s for s in a.shape if s != 1]) for a in args]
-    mapped = fn
-    for d in reversed(mapped_dims):
-        in_dims = tuple(0 if a.size(d) != 1 else None for a in args)
-        mapped = torch.vmap(mapped, in_dims=in_dims)
-    # Inside vmap, ``lookup[q_idx]`` must become aten.index to batch; this mode does that.
-    with TransformGetItemToIndex():
-        result = mapped(*squeezed)
-    return result.reshape(shape)

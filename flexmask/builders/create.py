@@ -1,6 +1,6 @@
 """From a mask expression to a torch BlockMask, without evaluating the whole Q×KV grid.
 
-The one data path, one module per stage (``flexmask.build``):
+The one data path, one module per stage (``flexmask.blocks``, ``flexmask.builders``):
 
 1. ``grid`` — validate the arguments and lay out the tiles of the window;
 2. ``closed_form`` — an ``&`` of interval pieces: both sides' runs from the intervals at

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flexmask.algebra.evaluate import vmap_broadcast
 from flexmask.algebra.mask import Lowered, MaskMod, MaskModFn
 from flexmask.blocks.codes import UNDECIDED, constant_codes
 from flexmask.blocks.grid import BlockGrid
@@ -52,7 +53,8 @@ class FromMaskMod(Piece):
 
 class VmappedMod(MaskModFn):
     """Evaluates a scalar-style mask_mod on broadcasting index tensors, as torch's create_mask
-    does: one vmap over the flattened broadcast, with tensor indexing turned into index ops."""
+    does, through the one vmap evaluator (``algebra.evaluate``): index tensors are never
+    expanded in memory, tensor indexing is turned into index ops."""
 
     __slots__ = ("fn",)
     _name = "vmapped"
@@ -61,12 +63,8 @@ class VmappedMod(MaskModFn):
         self.fn = fn
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-
-        shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
-        flat = [t.expand(shape).reshape(-1) for t in (b, h, q_idx, kv_idx)]
-        with TransformGetItemToIndex():
-            out = torch.vmap(self._tensor_out)(*flat)
+        shape = tuple(torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape))
+        out = vmap_broadcast(self._tensor_out, (b, h, q_idx, kv_idx), shape)
         if out.dtype != torch.bool:
             raise TypeError(
                 f"mask_mod {getattr(self.fn, '__name__', self.fn)!r} must return a bool tensor, "
