@@ -32,8 +32,9 @@ from flexmask._validate import (
 )
 from flexmask.algebra.mask import Mask, MaskMod, ShiftedMod
 from flexmask.blocks.read import BLOCK_FIELDS
-from flexmask.builders.create import create_block_mask
+from flexmask.builders.create import build
 from flexmask.pieces import causal, tree
+from flexmask.runtime.spec import Spec, make_spec
 
 
 def _block_pair(block_size: Any) -> tuple[int, int]:
@@ -202,24 +203,31 @@ def decode_mask(
     offsets = torch.tensor(lens, dtype=torch.int64, device=dev)
     if _is_scalar(cache_lens) and mask.rows is None:
         offsets = offsets[0]  # one length for every row: a (1, H, ...) BlockMask, broadcast
-    return _build(mask, offsets, q_len, capacity, heads, blocks, dev)
+    return _build(
+        _step_spec(mask, lens[: offsets.numel()], q_len, capacity, heads, blocks, dev), offsets
+    )
 
 
-def _build(
+def _step_spec(
     mask: Mask,
-    offsets: Tensor,
+    lens: list[int],
     q_len: int,
     capacity: int,
     heads: int,
     blocks: tuple[int, int],
     device: torch.device,
-) -> BlockMask:
-    """The window's BlockMask with a ShiftedMod over ``offsets`` (held, not copied): B is
-    their count when per row (1-D), else 1."""
-    batch = offsets.numel()
-    built = create_block_mask(
-        mask, batch, heads, q_len, capacity, device, blocks, q_offset=offsets.reshape(-1)
-    )
+) -> Spec:
+    """The spec of a step (its queries at ``lens``, one per row it builds), the mask
+    validated here, once: every window fits the capacity, so every later step of the same
+    generation reaches the same positions and moves the spec (``Spec.at_queries``) without
+    checking the mask again."""
+    return make_spec(mask, len(lens), heads, q_len, capacity, device, blocks, q_offset=lens)
+
+
+def _build(spec: Spec, offsets: Tensor) -> BlockMask:
+    """The window's BlockMask with a ShiftedMod over ``offsets`` (held, not copied, equal to
+    the spec's query offsets): B is their count when per row (1-D), else 1."""
+    built = build(spec.mask, spec.grid())
     # The build's own lowered mask (lookups padded to the capacity), not a second lowering:
     # its ShiftedMod may hold the offsets as one value where every row's is equal, while
     # the step's mask_mod holds these very offsets, (B,) or 0-d as given, which DecodeMasks
@@ -399,6 +407,9 @@ class DecodeMasks:
         # Append applies where each step's block row is "every kv block up to the last query",
         # with a single, incomplete q block (so no block is full): causal decode.
         self.appendable = bool(append) and mask == causal() and q_len < self._blocks[0]
+        self._spec = _step_spec(
+            mask, self._lens, self.q_len, self.capacity, self.heads, self._blocks, self.device
+        )
         self.builds = 0
         """Steps built from structure (including the first)."""
         self.appends = 0
@@ -505,15 +516,7 @@ class DecodeMasks:
 
     def _build_step(self) -> BlockMask:
         self.builds += 1
-        return _build(
-            self.mask,
-            self._offsets(),
-            self.q_len,
-            self.capacity,
-            self.heads,
-            self._blocks,
-            self.device,
-        )
+        return _build(self._spec.at_queries(self._lens), self._offsets())
 
     def _last_blocks(self, lens: list[int]) -> list[int]:
         return [(length + self.q_len - 1) // self._blocks[1] for length in lens]

@@ -276,3 +276,63 @@ def test_a_lazy_forward_and_backward_validates_the_mask_once(monkeypatch):
         assert again.block_mask is handle.block_mask and cache.info().hits == 1
         assert calls == []  # the cache hit: no validation
     assert calls == []  # nor the release
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """The masks ``Mask.validate`` is called on, in order."""
+    from flexmask.algebra.mask import Mask
+
+    calls = []
+    validate = Mask.validate
+
+    def counted(self, extent):
+        calls.append(self)
+        return validate(self, extent)
+
+    monkeypatch.setattr(Mask, "validate", counted)
+    return calls
+
+
+@pytest.mark.parametrize("balancer", ["head_tail", None])
+def test_a_shard_and_a_lazy_shard_validate_the_mask_once(validations, balancer):
+    """A shard is cut from one spec of the whole padded sequence: ``shard`` validates the
+    mask once; a lazy shard once when made, and its build (through the cache) and release
+    not again. The rows attended still equal the dense oracle's under the permutation."""
+    import numpy as np
+
+    mask = flexmask.causal() & flexmask.document([150, 100])
+    args = dict(world_size=2, rank=1, balancer=balancer, BLOCK_SIZE=64)
+    s = flexmask.shard(mask, 1, 1, 250, **args)  # padded to 252
+    assert validations == [mask]
+    dense = oracle.causal(250, 250) & oracle.document([150, 100], 250, 250)
+    padded = np.zeros((s.padded_length,) * 2, dtype=bool)
+    padded[:250, :250] = dense
+    perm = s.indices[0].numpy()
+    rows = padded[perm][:, perm][s.local]
+    reference = oracle.torch_blocks(oracle.stack([rows]), s.block_mask.BLOCK_SIZE)
+    oracle.assert_same_block_mask(s.block_mask, reference, own_storage=False)
+    validations.clear()
+    handle = flexmask.lazy_shard(mask, 1, 1, 250, cache=flexmask.ShardCache(), **args)
+    assert validations == [mask] and not handle.built
+    with handle:
+        assert handle.kv_num_blocks.shape == (1, 1, 2) and handle.built  # a BlockMask field
+        assert validations == [mask]
+    assert validations == [mask] and not handle.built
+
+
+def test_a_decode_step_and_a_generation_validate_the_mask_once(validations):
+    """``decode_mask`` validates its mask once; a ``DecodeMasks`` once when made, and each
+    step it builds after (its queries moved, the mask's reach unchanged) not again."""
+    mask = flexmask.causal() & flexmask.document([40, 60])
+    flexmask.decode_mask(mask, [30, 50], q_len=2, capacity=100, block_size=16)
+    assert validations == [mask]
+    validations.clear()
+    steps = flexmask.DecodeMasks(mask, [30, 50], 100, q_len=2, block_size=16, append=False)
+    assert validations == [mask]
+    for step in steps:
+        assert step.block_mask.seq_lengths == (2, 100)
+        if step.index == 3:
+            break
+    steps.at([0, 97])
+    assert steps.builds == 5 and validations == [mask]

@@ -36,7 +36,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.algebra.mask import Mask
 from flexmask.blocks.codes import EMPTY, FULL
-from flexmask.blocks.grid import BlockGrid, make_grid
+from flexmask.blocks.grid import BlockGrid
 from flexmask.blocks.write import (
     Ordered,
     expand_runs,
@@ -366,21 +366,26 @@ def _coarsen(grid: Tensor, tile: int, block: int, any_: bool = False) -> Tensor:
 
 def build_shard(
     mask: Mask,
-    B: int | None,
-    H: int | None,
+    whole: BlockGrid,
     indices: Tensor,
     rank: int,
     world: int,
-    block: int,
-    device: torch.device,
     keys: Sequence[KeyOrder] | None = None,
 ) -> BlockMask:
-    """The BlockMask of rank ``rank``'s rows of ``mask`` under the permutation ``indices``
-    (``keys``: its rows' ``KeyOrder``s at ``block``, if already made)."""
+    """The BlockMask of rank ``rank``'s rows of ``mask`` under the permutation ``indices``,
+    on ``whole``: the grid of the whole permuted sequence (its block size square), made from
+    a spec that validated the mask (``flexmask.runtime.spec``); every row's build reuses it
+    and nothing here checks the mask again. ``keys``: the rows' ``KeyOrder``s at the block
+    size, if already made."""
     total = indices.shape[-1]
     local_len = total // world
-    # Validates the mask against the whole sequence once; every row's build reuses it.
-    whole = make_grid(mask, B, H, total, total, device, block)
+    block, device = whole.q_block, whole.device
+    if whole.kv_block != block or whole.q_len != total or whole.kv_len != total:
+        raise ValueError(
+            f"whole must be the grid of the whole permuted sequence ({total} x {total}) with "
+            f"square blocks, got {whole.q_len} x {whole.kv_len} with blocks "
+            f"{(whole.q_block, whole.kv_block)}"
+        )
     sides = []
     for row in range(indices.shape[0]):
         keep = None if indices.shape[0] == 1 else (row if mask.batch_dependent else 0)

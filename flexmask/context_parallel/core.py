@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import INT64_MAX, check_device, check_int
 from flexmask.algebra.mask import Mask
-from flexmask.blocks.grid import BlockGrid, block_sizes, make_grid
+from flexmask.blocks.grid import BlockGrid, block_sizes
 from flexmask.blocks.read import block_mask_nbytes
 from flexmask.builders.cp_shard import KeyOrder, build_shard
 from flexmask.builders.create import build as build_window
@@ -32,6 +32,8 @@ from flexmask.context_parallel.balance import (
 )
 from flexmask.pieces import padding
 from flexmask.runtime.cache import KeyedCache
+from flexmask.runtime.lazy import BuiltOnRead
+from flexmask.runtime.spec import Spec, make_spec
 
 BALANCERS = ("head_tail", "mask_aware", "ptrr", None)
 
@@ -275,7 +277,8 @@ def _check_balancer(
 
 class _Plan(NamedTuple):
     """A shard's arguments, validated (Python ints, a torch.device, a resolved balancer),
-    and its cache key: made at the call, before anything is built."""
+    the spec of the whole (padded) sequence it is cut from — the mask validated there, once
+    — and its cache key: made at the call, before anything is built."""
 
     mask: Mask
     B: int | None
@@ -289,6 +292,7 @@ class _Plan(NamedTuple):
     padded: int
     key: tuple
     kv_length: int | None
+    spec: Spec
 
 
 def _plan(
@@ -359,7 +363,10 @@ def _plan(
         (device.type, device.index),
         mask.key,
     )
-    return _Plan(mask, B, H, Q_LEN, world, rank, block, device, lb, padded, key, None)
+    # The mask, checked once against the whole padded sequence the shard is cut from; a
+    # rank holds 1/W of its BlockMask, so the whole one's memory bound does not apply.
+    spec = make_spec(mask, B, H, padded, padded, device, (block, block), sized=False)
+    return _Plan(mask, B, H, Q_LEN, world, rank, block, device, lb, padded, key, None, spec)
 
 
 def _plan_other_keys(
@@ -393,7 +400,8 @@ def _plan_other_keys(
     _check_positions(KV_LEN, block, f"KV_LEN={KV_LEN} with BLOCK_SIZE={block}")
     where = (device.type, device.index)
     key = ("cp_shard", world, rank, ("none",), B, H, Q_LEN, ("kv", KV_LEN), block, where, mask.key)
-    return _Plan(mask, B, H, Q_LEN, world, rank, block, device, None, Q_LEN, key, KV_LEN)
+    spec = make_spec(mask, B, H, Q_LEN, KV_LEN, device, (block, block), sized=False)
+    return _Plan(mask, B, H, Q_LEN, world, rank, block, device, None, Q_LEN, key, KV_LEN, spec)
 
 
 def _permutation(
@@ -436,15 +444,15 @@ def _check_permutation(indices: Tensor, lb: _LoadBalancer) -> None:
 
 
 def _build(plan: _Plan) -> CPShard:
-    mask, B, H, Q_LEN = plan.mask, plan.B, plan.H, plan.Q_LEN
+    mask, Q_LEN = plan.mask, plan.Q_LEN
     world, rank, block, device = plan.world, plan.rank, plan.block, plan.device
     lb, padded, key, kv_length = plan.balancer, plan.padded, plan.key, plan.kv_length
     with cpu_threads(device):
         indices, keys = _permutation(lb, padded, block)
         if kv_length is not None:  # contiguous query rows against keys in their order
-            # Validated against the whole Q_LEN x KV_LEN mask; the rank's window of it is
-            # built with lookups over the whole sequence.
-            whole = make_grid(mask, B, H, Q_LEN, kv_length, device, block)
+            # Validated against the whole Q_LEN x KV_LEN mask (the spec); the rank's window
+            # of it is built with lookups over the whole sequence.
+            whole = plan.spec.grid(sized=False)
             local = Q_LEN // world
             grid = BlockGrid.make(
                 whole.batch,
@@ -460,7 +468,8 @@ def _build(plan: _Plan) -> CPShard:
             block_mask = build_window(mask, grid)
             return CPShard(block_mask, indices, lb, rank, world, Q_LEN, padded, key, kv_length)
         built = mask if padded == Q_LEN else mask & padding(Q_LEN)
-        block_mask = build_shard(built, B, H, indices, rank, world, block, device, keys)
+        whole = plan.spec.grid(sized=False)
+        block_mask = build_shard(built, whole, indices, rank, world, keys)
     return CPShard(block_mask, indices, lb, rank, world, Q_LEN, padded, key)
 
 
@@ -553,13 +562,29 @@ def default_shard_cache() -> ShardCache:
         return _DEFAULT_SHARD_CACHE
 
 
-class LazyShard:
+class LazyShard(BuiltOnRead):
     """A shard to be: built through a ShardCache on first use, dropped on release.
 
-    Holds only the recipe (mask, shape, group, balancer), validated when made; its key is
-    computed once, then, and carries world size, rank and balancer. It pickles that recipe
-    (a mesh as the world size and rank it gave), never the built shard nor the cache, which
-    are process-local: an unpickled handle builds through ``default_shard_cache()``.
+    Like ``LazyBlockMask`` it *is* a torch ``BlockMask`` (both are ``BuiltOnRead``): the
+    rank's local BlockMask goes wherever one goes (``flex_attention``, ``shape``,
+    ``kv_num_blocks``...), and its first read of a BlockMask field builds the shard.
+    ``shard`` is the whole ``CPShard`` (the permutation to shard q/k/v with, too).
+
+    Holds only the recipe (mask, shape, group, balancer) and its spec, validated when made
+    (the mask once, against the whole padded sequence); its key is computed once, then, and
+    carries world size, rank and balancer. It pickles that recipe (a mesh as the world size
+    and rank it gave, ``BLOCK_SIZE`` as torch's ``(q, kv)`` pair), never the built shard nor
+    the cache, which are process-local: an unpickled handle is validated again, as a new
+    call, and builds through ``default_shard_cache()``.
+
+    Example:
+        >>> import flexmask
+        >>> h = flexmask.lazy_shard(flexmask.causal(), 1, 1, 512, world_size=2, rank=1,
+        ...                         BLOCK_SIZE=64, cache=flexmask.ShardCache())
+        >>> h.built, h.BLOCK_SIZE
+        (False, (64, 64))
+        >>> h.kv_num_blocks.shape, h.built     # a BlockMask field: read from the build
+        (torch.Size([1, 1, 4]), True)
     """
 
     # The recipe, in the order it pickles.
@@ -567,6 +592,7 @@ class LazyShard:
         *("mask", "B", "H", "Q_LEN", "KV_LEN", "world_size", "rank", "balancer"),
         *("BLOCK_SIZE", "device", "key"),
     )
+    __slots__ = (*_RECIPE, "spec", "cache", "_plan", "_shard")
 
     def __init__(
         self,
@@ -580,10 +606,12 @@ class LazyShard:
         rank: int | None = None,
         mesh: Any = None,
         balancer: str | _LoadBalancer | None = "head_tail",
-        BLOCK_SIZE: int = 128,
+        BLOCK_SIZE: int | tuple[int, int] = 128,
         device: torch.device | str | None = None,
         cache: ShardCache | None = None,
     ) -> None:
+        # torch's BlockMask.__init__ is not called: it would set the fields this handle
+        # reads from its build.
         if cache is not None and not isinstance(cache, ShardCache):
             raise TypeError(
                 f"cache must be a flexmask ShardCache or None (the process-wide one), got "
@@ -592,60 +620,85 @@ class LazyShard:
         plan = _plan(
             mask, B, H, Q_LEN, KV_LEN, world_size, rank, mesh, balancer, BLOCK_SIZE, device
         )
-        self.mask, self.B, self.H, self.Q_LEN = mask, plan.B, plan.H, plan.Q_LEN
+        # The argument, not the resolved balancer: a name stays a name (made where built).
+        self._set_plan(plan, balancer)
+        self.cache = cache
+
+    def _set_plan(self, plan: _Plan, balancer: Any) -> None:
+        self._plan = plan
+        self.spec = plan.spec
+        self.mask, self.B, self.H, self.Q_LEN = plan.mask, plan.B, plan.H, plan.Q_LEN
         self.KV_LEN = plan.kv_length
         self.world_size, self.rank = plan.world, plan.rank
-        # The argument, not the resolved balancer: a name stays a name (made where built).
         self.balancer = balancer
-        self.BLOCK_SIZE, self.device = plan.block, plan.device
+        self.BLOCK_SIZE, self.device = (plan.block, plan.block), plan.device
         self.key = plan.key
-        self.cache = cache
         self._shard: CPShard | None = None
 
     @property
+    def built(self) -> bool:
+        """True while the handle holds its shard."""
+        return self._shard is not None
+
+    @property
     def shard(self) -> CPShard:
+        """The ``CPShard``: built (or fetched from the cache) on first use, then held."""
         if self._shard is None:
-            self._shard = shard(
-                self.mask,
-                self.B,
-                self.H,
-                self.Q_LEN,
-                self.KV_LEN,
-                world_size=self.world_size,
-                rank=self.rank,
-                balancer=self.balancer,
-                BLOCK_SIZE=self.BLOCK_SIZE,
-                device=self.device,
-                cache=self._cache(),
-            )
+            plan = self._plan
+            self._shard = self._cache().get_or_build(plan.key, lambda: _build(plan))
         return self._shard
 
     @property
     def block_mask(self) -> BlockMask:
+        """The rank's plain BlockMask (``shard.block_mask``)."""
         return self.shard.block_mask
 
     def release(self) -> None:
+        """Drops the shard, and its cache entry."""
         self._shard = None
         self._cache().discard(self.key)
 
     def _cache(self) -> ShardCache:
         return self.cache if self.cache is not None else default_shard_cache()
 
+    def __enter__(self) -> LazyShard:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
     def __getstate__(self) -> tuple:
         return tuple(getattr(self, name) for name in self._RECIPE)
 
     def __setstate__(self, state: tuple) -> None:
-        for name, value in zip(self._RECIPE, state, strict=True):
-            setattr(self, name, value)
+        # A loaded recipe is a new call: validated, once, as when the handle was made.
+        recipe = dict(zip(self._RECIPE, state, strict=True))
+        plan = _plan(
+            recipe["mask"],
+            recipe["B"],
+            recipe["H"],
+            recipe["Q_LEN"],
+            recipe["KV_LEN"],
+            recipe["world_size"],
+            recipe["rank"],
+            None,
+            recipe["balancer"],
+            recipe["BLOCK_SIZE"],
+            recipe["device"],
+        )
+        if plan.key != recipe["key"]:
+            raise ValueError(
+                f"this LazyShard was pickled with key {recipe['key']!r}, but its recipe makes "
+                f"{plan.key!r} here: unpickle it where the same flexmask makes the same shard"
+            )
+        self._set_plan(plan, recipe["balancer"])
         self.cache = None
-        self._shard = None
 
     def __repr__(self) -> str:
         return (
             f"LazyShard({self.mask!r}, B={self.B}, H={self.H}, Q_LEN={self.Q_LEN}, "
             f"KV_LEN={self.KV_LEN}, world_size={self.world_size}, rank={self.rank}, "
-            f"balancer={self.balancer!r}, BLOCK_SIZE={self.BLOCK_SIZE}, "
-            f"built={self._shard is not None})"
+            f"balancer={self.balancer!r}, BLOCK_SIZE={self.BLOCK_SIZE}, built={self.built})"
         )
 
 
@@ -660,7 +713,7 @@ def lazy_shard(
     rank: int | None = None,
     mesh: Any = None,
     balancer: str | _LoadBalancer | None = "head_tail",
-    BLOCK_SIZE: int = 128,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
     device: torch.device | str | None = None,
     cache: ShardCache | None = None,
 ) -> LazyShard:

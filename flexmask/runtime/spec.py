@@ -49,12 +49,38 @@ class Spec(NamedTuple):
         """The spec of the one row (head) an empty spec is built from."""
         return self._replace(batch=self.batch or 1, heads=self.heads or 1)
 
-    def grid(self) -> BlockGrid:
+    @property
+    def reach(self) -> int:
+        """The positions the mask was checked for: ``max(q_offset + Q_LEN, kv_offset +
+        KV_LEN)`` over the rows."""
+        return max(
+            _largest(_listed(self.q_offset)) + self.q_len,
+            _largest(_listed(self.kv_offset)) + self.kv_len,
+        )
+
+    def at_queries(self, q_offset: Any) -> Spec:
+        """The same build with its queries at ``q_offset`` (an int, or one per batch row):
+        the next step of a decode. The offsets are checked, the mask is not checked again,
+        so the window must stay within the ``reach`` it was checked for."""
+        q_off = offsets(q_offset, "q_offset", self.batch or 1)
+        moved = self._replace(
+            q_offset=_tupled(q_off), row_offsets=self.row_offsets or per_row(q_offset)
+        )
+        if moved.reach > self.reach:
+            raise ValueError(
+                f"q_offset={q_off!r} with Q_LEN={self.q_len} reaches position {moved.reach}, "
+                f"past the {self.reach} the mask was checked for: make a new spec "
+                f"(make_spec) for the longer window"
+            )
+        return moved
+
+    def grid(self, *, sized: bool = True) -> BlockGrid:
         """The tiles of this build, on the resolved device; the mask is not checked again.
         The memory bound, checked at validation on the CPU, is checked here for a device
-        only known now."""
+        only known now (``sized=False``: the caller builds only a part of this window, a
+        context-parallel rank's rows, and bounds its own memory)."""
         device = check_device(self.device, self.mask.device)
-        if (self.device or self.mask.device or _NO_DEVICE).type != "cpu":
+        if sized and (self.device or self.mask.device or _NO_DEVICE).type != "cpu":
             check_size(
                 self.mask,
                 self.batch,
@@ -90,8 +116,13 @@ def make_spec(
     BLOCK_SIZE: Any = 128,
     q_offset: Any = 0,
     kv_offset: Any = 0,
+    *,
+    sized: bool = True,
 ) -> Spec:
-    """Validates a build's arguments and the mask against them, once, and returns its spec."""
+    """Validates a build's arguments and the mask against them, once, and returns its spec.
+
+    ``sized=False`` skips the memory bound of the whole BlockMask: the caller builds only a
+    part of the window (a context-parallel rank's rows) and bounds its own memory."""
     if not isinstance(mask, Mask):
         raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
     batch = 1 if B is None else check_int(B, "B", minimum=0)
@@ -115,7 +146,7 @@ def make_spec(
     windowed = isinstance(q_off, list) or isinstance(kv_off, list) or q_off != 0 or kv_off != 0
     name = _WINDOW_NAME if windowed else "max(Q_LEN, KV_LEN)"
     mask.validate(Extent(rows, built_heads, reach, where, name))
-    if where.type == "cpu":  # another device's memory is read where it builds
+    if sized and where.type == "cpu":  # another device's memory is read where it builds
         check_size(
             mask, rows, built_heads, q_len, kv_len, where, block_size, q_off, kv_off, reduced=True
         )
