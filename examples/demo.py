@@ -66,7 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: at this model's size the ops are too small to share; on 2"
+        " cores at load 5, 30 steps trained in 5.2 s on 1 thread and 38 s on 2, with the same"
+        " losses; 0: torch's default)",
     )
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (0: none)")
     parser.add_argument("--eval-every", type=int, default=None, help="steps between evaluations")
@@ -87,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "max_len", "rows", "block_size", "eval_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.threads < 0:
+        parser.error(f"--threads must be >= 0, got {args.threads}")
     if args.workers < 0:
         parser.error(f"--workers must be >= 0, got {args.workers}")
     return args
@@ -254,7 +261,7 @@ class Progress:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     run_start = time.perf_counter()
-    if args.threads is not None:
+    if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
