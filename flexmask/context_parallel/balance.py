@@ -29,6 +29,9 @@ from flexmask.builders.closed_form import row_runs
 from flexmask.builders.create import cpu_threads
 from flexmask.pieces import padding
 
+# torch >= 2.14's per-document head-tail balancer lays its chunks out rank by rank.
+_RANK_MAJOR = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
@@ -108,9 +111,12 @@ class PerDocumentBalancer(_LoadBalancer):
     """torch's per-document head-tail balancer (the same permutation).
 
     Each document is cut into ``2W`` chunks and paired head-tail (chunk ``r`` with chunk
-    ``2W - 1 - r``), as torch does. torch (2.13) lists the pairs document by document, and
-    rank ``r`` keeps the ``r``-th slice of that list: whole documents' pairs, not one pair
-    of every document (see the imbalance figures in docs/context-parallel.md).
+    ``2W - 1 - r``), as torch does, in the installed torch's order. torch 2.13 lists the
+    pairs document by document, and rank ``r`` keeps the ``r``-th slice of that list: whole
+    documents' pairs, not one pair of every document (see the imbalance figures in
+    docs/context-parallel.md); torch 2.14 lists them rank by rank, so rank ``r`` keeps pair
+    ``r`` of every document (``[[4, 8]]`` on 2 ranks: ``[0, 3, 1, 2, 4, 5, 10, 11, 6, 7, 8,
+    9]`` on 2.13, ``[0, 3, 4, 5, 10, 11, 1, 2, 6, 7, 8, 9]`` on 2.14).
 
     Args:
         seq_length_per_doc: document lengths of each batch row (one row: the same for every
@@ -120,8 +126,8 @@ class PerDocumentBalancer(_LoadBalancer):
 
     Example:
         >>> from flexmask.context_parallel import PerDocumentBalancer
-        >>> PerDocumentBalancer([[4, 8]], 2)._generate_indices()[0].tolist()
-        [0, 3, 1, 2, 4, 5, 10, 11, 6, 7, 8, 9]
+        >>> PerDocumentBalancer([[8]], 2)._generate_indices()[0].tolist()  # one document
+        [0, 1, 6, 7, 2, 3, 4, 5]
     """
 
     def __init__(
@@ -192,10 +198,17 @@ class PerDocumentBalancer(_LoadBalancer):
         starts = torch.cumsum(sizes, 0) - sizes
         chunk = sizes // (2 * world)
         rank = torch.arange(world)
-        # (docs, ranks, 2): head chunk r and tail chunk 2W-1-r of every document.
+        # Head chunk r and tail chunk 2W-1-r of every document. torch 2.13 lays them out
+        # document by document, (docs, ranks, 2); torch 2.14 rank by rank, (ranks, docs, 2),
+        # so each rank's contiguous shard holds a head and a tail of every document: the
+        # installed torch's order, so the permutation equals its balancer's.
         picks = torch.stack([rank, 2 * world - 1 - rank], dim=1)
-        run_start = starts[:, None, None] + chunk[:, None, None] * picks
-        run_len = chunk[:, None, None].expand_as(run_start).reshape(-1)
+        if _RANK_MAJOR:
+            run_start = starts[None, :, None] + chunk[None, :, None] * picks[:, None, :]
+            run_len = chunk[None, :, None].expand_as(run_start).reshape(-1)
+        else:
+            run_start = starts[:, None, None] + chunk[:, None, None] * picks
+            run_len = chunk[:, None, None].expand_as(run_start).reshape(-1)
         # The chunks' tokens laid end to end: one pass over the permutation.
         out = torch.empty(int(sizes.sum()), dtype=torch.int64)
         expand_runs(out, run_start.reshape(-1), run_len)
