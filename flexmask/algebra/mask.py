@@ -403,6 +403,10 @@ class Mask(ABC):
     ) -> Tensor:
         """The boolean ``(B, H, Q_LEN, KV_LEN)`` mask, for debugging and tests (O(Q·KV) memory).
 
+        Exactly what the mask means: a query that attends nothing is a row of False. The
+        SDPA backend's dense mask of its BlockMask is the same tensor; attention over such a
+        row gives 0 and zero gradients (the one rule: ``flexmask.algebra.dense``).
+
         Example:
             >>> import flexmask
             >>> flexmask.sliding_window(2).to_dense(1, 1, 3, 3)[0, 0].int().tolist()

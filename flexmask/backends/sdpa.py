@@ -1,7 +1,8 @@
-"""The SDPA backend, flexmask's one dense lowering: the bool mask a BlockMask means (full
-blocks True, unlisted False, ``mask_mod`` on partial blocks), run by torch's
-``scaled_dot_product_attention``. Rows that attend nothing give 0 and zero gradients, as
-flex_attention does: the one empty-row policy."""
+"""The SDPA backend, flexmask's dense lowering of a BlockMask: the bool mask it means (full
+blocks True, unlisted False, ``mask_mod`` on partial blocks — equal to ``Mask.to_dense`` of
+the Mask it was built from), run by torch's ``scaled_dot_product_attention``. Rows that
+attend nothing give 0 and zero gradients, as flex_attention does: the one empty-row rule,
+``flexmask.algebra.dense``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from flexmask.algebra.dense import open_empty_rows, zero_empty_rows
 from flexmask.algebra.mask import Mask
 from flexmask.backends.mod_eval import broadcasts, call_mod
 from flexmask.backends.plan import Plan, make_plan
@@ -50,7 +52,8 @@ def choose_backend(plan: Plan, mask: Mask | None = None) -> Literal["sparse", "s
 
 def dense_mask(plan: Plan, mod_eval: str) -> Tensor:
     """The bool mask ``(B | 1, Hq | 1, Q_LEN, KV_LEN)`` the plan's BlockMask means: full blocks
-    True, unlisted False, and ``mask_mod`` evaluated on the partial blocks only."""
+    True, unlisted False, and ``mask_mod`` evaluated on the partial blocks only. A row that
+    attends nothing is all False, as in ``Mask.to_dense`` (``flexmask.algebra.dense``)."""
     kinds = plan.kinds  # (Bm, Hkv | 1, G | 1, NQ, NKV)
     pairs = (kinds == PARTIAL).flatten(0, 2).any(dim=0).nonzero()
     rows, cols = pairs[:, 0], pairs[:, 1]
@@ -144,15 +147,12 @@ def sdpa_attention(
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=plan.scale, enable_gqa=plan.group > 1
         )
-    mask = dense_mask(plan, mod_eval)
-    has_key = mask.any(dim=-1, keepdim=True)
-    all_have_keys = bool(has_key.all())
-    if not all_have_keys:
-        mask = mask | ~has_key  # attend anywhere, then zeroed: finite values and gradients
+    # The one empty-row rule (flexmask.algebra.dense): attend anywhere, then zeroed.
+    mask, has_key = open_empty_rows(dense_mask(plan, mod_eval))
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=plan.scale, enable_gqa=plan.group > 1
     )
-    return out if all_have_keys else out * has_key
+    return zero_empty_rows(out, has_key)
 
 
 NAME = "sdpa"
