@@ -14,7 +14,7 @@ Example:
 from typing import Any
 
 from flexmask.algebra.mask import And, Mask, Not, Or
-from flexmask.attention import compile_enabled, flex_attention, set_compile
+from flexmask.attention import attention, compile_enabled, explain, flex_attention, set_compile
 from flexmask.blocks.read import same_blocks
 from flexmask.builders.create import create_block_mask
 from flexmask.formats import FlashMask, MagiMask, VarlenMask, to_flashmask, to_magi, to_varlen
@@ -157,8 +157,10 @@ __all__ = [
     "MaskCache",
     "cache_clear",
     "cache_info",
+    "attention",
     "compile_enabled",
     "default_cache",
+    "explain",
     "flex_attention",
     "lazy",
     "set_compile",

@@ -137,16 +137,38 @@ def flex_attention(
         >>> torch.allclose(out, ref, atol=1e-5)
         True
     """
-    resolved = resolve_block_mask(block_mask, query, key)
+    request = _request(
+        query, key, value, block_mask, score_mod, scale, enable_gqa, return_lse, compile, kwargs
+    )
+    # The first backend of the table that takes the call: torch's kernel, else (on the CPU
+    # with gradients or compile off) the block-sparse path, driven by the same BlockMask.
+    backend = backends.choose(request)
+    return backend.attend(backend.lower(request))
+
+
+def _request(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: LazyBlockMask | BlockMask | Mask | None,
+    score_mod: Callable[..., Tensor] | None,
+    scale: float | None,
+    enable_gqa: bool,
+    return_lse: bool,
+    compile: bool | None,
+    options: dict[str, Any],
+) -> Request:
+    """One call as the backends see it: the BlockMask resolved, the Mask behind it kept."""
+    resolved = resolve_block_mask(mask, query, key)
     # The Mask behind the BlockMask, where flexmask built it: the block-sparse path reads
     # partial blocks from its intervals and recognises plain causal from its key.
-    structure = block_mask.mask if isinstance(block_mask, LazyBlockMask) else block_mask
+    structure = mask.mask if isinstance(mask, LazyBlockMask) else mask
     if compile is None:
         requested = _compile_requested()
         use_compile = (query.device.type != "cpu") if requested is None else requested
     else:
         use_compile = compile
-    request = Request(
+    return Request(
         query,
         key,
         value,
@@ -157,9 +179,108 @@ def flex_attention(
         enable_gqa,
         return_lse,
         use_compile,
-        kwargs,
+        options,
     )
-    # The first backend of the table that takes the call: torch's kernel, else (on the CPU
-    # with gradients or compile off) the block-sparse path, driven by the same BlockMask.
-    backend = backends.choose(request)
-    return backend.attend(backend.lower(request))
+
+
+def explain(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: LazyBlockMask | BlockMask | Mask | None = None,
+    backend: str = "auto",
+    *,
+    score_mod: Callable[..., Tensor] | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    compile: bool | None = None,
+    **options: Any,
+) -> backends.Choice:
+    """Which backend :func:`attention` would run for this call, and why each other one
+    cannot; runs nothing. Arguments as for :func:`attention`.
+
+    Example:
+        >>> import flexmask, torch
+        >>> q = k = v = torch.randn(1, 2, 256, 16, requires_grad=True)
+        >>> choice = flexmask.explain(q, k, v, flexmask.causal() & flexmask.document([100, 156]))
+        >>> choice.backend
+        'block_sparse'
+        >>> print(choice.refused["varlen"])
+        varlen_attn and flash-attn run on CUDA only, and this call is on cpu
+    """
+    request = _request(
+        query, key, value, mask, score_mod, scale, enable_gqa, return_lse, compile, options
+    )
+    return _choice(request, backend)
+
+
+def _choice(request: Request, backend: str) -> backends.Choice:
+    if backend == "auto":
+        order = backends.AUTO.get(request.query.device.type, tuple(backends.TABLE))
+        others = tuple(name for name in backends.TABLE if name not in order)
+        return backends.rank(request, order + others)
+    if backend not in backends.TABLE:
+        raise ValueError(
+            f"backend must be 'auto' or one of {sorted(backends.TABLE)}, got {backend!r}"
+        )
+    return backends.rank(request, (backend,))
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: LazyBlockMask | BlockMask | Mask | None = None,
+    backend: str = "auto",
+    *,
+    score_mod: Callable[..., Tensor] | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    compile: bool | None = None,
+    **options: Any,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention with a mask, run by the fastest backend that can take it on this device.
+
+    Args:
+        query: (B, Hq, Q_LEN, D). key, value: (B, Hkv, KV_LEN, D).
+        mask: a ``flexmask.lazy`` handle, a torch BlockMask, a flexmask Mask (built through
+            the process-wide cache for the shapes of ``query`` and ``key``), or None (every
+            query attends every key).
+        backend: ``"auto"`` asks the backends in ``flexmask.backends.AUTO``'s order for the
+            device (fastest first, as measured by ``benchmarks/bench_backends.py``) and runs
+            the first that takes the call; or a name of ``flexmask.backends.TABLE``
+            (``"flex"``, ``"block_sparse"``, ``"sdpa"``, ``"varlen"``), which raises
+            ValueError saying why where that backend cannot run the call.
+        score_mod, scale, enable_gqa, return_lse, compile: as for :func:`flex_attention`.
+        **options: the chosen backend's options (e.g. ``threads`` for block_sparse).
+
+    Returns:
+        The output (B, Hq, Q_LEN, Dv), or (output, lse) with ``return_lse``. Every backend
+        gives a query that attends nothing 0 (and zero gradients).
+
+    Raises:
+        ValueError: the named backend (or, with ``"auto"``, every backend) cannot run the
+            call; the message says why (:func:`explain` shows it without running anything).
+
+    Example:
+        >>> import flexmask, torch
+        >>> q = k = v = torch.randn(2, 2, 300, 16)
+        >>> mask = flexmask.causal() & flexmask.document([100, 200])
+        >>> out = flexmask.attention(q, k, v, mask)
+        >>> ref = torch.nn.functional.scaled_dot_product_attention(
+        ...     q, k, v, attn_mask=mask.to_dense(1, 1, 300, 300))
+        >>> torch.allclose(out, ref, atol=1e-5)
+        True
+    """
+    request = _request(
+        query, key, value, mask, score_mod, scale, enable_gqa, return_lse, compile, options
+    )
+    choice = _choice(request, backend)
+    if not choice.backend:
+        refusals = "; ".join(f"{name}: {reason}" for name, reason in choice.refused.items())
+        what = "no attention backend can" if backend == "auto" else f"backend={backend!r} cannot"
+        raise ValueError(f"{what} run this call ({refusals})")
+    chosen = backends.TABLE[choice.backend]
+    return chosen.attend(chosen.lower(request))

@@ -48,6 +48,7 @@ from transformers.models.gemma3.modeling_gemma3 import (  # noqa: E402
 import flexmask  # noqa: E402
 from flexmask.integrations.transformers import (  # noqa: E402
     attention_masks,
+    flash_kwargs,
     layer_mask,
     model_inputs,
     register,
@@ -614,3 +615,115 @@ def gemma3_model(window, implementation):
     return AutoModelForCausalLM.from_config(
         gemma3_config(window), attn_implementation=implementation
     ).eval()
+
+
+# --- transformers' flash_attention_2 path: the cu_seq_lens_* / max_length_* kwargs.
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_flash_kwargs_are_what_transformers_derives_from_positions(seed):
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 12, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen)
+    batch = pack([torch.arange(n) for n in lengths.tolist()], 16)
+    kwargs = flash_kwargs(batch)
+    (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(batch.position_ids)
+    assert kwargs["cu_seq_lens_q"].tolist() == cu_q.tolist() == cu_k.tolist()
+    assert kwargs["cu_seq_lens_k"].tolist() == cu_q.tolist()
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == int(max_q) == int(max_k)
+    assert kwargs["cu_seq_lens_q"].dtype == torch.int32
+
+
+def reference_flash_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    cu_seq_lens_q=None,
+    cu_seq_lens_k=None,
+    max_length_q=None,
+    max_length_k=None,
+    **kwargs,
+):
+    """transformers' flash path with the kernel replaced by flash-attn's documented
+    semantics (tests/test_backends.py): flatten (B, S) to tokens, run each sequence of
+    cu_seq_lens, causal as the module is, the layer's window as transformers sets it."""
+    from tests.test_backends import flash_attn_varlen_reference
+
+    assert cu_seq_lens_q is not None  # attention_mask (transformers' own causal one) unused
+    batch_size = query.shape[0]
+    q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]) for x in (query, key, value))
+    window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    out = flash_attn_varlen_reference(
+        q,
+        k,
+        v,
+        cu_seq_lens_q,
+        cu_seq_lens_k,
+        max_length_q,
+        max_length_k,
+        softmax_scale=scaling,
+        causal=module.is_causal,
+        window_size=window,
+    )
+    return out.view(batch_size, -1, *out.shape[-2:]), None
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_sliding"])
+def test_packed_logits_through_the_flash_kwargs_equal_each_document_alone(name):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    # Not named *flash*: transformers would then look for a flash-attn kernel to load.
+    AttentionInterface.register("reference_varlen", reference_flash_attention)
+    AttentionMaskInterface.register("reference_varlen", sdpa_mask)
+    sequences = documents(2)
+    batch = pack(sequences, 24)
+    assert batch.num_rows > 1 and bool((batch.position_ids[:, -1] == 0).any())  # padding
+    net = model(name, "reference_varlen")
+    inputs = model_inputs(net, batch, implementation="flash_attention_2")
+    assert "attention_mask" not in inputs and inputs["max_length_q"] == max(map(len, sequences))
+    with torch.no_grad():
+        logits = net(**inputs).logits
+    for got, seq in zip(batch.unpack(logits), sequences, strict=True):
+        torch.testing.assert_close(got, alone(name, seq), atol=1e-5, rtol=1e-5)
+
+
+def test_flash_kwargs_refuse_what_the_flash_path_cannot_mask():
+    with pytest.raises(TypeError, match="batch must be a PackedBatch"):
+        flash_kwargs([[1, 2]])
+    with pytest.raises(ValueError, match="takes causal and the window from the model"):
+        flash_kwargs(flexmask.causal() & flexmask.sliding_window(3), shape=(1, 8))
+    with pytest.raises(ValueError, match="tree"):
+        flash_kwargs(flexmask.tree([-1, 0, 0, 1]), shape=(1, 4))
+    with pytest.raises(ValueError, match="flash_kwargs"):
+        attention_masks(CONFIGS["llama"](), pack([[1]], 2), implementation="flash_attention_2")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_attention_2_kernel_on_packed_kwargs_equals_each_document_alone():
+    pytest.importorskip("flash_attn", reason="transformers' flash_attention_2 needs flash-attn")
+    torch.manual_seed(0)
+    net = (
+        AutoModelForCausalLM.from_config(
+            CONFIGS["llama"](), attn_implementation="flash_attention_2", dtype=torch.bfloat16
+        )
+        .cuda()
+        .eval()
+    )
+    sequences = documents(3)
+    batch = pack(sequences, 24)
+    inputs = model_inputs(net, batch, device="cuda")
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    with torch.no_grad():
+        logits = net(**inputs).logits
+        for got, seq in zip(batch.unpack(logits), sequences, strict=True):
+            torch.testing.assert_close(
+                got, net(input_ids=seq[None].cuda()).logits[0], atol=3e-2, rtol=3e-2
+            )

@@ -8,22 +8,78 @@ A backend is one module with three functions and one line in ``TABLE``:
 * ``attend(request)`` — the output, or ``(output, lse)`` with ``return_lse``.
 
 ``flexmask.flex_attention`` hands each call (a ``Request``: q, k, v and the lowered mask) to
-the first backend in table order that takes it (``choose``).
+the first backend in table order that takes it (``choose``); ``flexmask.attention`` with
+``backend="auto"`` asks them in ``AUTO``'s order for the device instead, fastest first
+(``rank``), and says why each other backend was refused (``Choice``).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import NamedTuple
 
-from flexmask.backends import block_sparse, flex, sdpa
+from flexmask.backends import block_sparse, flex, sdpa, varlen
 from flexmask.backends.request import Request
 
 TABLE: dict[str, ModuleType] = {
     flex.NAME: flex,
     block_sparse.NAME: block_sparse,
     sdpa.NAME: sdpa,
+    varlen.NAME: varlen,  # last: flex_attention's choice is unchanged (flex or block_sparse)
 }
 """Every backend, in the order ``choose`` asks them."""
+
+AUTO_BENCHMARK = "benchmarks/bench_backends.py"
+AUTO: dict[str, tuple[str, ...]] = {
+    # Measured by AUTO_BENCHMARK (2 cores at load 4-5, torch 2.13, B=2, H=4, D=64, float32,
+    # S 1k-4k; causal, document-causal, tree, sliding window; fwd+bwd and no-grad fwd):
+    # block_sparse (which itself runs SDPA on dense or tiny masks, is_causal on causal) was
+    # fastest in fwd+bwd on every sparse mask (sdpa 1.5-6.9x slower: 2544 vs 371 ms at 4k
+    # document-causal) and in no-grad fwd at 2k (sdpa 1.8-3.5x slower); sdpa was faster at
+    # 1k no-grad fwd on tree (76 vs 115 ms) and sliding window (28 vs 33 ms). Timing noise on
+    # that machine was +-30% (the same call timed twice). torch's uncompiled flex forward
+    # materialises every score: 6-25x slower on every row, so it comes last.
+    "cpu": (block_sparse.NAME, sdpa.NAME, flex.NAME),
+    # Not measured here (no GPU was lent): torch's compiled kernel first, as flex_attention
+    # has always run; varlen where flex cannot take the call. Measure before reordering.
+    "cuda": (flex.NAME, varlen.NAME, sdpa.NAME),
+}
+"""Per device type, the backends ``rank`` asks, fastest first; a device type not listed is
+asked in ``TABLE`` order."""
+
+
+class Choice(NamedTuple):
+    """Which backend runs a call, and why each backend before it in the order did not."""
+
+    backend: str
+    """The backend that runs the call ("" where none takes it)."""
+    order: tuple[str, ...]
+    """The backends in the order they were asked."""
+    refused: dict[str, str]
+    """Backend name -> why it cannot run this call, for every backend asked and refused."""
+    device: str
+
+    def __repr__(self) -> str:
+        lines = [f"Choice(backend={self.backend!r}, device={self.device!r}, order={self.order})"]
+        lines += [f"  {name}: refused: {reason}" for name, reason in self.refused.items()]
+        return "\n".join(lines)
+
+
+def rank(request: Request, order: tuple[str, ...] | None = None) -> Choice:
+    """Every backend of ``order`` (default: ``AUTO`` for the device, else ``TABLE``'s order)
+    asked in turn; the first that takes the call is chosen, the rest still asked, so the
+    Choice says why each one that cannot run it was refused."""
+    device = request.query.device.type
+    if order is None:
+        order = AUTO.get(device, tuple(TABLE))
+    chosen, refused = "", {}
+    for name in order:
+        reason = TABLE[name].can_take(request)
+        if reason is not None:
+            refused[name] = reason
+        elif not chosen:
+            chosen = name
+    return Choice(chosen, tuple(order), refused, device)
 
 
 def choose(request: Request) -> ModuleType:
@@ -38,4 +94,4 @@ def choose(request: Request) -> ModuleType:
     raise ValueError(f"no attention backend takes this call ({refusals})")
 
 
-__all__ = ["TABLE", "Request", "choose"]
+__all__ = ["AUTO", "AUTO_BENCHMARK", "TABLE", "Choice", "Request", "choose", "rank"]

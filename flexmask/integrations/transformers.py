@@ -11,7 +11,11 @@ type from a packed batch, in the form the model's attention implementation reads
   structure through flexmask's cache;
 * ``"sdpa"``: a dense bool ``(B, 1, S, S)`` mask;
 * ``"eager"``: a dense additive ``(B, 1, S, S)`` float mask (0 where attended, the dtype's
-  minimum elsewhere), which eager attention adds to its scores.
+  minimum elsewhere), which eager attention adds to its scores;
+* ``"flash_attention_2"`` / ``"flash_attention_3"``: no mask at all, but :func:`flash_kwargs`
+  — ``cu_seq_lens_q/k`` and ``max_length_q/k`` from ``flexmask.formats.to_varlen`` of the
+  batch's mask — which transformers' flash path hands to ``flash_attn_varlen_func``
+  (:func:`model_inputs` gives them).
 
 Windows and chunks count *positions* (``position_ids``), not packed offsets, so they stay
 exact inside packed documents (positions restart in each) and inside prefix trees (a node's
@@ -30,14 +34,25 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask import pieces
-from flexmask._validate import check_int, digest
+from flexmask._validate import check_device, check_int, digest
 from flexmask.algebra.mask import Mask
 from flexmask.attention import flex_attention
 from flexmask.builders.create import create_block_mask
+from flexmask.formats.varlen import to_varlen
 from flexmask.packing import PackedBatch, TreeBatch, TreePack
 from flexmask.runtime.lazy import LazyBlockMask
 
-__all__ = ["attention_masks", "flexmask_attention", "layer_mask", "model_inputs", "register"]
+__all__ = [
+    "attention_masks",
+    "flash_kwargs",
+    "flexmask_attention",
+    "layer_mask",
+    "model_inputs",
+    "register",
+]
+
+FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
+"""transformers' implementations that read ``cu_seq_lens_*`` / ``max_length_*``."""
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 _DENSE_CACHE: LRUCache = LRUCache(maxsize=16)  # dense masks by (mask, shape, kind, dtype, device)
@@ -230,6 +245,11 @@ def attention_masks(
     """
     text = _text_config(config)
     kind = implementation or getattr(config, "_attn_implementation", None) or "sdpa"
+    if kind in FLASH_IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation {kind!r} takes no attention_mask for a packed batch: pass "
+            f"flash_kwargs(batch) to the model instead (model_inputs does)"
+        )
     if kind not in ("flex_attention", "flexmask", "sdpa", "eager"):
         raise ValueError(
             f"implementation must be 'flex_attention', 'flexmask', 'sdpa' or 'eager', got {kind!r}"
@@ -303,6 +323,15 @@ def model_inputs(model: Any, batch: Any, **kwargs: Any) -> dict[str, Any]:
         >>> model(**inputs).logits.shape
         torch.Size([1, 5, 16])
     """
+    kind = kwargs.get("implementation") or getattr(model.config, "_attn_implementation", None)
+    if kind in FLASH_IMPLEMENTATIONS:
+        if isinstance(batch, Mask) or set(kwargs) - {"implementation", "device"}:
+            raise TypeError(
+                f"for {kind}, model_inputs takes a PackedBatch and device= only, got "
+                f"{type(batch).__name__} and {sorted(kwargs)}"
+            )
+        flash = flash_kwargs(batch, device=kwargs.get("device"))
+        return {"input_ids": batch.tokens, "position_ids": batch.position_ids, **flash}
     if isinstance(batch, TreePack):
         tokens, positions = batch.tokens[None], batch.position_ids[None]
     elif isinstance(batch, (PackedBatch, TreeBatch)):
@@ -315,6 +344,85 @@ def model_inputs(model: Any, batch: Any, **kwargs: Any) -> dict[str, Any]:
         "input_ids": tokens,
         "position_ids": positions,
         "attention_mask": attention_masks(model.config, batch, **kwargs),
+    }
+
+
+def flash_kwargs(
+    batch: Any,
+    *,
+    shape: tuple[int, int] | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, Any]:
+    """``cu_seq_lens_q/k`` and ``max_length_q/k`` for transformers' flash-attention path.
+
+    transformers' ``flash_attention_2`` (and ``_3``) flattens a ``(B, S)`` batch to ``B * S``
+    tokens and, given these kwargs and no ``attention_mask``, runs
+    ``flash_attn_varlen_func`` over them: each document one sequence, causal as the model
+    is, with the layer's own sliding window. They come from ``flexmask.formats.to_varlen``
+    of the batch's mask, which lowers exactly or refuses (a tree, a prefix, a union):
+    every document is one sequence; a token in no document (padding) is a sequence of its
+    own, so it attends to itself — finite, as the dense masks of :func:`attention_masks`
+    make it, and masked out of the loss by its label. These are the values transformers'
+    own ``prepare_fa_kwargs_from_position_ids`` derives from a packed batch's positions.
+
+    Args:
+        batch: a :class:`~flexmask.PackedBatch`, or a flexmask ``Mask`` with ``shape``
+            ``(B, S)`` (causal, documents, padding: what ``to_varlen`` takes).
+        device: where the ``cu_seq_lens`` tensors live.
+
+    Raises:
+        ValueError: the mask is not causal, or brings a window of its own (transformers takes
+            both from the model's config), or ``to_varlen`` refuses it (its reason).
+
+    Example:
+        >>> from flexmask.packing import pack
+        >>> from flexmask.integrations.transformers import flash_kwargs
+        >>> kwargs = flash_kwargs(pack([[1, 2, 3], [4, 5]], max_len=6))
+        >>> kwargs["cu_seq_lens_q"].tolist(), kwargs["max_length_q"]  # tail: padding
+        ([0, 3, 5, 6], 3)
+    """
+    if isinstance(batch, PackedBatch):
+        mask, batch_size, seq_len = batch.mask, batch.num_rows, batch.max_len
+    elif isinstance(batch, Mask):
+        mask = batch
+        batch_size, seq_len = _check_shape(shape)
+    else:
+        raise TypeError(
+            f"batch must be a PackedBatch (flexmask.pack) or a flexmask Mask with shape=(B, S); "
+            f"got {type(batch).__name__} (trees need a mask kernel: attention_masks)"
+        )
+    lowered = to_varlen(mask, batch_size, seq_len, seq_len)
+    if not lowered.causal or lowered.window_size != (-1, -1):
+        raise ValueError(
+            f"{mask!r} lowers to causal={lowered.causal}, window_size={lowered.window_size}, "
+            f"but transformers' flash path takes causal and the window from the model's "
+            f"config: give a causal mask without sliding_window (the config's sliding_window "
+            f"applies per layer)"
+        )
+    cu_q, cu_k = lowered.cu_seqlens_q.tolist(), lowered.cu_seqlens_k.tolist()
+    q_index, k_index = lowered.q_index.tolist(), lowered.k_index.tolist()
+    starts: list[int] = []
+    for i in range(lowered.num_sequences):
+        first, last = q_index[cu_q[i]], q_index[cu_q[i + 1] - 1]
+        rows = q_index[cu_q[i] : cu_q[i + 1]]
+        if rows != k_index[cu_k[i] : cu_k[i + 1]] or rows != list(range(first, last + 1)):
+            raise ValueError(
+                f"{mask!r}: sequence {i} is not one run of tokens with its own keys, which "
+                f"transformers' flattened layout needs"
+            )
+        starts.append(first)
+    # Every token not in a document becomes a sequence of one: the flattened layout must
+    # cover every token, or the kernel leaves its output unwritten.
+    covered = set(q_index)
+    starts += [t for t in range(batch_size * seq_len) if t not in covered]
+    cu = torch.tensor(sorted(starts) + [batch_size * seq_len], dtype=torch.int32)
+    cu = cu.to(check_device(device, None))
+    longest = int(cu.diff().max()) if cu.numel() > 1 else 0
+    return {
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
     }
 
 
