@@ -450,3 +450,31 @@ def test_spawn_ranks_reports_what_a_rank_raised():
     """The runner the gloo tests stand on fails the test when a rank's check raises."""
     with pytest.raises(AssertionError, match="rank 1: ValueError"):
         spawn_ranks(_rank_one_fails, 2)
+
+
+def test_a_lazy_shard_is_a_block_mask_built_on_first_read():
+    """One lazy type for whole masks and shards: a LazyShard is a torch BlockMask (as a
+    LazyBlockMask is); torch's own flex_attention takes it, reading a field builds it, and
+    the output equals the dense reference on the rank's permuted rows. BLOCK_SIZE is
+    torch's pair, known before the build."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    S, lengths = 512, [256, 192, 64]
+    mask = flexmask.causal() & flexmask.document(lengths)
+    handle = lazy_shard(mask, 1, 2, S, cache=ShardCache(), world_size=2, rank=1, BLOCK_SIZE=64)
+    assert isinstance(handle, BlockMask) and handle.BLOCK_SIZE == (64, 64)
+    assert not handle.built and "built=False" in str(handle)  # printing builds nothing
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, S, 16) for _ in range(3))
+    plain = flexmask.shard(mask, 1, 2, S, world_size=2, rank=1, BLOCK_SIZE=64)
+    assert not handle.built
+    perm = plain.indices[0]
+    local = perm[plain.local]
+    out = flex_attention(q[:, :, local], k[:, :, perm], v[:, :, perm], block_mask=handle)
+    assert handle.built and handle.seq_lengths == (S // 2, S)
+    dense = torch.from_numpy(document_dense(lengths, S))[local][:, perm]
+    scores = (q[:, :, local] @ k[:, :, perm].transpose(-1, -2)) / 4.0
+    expected = torch.softmax(scores.masked_fill(~dense, float("-inf")), dim=-1) @ v[:, :, perm]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    handle.release()
+    assert not handle.built and handle.key not in handle.cache
