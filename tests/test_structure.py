@@ -99,7 +99,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("flexmask.algebra",),
     ("flexmask.blocks",),
     ("flexmask.pieces",),
-    ("flexmask.builders",),
+    ("flexmask.builders", "flexmask.formats"),  # formats: lowerings to other kernels' masks
     ("flexmask.runtime",),
     ("flexmask.backends", "flexmask.block_sparse"),
     ("flexmask.attention",),
@@ -109,7 +109,6 @@ LAYERS: list[tuple[str, ...]] = [
         "flexmask.context_parallel",
         "flexmask.integrations",
         "flexmask.plot",
-        "flexmask.formats",
     ),
     ("flexmask",),
 ]
