@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
+from flexmask.blocks.codes import EMPTY, PARTIAL
+from flexmask.blocks.read import kv_codes
 
 MOD_EVALS = ("auto", "broadcast", "vmap")
 
@@ -137,65 +138,18 @@ def make_plan(
     num_q_blocks = -(-q_len // q_block)
     num_kv_blocks = -(-kv_len // kv_block)
 
-    batch_dims: set[tuple[int, int]] = set()
-    kinds: Tensor | None = None
-    lists = [(block_mask.kv_num_blocks, block_mask.kv_indices, "kv_indices", PARTIAL)]
-    if block_mask.full_kv_num_blocks is not None and block_mask.full_kv_indices is not None:
-        lists.append(
-            (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, "full_kv_indices", FULL)
-        )
-    for num, idx, name, kind in lists:
-        if num.dim() != 3 or idx.dim() != 4 or idx.shape[:3] != num.shape:
-            raise ValueError(
-                f"block_mask.{name} must be (B, H, q_blocks, max_blocks), got shape "
-                f"{tuple(idx.shape)} with counts of shape {tuple(num.shape)}"
-            )
-        mask_batch, mask_heads, mask_rows, slots = idx.shape
-        if mask_batch not in (1, batch) or mask_heads not in (1, q_heads):
-            raise ValueError(
-                f"block_mask's batch and head dims must be 1 or match query's ({batch}, "
-                f"{q_heads}), got ({mask_batch}, {mask_heads})"
-            )
-        batch_dims.add((mask_batch, mask_heads))
-        if mask_rows < num_q_blocks:
-            raise ValueError(
-                f"block_mask.{name} has {mask_rows} q blocks but Q_LEN={q_len} needs "
-                f"{num_q_blocks} of size {q_block}"
-            )
-        num = num[:, :, :num_q_blocks].long()
-        idx = idx[:, :, :num_q_blocks].long()
-        if num.numel() and (int(num.min()) < 0 or int(num.max()) > slots):  # B=0: none
-            raise ValueError(f"block_mask's counts for {name} must lie in [0, {slots}]")
-        in_use = torch.arange(slots, device=idx.device) < num[..., None]
-        if bool((in_use & ((idx < 0) | (idx >= num_kv_blocks))).any()):
-            raise ValueError(
-                f"block_mask.{name} points outside the {num_kv_blocks} kv blocks of KV_LEN={kv_len}"
-            )
-        # Slots past the count hold leftovers: send them to a spare column, dropped below.
-        idx = torch.where(in_use, idx, num_kv_blocks)
-        if kinds is None:
-            kinds = torch.zeros(
-                mask_batch,
-                mask_heads,
-                num_q_blocks,
-                num_kv_blocks + 1,
-                dtype=torch.int8,
-                device=idx.device,
-            )
-        if idx.size(-1):
-            # Full after partial, so a block listed in both counts once, as full.
-            kinds.scatter_(-1, idx, kind)
-    if len(batch_dims) != 1:
+    # The one BlockMask reader: its lists checked (shapes, counts, listed indices), then
+    # read into codes, a block listed both partial and full counting once, as full.
+    kinds = kv_codes(block_mask, checked=True)
+    mask_batch, mask_heads = kinds.shape[:2]
+    if mask_batch not in (1, batch) or mask_heads not in (1, q_heads):
         raise ValueError(
-            "block_mask's kv_indices and full_kv_indices must have the same batch and head dims, "
-            f"got {sorted(batch_dims)}"
+            f"block_mask's batch and head dims must be 1 or match query's ({batch}, "
+            f"{q_heads}), got ({mask_batch}, {mask_heads})"
         )
-    assert kinds is not None  # the partial lists always exist
-    kinds = kinds[..., :num_kv_blocks]
     listed = (kinds != EMPTY).flatten(0, 1).any(dim=0).cpu()
     partial = (kinds == PARTIAL).flatten(0, 1).any(dim=0).cpu()
     # Heads split as (Hkv, G) so a per-query-head map lines up with grouped kv heads.
-    mask_batch, mask_heads = kinds.shape[:2]
     if mask_heads == q_heads:
         kinds = kinds.view(mask_batch, kv_heads, group, num_q_blocks, num_kv_blocks)
     else:

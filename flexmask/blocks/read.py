@@ -1,6 +1,6 @@
-"""Reading a BlockMask: the one place that reads its tensors — which blocks it lists, its
-bytes, and whether two list the same blocks — for the builder's tests, plot, cache and the
-block-sparse path alike.
+"""Reading a BlockMask: the one place that reads its tensors — which blocks it lists (its
+block codes, checked for a kernel), its bytes, and whether two list the same blocks — for the
+builder's tests, plot, cache, the backends' plan and the block-sparse path alike.
 """
 
 from __future__ import annotations
@@ -37,27 +37,74 @@ def block_mask_nbytes(block_mask: BlockMask) -> int:
     return sum(seen.values())
 
 
-def kv_codes(block_mask: BlockMask) -> Tensor:
+def kv_lists(block_mask: BlockMask) -> list[tuple[Tensor, Tensor, str, int]]:
+    """The kv side's block lists as ``(counts, indices, name of the indices, code)``: the
+    partial blocks (PARTIAL), then the full ones (FULL) where the BlockMask has them."""
+    lists = [(block_mask.kv_num_blocks, block_mask.kv_indices, "kv_indices", PARTIAL)]
+    if block_mask.full_kv_num_blocks is not None and block_mask.full_kv_indices is not None:
+        lists.append(
+            (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, "full_kv_indices", FULL)
+        )
+    return lists
+
+
+def kv_codes(block_mask: BlockMask, *, checked: bool = False) -> Tensor:
     """Every tile's code (EMPTY / PARTIAL / FULL, int8) as the BlockMask lists it, from its kv
     side: ``(B, H, num_q_blocks, num_kv_blocks)`` for its own B and H (1 where it broadcasts).
-    Only each row's first ``count`` indices are read, as the kernels read them."""
+    Only each row's first ``count`` indices are read, as the kernels read them; a block
+    listed both partial and full reads as full.
+
+    ``checked``: a BlockMask from anywhere (a kernel about to read it): its lists' shapes,
+    counts and listed indices are checked first, a ValueError naming the field otherwise.
+    """
     q_len, kv_len = block_mask.seq_lengths
-    q_block, kv_block = block_mask.BLOCK_SIZE
+    q_block, kv_block = (int(size) for size in block_mask.BLOCK_SIZE)
     num_q, num_kv = -(-q_len // q_block), -(-kv_len // kv_block)
-    batch, heads = block_mask.kv_num_blocks.shape[:2]
-    device = block_mask.kv_num_blocks.device
+    lists = kv_lists(block_mask)
+    if checked:
+        _check_shapes(lists, q_len, q_block, num_q)
+    batch, heads = lists[0][1].shape[:2]
+    device = lists[0][1].device
     # One spare column takes the unlisted entries; it is dropped at the end.
     codes = torch.zeros(batch, heads, num_q, num_kv + 1, dtype=CODE_DTYPE, device=device)
-    sides = [(block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL)]
-    if block_mask.full_kv_num_blocks is not None and block_mask.full_kv_indices is not None:
-        sides.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL))
-    for num_blocks, indices, code in sides:
+    for num_blocks, indices, name, code in lists:
         count = num_blocks[:, :, :num_q].long()
         index = indices[:, :, :num_q].long()
-        listed = torch.arange(index.shape[-1], device=device) < count.unsqueeze(-1)
-        if index.shape[-1]:
+        slots = index.shape[-1]
+        listed = torch.arange(slots, device=device) < count.unsqueeze(-1)
+        if checked:
+            if count.numel() and (int(count.min()) < 0 or int(count.max()) > slots):  # B=0
+                raise ValueError(f"block_mask's counts for {name} must lie in [0, {slots}]")
+            if bool((listed & ((index < 0) | (index >= num_kv))).any()):
+                raise ValueError(
+                    f"block_mask.{name} points outside the {num_kv} kv blocks of KV_LEN={kv_len}"
+                )
+        if slots:
             codes.scatter_(-1, torch.where(listed, index, num_kv), code)
     return codes[..., :num_kv]
+
+
+def _check_shapes(
+    lists: list[tuple[Tensor, Tensor, str, int]], q_len: int, q_block: int, num_q: int
+) -> None:
+    dims: set[tuple[int, int]] = set()
+    for num, idx, name, _ in lists:
+        if num.dim() != 3 or idx.dim() != 4 or idx.shape[:3] != num.shape:
+            raise ValueError(
+                f"block_mask.{name} must be (B, H, q_blocks, max_blocks), got shape "
+                f"{tuple(idx.shape)} with counts of shape {tuple(num.shape)}"
+            )
+        dims.add((idx.shape[0], idx.shape[1]))
+        if idx.shape[2] < num_q:
+            raise ValueError(
+                f"block_mask.{name} has {idx.shape[2]} q blocks but Q_LEN={q_len} needs "
+                f"{num_q} of size {q_block}"
+            )
+    if len(dims) != 1:
+        raise ValueError(
+            "block_mask's kv_indices and full_kv_indices must have the same batch and head dims, "
+            f"got {sorted(dims)}"
+        )
 
 
 def same_blocks(a: BlockMask, b: BlockMask) -> bool:
