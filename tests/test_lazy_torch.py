@@ -20,6 +20,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
 
 import flexmask
+from flexmask.block_sparse import block_sparse_attention
 from tests import oracle
 
 
@@ -259,3 +260,21 @@ def test_compiled_torch_flex_attention_takes_handles_without_recompiling():
                 frames = backend.frame_count
     assert frames == 1 and backend.frame_count == 1, "a new handle recompiled"
     assert not counters["recompiles"] and not counters["graph_break"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_block_sparse_attention_reads_a_handles_intervals(name, cache, monkeypatch):
+    """A handle passed straight to block_sparse_attention takes the structured path (partial
+    blocks read from the Mask's intervals, not evaluated through the mask_mod), as the built
+    BlockMask does, and equals SDPA on the dense oracle."""
+    from flexmask.backends.block_sparse import api
+
+    mask, B, H, S, dense = CASES[name]
+    q, k, v = (torch.randn(B, H, S, 16) for _ in range(3))
+    seen = []
+    real = api.interval_bounds
+    monkeypatch.setattr(api, "interval_bounds", lambda m, plan: seen.append(m) or real(m, plan))
+    handle = flexmask.lazy(mask, B, H, S, S, "cpu", BLOCK_SIZE=64, cache=cache)
+    out = block_sparse_attention(q, k, v, handle)
+    assert seen == [mask]
+    torch.testing.assert_close(out, sdpa(q, k, v, dense), atol=1e-5, rtol=1e-5)

@@ -44,6 +44,7 @@ from flexmask.backends.block_sparse.threads import kernel_workers
 from flexmask.backends.plan import make_plan
 from flexmask.backends.sdpa import choose_backend, is_causal, sdpa_attention
 from flexmask.builders.create import built_from
+from flexmask.runtime.lazy import BuiltOnRead
 
 Backend = Literal["auto", "sparse", "sdpa"]
 """Which kernel runs: see :func:`block_sparse_attention` and :func:`choose_backend`."""
@@ -211,6 +212,11 @@ def block_sparse_attention(
             f"mask must be the flexmask Mask block_mask was built from, or None, got "
             f"{type(mask).__name__}"
         )
+    if isinstance(block_mask, BuiltOnRead):
+        # A handle: its built BlockMask, which knows the Mask it came from (the handle's own
+        # fields are the same tensors, but not the record of the Mask, so the partial blocks
+        # would be evaluated through the mask_mod instead of read from intervals).
+        block_mask = block_mask.block_mask
     plan = make_plan(query, key, value, block_mask, score_mod, scale, enable_gqa, mod_eval)
     workers = kernel_workers(threads, query.device)
     mask = _checked_mask(block_mask, mask)
