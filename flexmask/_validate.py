@@ -58,6 +58,14 @@ def _has_values(value: Tensor, name: str) -> None:
             f"{name} is a meta tensor (shape {tuple(value.shape)}), which holds no values to "
             f"read: pass its values as ints or as a tensor on a real device (e.g. 'cpu')"
         )
+    if torch.compiler.is_exporting():
+        # A traced input has no values yet, and a piece checks and keys its data by value
+        # when it is made (torch's error here would be a data-dependent guard).
+        raise TypeError(
+            f"{name} is traced by torch.export, and a flexmask piece reads its "
+            f"data's values when it is made: make the mask outside the traced function and "
+            f"pass it (or its BlockMask, or a lazy handle) in"
+        )
 
 
 def _is_array(value: Any) -> bool:
