@@ -118,11 +118,14 @@ class Tree(Piece):
         tile is full iff every kv's subtree holds every q's rank: ``max rank(kv) <=
         min rank(q)`` and ``min end(kv) > max rank(q)`` — exact from per-block extremes.
         It is non-empty iff some q's rank lies in the union ``U`` of its kv block's
-        subtrees. Where the q block's ranks are one run and ``U`` is one interval (a block
-        inside one branch, the common case of insertion order) the extremes decide that too;
-        the other tiles are settled by a search of a few ranks in ``U``: the tokens a q block
-        attends are its own tokens and the ancestors of its *external parents* (parents
-        outside the block), and ``p``'s ancestors meet a kv block iff ``rank[p]`` is in ``U``.
+        subtrees. Subtrees nest or are disjoint, so ``U`` is the one interval
+        ``[lo, hi)`` when the block's lowest rank roots a subtree reaching its highest end
+        (a block inside one branch: the common case of insertion order, checked with no
+        sort). Where that holds and the q block's ranks are one run, the extremes decide
+        the tile; the other tiles are settled by a search of a few ranks in ``U``, sorted
+        for those kv blocks alone: the tokens a q block attends are its own tokens and the
+        ancestors of its *external parents* (parents outside the block), and ``p``'s
+        ancestors meet a kv block iff ``rank[p]`` is in ``U``.
         """
         device = grid.device
         rows, big = len(self.parents), grid.length + 2
@@ -132,66 +135,71 @@ class Tree(Piece):
             grid.q_block,
             grid.kv_block,
         )
-        pad = torch.nn.functional.pad
-        rank, end = (t.to(torch.int64) for t in self._lookups(grid.length, device))
-        sizes = torch.tensor([p.numel() for p in self.parents], device=device).view(-1, 1)
+        rank, end = self._lookups(grid.length, device)  # int32: every pass below is half
+        sizes = torch.tensor([p.numel() for p in self.parents], device=device, dtype=torch.int32)
 
         def blocks(values: Tensor, first: int, last: int, n: int, size: int, fill: int) -> Tensor:
-            return pad(values[:, first:last], (0, n * size - (last - first)), value=fill).view(
-                rows, n, size
-            )
+            part = values[:, first:last]
+            if n * size != last - first:
+                part = torch.nn.functional.pad(part, (0, n * size - (last - first)), value=fill)
+            return part.reshape(rows, n, size)
 
         kv_first, q_first = grid.kv_offset, grid.q_offset
         if not isinstance(kv_first, int) or not isinstance(q_first, int):
             # Trees are not monotone: build._row_by_row gives each row a grid of int offsets.
             raise RuntimeError("tree classifies one window at a time: per-row offsets reached it")
         kv_end, q_end = kv_first + grid.kv_len, q_first + grid.q_len  # grid.kv_end, as ints
-        kv_rank = rank[:, kv_first:kv_end]
-        kv_in = end[:, kv_first:kv_end] > kv_rank  # in the tree (past it: rank = pos, end = 0)
-        # Full, over every in-range token (one past the tree is never full).
-        max_rank_all = blocks(rank, kv_first, kv_end, nkv, kv_block, -1).amax(-1)
-        min_end_all = blocks(end, kv_first, kv_end, nkv, kv_block, big).amin(-1)
+        # Per kv block. Past the tree rank = position and end = 0, padding end = 0: such a
+        # kv roots no subtree. U's bounds over the tokens in the tree.
+        kv_rank = blocks(rank, kv_first, kv_end, nkv, kv_block, -1)
+        kv_end_b = blocks(end, kv_first, kv_end, nkv, kv_block, 0)
+        max_rank_all = kv_rank.amax(-1)  # -1 pads: only in-range tokens count
+        min_end_all = (
+            kv_end_b.amin(-1)
+            if nkv * kv_block == grid.kv_len
+            else blocks(end, kv_first, kv_end, nkv, kv_block, big).amin(-1)
+        )
+        kv_in = kv_end_b > kv_rank
+        u_lo, top = torch.where(kv_in, kv_rank, big).min(-1)
+        u_hi = kv_end_b.amax(-1)  # ends of tokens outside the tree are 0
+        u_run = kv_end_b.gather(-1, top.unsqueeze(-1)).squeeze(-1) >= u_hi
+        # Per q block: extremes of its ranks, and of those in the tree.
         q_ranks = blocks(rank, q_first, q_end, nq, q_block, -1)
         max_q_all = q_ranks.amax(-1)
-        q_in = (q_ranks >= 0) & (q_ranks < sizes.view(-1, 1, 1))  # in range and in the tree
+        q_in = (q_ranks >= 0) & (q_ranks < sizes.view(-1, 1, 1))
         min_q = torch.where(q_in, q_ranks, big).amin(-1)
         max_q = torch.where(q_in, q_ranks, -1).amax(-1)
-        q_run = (max_q - min_q + 1 == q_in.sum(-1)) | (max_q < 0)  # ranks are one run
+        q_run = (max_q - min_q + 1 == q_in.sum(-1, dtype=torch.int32)) | (max_q < 0)
         full_min_q = torch.where(q_ranks >= 0, q_ranks, big).amin(-1)
-        full = (max_rank_all.view(rows, 1, nkv) <= full_min_q.view(rows, nq, 1)) & (
-            min_end_all.view(rows, 1, nkv) > max_q_all.view(rows, nq, 1)
-        )
-        # U per kv block: subtree intervals of the tokens in the tree, sorted by rank, with
-        # the running max of their ends (rank x is in U iff the running end at the last
-        # rank <= x exceeds x).
-        u_rank = pad(
-            torch.where(kv_in, kv_rank, big), (0, nkv * kv_block - kv_rank.shape[1]), value=big
-        ).view(rows, nkv, kv_block)
-        u_rank, order = u_rank.sort(-1)
-        u_end = blocks(end, kv_first, kv_end, nkv, kv_block, 0).gather(-1, order)
-        u_end = torch.where(u_rank < big, u_end, 0).cummax(-1).values
-        u_lo = u_rank[..., 0]
-        u_hi = u_end[..., -1]  # U lies in [u_lo, u_hi)
-        gaps = (u_rank[..., 1:] < big) & (u_rank[..., 1:] > u_end[..., :-1])
-        u_run = ~gaps.any(-1)
-        # Ancestors come first: no kv after the q block attends it.
-        before = grid.kv_first.view(1, 1, nkv) <= grid.q_last.view(1, nq, 1)
-        meets = (
-            before
-            & (max_q.view(rows, nq, 1) >= u_lo.view(rows, 1, nkv))
-            & (min_q.view(rows, nq, 1) < u_hi.view(rows, 1, nkv))
-        )
-        overlap_lo = torch.maximum(grid.kv_first, grid.q_first).view(1, nq, nkv)
-        overlap_hi = torch.minimum(grid.kv_last, grid.q_last).view(1, nq, nkv)
-        diagonal = overlap_lo <= torch.minimum(overlap_hi, sizes.view(-1, 1, 1) - 1)
-        exact = q_run.view(rows, nq, 1) & u_run.view(rows, 1, nkv)
-        nonempty = full | diagonal | (meets & exact)
+        # Tiles: a few passes over (R, nq, nkv).
+        full = torch.le(max_rank_all.view(rows, 1, nkv), full_min_q.view(rows, nq, 1))
+        full &= torch.gt(min_end_all.view(rows, 1, nkv), max_q_all.view(rows, nq, 1))
+        nonempty = torch.ge(max_q.view(rows, nq, 1), u_lo.view(rows, 1, nkv))
+        nonempty &= torch.lt(min_q.view(rows, nq, 1), u_hi.view(rows, 1, nkv))
+        # Tiles holding one token on both sides inside the tree contain q == kv: a few
+        # tiles near the diagonal, listed once and set per row.
+        overlap_lo = torch.maximum(grid.kv_first, grid.q_first).view(nq, nkv)
+        overlap_hi = torch.minimum(grid.kv_last, grid.q_last).view(nq, nkv)
+        band = (overlap_lo <= overlap_hi).nonzero()
+        band_lo = overlap_lo[band[:, 0], band[:, 1]]
+        diagonal = band_lo.view(1, -1) < sizes.view(-1, 1)  # (R, tiles in the band)
+        unsure = None
+        if not (bool(q_run.all()) and bool(u_run.all())):
+            # Hull overlap is exact only where both sides are one run; elsewhere it is a
+            # candidate (ancestors come first: no kv after the q block attends it).
+            inexact = ~(q_run.view(rows, nq, 1) & u_run.view(rows, 1, nkv))
+            before = grid.kv_first.view(1, 1, nkv) <= grid.q_last.view(1, nq, 1)
+            unsure = nonempty & inexact & before & ~full
+            nonempty &= ~inexact
+            nonempty |= full
+        nonempty[:, band[:, 0], band[:, 1]] |= diagonal
+        if unsure is not None:
+            unsure[:, band[:, 0], band[:, 1]] &= ~diagonal
         codes = codes_from(nonempty, full)
-        unsure = meets & ~nonempty
-        if bool(unsure.any()):
+        if unsure is not None and bool(unsure.any()):
             tiles = unsure.nonzero()
-            parents = self._external_parents(grid, rank)
-            found = _search_subtrees(tiles, parents, u_rank, u_end, big)
+            parents = self._external_parents(grid, rank.to(torch.int64))
+            found = _search_subtrees(tiles, parents, kv_in, kv_rank, kv_end_b, big)
             codes[tuple(tiles.unbind(1))] = found.to(codes.dtype)  # PARTIAL (1) or EMPTY (0)
         return codes.view(rows, 1, nq, nkv)
 
@@ -254,22 +262,30 @@ class TreeMod(PieceMod):
 
 
 def _search_subtrees(
-    tiles: Tensor, parents: Tensor, u_rank: Tensor, u_end: Tensor, big: int
+    tiles: Tensor, parents: Tensor, kv_in: Tensor, kv_rank: Tensor, kv_end: Tensor, big: int
 ) -> Tensor:
     """For tiles ``(k, 3)`` = (row, q block, kv block): does some external parent's rank lie
-    in the kv block's union of subtrees? One search over every block's sorted ranks laid end
-    to end, each block's keys shifted past the previous block's."""
-    rows, nkv, kv_block = u_rank.shape
+    in the kv block's union of subtrees? The kv blocks these tiles name have their subtrees
+    sorted by rank, with the running max of their ends (rank x is in U iff the running end
+    at the last rank <= x exceeds x); one search over those blocks laid end to end, each
+    block's keys shifted past the previous block's."""
+    rows, nkv, kv_block = kv_rank.shape
+    named = tiles[:, 0] * nkv + tiles[:, 2]
+    blocks, which = torch.unique(named, return_inverse=True)
+    u_rank = torch.where(kv_in, kv_rank, big).view(rows * nkv, kv_block)[blocks].to(torch.int64)
+    u_rank, order = u_rank.sort(-1)
+    u_end = kv_end.reshape(rows * nkv, kv_block)[blocks].to(torch.int64).gather(-1, order)
+    u_end = torch.where(u_rank < big, u_end, 0).cummax(-1).values
     stride = big + 1
-    line = torch.arange(rows * nkv, device=u_rank.device).view(rows, nkv, 1)
+    line = torch.arange(blocks.numel(), device=u_rank.device).view(-1, 1)
     keys = (line * stride + u_rank).view(-1)
     ends = u_end.reshape(-1)
     found = torch.empty(tiles.shape[0], dtype=torch.bool, device=tiles.device)
     per_chunk = max(1, (1 << 20) // parents.shape[-1])
     for start in range(0, tiles.shape[0], per_chunk):
-        row, q_tile, kv_tile = tiles[start : start + per_chunk].unbind(1)
+        row, q_tile, _ = tiles[start : start + per_chunk].unbind(1)
         ranks = parents[row, q_tile]  # (k, c)
-        block = (row * nkv + kv_tile).view(-1, 1)
+        block = which[start : start + per_chunk].view(-1, 1)
         at = torch.searchsorted(keys, block * stride + ranks, right=True) - 1
         inside = (ranks >= 0) & (at >= block * kv_block)
         covered = inside & (ends[at.clamp(min=0)] > ranks)

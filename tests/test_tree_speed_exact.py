@@ -1,0 +1,93 @@
+"""The fast tree classifier (no sort unless a kv block spans several branches) against
+torch's own ``create_block_mask``, whole tensors: AReaL-style insertion-order trees at B > 1
+with lengths that are not a multiple of the block, and layouts that force the search of
+sorted subtrees (kv blocks over several branches, q blocks whose ranks are not one run)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+import flexmask
+from tests import oracle
+
+tree_module = sys.modules["flexmask.pieces.tree"]
+
+
+def insertion_tree(n: int, seed: int, sequences: int) -> list[int]:
+    """A trie of ``sequences`` sequences of random length, tokens numbered as inserted:
+    each shares a random prefix of a random earlier sequence, then appends its own tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    parents: list[int] = []
+    paths: list[list[int]] = []
+    while len(parents) < n:
+        path: list[int] = []
+        if paths:
+            base = paths[int(torch.randint(0, len(paths), (1,), generator=gen))]
+            path = base[: int(torch.randint(0, len(base) + 1, (1,), generator=gen))]
+        length = int(torch.randint(1, 2 * n // sequences + 2, (1,), generator=gen))
+        for _ in range(min(length, n - len(parents))):
+            parents.append(path[-1] if path else -1)
+            path.append(len(parents) - 1)
+        paths.append(path)
+    return parents
+
+
+def random_tree(n: int, seed: int) -> list[int]:
+    """Every token hangs off a uniformly random earlier one: few chains, many branches."""
+    gen = torch.Generator().manual_seed(seed)
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+@pytest.fixture
+def searched(monkeypatch):
+    """How many tiles the classifier settled by the search of sorted subtrees."""
+    count = [0]
+    search = tree_module._search_subtrees
+
+    def counted(tiles, *args):
+        count[0] += tiles.shape[0]
+        return search(tiles, *args)
+
+    monkeypatch.setattr(tree_module, "_search_subtrees", counted)
+    return count
+
+
+@pytest.mark.parametrize("block", [128, 64, (32, 16)])
+def test_insertion_trees_at_batch_match_torch(block):
+    length, batch = 1999, 3
+    trees = [insertion_tree(length - 7 * b, seed=b, sequences=12) for b in range(batch)]
+    mask = flexmask.tree(trees)
+    assert mask.preorder == [False] * batch
+    ours = flexmask.create_block_mask(mask, batch, 2, length, length, "cpu", block)
+    theirs = torch_create_block_mask(mask.mask_mod, batch, 2, length, length, "cpu", block)
+    oracle.assert_same_block_mask(ours, theirs, f"insertion trees block={block}")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_branchy_trees_take_the_search_and_match_torch(seed, searched):
+    n = 611
+    trees = [random_tree(n, seed), insertion_tree(n - 50, seed, sequences=60)]
+    mask = flexmask.tree(trees)
+    ours = flexmask.create_block_mask(mask, 2, 1, n + 5, n + 5, "cpu", 16)
+    theirs = torch_create_block_mask(mask.mask_mod, 2, 1, n + 5, n + 5, "cpu", 16)
+    oracle.assert_same_block_mask(ours, theirs, f"branchy trees seed={seed}")
+    assert searched[0] > 0  # the case this test is for: tiles the extremes left open
+
+
+def test_offsets_with_branchy_trees_match_the_oracle():
+    n = 300
+    parents = random_tree(n, 7)
+    mask = flexmask.tree(parents)
+    whole = oracle.tree(parents, n + 40, n + 40)
+    for q_off, kv_off in ((13, 0), (0, 29), (40, 17)):
+        q_len, kv_len = n - q_off, n + 40 - kv_off
+        ours = flexmask.create_block_mask(
+            mask, 1, 1, q_len, kv_len, "cpu", 16, q_offset=q_off, kv_offset=kv_off
+        )
+        window = whole[q_off : q_off + q_len, kv_off : kv_off + kv_len]
+        reference = oracle.torch_blocks(oracle.stack([window]), 16)
+        oracle.assert_same_block_mask(ours, reference, f"offsets q={q_off} kv={kv_off}")
