@@ -178,10 +178,7 @@ class Tree(Piece):
         nonempty &= torch.lt(min_q.view(rows, nq, 1), u_hi.view(rows, 1, nkv))
         # Tiles holding one token on both sides inside the tree contain q == kv: a few
         # tiles near the diagonal, listed once and set per row.
-        overlap_lo = torch.maximum(grid.kv_first, grid.q_first).view(nq, nkv)
-        overlap_hi = torch.minimum(grid.kv_last, grid.q_last).view(nq, nkv)
-        band = (overlap_lo <= overlap_hi).nonzero()
-        band_lo = overlap_lo[band[:, 0], band[:, 1]]
+        band, band_lo = _band(grid)
         diagonal = band_lo.view(1, -1) < sizes.view(-1, 1)  # (R, tiles in the band)
         unsure = None
         if not (bool(q_run.all()) and bool(u_run.all())):
@@ -259,6 +256,23 @@ class TreeMod(PieceMod):
         q_rank = self._lookup(self.rank, b, q_idx.clamp(max=last))
         kv = kv_idx.clamp(max=last)
         return (self._lookup(self.rank, b, kv) <= q_rank) & (q_rank < self._lookup(self.end, b, kv))
+
+
+def _band(grid: BlockGrid) -> tuple[Tensor, Tensor]:
+    """The tiles whose q and kv token ranges overlap, ``(k, 2)`` (q block, kv block), and
+    the first token of each overlap: per q block a short range of kv blocks, found by two
+    binary searches (block bounds ascend), not a pass over the tile grid."""
+    nq, nkv, device = grid.num_q_blocks, grid.num_kv_blocks, grid.device
+    q_lo, q_hi = grid.q_first.reshape(nq), grid.q_last.reshape(nq)
+    kv_lo, kv_hi = grid.kv_first.reshape(nkv), grid.kv_last.reshape(nkv)
+    first = torch.searchsorted(kv_hi.contiguous(), q_lo)  # first kv block ending at/after q
+    last = torch.searchsorted(kv_lo.contiguous(), q_hi, right=True) - 1
+    width = int((last - first + 1).clamp(min=0).max()) if nq else 0
+    kv_tile = first.view(-1, 1) + torch.arange(width, device=device)
+    inside = kv_tile <= last.view(-1, 1)
+    q_tile = torch.arange(nq, device=device).view(-1, 1).expand_as(kv_tile)[inside]
+    kv_tile = kv_tile[inside]
+    return torch.stack([q_tile, kv_tile], 1), torch.maximum(kv_lo[kv_tile], q_lo[q_tile])
 
 
 def _search_subtrees(
