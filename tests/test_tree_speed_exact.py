@@ -91,3 +91,44 @@ def test_offsets_with_branchy_trees_match_the_oracle():
         window = whole[q_off : q_off + q_len, kv_off : kv_off + kv_len]
         reference = oracle.torch_blocks(oracle.stack([window]), 16)
         oracle.assert_same_block_mask(ours, reference, f"offsets q={q_off} kv={kv_off}")
+
+
+def preorder(parents: list[int]) -> list[int]:
+    """The same tree renumbered in depth-first preorder (children in index order)."""
+    children: list[list[int]] = [[] for _ in parents]
+    roots = []
+    for i, p in enumerate(parents):
+        (children[p] if p >= 0 else roots).append(i)
+    order: list[int] = []
+    stack = roots[::-1]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children[node]))
+    new = {old: i for i, old in enumerate(order)}
+    return [new[parents[old]] if parents[old] >= 0 else -1 for old in order]
+
+
+@pytest.mark.parametrize("block", [128, 16, (32, 8), (8, 32)])
+def test_preorder_trees_at_batch_match_torch(block):
+    trees = [preorder(insertion_tree(700, 3, 9)), preorder(random_tree(650, 4))]
+    assert flexmask.tree(trees).preorder == [True, True]
+    mask = flexmask.tree(trees)
+    for q_len, kv_len in ((701, 701), (333, 709), (709, 517)):
+        ours = flexmask.create_block_mask(mask, 2, 2, q_len, kv_len, "cpu", block)
+        theirs = torch_create_block_mask(mask.mask_mod, 2, 2, q_len, kv_len, "cpu", block)
+        oracle.assert_same_block_mask(ours, theirs, f"preorder q={q_len} kv={kv_len} {block}")
+
+
+def test_preorder_tree_with_offsets_matches_the_oracle():
+    parents = preorder(random_tree(300, 11))
+    mask = flexmask.tree(parents)
+    whole = oracle.tree(parents, 340, 340)
+    for q_off, kv_off in ((13, 0), (0, 29), (40, 17)):
+        q_len, kv_len = 300 - q_off, 340 - kv_off
+        ours = flexmask.create_block_mask(
+            mask, 1, 1, q_len, kv_len, "cpu", 16, q_offset=q_off, kv_offset=kv_off
+        )
+        window = whole[q_off : q_off + q_len, kv_off : kv_off + kv_len]
+        reference = oracle.torch_blocks(oracle.stack([window]), 16)
+        oracle.assert_same_block_mask(ours, reference, f"offsets q={q_off} kv={kv_off}")

@@ -90,26 +90,31 @@ class Tree(Piece):
             return self._classify_ranked(grid)
         device = grid.device
         rows = len(self.parents)
-        nkv, kv_block = grid.num_kv_blocks, grid.kv_block
-        sizes = torch.tensor([p.numel() for p in self.parents], device=device).view(-1, 1, 1, 1)
-        _, end = self._lookups(grid.length, device)
-        end = end[:, grid.kv_offset : grid.kv_end].to(torch.int64)
+        nq, nkv, kv_block = grid.num_q_blocks, grid.num_kv_blocks, grid.kv_block
+        sizes = torch.tensor([p.numel() for p in self.parents], device=device, dtype=torch.int32)
+        _, end = self._lookups(grid.length, device)  # int32
+        end = end[:, grid.kv_offset : grid.kv_end]
         pad = nkv * kv_block - grid.kv_len
         # Per kv block: the largest and smallest subtree end over its in-range tokens.
-        max_end = torch.nn.functional.pad(end, (0, pad), value=0)
-        max_end = max_end.view(rows, nkv, kv_block).amax(-1).view(rows, 1, 1, nkv)
-        min_end = torch.nn.functional.pad(end, (0, pad), value=grid.length + 1)
-        min_end = min_end.view(rows, nkv, kv_block).amin(-1).view(rows, 1, 1, nkv)
+        max_end = torch.nn.functional.pad(end, (0, pad), value=0) if pad else end
+        max_end = max_end.reshape(rows, nkv, kv_block).amax(-1).view(rows, 1, nkv)
+        min_end = torch.nn.functional.pad(end, (0, pad), value=grid.length + 1) if pad else end
+        min_end = min_end.reshape(rows, nkv, kv_block).amin(-1).view(rows, 1, nkv)
         # In preorder, kv attends q iff kv <= q < end[kv]. A tile holding a token on both
         # sides (inside the tree) contains q == kv; otherwise kv < q for the whole tile and
-        # some q attends iff some end reaches past the tile's first query.
-        overlap_lo = torch.maximum(grid.kv_first, grid.q_first)
-        overlap_hi = torch.minimum(torch.minimum(grid.kv_last, grid.q_last), sizes - 1)
-        nonempty = (grid.kv_first <= grid.q_last) & (
-            (overlap_lo <= overlap_hi) | (max_end > grid.q_first)
-        )
-        full = (grid.kv_last <= grid.q_first) & (min_end > grid.q_last)
-        return codes_from(nonempty, full)
+        # some q attends iff some end reaches past the tile's first query. The block-index
+        # conditions are shared by the rows: one (nq, nkv) pass each.
+        q_first = grid.q_first.view(1, nq, 1)
+        q_last = grid.q_last.view(1, nq, 1)
+        before = (grid.kv_first <= grid.q_last).view(1, nq, nkv)
+        below = (grid.kv_last <= grid.q_first).view(1, nq, nkv)
+        nonempty = torch.gt(max_end, q_first)
+        nonempty &= before
+        band, band_lo = _band(grid)
+        nonempty[:, band[:, 0], band[:, 1]] |= band_lo.view(1, -1) < sizes.view(-1, 1)
+        full = torch.gt(min_end, q_last)
+        full &= below
+        return codes_from(nonempty, full).view(rows, 1, nq, nkv)
 
     def _classify_ranked(self, grid: BlockGrid) -> Tensor:
         """Exact codes for any parent-before-child layout, in rank space.
