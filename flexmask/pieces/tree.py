@@ -91,7 +91,6 @@ class Tree(Piece):
         device = grid.device
         rows = len(self.parents)
         nq, nkv, kv_block = grid.num_q_blocks, grid.num_kv_blocks, grid.kv_block
-        sizes = torch.tensor([p.numel() for p in self.parents], device=device, dtype=torch.int32)
         _, end = self._lookups(grid.length, device)  # int32
         end = end[:, grid.kv_offset : grid.kv_end]
         pad = nkv * kv_block - grid.kv_len
@@ -100,18 +99,16 @@ class Tree(Piece):
         max_end = max_end.reshape(rows, nkv, kv_block).amax(-1).view(rows, 1, nkv)
         min_end = torch.nn.functional.pad(end, (0, pad), value=grid.length + 1) if pad else end
         min_end = min_end.reshape(rows, nkv, kv_block).amin(-1).view(rows, 1, nkv)
-        # In preorder, kv attends q iff kv <= q < end[kv]. A tile holding a token on both
-        # sides (inside the tree) contains q == kv; otherwise kv < q for the whole tile and
-        # some q attends iff some end reaches past the tile's first query. The block-index
-        # conditions are shared by the rows: one (nq, nkv) pass each.
+        # In preorder, kv attends q iff kv <= q < end[kv]: for a kv block not after the q
+        # block, some q attends iff some end reaches past the block's first query (a token
+        # on both sides inside the tree has end > itself >= that query: q == kv attends).
+        # The block-index conditions are shared by the rows: one (nq, nkv) pass each.
         q_first = grid.q_first.view(1, nq, 1)
         q_last = grid.q_last.view(1, nq, 1)
         before = (grid.kv_first <= grid.q_last).view(1, nq, nkv)
         below = (grid.kv_last <= grid.q_first).view(1, nq, nkv)
         nonempty = torch.gt(max_end, q_first)
         nonempty &= before
-        band, band_lo = _band(grid)
-        nonempty[:, band[:, 0], band[:, 1]] |= band_lo.view(1, -1) < sizes.view(-1, 1)
         full = torch.gt(min_end, q_last)
         full &= below
         return codes_from(nonempty, full).view(rows, 1, nq, nkv)
