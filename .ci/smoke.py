@@ -162,9 +162,41 @@ def windows_and_decoding() -> None:
     steps = flexmask.DecodeMasks(flexmask.causal(), [31, 3], capacity=S, block_size=32)
     assert steps.block_mask.kv_num_blocks[:, 0, 0].tolist() == [1, 1]  # queries at 31 and 3
     assert steps.advance().kv_num_blocks[:, 0, 0].tolist() == [2, 1]  # at 32: a new block
+    step = steps.at([64, 5])  # queries at 64 and 5, wherever the loop stands
+    assert isinstance(step, flexmask.DecodeStep) and step.cache_lens == [64, 5]
+    assert step.block_mask.kv_num_blocks[:, 0, 0].tolist() == [3, 1]
     draft = flexmask.speculative_tree(3, [-1, 0, 0])  # prefix of 3, then a root and 2 children
     dense = draft.to_dense(1, 1, 6, 6)[0, 0]
     assert dense[5].tolist() == [True, True, True, True, False, True]  # not its sibling
+
+
+def formats_and_backends() -> None:
+    # Two causal documents, [0, 40) and [40, 96): each format as its own docs define it.
+    mask = flexmask.causal() & flexmask.document([40, 56])
+    varlen = flexmask.to_varlen(mask, 1, S)
+    assert isinstance(varlen, flexmask.VarlenMask) and varlen.causal
+    assert varlen.cu_seqlens_q.tolist() == varlen.cu_seqlens_k.tolist() == [0, 40, 96]
+    flash = flexmask.to_flashmask(mask, 1, 1, S, S)  # causal: rows >= LTS[j] masked in column j
+    assert isinstance(flash, flexmask.FlashMask) and flash.causal
+    assert flash.startend_row_indices[0, 0, :, 0].tolist() == [40] * 40 + [96] * 56
+    magi = flexmask.to_magi(mask, 1, S, S)  # one causal slice per document
+    assert isinstance(magi, flexmask.MagiMask)
+    assert magi.q_ranges.tolist() == magi.k_ranges.tolist() == [[0, 40], [40, 96]]
+    assert magi.attn_type_map.tolist() == [1, 1]
+    q, k, v = (torch.randn(1, 2, S, 8) for _ in range(3))
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=dense_of(lambda b, h, qi, kv: kv <= qi and (kv < 40) == (qi < 40))
+    )
+    out = flexmask.attention(q, k, v, mask, backend="auto")
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    choice = flexmask.explain(q, k, v, mask)
+    assert "varlen" in repr(choice) and "CUDA" in repr(choice)  # refused here, and why
+    # A mask saved and loaded with torch.load's default weights_only=True.
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "mask.pt"
+        torch.save(mask, path)
+        with torch.serialization.safe_globals(flexmask.safe_globals()):
+            assert torch.load(path) == mask
 
 
 def context_parallel() -> None:
@@ -270,7 +302,11 @@ EXERCISES: dict[Callable[[], None], set[str]] = {
     packing: {"pack", "pack_tree", "PackedBatch", "TreePack", "PackingCollator", "PackedDataset"},
     plotting: {"plot"},
     rl_trees: {"pack_trees", "TreeBatch", "SequenceLogProbs"},
-    windows_and_decoding: {"decode_mask", "DecodeMasks", "speculative_tree"},
+    windows_and_decoding: {"decode_mask", "DecodeMasks", "DecodeStep", "speculative_tree"},
+    formats_and_backends: {
+        "to_varlen", "VarlenMask", "to_flashmask", "FlashMask", "to_magi", "MagiMask",
+        "attention", "explain", "safe_globals",
+    },
     context_parallel: {
         "shard", "CPShard", "ShardCache", "lazy_shard", "cp_flex_attention",
         "HeadTailBalancer", "PerDocumentBalancer", "MaskAwareBalancer", "PTRRBalancer",
