@@ -211,28 +211,8 @@ class MaskCache(KeyedCache):
         (head): real tensors of that shape, not expanded views, which flex_attention
         broadcasts. A hit returns the very object cached.
         """
-        return self.get_keyed(
-            mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset=q_offset, kv_offset=kv_offset
-        )[1]
-
-    def get_keyed(
-        self,
-        mask: Mask,
-        B: int | None = None,
-        H: int | None = None,
-        Q_LEN: int = 128,
-        KV_LEN: int = 128,
-        device: torch.device | str | None = None,
-        BLOCK_SIZE: int | tuple[int, int] = 128,
-        *,
-        q_offset: Any = 0,
-        kv_offset: Any = 0,
-    ) -> tuple[tuple, BlockMask]:
-        """``get``, with the key the BlockMask is cached under: a lazy handle keeps it to
-        ``discard`` its entry on release without making the key again (the device a build
-        without one resolved is the one in the key)."""
         spec = make_spec(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
-        return self.get_spec(spec)
+        return self.get_spec(spec)[1]
 
     def get_spec(self, spec: Spec) -> tuple[tuple, BlockMask]:
         """The key and BlockMask of a spec: cached, or built and cached. The spec was

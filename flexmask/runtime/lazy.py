@@ -7,7 +7,7 @@ training device, just before the forward that needs it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -74,9 +74,10 @@ class BuiltOnRead(BlockMask):
         locals()[_name] = property(_Field(_name).__getitem__, _refuse_set(_name))
     del _name
 
-    @property
-    def block_mask(self) -> BlockMask:
-        raise NotImplementedError(f"{type(self).__name__} must define block_mask")
+    if TYPE_CHECKING:  # the one thing a subclass provides; the fields are read from it
+
+        @property
+        def block_mask(self) -> BlockMask: ...
 
     # torch's BlockMask methods that make a new BlockMask call ``cls(...)`` with its fields:
     # from a handle they make a plain BlockMask.
