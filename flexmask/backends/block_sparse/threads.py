@@ -15,6 +15,71 @@ import torch
 AUTO = 0
 
 
+class CoreLoad:
+    """How many of this process's cores other processes kept busy lately, from the kernel's
+    own counters: the busy ticks of the cores this process may run on (``/proc/stat``, for
+    ``os.sched_getaffinity``) less this process's CPU time (``time.process_time``: its
+    spinning OpenMP threads count as its own), over the wall time between two samples.
+
+    A sample costs one read of ``/proc/stat`` (tens of microseconds) and is taken at most once
+    per ``period`` seconds; in between the last value stands. Where the counters cannot be
+    read (no ``/proc``), :meth:`others` is None and nothing is decided from it.
+    """
+
+    def __init__(self, period: float = 0.2) -> None:
+        self.period = period
+        self.lock = threading.Lock()
+        self.last: tuple[float, float, float] | None = None  # wall, busy cores-s, own cpu-s
+        self.value: float | None = None
+        try:
+            self.cpus: frozenset[int] | None = frozenset(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self.cpus = None
+
+    def _busy_seconds(self) -> float | None:
+        """Seconds the allowed cores spent in anything but idle and iowait since boot."""
+        try:
+            with open("/proc/stat", "rb") as stat:
+                lines = stat.read(1 << 20).split(b"\n")
+        except OSError:
+            return None
+        busy = 0
+        for line in lines:
+            if not line.startswith(b"cpu") or line[3:4] == b" ":
+                if busy or not line.startswith(b"cpu"):
+                    break  # the per-core lines come right after the total
+                continue
+            fields = line.split()
+            if self.cpus is not None and int(fields[0][3:]) not in self.cpus:
+                continue
+            ticks = [int(f) for f in fields[1:9]]
+            busy += sum(ticks) - ticks[3] - ticks[4]  # less idle and iowait
+        return busy / _TICKS
+
+    def others(self) -> float | None:
+        """Cores other processes kept busy over the latest window (0 to the core count)."""
+        now = time.monotonic()
+        with self.lock:
+            if self.last is not None and now - self.last[0] < self.period:
+                return self.value
+            busy = self._busy_seconds()
+            if busy is None:
+                return None
+            own = time.process_time()
+            if self.last is not None:
+                wall = now - self.last[0]
+                taken = (busy - self.last[1]) - (own - self.last[2])
+                self.value = max(0.0, taken / wall)
+            self.last = (now, busy, own)
+            return self.value
+
+
+try:
+    _TICKS = float(os.sysconf("SC_CLK_TCK"))
+except (AttributeError, ValueError, OSError):
+    _TICKS = 100.0
+
+
 class ThreadChoice:
     """Which of two ways ran a kind of call faster lately: torch's intra-op threads in every
     op of the calling thread ("torch"), or the groups dealt to single-threaded workers
@@ -30,17 +95,28 @@ class ThreadChoice:
     element are lowest, and tries the other way again after ``first`` calls, then after
     twice as many each time the probe loses (at most ``most``): settled, a way that is 3x
     slower costs about 3% more time.
+
+    With a ``load`` (the default choice, :data:`CHOICE`, has one), the cores are looked at
+    first: while other processes keep at least half a core of those torch's threads need
+    busy, every call runs on the workers and torch's threads are neither used nor probed, so
+    a probe never lands on a busy core (such a probe cost 2-14x a call). Its window is
+    ``CoreLoad.period`` (0.2 s), not the load average's minute.
     Results are the same either way: only the time differs.
     """
 
     WAYS = ("torch", "workers")
 
-    def __init__(self, first: int = 4, most: int = 64) -> None:
+    def __init__(self, first: int = 4, most: int = 64, load: CoreLoad | None = None) -> None:
         self.first, self.most = first, most
+        self.load = load
         self.lock = threading.Lock()
         self.kinds: dict[tuple[str, int], _Kind] = {}
 
     def pick(self, kind: tuple[str, int]) -> str:
+        if self._others_busy():
+            # torch's threads need every core: with another process on one, each op waits
+            # for a descheduled thread (2-14x a call). Neither run nor probed until it leaves.
+            return "workers"
         with self.lock:
             state = self.kinds.setdefault(kind, _Kind(self.first))
             for way in self.WAYS:  # each way once, first
@@ -50,6 +126,17 @@ class ThreadChoice:
             if state.since >= state.interval:
                 return self.WAYS[1 - self.WAYS.index(best)]  # try the other way again
             return best
+
+    def _others_busy(self) -> bool:
+        """Whether other processes took at least half a core of those torch's threads need
+        (the ``load``'s latest window); False without a ``load`` or where it cannot read."""
+        if self.load is None:
+            return False
+        others = self.load.others()
+        if others is None:
+            return False
+        cores = len(self.load.cpus) if self.load.cpus is not None else os.cpu_count() or 1
+        return cores - others < min(torch.get_num_threads(), cores) - 0.5
 
     def record(self, kind: tuple[str, int], way: str, seconds_per_unit: float) -> None:
         with self.lock:
@@ -87,11 +174,20 @@ class _Kind:
         self.interval = interval
 
 
-CHOICE = ThreadChoice()
+CHOICE = ThreadChoice(load=CoreLoad())
 
 
-if hasattr(os, "register_at_fork"):  # a child (a DataLoader worker) must not inherit a held lock
-    os.register_at_fork(after_in_child=lambda: setattr(CHOICE, "lock", threading.Lock()))
+def _after_fork_in_child() -> None:
+    """A child (a DataLoader worker) must not inherit a held lock, nor its parent's last load
+    sample (its own CPU time starts again from zero)."""
+    CHOICE.lock = threading.Lock()
+    if CHOICE.load is not None:
+        CHOICE.load.lock = threading.Lock()
+        CHOICE.load.last = CHOICE.load.value = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def run_groups(
