@@ -16,9 +16,11 @@ same run; "vs floor" is the build over it (the target is within 2x); it runs on 
 thread count (``FLEXMASK_BUILD_THREADS``, default 1). Allocation is left out
 of the floor: whether the allocator hands out fresh pages (a page fault per 4 KiB) or reuses
 resident ones swings it by 100x at 131k within one run, and it is the same for any builder.
-"vs document-causal" is the build over the document-causal closed form of the same shape,
-measured in the same run (always measured, also when ``--masks`` leaves it out); each row's
-line also prints the load average when it finished.
+"fresh write" allocates and fills the eight tensors of the BlockMask as a build does (fresh
+pages where the allocator maps them: at 131k B=8 it is most of any build's cost), and "vs fresh
+write" is the build over it. "vs document-causal" is the build over the document-causal closed
+form of the same shape (B, H, S), measured in the same run (always measured, also when
+``--masks`` leaves it out); each row's line also prints the load average when it finished.
 "ops" counts the torch operator calls of one build (views included) and "ops x small op" is
 that count times one call on a one-element tensor measured in the same run: a lower bound
 on any build made of that many eager torch calls, whatever their size.
@@ -118,7 +120,16 @@ def build_cases(S: int, B: int) -> dict[str, flexmask.Mask]:
         flexmask.causal() & flexmask.document(docs if B > 1 else docs[0])
     ) | flexmask.prefix(min(S, 64))
     cases.update(piece_cases(S, B))
+    # Two heads, two masks: a document-causal head and a window head (HEADS says H).
+    cases["per_head"] = flexmask.per_head(
+        flexmask.causal() & flexmask.document(docs if B > 1 else docs[0]),
+        flexmask.causal() & flexmask.sliding_window(max(1, S // 8)),
+    )
     return cases
+
+
+HEADS = {"per_head": 2}
+"""Heads of a row (1 where not named): per_head's cycle."""
 
 
 def write_floor(B: int, H: int, nq: int, nkv: int, repeat: int) -> float:
@@ -135,6 +146,31 @@ def write_floor(B: int, H: int, nq: int, nkv: int, repeat: int) -> float:
 
     # Cheap, and on a shared machine single runs stall: the best of many.
     return best_time(write, repeat=max(repeat, 20))
+
+
+def fresh_write(B: int, H: int, nq: int, nkv: int, repeat: int) -> float:
+    """Best time to allocate and fill torch's eight BlockMask tensors of a build's shape
+    (four counts, four indices, int32) as a build allocates them: whatever pages the
+    allocator hands out (at 131k B=8, 32 MiB each, fresh ones from the OS)."""
+
+    def write() -> None:
+        with cpu_threads(torch.device("cpu")):  # the builds' thread count
+            out = [
+                torch.empty(shape, dtype=torch.int32).fill_(1)
+                for shape in (
+                    (B, H, nq),
+                    (B, H, nq, nkv),
+                    (B, H, nkv),
+                    (B, H, nkv, nq),
+                    (B, H, nq),
+                    (B, H, nq, nkv),
+                    (B, H, nkv),
+                    (B, H, nkv, nq),
+                )
+            ]
+            del out
+
+    return best_time(write, repeat=max(repeat, 5))
 
 
 class _CountOps(TorchDispatchMode):
@@ -207,8 +243,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             "vs eager",
             "vs compiled",
             "tiles evaluated",
+            "H",
             "floor",
             "vs floor",
+            "fresh write",
+            "vs fresh write",
             "vs document-causal",
             "ops",
             "ops × small op",
@@ -228,8 +267,11 @@ def table(rows: list[dict[str, Any]]) -> str:
                 ratio(r["eager_s"], r["flexmask_s"]),
                 ratio(r["compiled_s"], r["flexmask_s"]),
                 f"{r['refined_tiles']:,}/{r['tiles']:,}" if r["path"] == "tiles" else "none",
+                r["H"],
                 fmt_time(r.get("floor_s")),
                 ratio(r["flexmask_s"], r.get("floor_s")),
+                fmt_time(r.get("fresh_s")),
+                ratio(r["flexmask_s"], r.get("fresh_s")),
                 ratio(r["flexmask_s"], r.get("document_s")),
                 f"{r['ops']:,}" if "ops" in r else "—",
                 fmt_time(r.get("ops_s")),
@@ -297,35 +339,50 @@ def main() -> None:
     results = []
     for B in args.batches:
         for S in args.sizes:
-            document_s = None  # every row's yardstick: document-causal of its shape, this run
-            for name, mask in build_cases(S, B).items():
+            # Every row's yardsticks, measured in this run at the row's shape: the
+            # document-causal build (always measured, also under --masks) and the write.
+            cases = build_cases(S, B)
+            document_s: dict[int, float] = {}
+            for name, mask in cases.items():
                 if args.masks and name not in args.masks and name != "document-causal":
                     continue
+                H = HEADS.get(name, 1)
                 # What the build did: the closed form (no tiles) or tiles, some refined.
-                grid = make_grid(mask, B, 1, S, S, "cpu", 128)
+                grid = make_grid(mask, B, H, S, S, "cpu", 128)
                 _, refined = build_counted(mask, grid)
                 path = "closed form" if in_closed_form(mask) else "tiles"
-                ours = best_time(
-                    lambda m=mask, B=B, S=S: flexmask.create_block_mask(m, B, 1, S, S, "cpu"),
-                    repeat=repeat,
-                )
-                ours_mem, _ = peak_extra_bytes(
-                    lambda m=mask, B=B, S=S: flexmask.create_block_mask(m, B, 1, S, S, "cpu")
-                )
-                floor = write_floor(B, 1, grid.num_q_blocks, grid.num_kv_blocks, repeat)
-                ops = count_ops(
-                    lambda m=mask, B=B, S=S: flexmask.create_block_mask(m, B, 1, S, S, "cpu")
-                )
+
+                def build(m: flexmask.Mask = mask, B: int = B, H: int = H, S: int = S) -> None:
+                    flexmask.create_block_mask(m, B, H, S, S, "cpu")
+
+                ours = best_time(build, repeat=repeat)
+                if H not in document_s:
+                    document_s[H] = (
+                        ours
+                        if name == "document-causal"
+                        else best_time(
+                            lambda d=cases["document-causal"], B=B, H=H, S=S: (
+                                flexmask.create_block_mask(d, B, H, S, S, "cpu")
+                            ),
+                            repeat=repeat,
+                        )
+                    )
+                ours_mem, _ = peak_extra_bytes(build)
+                floor = write_floor(B, H, grid.num_q_blocks, grid.num_kv_blocks, repeat)
+                fresh = fresh_write(B, H, grid.num_q_blocks, grid.num_kv_blocks, repeat)
+                ops = count_ops(build)
                 row = dict(
                     mask=name,
                     path=path,
                     S=S,
                     B=B,
+                    H=H,
                     refined_tiles=refined,
-                    tiles=grid.num_q_blocks * grid.num_kv_blocks * B,
+                    tiles=grid.num_q_blocks * grid.num_kv_blocks * B * H,
                     flexmask_s=ours,
                     flexmask_bytes=ours_mem,
                     floor_s=floor,
+                    fresh_s=fresh,
                     ops=ops,
                     ops_s=ops * small_op,
                     eager_s=None,
@@ -333,40 +390,39 @@ def main() -> None:
                     compiled_s=None,
                     compiled_first_s=None,
                     compiled_bytes=None,
+                    document_s=document_s[H],
                 )
-                if args.eager_limit_gb * 2**30 >= 10 * B * S * S:
+                if args.eager_limit_gb * 2**30 >= 10 * B * H * S * S:
                     row["eager_s"] = best_time(
-                        lambda m=mask, B=B, S=S: torch_create_block_mask(
-                            m.mask_mod, B, 1, S, S, "cpu"
+                        lambda m=mask, B=B, H=H, S=S: torch_create_block_mask(
+                            m.mask_mod, B, H, S, S, "cpu"
                         ),
                         repeat=1 if S >= 16384 else 3,
                         warmup=0 if S >= 16384 else 1,
                     )
                     row["eager_bytes"], _ = peak_extra_bytes(
-                        lambda m=mask, B=B, S=S: torch_create_block_mask(
-                            m.mask_mod, B, 1, S, S, "cpu"
+                        lambda m=mask, B=B, H=H, S=S: torch_create_block_mask(
+                            m.mask_mod, B, H, S, S, "cpu"
                         )
                     )
-                if args.compiled_limit >= B * S * S:
+                if args.compiled_limit >= B * H * S * S:
                     mod = mask.mask_mod_for(S, S, "cpu")
                     start = time.perf_counter()
-                    compiled_builder(mod, B, 1, S, S, "cpu")
+                    compiled_builder(mod, B, H, S, S, "cpu")
                     row["compiled_first_s"] = time.perf_counter() - start
                     row["compiled_s"] = best_time(
-                        lambda mod=mod, B=B, S=S: compiled_builder(mod, B, 1, S, S, "cpu"),
+                        lambda mod=mod, B=B, H=H, S=S: compiled_builder(mod, B, H, S, S, "cpu"),
                         repeat=3,
                         warmup=0,
                     )
                     row["compiled_bytes"], _ = peak_extra_bytes(
-                        lambda mod=mod, B=B, S=S: compiled_builder(mod, B, 1, S, S, "cpu")
+                        lambda mod=mod, B=B, H=H, S=S: compiled_builder(mod, B, H, S, S, "cpu")
                     )
-                if name == "document-causal":
-                    document_s = ours
-                row["document_s"] = document_s
                 results.append(row)
                 print(
-                    f"  B={B} S={S:>6} {name:16} flexmask {fmt_time(ours):>9} "
-                    f"vs doc-causal {ratio(ours, document_s)} "
+                    f"  B={B} H={H} S={S:>6} {name:16} flexmask {fmt_time(ours):>9} "
+                    f"vs doc-causal {ratio(ours, document_s[H])} "
+                    f"vs fresh write {ratio(ours, fresh)} ({fmt_time(fresh)}) "
                     f"eager {fmt_time(row['eager_s']):>9} compiled {fmt_time(row['compiled_s']):>9}"
                     f" refined {refined}/{row['tiles']} floor {fmt_time(floor)}"
                     f" ({ratio(ours, floor)}) ops {ops} x small op {fmt_time(ops * small_op)}"

@@ -51,6 +51,149 @@ def exporting() -> bool:
     return bool(is_exporting is not None and is_exporting())
 
 
+class _Runs(NamedTuple):
+    """The runs of equal codes along each line of one side, in line order then column
+    order (every line starts one at column 0); int64 ``(runs,)`` each, ``value`` the code."""
+
+    line: Tensor
+    col: Tensor
+    length: Tensor
+    value: Tensor
+
+
+def _run_starts(grid: Tensor, along_rows: bool) -> Tensor | None:
+    """Flat positions (ascending) in a contiguous ``(G, rows, cols)`` grid where a run of
+    equal codes begins: along each row (``along_rows`` False: the kv side's lines) or down
+    each column (True: the q side's lines, read without transposing the grid). None when
+    they are many (over one in eight tiles: a column-by-column rank is cheaper then).
+
+    One pass compares neighbours; starts are found in 8-byte words first, so ``nonzero``
+    reads an eighth of the grid, then only the words that hold a start."""
+    total = grid.numel()
+    words = (total + 7) // 8
+    change_words = torch.empty(words, dtype=torch.int64, device=grid.device)
+    change_bytes = change_words.view(torch.bool)
+    change_bytes[total:] = False
+    change = change_bytes[:total].view(grid.shape)
+    if along_rows:
+        change[:, 0] = True  # every line starts a run at its first tile
+        torch.ne(grid[:, 1:], grid[:, :-1], out=change[:, 1:])
+    else:
+        change[..., 0] = True
+        torch.ne(grid[..., 1:], grid[..., :-1], out=change[..., 1:])
+    hit = change_words.nonzero().squeeze(1)
+    if hit.numel() * 8 > total:
+        return None
+    byte = change_bytes.view(words, 8).index_select(0, hit).nonzero()
+    starts = hit.index_select(0, byte[:, 0]).mul_(8).add_(byte[:, 1])
+    return None if starts.numel() * 8 > total else starts
+
+
+def _kv_runs(grid: Tensor) -> _Runs | None:
+    """Runs along the rows of a contiguous ``(G, rows, cols)`` grid: lines are its rows."""
+    cols = grid.shape[-1]
+    starts = _run_starts(grid, along_rows=False)
+    if starts is None:
+        return None
+    length = torch.diff(starts, append=starts.new_tensor([grid.numel()]))
+    value = grid.view(-1).index_select(0, starts).to(torch.int64)
+    return _Runs(starts.div(cols, rounding_mode="floor"), starts % cols, length, value)
+
+
+def _q_runs(grid: Tensor) -> _Runs | None:
+    """Runs down the columns of a contiguous ``(G, rows, cols)`` grid: lines are its
+    columns (the transposed grid's rows), found on the grid as it lies."""
+    g_rows, rows, cols = grid.shape
+    starts = _run_starts(grid, along_rows=True)
+    if starts is None:
+        return None
+    plane, tile = starts.div(rows * cols, rounding_mode="floor"), starts % (rows * cols)
+    row, col = tile.div(cols, rounding_mode="floor"), tile % cols
+    # The start's flat position in the transposed grid: line-major, as the output lists.
+    transposed, order = ((plane * cols + col) * rows + row).sort()
+    length = torch.diff(transposed, append=transposed.new_tensor([grid.numel()]))
+    value = grid.view(-1).index_select(0, starts.index_select(0, order)).to(torch.int64)
+    return _Runs(transposed.div(rows, rounding_mode="floor"), transposed % rows, length, value)
+
+
+def _listed_from_runs(runs: _Runs, code: int, shape: torch.Size) -> tuple[Tensor, Tensor]:
+    """(num_blocks, indices) of the tiles holding ``code``, lines along ``shape[-1]``: each
+    line's runs of ``code`` in column order, then its other runs in column order; each
+    run's rank in that order comes from running counts over the runs (no sort), and the
+    ranked runs are expanded in one pass (``_expand_runs_chunked``)."""
+    lines = shape.numel() // shape[-1]
+    line, col, length = runs.line, runs.col, runs.length
+    is_set = runs.value == code
+    count = torch.zeros(lines, dtype=torch.int64, device=line.device)
+    count.index_add_(0, line, length * is_set)
+    # Runs before each one: overall, then set ones; less those of earlier lines.
+    line_first = (col == 0).nonzero().squeeze(1)  # each line's first run
+    first_of_mine = line_first.index_select(0, line)
+    set_before = is_set.cumsum(0).sub_(is_set.to(torch.int64))
+    set_before_in_line = set_before - set_before.index_select(0, first_of_mine)
+    set_in_line = torch.zeros(lines, dtype=torch.int64, device=line.device)
+    set_in_line.index_add_(0, line, is_set.to(torch.int64))
+    before_in_line = torch.arange(line.numel(), device=line.device) - first_of_mine
+    rank = first_of_mine + torch.where(
+        is_set,
+        set_before_in_line,
+        set_in_line.index_select(0, line) + before_in_line - set_before_in_line,
+    )
+    ranked_col = torch.empty_like(col).index_copy_(0, rank, col)
+    ranked_length = torch.empty_like(length).index_copy_(0, rank, length)
+    indices = torch.empty(shape, dtype=torch.int32, device=line.device)
+    _expand_runs_chunked(indices.view(-1), ranked_col, ranked_length)
+    return count.to(torch.int32).view(shape[:-1]), indices
+
+
+_CHUNK = 16
+"""Entries per chunk of ``_expand_runs_chunked``: each chunk is written as its first entry
+plus ``0..15``; chunks a run begins inside are then mended entry by entry."""
+
+
+def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
+    """``expand_runs`` for runs that are all nonempty, in one write of ``out``: every chunk
+    of ``_CHUNK`` entries takes the run of its first entry (found from a count of the runs
+    begun by then), as a broadcast add that runs as fast as a fill; the entries where a run
+    begins inside a chunk, to that chunk's end, and the last partial chunk are then written
+    one by one (under ``_CHUNK`` per run). No cumsum over the output."""
+    total = out.numel()
+    k = _CHUNK
+    first = lens.cumsum(0).sub_(lens)
+    offset = starts - first  # entry p of run r holds p + offset[r]
+    chunks = total // k
+    if chunks:
+        # Runs begun at or before chunk c's first entry c*k: those with ceil(first/k) <= c.
+        begun = torch.bincount(first.add(k - 1).div_(k, rounding_mode="floor"), minlength=chunks)
+        run = begun[:chunks].cumsum(0).sub_(1)
+        base = torch.arange(0, chunks * k, k, device=out.device).add_(offset.index_select(0, run))
+        steps = torch.arange(k, dtype=out.dtype, device=out.device)
+        torch.add(base.to(out.dtype).view(chunks, 1), steps, out=out[: chunks * k].view(chunks, k))
+    # Entries to mend: each run begun inside a chunk, up to that chunk's end (or its own),
+    # and every run's entries in the last partial chunk (the same entry twice holds the
+    # same value).
+    inside = first % k
+    mend = torch.where(inside != 0, torch.minimum(lens, k - inside), 0)
+    at = first
+    tail = chunks * k
+    if tail < total:
+        tail_at = first.clamp(min=tail)
+        at = torch.cat([at, tail_at])
+        mend = torch.cat([mend, (first + lens - tail_at).clamp_(min=0)])
+        offset = torch.cat([offset, offset])
+    which = mend.nonzero().squeeze(1)
+    if which.numel() == 0:
+        return
+    # The mended entries are runs too: their positions and values, each expanded compactly.
+    mend, at = mend.index_select(0, which), at.index_select(0, which)
+    count = int(mend.sum())
+    position = torch.empty(count, dtype=torch.int64, device=out.device)
+    expand_runs(position, at, mend)
+    value = torch.empty(count, dtype=out.dtype, device=out.device)
+    expand_runs(value, at + offset.index_select(0, which), mend)
+    out.index_copy_(0, position, value)
+
+
 def ordered_lines(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """(num_blocks, indices) of a bool grid, byte-identical to torch's stable argsort order:
     the set columns ascending, then the unset ones ascending.
@@ -58,34 +201,14 @@ def ordered_lines(blocks: Tensor) -> tuple[Tensor, Tensor]:
     Lines of a block grid are mostly a few runs of set and unset columns: each run's place
     in its line's output is found from run lengths alone, and the runs are expanded in one
     pass (``expand_runs``). Grids with many short runs are ranked column by column instead."""
-    n = blocks.shape[-1]
     # Under torch.export the run counts below (nonzero) would be data-dependent shapes.
     if blocks.numel() == 0 or exporting():
         return _ranked(blocks)
-    lines = blocks.numel() // n
-    flat = blocks.reshape(lines, n)
-    change = torch.ones_like(flat)
-    torch.ne(flat[:, 1:], flat[:, :-1], out=change[:, 1:])
-    starts = change.view(-1).nonzero().squeeze(1)  # every line starts a run at column 0
-    if starts.numel() * 8 > flat.numel():
+    n = blocks.shape[-1]
+    runs = _kv_runs(blocks.reshape(1, -1, n))
+    if runs is None:
         return _ranked(blocks)
-    total = flat.numel()
-    col = starts % n
-    line = starts.div(n, rounding_mode="floor")
-    length = torch.diff(starts, append=starts.new_tensor([total]))
-    value = flat.view(-1)[starts]
-    set_length = length * value
-    set_until = set_length.cumsum(0)
-    count = torch.zeros(lines, dtype=torch.int64, device=blocks.device)
-    count.index_add_(0, line, set_length)
-    # Set entries before each run in its line: the running sum less the line's earlier lines.
-    line_start = set_until - set_length
-    set_before = line_start - line_start[col == 0][line]
-    place = line * n + torch.where(value, set_before, count[line] + col - set_before)
-    order = place.argsort()
-    indices = torch.empty(blocks.shape, dtype=torch.int32, device=blocks.device)
-    expand_runs(indices.view(-1), col[order], length[order])
-    return count.to(torch.int32).view(blocks.shape[:-1]), indices
+    return _listed_from_runs(runs, 1, blocks.shape)
 
 
 def _ranked(blocks: Tensor) -> tuple[Tensor, Tensor]:
@@ -126,8 +249,27 @@ def expand_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
 
 
 def ordered_from_codes(codes: Tensor) -> tuple[Ordered, Ordered]:
-    """torch's (kv side, q side) ordered tensors from final tile codes ``(R, Hh, nq, nkv)``."""
-    return ordered_from_flags(codes == PARTIAL, codes == FULL)
+    """torch's (kv side, q side) ordered tensors from final tile codes ``(R, Hh, nq, nkv)``.
+
+    One pass per side finds the runs of equal codes (the q side's on the transposed int8
+    codes); the partial and the full tensors of that side are both placed from those runs."""
+    if codes.numel() == 0 or exporting():
+        return ordered_from_flags(codes == PARTIAL, codes == FULL)
+    grid = codes.reshape(-1, *codes.shape[-2:])
+    kv_runs, q_runs = _kv_runs(grid), _q_runs(grid)
+    q_shape = torch.Size((*codes.shape[:-2], codes.shape[-1], codes.shape[-2]))
+
+    def side(runs: _Runs | None, codes: Tensor, shape: torch.Size) -> Ordered:
+        if runs is None:  # many short runs: ranked column by column
+            return Ordered(*_ranked(codes == PARTIAL), *_ranked(codes == FULL))
+        return Ordered(
+            *_listed_from_runs(runs, PARTIAL, shape), *_listed_from_runs(runs, FULL, shape)
+        )
+
+    return (
+        side(kv_runs, codes, codes.shape),
+        side(q_runs, codes.transpose(-2, -1), q_shape),
+    )
 
 
 def ordered_from_flags(partial: Tensor, full: Tensor) -> tuple[Ordered, Ordered]:
