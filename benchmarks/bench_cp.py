@@ -1,7 +1,14 @@
 """Context-parallel shards: per-rank build time against torch, and balancer imbalance.
 
 Run: python benchmarks/bench_cp.py [--sizes 32768,65536,131072] [--worlds 2,4,8] [--paths-seq N]
-     [--torch-max-elements 2e9] [--million | --million-only]
+     [--torch-max-elements 2e9] [--million | --million-only] [--million-repeat 9]
+     [--million-ranks 0,3,7]
+
+At S = 1M, W = 8 (``--million``) each balancer's shard is timed against a fresh write of the
+same eight tensors (allocated by torch, written once: the floor), the two interleaved in
+one run, with the 1-minute load beside each row: medians show the machine as it is, the
+minimums are the best proxy for a quiet one. Each row also gives the bytes of the outputs
+and what the shard's ops allocate in all (its temporaries beside the outputs).
 
 Ranks are simulated in one process: each builds only its own shard (flexmask.shard, and
 torch's _create_cp_block_mask compiled — its first call, with compilation, reported apart).
@@ -14,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import mmap
+import os
 import random
 import statistics
 import time
@@ -113,38 +120,31 @@ def build_times(sizes, worlds, torch_max, repeat):
             )
 
 
-def write_floors(block_mask, repeat):
-    """Best times to write a shard's eight tensors: into new pages (anonymous mmap: every
-    page faulted in, what a process whose allocator hands memory back pays), into memory
-    newly allocated by torch (the allocator settled: what the builds here get), and into
-    memory written before (warm)."""
-    shapes = [getattr(block_mask, name).shape for name in BLOCK_FIELDS]
-
-    def pages():
-        out = []
-        for shape in shapes:
-            size = 4 * math.prod(shape)
-            buffer = mmap.mmap(-1, max(size, 1))
-            out.append(torch.frombuffer(buffer, dtype=torch.int32, count=size // 4).fill_(1))
-        return out
-
-    def fresh():
-        return [torch.empty(shape, dtype=torch.int32).fill_(1) for shape in shapes]
-
-    kept = fresh()
-
-    def warm():
-        for t in kept:
-            t.fill_(1)
-
-    return (
-        best_time(pages, repeat=repeat),
-        best_time(fresh, repeat=repeat),
-        best_time(warm, repeat=repeat),
-    )
+def fresh_write(shapes):
+    """The floor of a shard: its eight tensors allocated by torch and written once (int32),
+    as the shard's own outputs are."""
+    return [torch.empty(shape, dtype=torch.int32).fill_(1) for shape in shapes]
 
 
-def million(repeat):
+def allocations(fn, outputs):
+    """MiB allocated by the top-level ops of ``fn`` (net per op: every tensor a build makes,
+    its outputs included), and the largest allocation that is not one of ``outputs`` (the
+    byte sizes of the results' tensors)."""
+    with torch.profiler.profile(profile_memory=True) as prof:
+        fn()
+    sizes = [e.cpu_memory_usage for e in prof.events() if e.cpu_parent is None]
+    sizes = sorted((size for size in sizes if size > 0), reverse=True)
+    others = list(sizes)
+    for size in outputs:
+        if size in others:
+            others.remove(size)
+    return sum(sizes) / 2**20, max(others, default=0) / 2**20
+
+
+def million(repeat, ranks):
+    """S = 1M, W = 8: each balancer's shards against the fresh write of the same tensors,
+    interleaved in one run (shard, write, shard, write...), ``repeat`` rounds over ``ranks``.
+    Medians show the machine as it is; minimums are the best proxy for a quiet one."""
     seq, world = 1 << 20, 8
     lengths = documents(seq, 64, 256)
     mask = flexmask.causal() & flexmask.document(lengths)
@@ -154,43 +154,50 @@ def million(repeat):
         ("mask-aware", lambda: "mask_aware"),
         ("ptrr", lambda: "ptrr"),
     )
-    local = flexmask.shard(mask, 1, 1, seq, world_size=world, rank=0).block_mask
-    written = block_mask_nbytes(local)
-    pages, fresh, warm = write_floors(local, repeat)
-    del local
     print(
-        f"\nS = 1M, W = 8, document-causal (64 documents), BLOCK_SIZE = 128: a shard writes "
-        f"{written / 2**20:.0f} MiB of BlockMask tensors; writing them takes "
-        f"{1e3 * pages:.0f} ms into new pages, {1e3 * fresh:.0f} ms into memory torch "
-        f"allocates anew, {1e3 * warm:.1f} ms into warm memory (target < 10 ms)\n"
+        f"\nS = 1M, W = 8, document-causal (64 documents), BLOCK_SIZE = 128, ranks {ranks}, "
+        f"{repeat} rounds, shard and fresh write interleaved; load = 1-min load average "
+        f"before / after the row ({os.cpu_count()} cores)\n"
     )
     print(
-        "| balancer | balancer made ms | shard ms/rank (max) | median | / new pages | "
-        "/ allocated | / warm |"
+        "| balancer | output MiB | allocated MiB (largest op) | shard ms median | write ms "
+        "median | ratio median | shard ms min | write ms min | ratio min | load |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, make in balancers:
-        start = time.perf_counter()
-        flexmask.shard(mask, 1, 1, seq, world_size=world, rank=0, balancer=make())
-        first = time.perf_counter() - start  # the balancer and its permutation, then cached
-        per_rank = [
-            best_time(
-                lambda r=r, make=make: flexmask.shard(
-                    mask, 1, 1, seq, world_size=world, rank=r, balancer=make()
-                ),
-                repeat=repeat,
-            )
-            for r in range(world)
-        ]
-        worst, median = max(per_rank), statistics.median(per_rank)
+        lb = make()
+
+        def one(rank, lb=lb):
+            return flexmask.shard(mask, 1, 1, seq, world_size=world, rank=rank, balancer=lb)
+
+        local = one(ranks[0]).block_mask  # also makes the balancer and its permutation
+        shapes = [getattr(local, field).shape for field in BLOCK_FIELDS]
+        written = block_mask_nbytes(local)
+        del local
+        outputs = [4 * math.prod(shape) for shape in shapes]
+        allocated, largest_other = allocations(lambda: one(ranks[0]), outputs)
+        load_before = os.getloadavg()[0]
+        shard_t, write_t = [], []
+        for _ in range(repeat):
+            for rank in ranks:
+                start = time.perf_counter()
+                out = one(rank)
+                shard_t.append(time.perf_counter() - start)
+                del out
+                start = time.perf_counter()
+                out = fresh_write(shapes)
+                write_t.append(time.perf_counter() - start)
+                del out
+        load_after = os.getloadavg()[0]
+        s_med, w_med = statistics.median(shard_t), statistics.median(write_t)
+        s_min, w_min = min(shard_t), min(write_t)
         print(
-            f"| {name} | {1e3 * max(first - worst, 0):.0f} | {1e3 * worst:.1f} | "
-            f"{1e3 * median:.1f} | {worst / pages:.2f} | {worst / fresh:.2f} | "
-            f"{worst / warm:.1f} |",
+            f"| {name} | {written / 2**20:.0f} | {allocated:.0f} ({largest_other:.1f} besides "
+            f"the outputs) | {1e3 * s_med:.1f} | {1e3 * w_med:.1f} | {s_med / w_med:.2f} | "
+            f"{1e3 * s_min:.1f} | {1e3 * w_min:.1f} | {s_min / w_min:.2f} | "
+            f"{load_before:.1f} / {load_after:.1f} |",
             flush=True,
         )
-    whole = best_time(lambda: flexmask.create_block_mask(mask, 1, 1, seq, seq, "cpu"), repeat=1)
-    print(f"\nwhole-mask build (S x S) for comparison: {1e3 * whole:.0f} ms")
 
 
 def paths(seq, world, repeat):
@@ -263,6 +270,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--million", action="store_true", help="also S = 1M, W = 8")
     parser.add_argument("--million-only", action="store_true", help="only S = 1M, W = 8")
+    parser.add_argument("--million-repeat", type=int, default=9, help="rounds at S = 1M")
+    parser.add_argument("--million-ranks", default="0,3,7", help="ranks timed at S = 1M")
     parser.add_argument("--imbalance-seq", type=int, default=32768)
     parser.add_argument("--paths-seq", type=int, default=32768, help="0: skip")
     args = parser.parse_args()
@@ -273,12 +282,13 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     sizes = [int(s) for s in args.sizes.split(",") if s]
     worlds = [int(w) for w in args.worlds.split(",") if w]
+    million_ranks = [int(r) for r in args.million_ranks.split(",") if r]
     if args.million_only:
-        million(args.repeat)
+        million(args.million_repeat, million_ranks)
         return
     build_times(sizes, worlds, args.torch_max_elements, args.repeat)
     if args.million:
-        million(args.repeat)
+        million(args.million_repeat, million_ranks)
     if args.paths_seq:
         paths(args.paths_seq, 8, args.repeat)
     imbalances(args.imbalance_seq, 4)

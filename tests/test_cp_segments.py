@@ -36,10 +36,11 @@ SEGMENTS = sys.modules["flexmask.builders.segments"]
 
 @pytest.fixture
 def segments_only(monkeypatch):
-    """Closed-form shards not written from runs per key segment take the segments path,
+    """Closed-form shards take the segments path (runs per ascending key piece turned off),
     never a dense compare or the tile path; returns the list of written sides."""
     calls = []
     real = SEGMENTS.side
+    monkeypatch.setattr(SHARD, "PIECES_PER_BLOCK", 0.0)
     monkeypatch.setattr(SHARD, "DENSE_PAIRS_PER_BLOCK", 1e9)
 
     def counted(*args, **kwargs):
@@ -176,6 +177,7 @@ def test_segment_sides_of_a_permuted_causal_mask():
 def test_many_touched_runs_fall_back_to_a_compare_per_block(monkeypatch):
     """Past DENSE_PAIRS_PER_BLOCK the kv side of an aligned shard compares every block
     (segments never written there), still equal to the oracle."""
+    monkeypatch.setattr(SHARD, "PIECES_PER_BLOCK", 0.0)
     monkeypatch.setattr(SHARD, "DENSE_PAIRS_PER_BLOCK", 0.0)
 
     def refuse(*args, **kwargs):

@@ -8,8 +8,10 @@ torch's order), in one of three ways, all exact:
 
 * runs (``_closed_form_sides``): a closed-form mask (``flexmask.builders.closed_form``) whose
   runs are whole blocks and whose rows ascend — the rank's blocks are a grid of their own,
-  each row's block runs cut each key run into permuted runs, and both sides are written as
-  runs laid end to end: O(the rank's blocks), no tile grid;
+  each row's block runs cut each ascending piece of the keys into permuted runs, and both
+  sides are written as runs laid end to end, each index tensor in one pass
+  (``segments.write_runs``): O(the rank's blocks x key pieces) besides the output, no
+  tile grid;
 * segments (``flexmask.builders.segments``): a closed-form mask otherwise — rows
   and keys cut at block and run boundaries into pieces, each piece's intervals met with
   the runs they touch (binary searches), the blocks of every line found from range events:
@@ -39,14 +41,20 @@ from flexmask.blocks.codes import EMPTY, FULL
 from flexmask.blocks.grid import BlockGrid
 from flexmask.blocks.write import (
     Ordered,
-    expand_runs,
     ordered_from_codes,
     ordered_from_flags,
     ordered_lines,
 )
 from flexmask.builders.classify import classify_blocks
 from flexmask.builders.closed_form import Runs, line_runs, row_runs
-from flexmask.builders.segments import Columns, Pieces, pair_count, segment_sides, side
+from flexmask.builders.segments import (
+    Columns,
+    Pieces,
+    pair_count,
+    segment_sides,
+    side,
+    write_runs,
+)
 
 
 class ShardMaskMod:
@@ -101,13 +109,19 @@ class KeyOrder:
         perm: the permutation row (int64, CPU); runs: its runs (``runs``).
         blocks: where the runs fall on block boundaries (but at the very end), the original
             kv block of each permuted block; else None.
-        segments: then the runs in blocks: (permuted start, original start, length).
+        pieces: then the blocks cut where they stop ascending (every balancer here deals
+            each rank its blocks in ascending order: a few pieces, at most W for any
+            balancer, not the thousands of runs of one that deals single blocks), as
+            ``(key, piece_start, piece_end)``: ``key`` ``(nkv,)`` ascending, piece ``p``'s
+            blocks as ``p * (nkv + 2) + block`` (one binary search finds, in every piece
+            at once, the permuted blocks of an original range); its permuted blocks
+            ``[piece_start[p], piece_end[p])``.
     """
 
     perm: Tensor
     runs: tuple[Tensor, Tensor, Tensor]
     blocks: Tensor | None
-    segments: tuple[Tensor, Tensor, Tensor] | None
+    pieces: tuple[Tensor, Tensor, Tensor] | None
 
     @classmethod
     def of(cls, perm: Tensor, block: int) -> KeyOrder:
@@ -116,7 +130,14 @@ class KeyOrder:
         if _tile(block, total, total, None, kv_runs) != block:
             return cls(perm, kv_runs, None, None)
         blocks = perm[::block].div(block, rounding_mode="floor")
-        return cls(perm, kv_runs, blocks, runs(blocks))
+        n = blocks.numel()
+        drops = torch.zeros(n, dtype=torch.int64)
+        drops[1:] = blocks[1:] < blocks[:-1]
+        piece = drops.cumsum(0)
+        starts = torch.nonzero(drops).flatten()
+        starts = torch.cat([starts.new_zeros(1), starts])
+        ends = torch.cat([starts[1:], starts.new_tensor([n])])
+        return cls(perm, kv_runs, blocks, (piece * (n + 2) + blocks, starts, ends))
 
 
 @dataclass(frozen=True)
@@ -154,26 +175,32 @@ class _Layout:
         return cls(q_perm, q_runs, block, tile, keys, q_blocks)
 
 
-def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
-    """Both sides of an aligned shard of a closed-form mask, from the runs of its rows.
+def _closed_form_sides(
+    mask: Mask, whole: BlockGrid, layout: _Layout, keep: int | None = None
+) -> tuple[Ordered, Ordered]:
+    """Both sides of an aligned shard of a closed-form mask, from the runs of its rows
+    (only batch row ``keep`` of them where given: one permutation row's shard).
 
     The rank's query blocks, ascending, are a grid of their own (``closed_form.row_runs``
     needs only rows in ascending order: the intervals stay monotone along any subset of
-    them). Each row's non-empty and full runs of original kv blocks cut every key segment
-    into at most two partial runs and one full run in permuted order; each permuted kv
-    column's rows are two binary searches, as in ``closed_form.column_runs``. Both sides
-    are then runs laid end to end, expanded in one pass: no tile grid, no mask evaluation,
-    O(rank's blocks) plus the runs. Keys cut into many segments (balancers that deal single
-    blocks) give the kv side from segments instead — each row's runs met with the segments
-    they touch (``_segment_kv_side``) — or, where rows touch that many, by one compare per
-    block.
+    them). Each row's non-empty and full runs of original kv blocks cut every ascending
+    piece of the keys (``KeyOrder.pieces``) into at most two partial runs and one full run
+    in permuted order (``_piece_line_runs``); each permuted kv column's rows are two binary
+    searches, as in ``closed_form.column_runs``. Both sides are then runs laid end to end,
+    each index tensor written in one pass (``segments.write_runs``): no tile grid, no mask
+    evaluation, O(rank's blocks x pieces) besides the output. Keys in many pieces (a
+    balancer that deals blocks out of order) give the kv side from segments instead —
+    each row's runs met with the key runs they touch (``_segment_kv_side``) — or, where
+    rows touch that many, by one compare per block.
     """
     keys = layout.keys
-    assert layout.q_blocks is not None and keys.blocks is not None and keys.segments is not None
+    assert layout.q_blocks is not None and keys.blocks is not None and keys.pieces is not None
     q_first = (layout.q_blocks * whole.q_block).to(whole.device)
     q_last = torch.clamp(q_first + (whole.q_block - 1), max=whole.q_len - 1)
     grid = replace(whole, q_first=q_first.view(1, 1, -1, 1), q_last=q_last.view(1, 1, -1, 1))
     row = row_runs(mask, grid)  # (R, nq local) runs of original kv blocks
+    if keep is not None:  # written for that row alone
+        row = Runs(*(t[keep : keep + 1] for t in row))
     rows, nq = row.first.shape
     nkv = whole.num_kv_blocks
     kv_blocks = keys.blocks.to(whole.device)
@@ -183,14 +210,14 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
     q_p, q_f = (
         torch.empty((rows, nkv, nq), dtype=torch.int32, device=whole.device) for _ in range(2)
     )
-    num_segments = keys.segments[0].numel()
-    if 8 * num_segments <= nkv:
-        (kv_ps, kv_pl), (kv_fs, kv_fl) = _segment_line_runs(row, keys.segments, whole.device)
-        expand_runs(kv_p.view(-1), kv_ps, kv_pl)
-        expand_runs(kv_f.view(-1), kv_fs, kv_fl)
+    num_pieces = keys.pieces[1].numel()
+    if num_pieces <= nkv * PIECES_PER_BLOCK:
+        (kv_ps, kv_pl), (kv_fs, kv_fl) = _piece_line_runs(row, keys.pieces, nkv, whole.device)
+        write_runs(kv_p.view(-1), kv_ps, kv_pl)
+        write_runs(kv_f.view(-1), kv_fs, kv_fl)
         kv_counts = (
-            kv_pl[..., : 2 * num_segments].sum(-1, dtype=torch.int32),
-            kv_fl[..., :num_segments].sum(-1, dtype=torch.int32),
+            kv_pl[..., : 2 * num_pieces].sum(-1, dtype=torch.int32),
+            kv_fl[..., :num_pieces].sum(-1, dtype=torch.int32),
         )
     elif (made := _segment_kv_side(row, keys, whole, (kv_p, kv_f))) is not None:
         kv_counts = made  # many segments, each row touching few: ranges per touched run
@@ -210,8 +237,8 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
         torch.searchsorted(row.full_first.contiguous(), c, right=True).sub_(1),
     )
     (q_ps, q_pl), (q_fs, q_fl) = line_runs(Runs(*(t.reshape(-1) for t in columns)), nq)
-    expand_runs(q_p.view(-1), q_ps, q_pl)
-    expand_runs(q_f.view(-1), q_fs, q_fl)
+    write_runs(q_p.view(-1), q_ps, q_pl)
+    write_runs(q_f.view(-1), q_fs, q_fl)
     q_counts = (
         q_pl[:, :2].sum(1, dtype=torch.int32).view(rows, nkv),
         q_fl[:, 0].to(torch.int32).view(rows, nkv),
@@ -232,6 +259,12 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
     )
 
 
+# Up to this many ascending key pieces per kv block, an aligned shard's kv side is written
+# as runs per piece (``_piece_line_runs``: 5 per piece and q block); past it, from segments
+# or by one compare per block. Every balancer here deals each rank its blocks ascending
+# (at most W pieces).
+PIECES_PER_BLOCK = 1 / 8
+
 # Past this many (q block, key run) pairs per block, an aligned shard's kv side is cheaper
 # written by one compare per block than from segments (``_closed_form_sides``). Measured at
 # S = 1M, W = 8, BLOCK_SIZE = 128 (causal & sliding windows under PTRR): a pair costs
@@ -239,17 +272,21 @@ def _closed_form_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[O
 DENSE_PAIRS_PER_BLOCK = 1 / 24
 
 
-def _closed_form_shard(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered, Ordered]:
+def _closed_form_shard(
+    mask: Mask, whole: BlockGrid, layout: _Layout, keep: int | None = None
+) -> tuple[Ordered, Ordered]:
     """A closed-form mask's shard: from runs where its blocks are whole and its rows ascend
     (``_closed_form_sides``), else from segments (``segments.segment_sides``: each piece's
-    ranges per run it touches)."""
+    ranges per run it touches). Batch row ``keep`` alone where given, else every row."""
     if layout.aligned:
-        return _closed_form_sides(mask, whole, layout)
+        return _closed_form_sides(mask, whole, layout, keep)
     keys = layout.keys
-    rows, _ = whole.reduced(mask)
+    rows = whole.reduced(mask)[0] if keep is None else 1
     total = keys.perm.numel()
     q_idx = layout.q_perm.to(whole.device).view(1, -1).expand(rows, -1).contiguous()
     row = torch.arange(rows, device=whole.device).view(-1, 1)
+    if keep is not None:
+        row = row + keep
     lo, hi = mask.intervals_at(q_idx, row, whole)  # type: ignore[misc]
     lo = lo.clamp(min=0).expand_as(q_idx).cpu()
     hi = hi.clamp(max=total - 1).expand_as(q_idx).cpu()
@@ -287,42 +324,46 @@ def _segment_kv_side(
     return num_p.to(whole.device), num_f.to(whole.device)
 
 
-def _segment_line_runs(
-    row: Runs, segments: tuple[Tensor, Tensor, Tensor], device: torch.device
+def _piece_line_runs(
+    row: Runs, pieces: tuple[Tensor, Tensor, Tensor], nkv: int, device: torch.device
 ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """Each kv-side line as runs in permuted order, torch's: the partial blocks of every
-    segment (two runs each), then the unset ones (three each); the full blocks (one run
-    each), then the rest (two each). ``row``'s runs are of original blocks; a segment holds
-    original blocks ``[orig, orig + length)`` at permuted ``[start, start + length)``."""
-    start, orig, length = (t.to(device).view(1, 1, -1) for t in segments)
-    last_in = length - 1
-    a = (row.first.unsqueeze(-1) - orig).clamp_(min=0)
-    z = torch.minimum(row.last.unsqueeze(-1) - orig, last_in)
-    fa = (row.full_first.unsqueeze(-1) - orig).clamp_(min=0)
-    fz = torch.minimum(row.full_last.unsqueeze(-1) - orig, last_in)
-    # An empty run is [0, -1]; an empty full run sits just past the non-empty one, so that
-    # the partial blocks are [a, fa) and (fz, z] and the unset ones [0, a), [fa, fz], (z, L).
-    some, has_full = a <= z, fa <= fz
-    a, z = torch.where(some, a, 0), torch.where(some, z, -1)
-    fa, fz = torch.where(has_full, fa, z + 1), torch.where(has_full, fz, z)
-    full_len = fz - fa + 1
+    piece (two runs each), then the unset ones (three each); the full blocks (one run
+    each), then the rest (two each). ``row``'s runs are of original blocks; a piece's
+    blocks ascend, so the ones inside an original range are one permuted range, found by
+    a binary search in ``key`` (``KeyOrder.pieces``) for the piece's bounds. Every tensor
+    here is ``(R, nq, pieces)`` int32."""
+    key, start, end = pieces
+    key = key.to(device)
+    base = (torch.arange(start.numel(), device=device) * (nkv + 2)).view(1, 1, -1)
+    start, end = (t.to(device=device, dtype=torch.int32).view(1, 1, -1) for t in (start, end))
+
+    def at(bound: Tensor, right: bool) -> Tensor:
+        return torch.searchsorted(key, base + bound.unsqueeze(-1), right=right, out_int32=True)
+
+    # Permuted [a, z) non-empty and [fa, fz) full in each piece. An empty row lists nothing
+    # (a = z at the piece's start); an empty full run sits at z: the partial blocks are then
+    # [a, fa) and [fz, z), the unset ones [start, a), [fa, fz), [z, end).
+    some, has_full = row.first <= row.last, row.full_first <= row.full_last
+    a = torch.where(some.unsqueeze(-1), at(row.first, False), start)
+    z = torch.where(some.unsqueeze(-1), at(row.last, True), start)
+    fa = torch.where(has_full.unsqueeze(-1), at(row.full_first, False), z)
+    fz = torch.where(has_full.unsqueeze(-1), at(row.full_last, True), z)
 
     def laid(listed: list[tuple[Tensor, Tensor]], unlisted: list[tuple[Tensor, Tensor]]):
-        # (R, nq, segments, runs) flattened: segment by segment, the listed ones first.
+        # (R, nq, pieces, runs) flattened: piece by piece, the listed ones first.
         return tuple(
             torch.cat([torch.stack([r[k] for r in group], -1).flatten(-2) for group in parts], -1)
             for k in range(2)
             for parts in [(listed, unlisted)]
         )
 
+    start = start.expand_as(a)
     partial = laid(
-        [(a + start, fa - a), (fz + 1 + start, z - fz)],
-        [(start.expand_as(a), a), (fa + start, full_len), (z + 1 + start, last_in - z)],
+        [(a, fa - a), (fz, z - fz)],
+        [(start, a - start), (fa, fz - fa), (z, end - z)],
     )
-    full = laid(
-        [(fa + start, full_len)],
-        [(start.expand_as(a), fa), (fz + 1 + start, last_in - fz)],
-    )
+    full = laid([(fa, fz - fa)], [(start, fa - start), (fz, end - fz)])
     return partial, full
 
 
@@ -394,13 +435,13 @@ def build_shard(
             KeyOrder.of(perm, block) if keys is None else keys[row], rank, world, block
         )
         closed_form = mask.has_monotone_intervals() and not mask.head_dependent
-        if not closed_form:
-            kv, q = _tile_sides(mask, whole, layout)
+        if closed_form:  # only the kept row written
+            kv, q = _closed_form_shard(mask, whole, layout, keep)
         else:
-            kv, q = _closed_form_shard(mask, whole, layout)
-        if keep is not None:
-            kv, q = (Ordered(*(t[keep : keep + 1] for t in side)) for side in (kv, q))
-        elif not mask.batch_dependent:  # B reduced to 1 where the mask ignores it
+            kv, q = _tile_sides(mask, whole, layout)
+            if keep is not None:
+                kv, q = (Ordered(*(t[keep : keep + 1] for t in side)) for side in (kv, q))
+        if keep is None and not mask.batch_dependent:  # B reduced to 1 where the mask ignores it
             kv, q = (Ordered(*(t[:1] for t in side)) for side in (kv, q))
         sides.append((kv, q))
     if len(sides) == 1:

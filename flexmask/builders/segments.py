@@ -14,7 +14,7 @@ its pieces' ranges lies, full where each piece's covered ranges (merged where th
 across runs) hold the whole block and the line is complete. The events, sorted by line and
 column block, cut every line into segments of one state, and each index tensor is those
 segments laid out in torch's order (listed blocks ascending, then the others) and expanded
-in one pass (``flexmask.blocks.write.expand_runs``).
+in one pass (``write_runs``).
 
 The keys attending a query are an interval, and so are the queries attending a key
 (``[u(k), v(k)]`` with ``u`` the first query whose ``hi`` reaches ``k`` and ``v`` the last
@@ -29,7 +29,71 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.blocks.write import Ordered, expand_runs
+from flexmask.blocks.write import Ordered
+
+# Tile widths ``write_runs`` picks from, widest first: a wider tile is fewer template rows
+# to copy, a narrower one fewer tiles cut by a run boundary (computed apart).
+_TILE_WIDTHS = (64, 32, 16, 8)
+
+
+def write_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
+    """Writes runs laid end to end into ``out`` (flat int32 of ``lens.sum()`` entries): entry
+    ``e`` of run ``k`` holds ``starts[k] + e``; ``starts >= 0``. One pass over ``out``.
+
+    ``out`` is cut into tiles of ``w`` entries. A tile inside one run is ``w`` consecutive
+    values: a row of a small template (``arange`` windows). The few tiles a run boundary
+    cuts are computed apart, on their own entries (a running sum from the value at their
+    start and the jumps at the boundaries inside), and appended to the template. One
+    ``index_select`` of template rows, by a value per tile, then writes every entry of
+    ``out`` once. Temporaries: per run, per tile (``numel / w``), and the cut tiles.
+    """
+    total = out.numel()
+    if total == 0:
+        return
+    # Positions and values fit int32 below 2^31 entries (values are below the line length).
+    index = torch.int32 if total < 2**31 - 2 * _TILE_WIDTHS[0] else torch.int64
+    starts, lens = starts.reshape(-1).to(index), lens.reshape(-1).to(index)
+    first = lens.cumsum(0, dtype=index) - lens  # where each run begins in ``out``
+    # Where the value stops counting up by one, the jump there (an empty run's start is
+    # arbitrary: its jump and the next run's meet at one place and add up).
+    jump = starts[1:] - (starts[:-1] + lens[:-1])
+    moved = torch.nonzero(jump).flatten()
+    where, jump = first.index_select(0, moved + 1), jump.index_select(0, moved)
+    ends = starts + lens
+    top = int(ends.max())  # above every value
+    # Tiles as wide as keeps the cut ones under 1/16 of ``out`` and the template under 1/8.
+    w = next(
+        (w for w in _TILE_WIDTHS if 16 * where.numel() * w <= total and 8 * top * w <= total),
+        _TILE_WIDTHS[-1],
+    )
+    tiles = -(-total // w)  # the last one may be short
+    # The value at each tile's start: its position plus the jumps at or before it.
+    at_start = torch.zeros(tiles + 1, dtype=index)
+    at_start.index_add_(0, (where + (w - 1)).div_(w, rounding_mode="floor"), jump)
+    at_start = at_start[:tiles].cumsum_(0)
+    at_start.add_(torch.arange(0, tiles * w, w, dtype=index)).add_(starts[0])
+    # Cut tiles: a jump inside (not at the start), or the short last tile.
+    inside = torch.nonzero(where % w).flatten()
+    where, jump = where.index_select(0, inside), jump.index_select(0, inside)
+    tile_of = where.div(w, rounding_mode="floor")
+    cut = tile_of if total % w == 0 else torch.cat([tile_of, tile_of.new_tensor([tiles - 1])])
+    cut = torch.unique(cut)  # sorted
+    rows = torch.ones((cut.numel(), w), dtype=torch.int32)
+    rows[:, 0] = at_start.index_select(0, cut)
+    at = torch.searchsorted(cut, tile_of).mul_(w).add_(where % w)
+    rows.view(-1).index_add_(0, at, jump.to(torch.int32))
+    rows.cumsum_(1)
+    # Template row s is [s, s + w) for s <= top - w (a whole tile's values stay below top),
+    # then the cut tiles.
+    windows = max(top - w + 1, 1)
+    template = torch.cat([torch.arange(windows + w - 1, dtype=torch.int32).unfold(0, w, 1), rows])
+    whole = total // w
+    pick = at_start[:whole]
+    whole_cut = cut[: cut.numel() - (total % w != 0)]
+    pick[whole_cut] = torch.arange(windows, windows + whole_cut.numel(), dtype=index)
+    torch.index_select(template, 0, pick, out=out[: whole * w].view(whole, w))
+    if total % w:
+        out[whole * w :].copy_(rows[-1, : total % w])
 
 
 class Pieces(NamedTuple):
@@ -210,7 +274,7 @@ def side(
         num = torch.zeros(rows * num_lines, dtype=torch.int64).index_add_(0, line, length * listed)
         placed = _listed_first(line, listed, line_start)
         idx = torch.empty((rows, num_lines, m), dtype=torch.int32) if out is None else out[k]
-        expand_runs(idx.view(-1), at.index_select(0, placed), length.index_select(0, placed))
+        write_runs(idx.view(-1), at.index_select(0, placed), length.index_select(0, placed))
         made += [num.to(torch.int32).view(rows, num_lines), idx]
     return made[0], made[1], made[2], made[3]
 
