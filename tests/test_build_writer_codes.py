@@ -59,7 +59,7 @@ def test_codes_written_as_runs_match_torch_order(shape, bands, seed, chunk):
     gen = torch.Generator().manual_seed(seed)
     codes = _banded(shape, gen, bands)
     # Small chunks: most runs begin inside one, and a tail is left over.
-    with mock.patch.object(write, "_CHUNK", chunk):
+    with mock.patch.object(write, "_CHUNK", chunk), mock.patch.object(write, "_CHUNKED_FROM", 0):
         kv, q = write.ordered_from_codes(codes)
     got = [*kv, *q]
     names = ("kv_p_num", "kv_p", "kv_f_num", "kv_f", "q_p_num", "q_p", "q_f_num", "q_f")
@@ -79,6 +79,23 @@ def test_codes_with_many_short_runs_match_torch_order(shape, seed):
     got = [*write.ordered_from_codes(codes)[0], *write.ordered_from_codes(codes)[1]]
     for a, b in zip(got, _expected(codes), strict=True):
         assert torch.equal(a, b)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=30),
+    seed=st.integers(0, 2**31 - 1),
+    chunk=st.sampled_from([1, 2, 3, 7, 16]),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+)
+def test_expand_runs_in_chunks_match_concatenated_ranges(lens, seed, chunk, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, 1000, (len(lens),), generator=gen)
+    want = [s + e for s, n in zip(starts.tolist(), lens, strict=True) for e in range(n)]
+    out = torch.full((len(want),), -7, dtype=dtype)
+    with mock.patch.object(write, "_CHUNK", chunk), mock.patch.object(write, "_CHUNKED_FROM", 0):
+        write.expand_runs(out, starts, torch.tensor(lens))
+    assert out.tolist() == want
 
 
 @pytest.fixture
@@ -115,3 +132,26 @@ def test_per_head_of_a_tree_and_a_window_matches_torch(from_runs):
     theirs = torch_create_block_mask(mask.mask_mod, 2, 4, n, n, "cpu", 16)
     oracle.assert_same_block_mask(ours, theirs, "per_head(tree, window)")
     assert from_runs[0] > 0
+
+
+def test_large_closed_forms_expanded_in_chunks_match_torch(monkeypatch):
+    """Outputs past ``_CHUNKED_FROM`` entries: the closed form's and the union's runs go
+    through the chunked expand too (a 257 x 257 grid, lengths off the block)."""
+    n, block = 4100, 16
+    assert (n // block + 1) ** 2 >= write._CHUNKED_FROM
+    docs = [[1000, 2000, 1100], [n]]
+    doc_causal = flexmask.causal() & flexmask.document(docs)
+    composed = (doc_causal & flexmask.sliding_window(700)) | flexmask.prefix(64)
+    chunked = [0]
+    real = write._expand_runs_chunked
+
+    def counted(*args):
+        chunked[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(write, "_expand_runs_chunked", counted)
+    for mask in (doc_causal, composed):
+        ours = flexmask.create_block_mask(mask, 2, 1, n, n, "cpu", block)
+        theirs = torch_create_block_mask(mask.mask_mod, 2, 1, n, n, "cpu", block)
+        oracle.assert_same_block_mask(ours, theirs, repr(mask))
+    assert chunked[0] > 0

@@ -120,7 +120,7 @@ def _listed_from_runs(runs: _Runs, code: int, shape: torch.Size) -> tuple[Tensor
     """(num_blocks, indices) of the tiles holding ``code``, lines along ``shape[-1]``: each
     line's runs of ``code`` in column order, then its other runs in column order; each
     run's rank in that order comes from running counts over the runs (no sort), and the
-    ranked runs are expanded in one pass (``_expand_runs_chunked``)."""
+    ranked runs are expanded in one pass (``expand_runs``)."""
     lines = shape.numel() // shape[-1]
     line, col, length = runs.line, runs.col, runs.length
     is_set = runs.value == code
@@ -142,7 +142,7 @@ def _listed_from_runs(runs: _Runs, code: int, shape: torch.Size) -> tuple[Tensor
     ranked_col = torch.empty_like(col).index_copy_(0, rank, col)
     ranked_length = torch.empty_like(length).index_copy_(0, rank, length)
     indices = torch.empty(shape, dtype=torch.int32, device=line.device)
-    _expand_runs_chunked(indices.view(-1), ranked_col, ranked_length)
+    expand_runs(indices.view(-1), ranked_col, ranked_length, nonempty=True)
     return count.to(torch.int32).view(shape[:-1]), indices
 
 
@@ -188,9 +188,9 @@ def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
     mend, at = mend.index_select(0, which), at.index_select(0, which)
     count = int(mend.sum())
     position = torch.empty(count, dtype=torch.int64, device=out.device)
-    expand_runs(position, at, mend)
+    _expand_runs_cumsum(position, at, mend)
     value = torch.empty(count, dtype=out.dtype, device=out.device)
-    expand_runs(value, at + offset.index_select(0, which), mend)
+    _expand_runs_cumsum(value, at + offset.index_select(0, which), mend)
     out.index_copy_(0, position, value)
 
 
@@ -228,12 +228,31 @@ def _ranked(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return count.squeeze(-1).contiguous(), indices
 
 
-def expand_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
+_CHUNKED_FROM = 1 << 16
+"""Outputs of at least this many entries are expanded in chunks (``_expand_runs_chunked``):
+below, its few dozen calls cost more than the cumsum they save."""
+
+
+def expand_runs(out: Tensor, starts: Tensor, lens: Tensor, nonempty: bool = False) -> None:
     """Writes runs ``(N, r)`` laid end to end into ``out`` (flat int32 of ``lens.sum()``
-    entries): entry ``e`` of run ``k`` holds ``starts[k] + e``. A cumsum of ones, with each
-    run's jump in value added where it begins — empty runs jump at the same place and their
-    jumps add up — so the cost is one pass over the output, no gather and no sort."""
+    entries): entry ``e`` of run ``k`` holds ``starts[k] + e``. Large outputs of long runs
+    in one write (``_expand_runs_chunked``); others as a cumsum (``_expand_runs_cumsum``).
+    ``nonempty``: the caller knows every run has an entry (no pass to drop empty ones)."""
     starts, lens = starts.reshape(-1), lens.reshape(-1)
+    total = out.numel()
+    if total < _CHUNKED_FROM or lens.numel() * _CHUNK > total or exporting():
+        _expand_runs_cumsum(out, starts, lens)
+        return
+    if not nonempty:
+        kept = lens.nonzero().squeeze(1)
+        starts, lens = starts.index_select(0, kept), lens.index_select(0, kept)
+    _expand_runs_chunked(out, starts, lens)
+
+
+def _expand_runs_cumsum(out: Tensor, starts: Tensor, lens: Tensor) -> None:
+    """``expand_runs`` as a cumsum of ones, with each run's jump in value added where it
+    begins — empty runs jump at the same place and their jumps add up: two passes over the
+    output (a fill and the cumsum), no gather and no sort."""
     total = out.numel()
     if total == 0:
         return
