@@ -382,18 +382,16 @@ def _widest_pair_chunk(block_mask, group):
 @pytest.mark.parametrize("pairs", [1, 2, 3, 5])
 @pytest.mark.parametrize("name", ["per-batch-head-gqa", "per-batch-head"])
 def test_batch_and_head_slices_equal_the_oracle(monkeypatch, name, pairs):
-    """Where one q block over every batch row and head would exceed max_chunk_elements, the
-    call runs in slices of ``pairs`` (batch row, kv head) pairs (a part of the heads, or whole
+    """Where one q block over every batch row and head would exceed max_chunk_elements, its
+    groups run ``pairs`` (batch row, kv head) pairs each (a part of the heads, or whole
     rows): a mask that differs per batch row and head, GQA, and Q_LEN != KV_LEN give the
-    oracle's output, lse and gradients, and the slices are really taken."""
-    import flexmask.backends.block_sparse.grouped as module
-
+    oracle's output, lse and gradients, and every pair of every wide q block is run once."""
     case = next(c for c in CASES if c[0] == name)
     block_mask, dense, q, k, v, grad_out = build_case(case)
     group = q.size(1) // k.size(1)
-    taken = []
-    plan_slice = module.plan_slice
-    monkeypatch.setattr(module, "plan_slice", lambda *a: taken.append(a[1:]) or plan_slice(*a))
+    made = []
+    make_groups = kernel.make_groups
+    monkeypatch.setattr(kernel, "make_groups", lambda *a: made.extend(make_groups(*a)) or made)
     assert_matches_oracles(
         q,
         k,
@@ -406,11 +404,16 @@ def test_batch_and_head_slices_equal_the_oracle(monkeypatch, name, pairs):
         max_chunk_elements=pairs * _widest_pair_chunk(block_mask, group),
     )
     batch, kv_heads = q.size(0), k.size(1)
-    if pairs >= batch * kv_heads:
-        assert not taken
-    else:
-        covered = {(b, h) for b0, b1, h0, h1 in taken for b in range(b0, b1) for h in range(h0, h1)}
-        assert covered == {(b, h) for b in range(batch) for h in range(kv_heads)}
+    widest = max(g.columns.size(1) for g in made)
+    runs: dict[int, list[int]] = {}
+    for g in made:
+        if g.columns.size(1) == widest:
+            for block in g.blocks.tolist():
+                runs.setdefault(block, []).extend(range(*g.pairs))
+            assert g.pairs[1] - g.pairs[0] <= pairs
+    assert runs and all(sorted(r) == list(range(batch * kv_heads)) for r in runs.values())
+    split = any(g.pairs != (0, batch * kv_heads) for g in made)
+    assert split == (pairs < batch * kv_heads)
 
 
 def test_batch_slices_read_each_rows_intervals():
