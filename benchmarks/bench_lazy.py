@@ -22,7 +22,9 @@ objects), of a handle's first use on a miss (``flexmask.lazy(...).block_mask``) 
 build (``flexmask.create_block_mask``), side by side. A hit is not free: ``get`` validates its
 arguments against the mask and assembles the key; the key's content part (the document lengths,
 or a digest for per-row data) is computed when the mask is made, so "make mask + hit" is the
-cost a training step pays when it rebuilds an equal mask from its data.
+cost a training step pays when it rebuilds an equal mask from its data. Each size runs at
+B = 1 (one row of documents) and B = 8 (per-row documents: the key is every row's document
+count and one digest of the lengths, made with the mask; a hit makes no grid and no tensor).
 
     python benchmarks/bench_lazy.py            # S = 16384 x 16 micro-batches; costs at 4k/16k/32k
     python benchmarks/bench_lazy.py --quick    # S = 4096 x 16; costs at 1k/4k (seconds)
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -171,38 +174,48 @@ def best(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = N
     return result
 
 
-def costs(S: int, repeat_fast: int, repeat_build: int) -> dict[str, Any]:
-    lens = documents(S, 0)
-    mask = flexmask.causal() & flexmask.document(lens)
-    equal = flexmask.causal() & flexmask.document(list(lens))  # new list, new pieces, new tree
+def costs(S: int, batch: int, repeat_fast: int, repeat_build: int) -> dict[str, Any]:
+    """B = 1: one row of documents; B > 1: per-row documents (each row its own lengths), the
+    mask a packed loader re-makes from its data every step."""
+    rows = [documents(S, seed) for seed in range(batch)]
+    data: Any = rows[0] if batch == 1 else rows
+
+    def remade() -> flexmask.Mask:  # new lists, new pieces, new tree: equal, not identical
+        return flexmask.causal() & flexmask.document(
+            list(rows[0]) if batch == 1 else [list(r) for r in rows]
+        )
+
+    mask = flexmask.causal() & flexmask.document(data)
+    equal = remade()
     if equal is mask or equal != mask:
         raise RuntimeError("the hit case needs an equal mask made from different objects")
 
     hit_cache = flexmask.MaskCache()
-    hit_cache.get(mask, 1, 1, S, S, "cpu")
-    hit = best(lambda: hit_cache.get(equal, 1, 1, S, S, "cpu"), repeat_fast)
-    make_hit = best(
-        lambda: hit_cache.get(flexmask.causal() & flexmask.document(list(lens)), 1, 1, S, S, "cpu"),
-        repeat_fast,
-    )
+    hit_cache.get(mask, batch, 1, S, S, "cpu")
+    hit = best(lambda: hit_cache.get(equal, batch, 1, S, S, "cpu"), repeat_fast)
+    make = best(remade, repeat_fast)
+    make_hit = best(lambda: hit_cache.get(remade(), batch, 1, S, S, "cpu"), repeat_fast)
     info = hit_cache.info()
     if info.misses != 1:
         raise RuntimeError(f"expected hits only after the first get, got {info}")
 
     miss_cache = flexmask.MaskCache()
     first_use = best(
-        lambda: flexmask.lazy(mask, 1, 1, S, S, "cpu", cache=miss_cache).block_mask,
+        lambda: flexmask.lazy(mask, batch, 1, S, S, "cpu", cache=miss_cache).block_mask,
         repeat_build,
         setup=miss_cache.clear,
     )
-    build = best(lambda: flexmask.create_block_mask(mask, 1, 1, S, S, "cpu"), repeat_build)
+    build = best(lambda: flexmask.create_block_mask(mask, batch, 1, S, S, "cpu"), repeat_build)
     return dict(
         S=S,
-        documents=len(lens),
+        B=batch,
+        documents=sum(map(len, rows)),
         hit_s=hit,
+        make_mask_s=make,
         make_mask_hit_s=make_hit,
         first_use_s=first_use,
         build_s=build,
+        load=os.getloadavg()[0],
     )
 
 
@@ -242,24 +255,30 @@ def cost_table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(
         [
             "S",
+            "B",
             "docs",
             "cache hit",
+            "make mask",
             "make mask + hit",
             "handle first use (miss)",
             "build",
-            "build / hit",
+            "(make + hit) / build",
             "first use / build",
+            "load",
         ],
         [
             [
                 f"{r['S']:,}",
+                r["B"],
                 r["documents"],
                 fmt_time(r["hit_s"]),
+                fmt_time(r["make_mask_s"]),
                 fmt_time(r["make_mask_hit_s"]),
                 fmt_time(r["first_use_s"]),
                 fmt_time(r["build_s"]),
-                ratio(r["build_s"], r["hit_s"], 1),
+                ratio(r["make_mask_hit_s"], r["build_s"], 2),
                 ratio(r["first_use_s"], r["build_s"], 2),
+                f"{r['load']:.1f}",
             ]
             for r in rows
         ],
@@ -318,20 +337,26 @@ def main() -> None:
         f"{dense['bytes'] / max(1, eager['distinct_peak_bytes']):,.0f}x eager's.\n"
     )
 
-    print("## Cost of a cache hit, a handle's first use and a build (document-causal, B=1)\n")
+    print(
+        "## Cost of a cache hit, a re-made mask's hit, a handle's first use and a build "
+        "(document-causal; B = 8: per-row documents)\n"
+    )
     rows = []
     for size in sizes:
-        row = costs(size, repeat_fast, repeat_build)
-        rows.append(row)
-        print(
-            f"  S={size:>6} hit {fmt_time(row['hit_s']):>8} first use "
-            f"{fmt_time(row['first_use_s']):>8} build {fmt_time(row['build_s']):>8}",
-            flush=True,
-        )
+        for batch in (1, 8):
+            row = costs(size, batch, repeat_fast, repeat_build)
+            rows.append(row)
+            print(
+                f"  S={size:>6} B={batch} hit {fmt_time(row['hit_s']):>8} make + hit "
+                f"{fmt_time(row['make_mask_hit_s']):>8} build {fmt_time(row['build_s']):>8} "
+                f"load {row['load']:.1f}",
+                flush=True,
+            )
     print()
     print(cost_table(rows))
     print(
-        "\nA hit validates the arguments against the mask and assembles the key on every call; "
+        "\nA hit validates the arguments against the mask and assembles the key from ints on "
+        "every call (the lengths' digest is made with the mask); "
         "best of "
         f"{repeat_fast} calls (hits) and {repeat_build} (builds), {torch.get_num_threads()} "
         "threads."

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from flexmask._validate import checked_sum, digest, int_vector, is_nested, source_device
+from flexmask._validate import INT64_MAX, checked_sum, digest, int_vector, is_nested, source_device
 from flexmask.algebra.mask import Intervals, Lowered
 from flexmask.blocks.codes import codes_from
 from flexmask.blocks.grid import BlockGrid
@@ -28,7 +29,7 @@ class Document(Piece):
                           ⬚ ⬚ ■ ■ ■
     """
 
-    __slots__ = ("seq_lens", "per_row", "_totals", "_starts", "_ends", "_num_docs")
+    __slots__ = ("per_row", "_totals", "_flat", "_counts", "_rows_cache", "_bounds")
     interval_shape = "monotone"
 
     @property
@@ -40,42 +41,85 @@ class Document(Piece):
     def __init__(self, seq_lens: Any) -> None:
         per_row = is_nested(seq_lens)
         rows_in = list(seq_lens) if per_row else [seq_lens]
-        self.seq_lens = [
-            _check_lens(r, f"seq_lens[{i}]" if per_row else "seq_lens")
-            for i, r in enumerate(rows_in)
-        ]
-        self.per_row = per_row
-        # Summed in Python ints before any int64 cumsum can wrap.
-        self._totals = [
-            checked_sum(r, f"seq_lens[{i}]" if per_row else "seq_lens")
-            for i, r in enumerate(self.seq_lens)
-        ]
-        # Each row's document starts and ends (R, max documents), padded past every
-        # position (never a match), and document counts (R,): what every lookup needs.
-        # Documents may run past the sequence (docs/algebra.md: clipped to it); bounds past
-        # _PAST are no position either, and clamping them keeps each row sorted for search.
-        self._ends = torch.nn.utils.rnn.pad_sequence(
-            [r.cumsum(0).clamp(max=_PAST) for r in self.seq_lens],
-            batch_first=True,
-            padding_value=_PAST,
-        )
-        self._starts = torch.nn.utils.rnn.pad_sequence(
-            [(r.cumsum(0) - r).clamp(max=_PAST) for r in self.seq_lens],
-            batch_first=True,
-            padding_value=_PAST,
-        )
-        self._num_docs = torch.tensor([len(r) for r in self.seq_lens])
-        natural = max(self._totals)
-        if per_row:
-            key_data: tuple = ("rows", digest(*self.seq_lens))
+        plain = _plain_rows(rows_in)
+        if plain is not None:
+            # Lists of Python ints, the data path of a loader that re-makes the mask every
+            # step: checked in bulk and made into one tensor (per-value checks cost ~1 us each).
+            flat = torch.tensor(list(itertools.chain.from_iterable(plain)), dtype=torch.int64)
+            counts = [len(r) for r in plain]
+            self._totals = [sum(r) for r in plain]
+            key_values: list[int] | None = plain[0] if not per_row else None
         else:
-            key_data = tuple(self.seq_lens[0].tolist())
+            rows = [
+                _check_lens(r, f"seq_lens[{i}]" if per_row else "seq_lens")
+                for i, r in enumerate(rows_in)
+            ]
+            # Summed in Python ints before any int64 cumsum can wrap.
+            self._totals = [
+                checked_sum(r, f"seq_lens[{i}]" if per_row else "seq_lens")
+                for i, r in enumerate(rows)
+            ]
+            flat = torch.cat(rows)
+            counts = [r.numel() for r in rows]
+            key_values = None
+        self.per_row = per_row
+        self._flat = flat
+        self._counts = counts
+        self._rows_cache: list[Tensor] | None = None
+        # The lookups (document starts, ends and counts per row) are made on first use, by
+        # a build: a mask re-made only to be looked up in the cache never pays for them.
+        self._bounds: tuple[Tensor, Tensor, Tensor] | None = None
+        # The key is the lengths' content: every row's count and one digest of their bytes
+        # (per row), or the lengths themselves; equal however the lengths were given.
+        if per_row:
+            key_data: tuple = ("rows", tuple(counts), digest(flat))
+        else:
+            key_data = tuple(key_values if key_values is not None else flat.tolist())
         super().__init__(
             ("document", key_data),
-            rows=len(self.seq_lens) if per_row else None,
+            rows=len(counts) if per_row else None,
             device=source_device(seq_lens),
-            natural=natural,
+            natural=max(self._totals),
         )
+
+    @property
+    def seq_lens(self) -> list[Tensor]:
+        """Each row's document lengths (one row when shared), int64."""
+        if self._rows_cache is None:
+            self._rows_cache = list(self._flat.split(self._counts))
+        return self._rows_cache
+
+    def _tables(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Each row's document starts and ends (R, max documents), padded past every
+        position (never a match), and document counts (R,): what every lookup needs.
+        Documents may run past the sequence (docs/algebra.md: clipped to it); bounds past
+        _PAST are no position either, and clamping them keeps each row sorted for search."""
+        if self._bounds is None:
+            rows = self.seq_lens
+            ends = torch.nn.utils.rnn.pad_sequence(
+                [r.cumsum(0).clamp(max=_PAST) for r in rows],
+                batch_first=True,
+                padding_value=_PAST,
+            )
+            starts = torch.nn.utils.rnn.pad_sequence(
+                [(r.cumsum(0) - r).clamp(max=_PAST) for r in rows],
+                batch_first=True,
+                padding_value=_PAST,
+            )
+            self._bounds = (starts, ends, torch.tensor(self._counts))
+        return self._bounds
+
+    @property
+    def _starts(self) -> Tensor:
+        return self._tables()[0]
+
+    @property
+    def _ends(self) -> Tensor:
+        return self._tables()[1]
+
+    @property
+    def _num_docs(self) -> Tensor:
+        return self._tables()[2]
 
     def classify_tiles(self, grid: BlockGrid) -> Tensor:
         device = grid.device
@@ -169,6 +213,21 @@ class DocumentMod(PieceMod):
         last = self.doc_id.shape[-1] - 1
         q_doc = self._lookup(self.doc_id, b, q_idx.clamp(max=last))
         return (q_doc == self._lookup(self.doc_id, b, kv_idx.clamp(max=last))) & (q_doc >= 0)
+
+
+def _plain_rows(rows: list[Any]) -> list[list[int]] | None:
+    """The rows as lists of Python ints when every row is a non-empty list or tuple of ints
+    >= 0 summing within int64, else None (the per-value checks then name the bad entry)."""
+    plain = []
+    for row in rows:
+        if type(row) not in (list, tuple) or not row:
+            return None
+        if not all(type(v) is int for v in row):  # bool and numpy ints take the checks
+            return None
+        if min(row) < 0 or sum(row) > INT64_MAX:
+            return None
+        plain.append(row if type(row) is list else list(row))
+    return plain
 
 
 def _check_lens(value: Any, name: str) -> Tensor:

@@ -22,7 +22,7 @@ import cachetools
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask._validate import env_int
+from flexmask._validate import check_device, env_int
 from flexmask.algebra.mask import Mask
 from flexmask.blocks.grid import BlockGrid
 from flexmask.blocks.read import block_mask_nbytes
@@ -189,7 +189,7 @@ class MaskCache(KeyedCache):
     ) -> tuple:
         """The cache key of a build, after validating its arguments against the mask."""
         spec = make_spec(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
-        return key_of(spec.mask, spec.one_row().grid())
+        return spec_key(spec.one_row())
 
     def get(
         self,
@@ -220,9 +220,12 @@ class MaskCache(KeyedCache):
         if spec.empty:  # B=0 or H=0: the one-row (head) entry, emptied as torch's
             key, one = self.get_spec(spec.one_row())
             return key, emptied(one, spec.batch, spec.heads)
-        grid = spec.grid()
-        key = key_of(spec.mask, grid)
-        return key, self.get_or_build(key, lambda: build(spec.mask, grid_for_key(spec.mask, grid)))
+        # The key from the spec's ints and the mask's content key (made with the mask): a
+        # hit allocates nothing; the grid is made only to build.
+        key = spec_key(spec)
+        return key, self.get_or_build(
+            key, lambda: build(spec.mask, grid_for_key(spec.mask, spec.grid()))
+        )
 
     def __repr__(self) -> str:
         info = self.info()
@@ -283,6 +286,32 @@ def key_of(mask: Mask, grid: BlockGrid) -> tuple:
         _as_key(_offset_key(grid.q_offset)),
         _as_key(_offset_key(grid.kv_offset)),
         grid.row_offsets,  # equal per-row offsets give a mask_mod holding (B,) of them
+    )
+
+
+def spec_key(spec: Spec) -> tuple:
+    """The cache key of a spec, equal to ``key_of(spec.mask, spec.grid())`` but made from
+    its ints alone: no grid, no tensor (what a cache hit costs)."""
+    device = torch.device(check_device(spec.device, spec.mask.device))
+    q_offset, kv_offset = spec.q_offset, spec.kv_offset
+    # As BlockGrid.make: offsets per row for one side are per row for both.
+    per_row = isinstance(q_offset, tuple) or isinstance(kv_offset, tuple)
+    if per_row:
+        q_offset = q_offset if isinstance(q_offset, tuple) else (q_offset,) * spec.batch
+        kv_offset = kv_offset if isinstance(kv_offset, tuple) else (kv_offset,) * spec.batch
+    row_offsets = spec.row_offsets or per_row
+    mask = spec.mask
+    return (
+        spec.batch if mask.batch_dependent or row_offsets else 1,
+        spec.heads if mask.head_dependent else 1,
+        spec.q_len,
+        spec.kv_len,
+        tuple(spec.block_size),
+        (device.type, device.index),
+        mask.key,
+        q_offset,
+        kv_offset,
+        row_offsets,
     )
 
 
