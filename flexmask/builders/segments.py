@@ -41,11 +41,11 @@ def write_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
     ``e`` of run ``k`` holds ``starts[k] + e``; ``starts >= 0``. One pass over ``out``.
 
     ``out`` is cut into tiles of ``w`` entries. A tile inside one run is ``w`` consecutive
-    values: a row of a small template (``arange`` windows). The few tiles a run boundary
-    cuts are computed apart, on their own entries (a running sum from the value at their
-    start and the jumps at the boundaries inside), and appended to the template. One
-    ``index_select`` of template rows, by a value per tile, then writes every entry of
-    ``out`` once. Temporaries: per run, per tile (``numel / w``), and the cut tiles.
+    values: a window of ``arange(top)``. The few tiles a run boundary cuts are computed
+    apart, on their own entries (a running sum from the value at their start and the jumps
+    at the boundaries inside), and laid after it. One ``index_select`` of those windows
+    (rows of an overlapping view), one per tile, then writes every entry of ``out`` once.
+    Temporaries: per run, per tile (``numel / w``), and the cut tiles (under 1/16).
     """
     total = out.numel()
     if total == 0:
@@ -59,13 +59,9 @@ def write_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
     jump = starts[1:] - (starts[:-1] + lens[:-1])
     moved = torch.nonzero(jump).flatten()
     where, jump = first.index_select(0, moved + 1), jump.index_select(0, moved)
-    ends = starts + lens
-    top = int(ends.max())  # above every value
-    # Tiles as wide as keeps the cut ones under 1/16 of ``out`` and the template under 1/8.
-    w = next(
-        (w for w in _TILE_WIDTHS if 16 * where.numel() * w <= total and 8 * top * w <= total),
-        _TILE_WIDTHS[-1],
-    )
+    top = int((starts + lens).max())  # above every value
+    # Tiles as wide as keeps the cut ones under 1/16 of ``out``.
+    w = next((w for w in _TILE_WIDTHS if 16 * where.numel() * w <= total), _TILE_WIDTHS[-1])
     tiles = -(-total // w)  # the last one may be short
     # The value at each tile's start: its position plus the jumps at or before it.
     at_start = torch.zeros(tiles + 1, dtype=index)
@@ -83,14 +79,16 @@ def write_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
     at = torch.searchsorted(cut, tile_of).mul_(w).add_(where % w)
     rows.view(-1).index_add_(0, at, jump.to(torch.int32))
     rows.cumsum_(1)
-    # Template row s is [s, s + w) for s <= top - w (a whole tile's values stay below top),
-    # then the cut tiles.
-    windows = max(top - w + 1, 1)
-    template = torch.cat([torch.arange(windows + w - 1, dtype=torch.int32).unfold(0, w, 1), rows])
+    # The template: values 0..top-1, then the cut tiles, read as overlapping rows of w (row s
+    # is entries [s, s + w)): a whole tile starting at value v is row v (v + w <= top), cut
+    # tile j row top + j * w. Small (top + cut entries); nothing is copied into it twice.
+    top = max(top, w)
+    values = torch.cat([torch.arange(top, dtype=torch.int32), rows.view(-1)])
+    template = values.as_strided((values.numel() - w + 1, w), (1, 1))
     whole = total // w
     pick = at_start[:whole]
     whole_cut = cut[: cut.numel() - (total % w != 0)]
-    pick[whole_cut] = torch.arange(windows, windows + whole_cut.numel(), dtype=index)
+    pick[whole_cut] = torch.arange(top, top + whole_cut.numel() * w, w, dtype=index)
     torch.index_select(template, 0, pick, out=out[: whole * w].view(whole, w))
     if total % w:
         out[whole * w :].copy_(rows[-1, : total % w])
