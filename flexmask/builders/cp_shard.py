@@ -176,10 +176,15 @@ class _Layout:
 
 
 def _closed_form_sides(
-    mask: Mask, whole: BlockGrid, layout: _Layout, keep: int | None = None
+    mask: Mask,
+    whole: BlockGrid,
+    layout: _Layout,
+    keep: int | None = None,
+    into: tuple[Tensor, ...] | None = None,
 ) -> tuple[Ordered, Ordered]:
     """Both sides of an aligned shard of a closed-form mask, from the runs of its rows
-    (only batch row ``keep`` of them where given: one permutation row's shard).
+    (only batch row ``keep`` of them where given: one permutation row's shard), the index
+    tensors written into ``into`` (kv partial, kv full, q partial, q full) where given.
 
     The rank's query blocks, ascending, are a grid of their own (``closed_form.row_runs``
     needs only rows in ascending order: the intervals stay monotone along any subset of
@@ -204,12 +209,10 @@ def _closed_form_sides(
     rows, nq = row.first.shape
     nkv = whole.num_kv_blocks
     kv_blocks = keys.blocks.to(whole.device)
-    kv_p, kv_f = (
-        torch.empty((rows, nq, nkv), dtype=torch.int32, device=whole.device) for _ in range(2)
-    )
-    q_p, q_f = (
-        torch.empty((rows, nkv, nq), dtype=torch.int32, device=whole.device) for _ in range(2)
-    )
+    shapes = ((rows, nq, nkv), (rows, nq, nkv), (rows, nkv, nq), (rows, nkv, nq))
+    if into is None:
+        into = tuple(torch.empty(shape, dtype=torch.int32, device=whole.device) for shape in shapes)
+    kv_p, kv_f, q_p, q_f = (t.view(shape) for t, shape in zip(into, shapes, strict=True))
     num_pieces = keys.pieces[1].numel()
     if num_pieces <= nkv * PIECES_PER_BLOCK:
         (kv_ps, kv_pl), (kv_fs, kv_fl) = _piece_line_runs(row, keys.pieces, nkv, whole.device)
@@ -225,8 +228,10 @@ def _closed_form_sides(
         c = kv_blocks.view(1, 1, nkv)
         full = (row.full_first.unsqueeze(-1) <= c) & (c <= row.full_last.unsqueeze(-1))
         some = (row.first.unsqueeze(-1) <= c) & (c <= row.last.unsqueeze(-1))
-        num_p, kv_p = ordered_lines(some & ~full)
-        num_f, kv_f = ordered_lines(full)
+        num_p, dense_p = ordered_lines(some & ~full)
+        num_f, dense_f = ordered_lines(full)
+        kv_p.copy_(dense_p)
+        kv_f.copy_(dense_f)
         kv_counts = (num_p, num_f)
     # Column j is original kv block kv_blocks[j]: its rows are ranges (row runs ascend).
     c = kv_blocks.view(1, nkv).expand(rows, nkv).contiguous()
@@ -273,13 +278,18 @@ DENSE_PAIRS_PER_BLOCK = 1 / 24
 
 
 def _closed_form_shard(
-    mask: Mask, whole: BlockGrid, layout: _Layout, keep: int | None = None
+    mask: Mask,
+    whole: BlockGrid,
+    layout: _Layout,
+    keep: int | None = None,
+    into: tuple[Tensor, ...] | None = None,
 ) -> tuple[Ordered, Ordered]:
     """A closed-form mask's shard: from runs where its blocks are whole and its rows ascend
     (``_closed_form_sides``), else from segments (``segments.segment_sides``: each piece's
-    ranges per run it touches). Batch row ``keep`` alone where given, else every row."""
+    ranges per run it touches). Batch row ``keep`` alone where given, else every row; the
+    index tensors written into ``into`` where given (as ``_closed_form_sides``)."""
     if layout.aligned:
-        return _closed_form_sides(mask, whole, layout, keep)
+        return _closed_form_sides(mask, whole, layout, keep, into)
     keys = layout.keys
     rows = whole.reduced(mask)[0] if keep is None else 1
     total = keys.perm.numel()
@@ -292,6 +302,9 @@ def _closed_form_shard(
     hi = hi.clamp(max=total - 1).expand_as(q_idx).cpu()
     made = segment_sides(lo, hi, layout.q_perm, layout.q_runs, keys.perm, keys.runs, layout.block)
     kv, q = (Ordered(*(t.to(whole.device) for t in side)) for side in made)
+    if into is not None:
+        for target, index in zip(into, (kv[1], kv[3], q[1], q[3]), strict=True):
+            target.view(index.shape).copy_(index)
     return kv, q
 
 
@@ -427,16 +440,25 @@ def build_shard(
             f"square blocks, got {whole.q_len} x {whole.kv_len} with blocks "
             f"{(whole.q_block, whole.kv_block)}"
         )
+    closed_form = mask.has_monotone_intervals() and not mask.head_dependent
+    num_rows = indices.shape[0]
+    outputs = None
+    if closed_form and num_rows > 1:  # each row writes its slice: no copy to join them
+        nq, nkv = math.ceil(local_len / block), whole.num_kv_blocks
+        outputs = [
+            torch.empty((num_rows, 1, n, m), dtype=torch.int32, device=device)
+            for n, m in ((nq, nkv), (nq, nkv), (nkv, nq), (nkv, nq))
+        ]
     sides = []
-    for row in range(indices.shape[0]):
-        keep = None if indices.shape[0] == 1 else (row if mask.batch_dependent else 0)
+    for row in range(num_rows):
+        keep = None if num_rows == 1 else (row if mask.batch_dependent else 0)
         perm = indices[row]
         layout = _Layout.of(
             KeyOrder.of(perm, block) if keys is None else keys[row], rank, world, block
         )
-        closed_form = mask.has_monotone_intervals() and not mask.head_dependent
         if closed_form:  # only the kept row written
-            kv, q = _closed_form_shard(mask, whole, layout, keep)
+            into = None if outputs is None else tuple(t[row] for t in outputs)
+            kv, q = _closed_form_shard(mask, whole, layout, keep, into)
         else:
             kv, q = _tile_sides(mask, whole, layout)
             if keep is not None:
@@ -447,8 +469,17 @@ def build_shard(
     if len(sides) == 1:
         kv, q = sides[0]
     else:
-        kv = Ordered(*(torch.cat(parts) for parts in zip(*(s[0] for s in sides), strict=True)))
-        q = Ordered(*(torch.cat(parts) for parts in zip(*(s[1] for s in sides), strict=True)))
+        kv, q = (
+            Ordered(*(torch.cat(parts) for parts in zip(*(s[k] for s in sides), strict=True)))
+            if outputs is None
+            else Ordered(
+                torch.cat([s[k][0] for s in sides]),
+                outputs[2 * k],
+                torch.cat([s[k][2] for s in sides]),
+                outputs[2 * k + 1],
+            )
+            for k in range(2)
+        )
     q_index = _padded_lookup(
         indices[:, rank * local_len : (rank + 1) * local_len], math.ceil(local_len / block) * block
     )
