@@ -228,7 +228,7 @@ def _ranked(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return count.squeeze(-1).contiguous(), indices
 
 
-_CHUNKED_FROM = 1 << 16
+_CHUNKED_FROM = 1 << 20
 """Outputs of at least this many entries are expanded in chunks (``_expand_runs_chunked``):
 below, its few dozen calls cost more than the cumsum they save."""
 
