@@ -63,11 +63,12 @@ def write_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
     # Tiles as wide as keeps the cut ones under 1/16 of ``out``.
     w = next((w for w in _TILE_WIDTHS if 16 * where.numel() * w <= total), _TILE_WIDTHS[-1])
     tiles = -(-total // w)  # the last one may be short
-    # The value at each tile's start: its position plus the jumps at or before it.
-    at_start = torch.zeros(tiles + 1, dtype=index)
+    # The value at each tile's start: the first run's start, w per tile before it and the
+    # jumps at or before it, as one running sum.
+    at_start = torch.full((tiles + 1,), w, dtype=index)
+    at_start[0] = starts[0]
     at_start.index_add_(0, (where + (w - 1)).div_(w, rounding_mode="floor"), jump)
     at_start = at_start[:tiles].cumsum_(0)
-    at_start.add_(torch.arange(0, tiles * w, w, dtype=index)).add_(starts[0])
     # Cut tiles: a jump inside (not at the start), or the short last tile.
     inside = torch.nonzero(where % w).flatten()
     where, jump = where.index_select(0, inside), jump.index_select(0, inside)
