@@ -1014,9 +1014,10 @@ def test_an_error_in_a_helper_thread_reaches_the_caller():
 
     def failing(b, h, q_idx, kv_idx):
         calls.append(q_idx.max())
-        if len(calls) > 1:  # the probe passes; the groups' own calls fail, on every thread
+        if len(calls) > 1:  # the read-back passes; the groups' own calls fail, on every thread
             raise RuntimeError("mask_mod failed")
-        return q_idx >= kv_idx
+        # Every other key: rows that are not intervals, so the groups call mask_mod.
+        return (q_idx >= kv_idx) & (kv_idx % 2 == 0)
 
     block_mask = create_block_mask(causal, None, None, 256, 256, device="cpu", BLOCK_SIZE=32)
     block_mask.mask_mod = failing

@@ -210,8 +210,14 @@ def test_a_flexmask_block_mask_reads_its_own_intervals(monkeypatch):
     out = block_sparse_attention(q, k, v, block_mask, backend="sparse")
     dense = create_mask(built.mask_mod, 1, 1, seq_len, seq_len, device="cpu")
     torch.testing.assert_close(out, oracle(q, k, v, dense), atol=1e-10, rtol=0)
-    with pytest.raises(AssertionError, match="mask_mod path"):  # the spy is live
-        block_sparse_attention(q, k, v, block_mask.to("cpu"), backend="sparse")
+    # The spy is live: a moved BlockMask records no Mask, and rows that are not intervals on
+    # its partial blocks (every other key) leave mask_mod to decide.
+    moved = block_mask.to("cpu")
+    moved.mask_mod = lambda b, h, q_idx, kv_idx: (
+        built.mask_mod(b, h, q_idx, kv_idx) & (kv_idx % 2 == 0)
+    )
+    with pytest.raises(AssertionError, match="mask_mod path"):
+        block_sparse_attention(q, k, v, moved, backend="sparse")
 
 
 def test_the_record_survives_pickling():

@@ -156,3 +156,80 @@ def group_mask_fn(
         return call_mod(plan.mask_mod, args, shape, how, "mask_mod")
 
     return mask_fn
+
+
+# Scores-sized elements of mask_mod read back at once by recovered_bounds (64 Ki: bools and
+# int64 positions of a few blocks, far under one group of the kernel).
+RECOVER_ELEMENTS = 1 << 16
+
+
+def recovered_bounds(plan: Plan, mod_eval: str) -> kernel.Bounds | None:
+    """Each query's kv interval inside its partial blocks, read back from ``mask_mod`` where
+    no Mask says so (a BlockMask torch built, or one flexmask built and torch then moved):
+    None unless, for every batch row and head, the pairs ``mask_mod`` allows in a query's
+    partial blocks are exactly those of one interval ``[lo, hi]``.
+
+    Full blocks are all allowed and unlisted ones refused whatever ``mask_mod`` says, so an
+    interval that holds on the partial blocks is all the kernel needs: ``mask_mod`` is called
+    once here, on the partial blocks only (as one forward would), and the forward and
+    backward then mask with two comparisons per element. Exactness is checked, not assumed:
+    the allowed count of every row must equal the size of its interval on those blocks.
+    """
+    kinds = plan.kinds  # (Bm, Hkv | 1, G | 1, NQ, NKV)
+    if kinds.size(1) * kinds.size(2) > 1 or not bool(plan.partial.any()):
+        return None  # blocks that differ per head, or no partial block to mask
+    device = kinds.device
+    rows, cols = plan.partial.to(device).nonzero().unbind(1)
+    count = rows.numel()
+    num_q_blocks = kinds.size(3)
+    size = plan.batch if kinds.size(0) > 1 else 1  # grows to B if mask_mod reads b
+    beyond = plan.kv_len  # lo of a query that allows nothing: refuses the whole block
+    lo = torch.full((size, num_q_blocks, plan.q_block), beyond, dtype=torch.long, device=device)
+    hi = torch.full_like(lo, -1)
+    allowed_count = torch.zeros_like(lo)
+    how = mod_eval
+    # Partial blocks a few at a time: memory stays near RECOVER_ELEMENTS, not their sum.
+    step = max(1, RECOVER_ELEMENTS // (plan.batch * plan.q_block * plan.kv_block))
+    for start in range(0, count, step):
+        tile_rows, tile_cols = rows[start : start + step], cols[start : start + step]
+        tiles = tile_rows.numel()
+        q_idx = tile_rows[:, None] * plan.q_block + torch.arange(plan.q_block, device=device)
+        kv_idx = tile_cols[:, None] * plan.kv_block + torch.arange(plan.kv_block, device=device)
+        args = (
+            torch.arange(plan.batch, device=device).view(-1, 1, 1, 1, 1),
+            torch.arange(plan.q_heads, device=device).view(1, -1, 1, 1, 1),
+            q_idx.clamp(max=plan.q_len - 1).view(1, 1, tiles, plan.q_block, 1),
+            kv_idx.clamp(max=plan.kv_len - 1).view(1, 1, tiles, 1, plan.kv_block),
+        )
+        shape = (plan.batch, plan.q_heads, tiles, plan.q_block, plan.kv_block)
+        if how == "auto":
+            how = "broadcast" if broadcasts(plan.mask_mod, args, shape) else "vmap"
+        allowed = call_mod(plan.mask_mod, args, shape, how, "mask_mod")
+        allowed = allowed.reshape((1,) * (5 - allowed.dim()) + tuple(allowed.shape))
+        if allowed.size(1) > 1:
+            if not bool((allowed == allowed[:, :1]).all()):
+                return None  # intervals that differ per head: Bounds hold one per query
+            allowed = allowed[:, :1]
+        # Pairs that count: in a block partial for that batch row, inside KV_LEN.
+        here = (kinds[:, 0, 0, tile_rows, tile_cols] == PARTIAL)[:, :, None, None]
+        kv_at = kv_idx.view(1, tiles, 1, plan.kv_block)
+        allowed = allowed[:, 0] & here & (kv_at < plan.kv_len)
+        if allowed.size(0) > size:
+            lo, hi, allowed_count = (
+                t.expand(allowed.size(0), -1, -1).clone() for t in (lo, hi, allowed_count)
+            )
+            size = allowed.size(0)
+        allowed = allowed.expand(size, tiles, plan.q_block, plan.kv_block)
+        index = tile_rows.view(1, tiles, 1).expand(size, tiles, plan.q_block)
+        lo.scatter_reduce_(1, index, torch.where(allowed, kv_at, beyond).amin(dim=-1), "amin")
+        hi.scatter_reduce_(1, index, torch.where(allowed, kv_at, -1).amax(dim=-1), "amax")
+        allowed_count.index_add_(1, tile_rows, allowed.sum(dim=-1))
+    # The interval's size on the query's partial blocks (inside KV_LEN), block by block.
+    here = (kinds[:, 0, 0, rows, cols] == PARTIAL)[:, :, None]  # (Bm, count, 1)
+    first = (cols * plan.kv_block).view(1, count, 1)
+    last = ((cols + 1) * plan.kv_block).clamp(max=plan.kv_len).view(1, count, 1) - 1
+    overlap = torch.minimum(hi[:, rows], last) - torch.maximum(lo[:, rows], first) + 1
+    overlap = overlap.clamp(min=0) * here
+    if not bool((torch.zeros_like(lo).index_add_(1, rows, overlap) == allowed_count).all()):
+        return None
+    return kernel.Bounds(lo.cpu(), hi.cpu())
