@@ -30,10 +30,11 @@ from flexmask._validate import (
     check_parents,
     int_vector,
 )
-from flexmask.algebra.mask import Mask, MaskMod, ShiftedMod
+from flexmask.algebra.mask import And, Mask, MaskMod, ShiftedMod
 from flexmask.blocks.read import BLOCK_FIELDS
 from flexmask.builders.create import build
 from flexmask.pieces import causal, tree
+from flexmask.pieces.tree import Tree
 from flexmask.runtime.spec import Spec, make_spec
 
 
@@ -59,6 +60,16 @@ def _lens(cache_lens: Any, mask: Mask, name: str = "cache_lens") -> list[int]:
     if _is_scalar(cache_lens):
         value = check_int(cache_lens, name, minimum=0)
         return [value] * (mask.rows or 1)
+    # The decode loop's own lengths, every step: plain ints need no tensor round trip.
+    if (
+        type(cache_lens) is list
+        and cache_lens
+        and all(type(v) is int for v in cache_lens)
+        and min(cache_lens) >= 0
+        and max(cache_lens) <= INT64_MAX
+        and (mask.rows is None or mask.rows == len(cache_lens))
+    ):
+        return list(cache_lens)
     if not isinstance(cache_lens, (Sequence, Tensor)) and not hasattr(cache_lens, "__array__"):
         raise TypeError(
             f"{name} must be an int or one int per batch row (list or 1-D integer tensor), "
@@ -338,14 +349,22 @@ class DecodeMasks:
     Each gives a ``DecodeStep``: ``step.block_mask`` for flex_attention, ``step.cache_lens``
     and ``step.positions`` for the cache writes and position ids, and a repr that shows them.
 
-    For ``causal()`` with ``q_len`` below the q block size (decode), a step's block row is
-    blocks ``0 .. (cache_len + q_len - 1) // block`` of the cache, listed in order: a step
-    keeps the BlockMask, writes the new lengths into its mask_mod's offset tensor in place
-    (a *reuse*) and rewrites the block counts only for rows that cross a kv block boundary
-    (an *append*). Other masks, or ``append=False``, build each step with ``decode_mask``.
-    Both give tensors equal to torch's build of the shifted mask_mod. Since the BlockMask may
-    be rewritten in place, a step is valid until the next one is made: an earlier step's
-    ``block_mask`` raises rather than return a mask for other positions.
+    With ``q_len`` below the q block size (decode, short verify chunks) a step keeps the
+    BlockMask, writes the new lengths into its mask_mod's offset tensor in place (a *reuse*)
+    and rewrites only the rows whose listed kv blocks changed (an *append*):
+
+    * ``causal()``: blocks ``0 .. (cache_len + q_len - 1) // block``, from the lengths alone;
+    * masks whose rows are kv intervals (``document``, ``sliding_window``, ``padding``,
+      ``prefix`` unions and their ``&``): the blocks of each query's interval, read from the
+      mask for the next 256 positions of every row at once, so a decode step compares ints;
+    * ``tree(...)`` (or ``causal() & tree(...)``), ``q_len = 1``: a row that moves down its
+      own branch adds the blocks of the tokens it passed (a token's ancestors are its
+      parent's and itself); a row that leaves its branch or moves back builds the step.
+
+    Other masks, or ``append=False``, build each step with ``decode_mask``. All give tensors
+    equal to torch's build of the shifted mask_mod. Since the BlockMask may be rewritten in
+    place, a step is valid until the next one is made: an earlier step's ``block_mask``
+    raises rather than return a mask for other positions.
 
     ``advance(step)`` (moves, then returns the next BlockMask) is kept for loops that read
     ``block_mask`` before it. Called while the current step was never read (the
@@ -404,12 +423,38 @@ class DecodeMasks:
             len(self._lens),
             self.device,
         )
-        # Append applies where each step's block row is "every kv block up to the last query",
-        # with a single, incomplete q block (so no block is full): causal decode.
-        self.appendable = bool(append) and mask == causal() and q_len < self._blocks[0]
         self._spec = _step_spec(
             mask, self._lens, self.q_len, self.capacity, self.heads, self._blocks, self.device
         )
+        # With a single, incomplete q block no block is full (torch pads the q block with
+        # masked rows), so a step's BlockMask is each row's set of listed kv blocks. Causal:
+        # blocks 0 .. last, from the lengths alone. Masks whose rows are kv intervals
+        # (documents, windows, padding, prefix unions): each query's interval, read from the
+        # mask's structure. A tree: a token's ancestors are its parent's plus itself, so a step
+        # that moves a row down its own branch adds the blocks of the tokens it passed.
+        self._path = "build"
+        if bool(append) and self.q_len < self._blocks[0]:
+            if mask == causal():
+                self._path = "causal"
+            elif mask.has_intervals() and not mask.head_dependent:
+                self._path = "intervals"
+            elif self.q_len == 1 and _tree_of(mask) is not None:
+                self._path = "tree"
+        self.appendable = self._path != "build"
+        self._listed: Tensor | None = None  # (B, nkv) bool: each row's listed kv blocks
+        if self._path == "intervals":  # what every step's intervals are read with
+            self._fixed = (
+                self._spec.grid(),
+                torch.arange(len(self._lens), device=self.device).view(-1, 1),
+                torch.arange(self.q_len, device=self.device),
+                self._columns(),
+            )
+            self._ahead: tuple[list[int], list[list[tuple[int, int]]]] = ([], [])
+            if self.q_len == 1:
+                self._ranges = self._ranges_at(self._lens)
+        # The tree's parents as ints (a step walks a few of them), read once here.
+        tree_piece = _tree_of(mask) if self._path == "tree" else None
+        self._parents = [p.tolist() for p in tree_piece.parents] if tree_piece is not None else []
         self.builds = 0
         """Steps built from structure (including the first)."""
         self.appends = 0
@@ -523,33 +568,205 @@ class DecodeMasks:
 
     def _move(self, new_lens: list[int]) -> None:
         """Makes the step at ``new_lens`` (checked) the current one."""
-        crossed = self._last_blocks(new_lens) != self._last_blocks(self._lens)
+        old_lens = self._lens
+        crossed = self._last_blocks(new_lens) != self._last_blocks(old_lens)
         self._lens = new_lens
         self._index += 1
         self._generation += 1
         self._served = False
-        if not self.appendable:
+        if self._path == "build":
             self._kind = "build"
             self._block_mask = self._build_step()
             return
-        bm = self._block_mask
+        if self._path == "causal":
+            bm = self._block_mask
+            offsets = self._offsets()
+            bm.mask_mod.q_offset.copy_(offsets)  # type: ignore[attr-defined]
+            if not crossed:
+                self._kind = "reuse"
+                self.reuses += 1
+                return
+            # Each row's block row is kv blocks 0 .. last in order (kv_indices is that order
+            # whatever the lengths), so the counts alone say where it ends: any move, any row.
+            self._kind = "append"
+            self.appends += 1
+            last = (offsets + (self.q_len - 1)).div_(self._blocks[1], rounding_mode="floor")
+            count = (last + 1).to(torch.int32).view(-1, 1, 1)
+            bm.kv_num_blocks.copy_(count.expand_as(bm.kv_num_blocks))
+            q_num_blocks = bm.q_num_blocks
+            assert q_num_blocks is not None  # every BlockMask built here has its q side
+            columns = torch.arange(q_num_blocks.shape[-1], device=self.device)
+            q_num_blocks.copy_((columns < count).to(torch.int32).expand_as(q_num_blocks))
+            return
         offsets = self._offsets()
-        bm.mask_mod.q_offset.copy_(offsets)  # type: ignore[attr-defined]
-        if not crossed:
+        if self._path == "intervals" and self.q_len == 1:
+            self._block_mask.mask_mod.q_offset.copy_(offsets)  # type: ignore[attr-defined]
+            self._move_ranges(new_lens)
+            return
+        listed = (
+            self._interval_listed(offsets)
+            if self._path == "intervals"
+            else self._tree_listed(old_lens, new_lens)
+        )
+        if listed is None:  # a tree row that left its branch: its ancestors are new
+            self._kind = "build"
+            self._block_mask = self._build_step()
+            self._listed = None
+            return
+        self._block_mask.mask_mod.q_offset.copy_(offsets)  # type: ignore[attr-defined]
+        self._write_rows(listed)
+
+    # ------------------------------------------------ listed blocks from the mask's structure
+    def _current_listed(self) -> Tensor:
+        """(B, nkv) bool: the kv blocks each row of the current BlockMask lists."""
+        if self._listed is None:
+            q_num_blocks = self._block_mask.q_num_blocks
+            assert q_num_blocks is not None  # every BlockMask built here has its q side
+            self._listed = q_num_blocks[:, 0] > 0
+        return self._listed
+
+    def _interval_listed(self, offsets: Tensor) -> Tensor:
+        """(B, nkv) bool: kv blocks holding some of each row's query intervals."""
+        grid, rows, window, columns = self._fixed
+        kv_block = self._blocks[1]
+        queries = offsets.view(-1, 1) + window
+        found = self.mask.intervals_at(queries, rows, grid)
+        assert found is not None  # has_intervals() was checked when the path was chosen
+        lo = found.lo.clamp(min=0)
+        hi = found.hi.clamp(max=self.capacity - 1)
+        first = lo.div(kv_block, rounding_mode="floor").unsqueeze(-1)
+        # An empty interval lists nothing, even where lo and hi share a block.
+        last = torch.where(lo <= hi, hi.div(kv_block, rounding_mode="floor"), -1).unsqueeze(-1)
+        listed = (columns >= first) & (columns <= last)
+        return listed[:, 0] if self.q_len == 1 else listed.any(1)
+
+    def _move_ranges(self, new_lens: list[int]) -> None:
+        """A decode step (q_len 1) of an interval mask: each row lists the blocks of one kv
+        interval, ``first .. last``. Those of the next ``_AHEAD`` positions of every row are
+        read from the mask in one call and kept as ints, so a step compares ints and writes
+        only the rows whose blocks changed."""
+        ranges = self._ranges_at(new_lens)
+        changed = [
+            row
+            for row, (new, now) in enumerate(zip(ranges, self._ranges, strict=True))
+            if new != now
+        ]
+        self._ranges = ranges
+        if not changed:
             self._kind = "reuse"
             self.reuses += 1
             return
-        # Each row's block row is kv blocks 0 .. last in order (kv_indices is that order
-        # whatever the lengths), so the counts alone say where it ends: any move, any row.
+        index = torch.tensor(changed, device=self.device)
+        bounds = torch.tensor([ranges[row] for row in changed], device=self.device)
+        columns = self._fixed[3]
+        listed = (columns >= bounds[:, :1]) & (columns <= bounds[:, 1:])
+        self._write(index, listed)
+
+    def _ranges_at(self, lens: list[int]) -> list[tuple[int, int]]:
+        """Each row's (first, last) listed kv block for a query at ``lens[row]``; (0, -1)
+        where it attends nothing."""
+        base, table = self._ahead
+        if not table or not all(
+            0 <= n - b < len(t) for n, b, t in zip(lens, base, table, strict=True)
+        ):
+            base, table = lens, self._read_ranges(lens)
+            self._ahead = base, table
+        return [t[n - b] for n, b, t in zip(lens, base, table, strict=True)]
+
+    def _read_ranges(self, lens: list[int]) -> list[list[tuple[int, int]]]:
+        """The (first, last) blocks of positions ``lens[row] .. + _AHEAD - 1`` (up to the
+        capacity) of every row, from the mask's intervals in one call."""
+        grid, rows, _, _ = self._fixed
+        kv_block = self._blocks[1]
+        ahead = min(_AHEAD, self.capacity - min(lens))
+        start = torch.tensor(lens, device=self.device).view(-1, 1)
+        queries = (start + torch.arange(ahead, device=self.device)).clamp(max=self.capacity - 1)
+        found = self.mask.intervals_at(queries, rows, grid)
+        assert found is not None  # has_intervals() was checked when the path was chosen
+        lo = found.lo.expand_as(queries).clamp(min=0)
+        hi = found.hi.expand_as(queries).clamp(max=self.capacity - 1)
+        some = lo <= hi
+        first = torch.where(some, lo.div(kv_block, rounding_mode="floor"), 0)
+        last = torch.where(some, hi.div(kv_block, rounding_mode="floor"), -1)
+        pairs = torch.stack([first, last], -1).tolist()
+        return [[(a, z) for a, z in row] for row in pairs]
+
+    def _tree_listed(self, old_lens: list[int], new_lens: list[int]) -> Tensor | None:
+        """(B, nkv) bool for a tree decode step (q_len 1): a row that moved down its own
+        branch (every token passed has the previous as its parent, back to the old query)
+        adds the blocks of the tokens passed; None where a row left its branch."""
+        parents = self._parents
+        kv_block = self._blocks[1]
+        added: list[tuple[int, int]] = []
+        for row, (old, new) in enumerate(zip(old_lens, new_lens, strict=True)):
+            if new == old:
+                continue
+            row_parents = parents[row] if len(parents) > 1 else parents[0]
+            if new < old or new >= len(row_parents) or old >= len(row_parents):
+                return None
+            node = new
+            while node > old:
+                added.append((row, node // kv_block))
+                node = row_parents[node]
+            if node != old:
+                return None
+        listed = self._current_listed()
+        if not added:
+            return listed
+        listed = listed.clone()
+        rows, columns = zip(*added, strict=True)
+        listed[torch.tensor(rows), torch.tensor(columns)] = True
+        return listed
+
+    def _columns(self) -> Tensor:
+        nkv = -(-self.capacity // self._blocks[1])
+        return torch.arange(nkv, device=self.device)
+
+    def _write_rows(self, listed: Tensor) -> None:
+        """Makes ``listed`` (B, nkv) the current step's blocks, rewriting only the rows that
+        changed."""
+        changed = (listed != self._current_listed()).any(1).nonzero().view(-1)
+        self._listed = listed
+        if changed.numel() == 0:
+            self._kind = "reuse"
+            self.reuses += 1
+            return
+        self._write(changed, listed.index_select(0, changed))
+
+    def _write(self, changed: Tensor, rows: Tensor) -> None:
+        """Rewrites, in place, rows ``changed`` to list the blocks ``rows`` (k, nkv) as torch
+        lays them out: counts, then the listed blocks in order followed by the others in
+        order (torch's stable descending argsort), and the q side (one q block: index 0,
+        count 0 or 1)."""
         self._kind = "append"
         self.appends += 1
-        last = (offsets + (self.q_len - 1)).div_(self._blocks[1], rounding_mode="floor")
-        count = (last + 1).to(torch.int32).view(-1, 1, 1)
-        bm.kv_num_blocks.copy_(count.expand_as(bm.kv_num_blocks))
+        bm = self._block_mask
+        heads = bm.kv_num_blocks.shape[1]
+        k, nkv = rows.shape
+        as_int = rows.to(torch.int32)
+        counts = as_int.sum(1, dtype=torch.int32).view(k, 1, 1).expand(k, heads, 1)
+        order = torch.argsort(as_int, dim=1, descending=True, stable=True).to(torch.int32)
+        bm.kv_num_blocks.index_copy_(0, changed, counts)
+        bm.kv_indices.index_copy_(0, changed, order.view(k, 1, 1, nkv).expand(k, heads, 1, nkv))
         q_num_blocks = bm.q_num_blocks
         assert q_num_blocks is not None  # every BlockMask built here has its q side
-        columns = torch.arange(q_num_blocks.shape[-1], device=self.device)
-        q_num_blocks.copy_((columns < count).to(torch.int32).expand_as(q_num_blocks))
+        q_num_blocks.index_copy_(0, changed, as_int.view(k, 1, nkv).expand(k, heads, nkv))
+
+
+_AHEAD = 256
+"""Decode positions per row whose interval blocks are read from the mask in one call."""
+
+
+def _tree_of(mask: Mask) -> Tree | None:
+    """The tree of ``tree(...)`` or ``causal() & tree(...)`` (a tree's ancestors precede
+    their descendants, so causal changes nothing), else None."""
+    if isinstance(mask, Tree):
+        return mask
+    if isinstance(mask, And) and len(mask.children) == 2:
+        trees = [p for p in mask.children if isinstance(p, Tree)]
+        if len(trees) == 1 and any(p == causal() for p in mask.children):
+            return trees[0]
+    return None
 
 
 def speculative_tree(prefix_lens: Any, draft_parents: Any) -> Mask:
