@@ -632,13 +632,13 @@ class DecodeMasks:
         queries = offsets.view(-1, 1) + window
         found = self.mask.intervals_at(queries, rows, grid)
         assert found is not None  # has_intervals() was checked when the path was chosen
-        lo = found.lo.clamp(min=0)
-        hi = found.hi.clamp(max=self.capacity - 1)
+        # A piece's interval may broadcast (one for every row): each row gets its own here.
+        lo = found.lo.expand_as(queries).clamp(min=0)
+        hi = found.hi.expand_as(queries).clamp(max=self.capacity - 1)
         first = lo.div(kv_block, rounding_mode="floor").unsqueeze(-1)
         # An empty interval lists nothing, even where lo and hi share a block.
         last = torch.where(lo <= hi, hi.div(kv_block, rounding_mode="floor"), -1).unsqueeze(-1)
-        listed = (columns >= first) & (columns <= last)
-        return listed[:, 0] if self.q_len == 1 else listed.any(1)
+        return ((columns >= first) & (columns <= last)).any(1)
 
     def _move_ranges(self, new_lens: list[int]) -> None:
         """A decode step (q_len 1) of an interval mask: each row lists the blocks of one kv

@@ -97,6 +97,9 @@ def _cases(rng: random.Random, batch: int):
         ),
         ("padding", causal & flexmask.padding(lengths), padding_mod),
         ("prefix", causal | flexmask.prefix(37), prefix_mod),
+        # Shared intervals that broadcast over the rows (one for every row).
+        ("window alone", flexmask.sliding_window(7), lambda b, q, kv: (q - kv).abs() < 7),
+        ("prefix alone", flexmask.prefix(37), lambda b, q, kv: (kv < 37) & (q >= 0)),
         ("tree", flexmask.tree(parents), tree_mod),
         ("causal & tree", causal & flexmask.tree(parents), tree_mod),
     ]
