@@ -157,11 +157,14 @@ def million(repeat, ranks):
     print(
         f"\nS = 1M, W = 8, document-causal (64 documents), BLOCK_SIZE = 128, ranks {ranks}, "
         f"{repeat} rounds, shard and fresh write interleaved; load = 1-min load average "
-        f"before / after the row ({os.cpu_count()} cores)\n"
+        f"before / after the row ({os.cpu_count()} cores). Bytes: the fresh write touches "
+        f"each output byte once; the shard writes each output tensor once too (one "
+        f"index_select of template rows) and beside it the bytes its temporaries take "
+        f"(allocated less output MiB; the largest other op in parentheses)\n"
     )
     print(
-        "| balancer | output MiB | allocated MiB (largest op) | shard ms median | write ms "
-        "median | ratio median | shard ms min | write ms min | ratio min | load |"
+        "| balancer | output MiB | allocated MiB (largest other op) | shard ms median | fresh "
+        "write ms median | ratio median | shard ms min | fresh write ms min | ratio min | load |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, make in balancers:
@@ -192,8 +195,8 @@ def million(repeat, ranks):
         s_med, w_med = statistics.median(shard_t), statistics.median(write_t)
         s_min, w_min = min(shard_t), min(write_t)
         print(
-            f"| {name} | {written / 2**20:.0f} | {allocated:.0f} ({largest_other:.1f} besides "
-            f"the outputs) | {1e3 * s_med:.1f} | {1e3 * w_med:.1f} | {s_med / w_med:.2f} | "
+            f"| {name} | {written / 2**20:.0f} | {allocated:.0f} ({largest_other:.1f}) | "
+            f"{1e3 * s_med:.1f} | {1e3 * w_med:.1f} | {s_med / w_med:.2f} | "
             f"{1e3 * s_min:.1f} | {1e3 * w_min:.1f} | {s_min / w_min:.2f} | "
             f"{load_before:.1f} / {load_after:.1f} |",
             flush=True,
