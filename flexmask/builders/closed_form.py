@@ -34,6 +34,7 @@ and the tensors against torch's ``create_block_mask``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -198,7 +199,9 @@ def line_runs(runs: Runs, m: int) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, 
     return partial, full
 
 
-def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
+def ordered_sides(
+    mask: Mask, grid: BlockGrid, out: Sequence[Tensor] | None = None
+) -> tuple[Ordered, Ordered]:
     """Both sides' tensors (kv side per q block row, q side per kv block column), shaped
     ``(R, 1, n[, m])`` for R = B when the mask depends on the row, else 1.
 
@@ -209,26 +212,39 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     tail, so it must be torch's). Each tensor is runs laid end to end (``line_runs``),
     expanded in one pass (``write.expand_runs``): O(entries) with a small constant, no tile
     grid and no sort.
+
+    ``out``: the four index tensors to write instead of new ones (kv partial, q partial,
+    kv full, q full), each contiguous int32 ``(R, n, m)``: one head's slice of a larger
+    layout (``create._by_head``), written in place.
     """
     rows, _ = grid.reduced(mask)
     nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
     # The outputs first: allocated before the build's temporaries, they do not land on
     # memory the temporaries just returned to the system (fewer fresh pages on the CPU).
-    kv_p, q_p, kv_f, q_f = (
-        torch.empty((rows, n, m), dtype=torch.int32, device=dev)
-        for n, m in ((nq, nkv), (nkv, nq), (nq, nkv), (nkv, nq))
+    shapes = ((nq, nkv), (nkv, nq), (nq, nkv), (nkv, nq))
+    targets = (
+        [torch.empty((rows, n, m), dtype=torch.int32, device=dev) for n, m in shapes]
+        if out is None
+        else list(out)
     )
+    for target, (n, m) in zip(targets, shapes, strict=True):
+        if target.shape != (rows, n, m) or not target.is_contiguous():
+            raise ValueError(
+                f"out: each index tensor must be contiguous {(rows, n, m)}, got "
+                f"{tuple(target.shape)} with stride {target.stride()}"
+            )
+    kv_p, q_p, kv_f, q_f = targets
     runs = row_runs(mask, grid)
     cols = column_runs(runs, grid)
     (kv_ps, kv_pl), (kv_fs, kv_fl) = line_runs(Runs(*(t.reshape(-1) for t in runs)), nkv)
     (q_ps, q_pl), (q_fs, q_fl) = line_runs(Runs(*(t.reshape(-1) for t in cols)), nq)
-    for out, starts, lens in (
+    for target, starts, lens in (
         (kv_p, kv_ps, kv_pl),
         (q_p, q_ps, q_pl),
         (kv_f, kv_fs, kv_fl),
         (q_f, q_fs, q_fl),
     ):
-        expand_runs(out.view(-1), starts, lens)
+        expand_runs(target.view(-1), starts, lens)
     counts = (
         kv_pl[:, :2].sum(1, dtype=torch.int32).view(rows, 1, nq),
         q_pl[:, :2].sum(1, dtype=torch.int32).view(rows, 1, nkv),

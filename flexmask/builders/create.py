@@ -151,23 +151,44 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> Sides:
 
 def _by_head(mask: Mask, parts: tuple[tuple[Mask, ...], list[Tensor]], grid: BlockGrid) -> Sides:
     """A mask that is one of several masks on each head (``per_head``): each distinct mask
-    built once on its own path (the closed form where it has one), its tensors copied to
-    the heads that use it."""
+    that some head uses built once on its own path, and its tensors copied (broadcast over
+    the rows) into each of its heads' slices of torch's ``(rows, H, ...)`` layout — one
+    write of the output past the parts' own (was an ``index_select`` and an
+    ``index_copy_``: two). A part in closed form whose rows are the output's writes its
+    index tensors straight into its first head's slice when that slice is contiguous (one
+    row, or one head), and only its other heads are copies. The output is ordinary memory,
+    a storage per tensor, as torch's."""
     masks, heads = parts
     rows = grid.reduced(mask)[0]
-    built, refined = [], 0
-    for part in masks:
-        kv, q, part_refined = ordered_sides(part, grid)
-        built.append([*kv, *q])
+    nq, nkv = grid.num_q_blocks, grid.num_kv_blocks
+    shapes = ((nq,), (nq, nkv), (nq,), (nq, nkv), (nkv,), (nkv, nq), (nkv,), (nkv, nq))
+    out = [
+        torch.empty((rows, grid.heads, *shape), dtype=torch.int32, device=grid.device)
+        for shape in shapes
+    ]
+    refined = 0
+    for part, index in zip(masks, heads, strict=True):
+        head_list = index.tolist()
+        if not head_list:  # H shorter than the cycle: no head uses this mask
+            continue
+        first = out[1].select(1, head_list[0])
+        direct = (
+            part.has_monotone_intervals()
+            and grid.reduced(part)[0] == rows
+            and first.is_contiguous()
+        )
+        if direct:  # index tensors in order kv partial, q partial, kv full, q full
+            targets = [out[i].select(1, head_list[0]) for i in (1, 5, 3, 7)]
+            kv, q = closed_form.ordered_sides(part, grid, out=targets)
+            part_refined = 0
+        else:
+            kv, q, part_refined = ordered_sides(part, grid)
         refined += part_refined
-    out = []
-    for field in zip(*built, strict=True):
-        shape = (rows, grid.heads, *field[0].shape[2:])
-        tensor = torch.empty(shape, dtype=field[0].dtype, device=grid.device)
-        for part_tensor, index in zip(field, heads, strict=True):
-            index = index.to(grid.device)
-            tensor.index_copy_(1, index, part_tensor.expand(shape).index_select(1, index))
-        out.append(tensor)
+        for field, (target, source) in enumerate(zip(out, (*kv, *q), strict=True)):
+            for head in head_list:
+                if direct and field % 2 and head == head_list[0]:
+                    continue  # written in place
+                target.select(1, head).copy_(source.select(1, head if source.shape[1] > 1 else 0))
     return Sides(Ordered(*out[:4]), Ordered(*out[4:]), refined)
 
 
