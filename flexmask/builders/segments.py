@@ -75,16 +75,18 @@ def write_runs(out: Tensor, starts: Tensor, lens: Tensor) -> None:
     tile_of = where.div(w, rounding_mode="floor")
     cut = tile_of if total % w == 0 else torch.cat([tile_of, tile_of.new_tensor([tiles - 1])])
     cut = torch.unique(cut)  # sorted
-    rows = torch.ones((cut.numel(), w), dtype=torch.int32)
+    # The template: values 0..top-1, then the cut tiles, read as overlapping rows of w (row s
+    # is entries [s, s + w)): a whole tile starting at value v is row v (v + w <= top), cut
+    # tile j row top + j * w. Small (top + cut entries), each entry written in place.
+    top = max(top, w)
+    values = torch.empty(top + cut.numel() * w, dtype=torch.int32)
+    torch.arange(top, dtype=torch.int32, out=values[:top])
+    rows = values[top:].view(cut.numel(), w)
+    rows.fill_(1)
     rows[:, 0] = at_start.index_select(0, cut)
     at = torch.searchsorted(cut, tile_of).mul_(w).add_(where % w)
     rows.view(-1).index_add_(0, at, jump.to(torch.int32))
     rows.cumsum_(1)
-    # The template: values 0..top-1, then the cut tiles, read as overlapping rows of w (row s
-    # is entries [s, s + w)): a whole tile starting at value v is row v (v + w <= top), cut
-    # tile j row top + j * w. Small (top + cut entries); nothing is copied into it twice.
-    top = max(top, w)
-    values = torch.cat([torch.arange(top, dtype=torch.int32), rows.view(-1)])
     template = values.as_strided((values.numel() - w + 1, w), (1, 1))
     whole = total // w
     pick = at_start[:whole]
