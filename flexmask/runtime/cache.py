@@ -271,27 +271,10 @@ def _offset_key(offset: int | torch.Tensor) -> int | list[int]:
     return offset.view(-1).tolist() if isinstance(offset, torch.Tensor) else offset
 
 
-def key_of(mask: Mask, grid: BlockGrid) -> tuple:
-    """The cache key of ``mask`` built on ``grid``: shape signature and content, never identity."""
-    batch, heads = grid.reduced(mask)
-    device = torch.device(grid.device)
-    return (
-        batch,
-        heads,
-        grid.q_len,
-        grid.kv_len,
-        (grid.q_block, grid.kv_block),
-        (device.type, device.index),
-        mask.key,
-        _as_key(_offset_key(grid.q_offset)),
-        _as_key(_offset_key(grid.kv_offset)),
-        grid.row_offsets,  # equal per-row offsets give a mask_mod holding (B,) of them
-    )
-
-
 def spec_key(spec: Spec) -> tuple:
-    """The cache key of a spec, equal to ``key_of(spec.mask, spec.grid())`` but made from
-    its ints alone: no grid, no tensor (what a cache hit costs)."""
+    """The cache key of a spec: shape signature (B and H reduced to 1 where the mask and
+    the window ignore them, as ``grid_for_key`` builds), the mask's content key and the
+    window, made from the spec's ints alone: no grid, no tensor (what a cache hit costs)."""
     device = torch.device(check_device(spec.device, spec.mask.device))
     q_offset, kv_offset = spec.q_offset, spec.kv_offset
     # As BlockGrid.make: offsets per row for one side are per row for both.
@@ -313,10 +296,6 @@ def spec_key(spec: Spec) -> tuple:
         kv_offset,
         row_offsets,
     )
-
-
-def _as_key(offset: int | list[int]) -> int | tuple[int, ...]:
-    return tuple(offset) if isinstance(offset, list) else offset
 
 
 _default: MaskCache | None = None
