@@ -138,9 +138,9 @@ def block_sparse_attention(
         memory_budget: bytes of probabilities kept for the backward when ``recompute`` is
             None (default 256 MiB).
         max_chunk_elements: bound on the number of scores one group (chunk) of q blocks
-            holds (``B x Hq x rows x columns``): batch rows and kv heads are split into
-            separate calls where one q block would exceed it; one q block of one batch row
-            and kv head is never split, so that much may exceed it.
+            holds (``B x Hq x rows x columns``): a group runs a part of the (batch row,
+            kv head) pairs where one q block over all of them would exceed it; one q block
+            of one batch row and kv head is never split, so that much may exceed it.
         backend: ``"sparse"`` runs the block-sparse kernel; ``"sdpa"`` builds the dense bool
             mask the BlockMask means (``mask_mod`` evaluated on partial blocks only) and calls
             ``scaled_dot_product_attention``; ``"auto"`` (default) picks SDPA where it is

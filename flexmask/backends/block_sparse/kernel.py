@@ -11,9 +11,9 @@ forward of activation checkpointing. So this kernel
   of its products), and the group is one batched matmul over (batch, kv head, q block) with
   the G query heads of a kv head stacked as rows. No product is spent on an unlisted block.
 * **masks once, with one pass**: a group whose blocks are all full and inside ``KV_LEN`` takes
-  no mask at all; otherwise one bool mask (full blocks, ``mask_mod`` on partial ones, the
-  ``KV_LEN`` edge) is built at the mask's own batch/head size and applied by one
-  ``masked_fill_``. Softmax is torch's fused one, in place, after one ``max`` that also gives
+  no mask at all; otherwise one bool mask per run of columns that need one (full blocks,
+  ``mask_mod`` on partial ones, the ``KV_LEN`` edge) is built at the mask's own batch/head
+  size and applied by one ``masked_fill_``: full blocks between them take none. Softmax is torch's fused one, in place, after one ``max`` that also gives
   the lse; rows with no key (rare) take one more pass: their ``lse`` is ``-inf``, output 0.
 * **reads and writes views where it can**: a group of one q block whose kv blocks are one
   run (most groups of document, window and causal masks) multiplies views of the inputs,
@@ -46,9 +46,11 @@ class Group(NamedTuple):
     blocks: Tensor  # (n,) q block indices, long
     columns: Tensor  # (n, W) kv block indices per q block, ascending, long
     kinds: Tensor  # (Bm, Hkv | 1, G | 1, n, W) int8 block kinds at those positions
-    # Positions [first, stop) among the W columns that need a mask (a partial block, one
-    # absent for some batch/head, or the ragged last block); None when none does.
-    mask_span: tuple[int, int] | None
+    # Runs [first, stop) of the positions among the W columns that need a mask (a partial
+    # block, one absent for some batch/head, or the ragged last block); empty when none does.
+    # Apart, not one span: a document's or window's row needs its first and last block
+    # masked, and the full blocks between them no mask at all.
+    mask_spans: tuple[tuple[int, int], ...]
     # The pairs [first, stop) of (batch row, kv head), numbered b * Hkv + h, this group runs.
     pairs: tuple[int, int]
     # (q block, first kv block) when the group is one q block whose columns are one run:
@@ -128,15 +130,25 @@ def make_groups(kinds: Tensor, layout: Layout, max_elements: int) -> list[Group]
                 needs_mask |= ~uniform[part[:, None], columns]
             if ragged:
                 needs_mask |= columns == num_kv_blocks - 1
-            positions = needs_mask.any(dim=0).nonzero().flatten().tolist()
-            span = (positions[0], positions[-1] + 1) if positions else None
+            spans = _runs(needs_mask.any(dim=0).nonzero().flatten().tolist())
             single = None
             if part.numel() == 1 and int(columns[0, -1] - columns[0, 0]) == width - 1:
                 single = (int(part[0]), int(columns[0, 0]))
             for first in range(0, num_pairs, pair_step):
                 pairs = (first, min(num_pairs, first + pair_step))
-                groups.append(Group(part, columns, group_kinds, span, pairs, single))
+                groups.append(Group(part, columns, group_kinds, spans, pairs, single))
     return groups
+
+
+def _runs(positions: list[int]) -> tuple[tuple[int, int], ...]:
+    """Ascending positions as runs ``[first, stop)`` of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for position in positions:
+        if runs and runs[-1][1] == position:
+            runs[-1] = (runs[-1][0], position + 1)
+        else:
+            runs.append((position, position + 1))
+    return tuple(runs)
 
 
 def pair_indices(group: Group, layout: Layout, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -246,13 +258,18 @@ def _softmax_(scores: Tensor) -> tuple[Tensor, Tensor]:
     return probs, lse
 
 
-def _refused(group: Group, layout: Layout, source: MaskSource) -> Tensor:
-    """The group's bool mask of refused pairs over its mask span, broadcastable to the scores
-    viewed as (p, n, G, Q_BLOCK, span * KV_BLOCK); built at the mask's own batch/head size.
-    Absent blocks, ``mask_mod`` (or the intervals) on partial ones, and kv tokens past
+def _refused(group: Group, layout: Layout, source: MaskSource) -> list[Tensor]:
+    """The group's bool masks of refused pairs, one per mask span, each broadcastable to the
+    scores viewed as (p, n, G, Q_BLOCK, span * KV_BLOCK); built at the mask's own batch/head
+    size. Absent blocks, ``mask_mod`` (or the intervals) on partial ones, and kv tokens past
     ``KV_LEN`` are refused."""
-    assert group.mask_span is not None
-    first, stop = group.mask_span
+    return [_refused_span(group, first, stop, layout, source) for first, stop in group.mask_spans]
+
+
+def _refused_span(
+    group: Group, first: int, stop: int, layout: Layout, source: MaskSource
+) -> Tensor:
+    """:func:`_refused` over the columns [first, stop)."""
     span = group._replace(columns=group.columns[:, first:stop], kinds=group.kinds[..., first:stop])
     n, width = span.columns.shape
     kv_tokens = span.columns[:, :, None] * layout.kv_block + torch.arange(layout.kv_block)
@@ -286,15 +303,14 @@ def _refused(group: Group, layout: Layout, source: MaskSource) -> Tensor:
 
 
 def _masked_scores(
-    queries: Tensor, keys: Tensor, refused: Tensor | None, group: Group, layout: Layout
+    queries: Tensor, keys: Tensor, refused: list[Tensor], group: Group, layout: Layout
 ) -> Tensor:
     """Scores of a group, (p * n, G * Q_BLOCK, W * KV_BLOCK), refused pairs at -inf."""
     scores = torch.bmm(queries, keys.transpose(1, 2))
-    if refused is not None and group.mask_span is not None:
-        first, stop = group.mask_span
-        n = group.blocks.numel()
-        view = scores.view(-1, n, layout.group, layout.q_block, scores.size(-1))
-        view[..., first * layout.kv_block : stop * layout.kv_block].masked_fill_(refused, -math.inf)
+    n = group.blocks.numel()
+    view = scores.view(-1, n, layout.group, layout.q_block, scores.size(-1))
+    for (first, stop), mask in zip(group.mask_spans, refused, strict=True):
+        view[..., first * layout.kv_block : stop * layout.kv_block].masked_fill_(mask, -math.inf)
     return scores
 
 
@@ -307,7 +323,7 @@ def forward(
     mask_fn: MaskSource,
     save_budget: int,
     workers: int = 1,
-) -> tuple[Tensor, Tensor, list[Tensor | None], list[Tensor | None]]:
+) -> tuple[Tensor, Tensor, list[Tensor | None], list[list[Tensor] | None]]:
     """Output and lse in the blocked layouts, with the probabilities and masks kept per group
     while they fit ``save_budget`` bytes (None where they will be rebuilt).
 
@@ -321,7 +337,7 @@ def forward(
     out = q_blocks.new_zeros(batch, kv_heads, group, num_q_blocks, q_block, v_blocks.size(-1))
     lse = q_blocks.new_full((batch, kv_heads, group, num_q_blocks, q_block, 1), -math.inf)
     saved_probs: list[Tensor | None] = [None] * len(groups)
-    saved_masks: list[Tensor | None] = [None] * len(groups)
+    saved_masks: list[list[Tensor] | None] = [None] * len(groups)
     # Which groups keep their probabilities is decided up front, in group order, so it does
     # not depend on which thread finishes first; masks of the others share what is left.
     element_size = q_blocks.element_size()
@@ -337,13 +353,13 @@ def forward(
         queries = _rows(q_blocks, g)
         keys = _columns(k_blocks, g)
         values = _columns(v_blocks, g)
-        refused = None if g.mask_span is None else _refused(g, layout, mask_fn)
+        refused = _refused(g, layout, mask_fn)
         probs, group_lse = _softmax_(_masked_scores(queries, keys, refused, g, layout))
         _put_product(out, g, probs, values)
         _put_rows(lse, g, group_lse)
         if keep_probs[index]:
             saved_probs[index] = probs
-        elif refused is not None and mask_budget.take(refused.numel()):
+        elif refused and mask_budget.take(sum(mask.numel() for mask in refused)):
             saved_masks[index] = refused
 
     run_groups(one, [scores_numel(g, layout) for g in groups], workers, "forward")
@@ -362,7 +378,7 @@ def backward(
     layout: Layout,
     mask_fn: MaskSource,
     saved_probs: list[Tensor | None],
-    saved_masks: list[Tensor | None],
+    saved_masks: list[list[Tensor] | None],
     workers: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of the scaled query, key and value blocks (same layouts as the inputs).
@@ -397,7 +413,7 @@ def backward(
         keys = _columns(k_blocks, g)
         values = _columns(v_blocks, g)
         if probs is None:
-            if refused is None and g.mask_span is not None:
+            if refused is None:
                 refused = _refused(g, layout, mask_fn)
             probs = _masked_scores(queries, keys, refused, g, layout)
             probs.sub_(_rows(safe_lse, g)).exp_()
@@ -471,8 +487,8 @@ class BlockSparseFunction(torch.autograd.Function):
     ) -> tuple[Tensor | None, ...]:
         q_blocks, k_blocks, v_blocks, out, lse = ctx.saved_tensors
         # Kept probabilities serve one backward; a second one (retain_graph) rebuilds them.
-        none: list[Tensor | None] = [None] * len(ctx.groups)
-        probs, masks = ctx.probs or none, ctx.masks or list(none)
+        probs = ctx.probs or [None] * len(ctx.groups)
+        masks = ctx.masks or [None] * len(ctx.groups)
         ctx.probs = ctx.masks = None
         if grad_lse is not None and not bool(grad_lse.any()):
             grad_lse = None
