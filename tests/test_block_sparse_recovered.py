@@ -155,10 +155,16 @@ def per_head_window(b, h, q_idx, kv_idx):
     return (q_idx >= kv_idx) & ((h == 0) | (q_idx - kv_idx < 5))
 
 
-@pytest.mark.parametrize("mask_mod", [every_third_refused, per_head_window])
+def sinks_and_window(b, h, q_idx, kv_idx):
+    # Each block holds one run, but a row's runs in two partial blocks leave a gap between.
+    return (kv_idx < 20) | ((q_idx >= kv_idx) & (q_idx - kv_idx < 20))
+
+
+@pytest.mark.parametrize("mask_mod", [every_third_refused, per_head_window, sinks_and_window])
 def test_rows_that_are_not_intervals_leave_mask_mod_to_decide(monkeypatch, mask_mod):
-    """Gaps inside a partial block, or intervals that differ per head under head-broadcast
-    lists: no bounds, mask_mod is called by the groups, and the result is still exact."""
+    """Gaps inside a partial block or between two, or intervals that differ per head under
+    head-broadcast lists: no bounds, mask_mod is called by the groups, and the result is
+    still exact."""
     block_mask = create_block_mask(mask_mod, None, None, 170, 170, device="cpu", BLOCK_SIZE=32)
     called = []
     group_mask_fn = grouped.group_mask_fn

@@ -220,10 +220,15 @@ def recovered_bounds(plan: Plan, mod_eval: str) -> kernel.Bounds | None:
             )
             size = allowed.size(0)
         allowed = allowed.expand(size, tiles, plan.q_block, plan.kv_block)
+        lo_tile = torch.where(allowed, kv_at, beyond).amin(dim=-1)  # (rows, tiles, Q_BLOCK)
+        hi_tile = torch.where(allowed, kv_at, -1).amax(dim=-1)
+        count_tile = allowed.sum(dim=-1)
+        if not bool(((count_tile == 0) | (count_tile == hi_tile - lo_tile + 1)).all()):
+            return None  # a gap inside one block: no interval (found before reading the rest)
         index = tile_rows.view(1, tiles, 1).expand(size, tiles, plan.q_block)
-        lo.scatter_reduce_(1, index, torch.where(allowed, kv_at, beyond).amin(dim=-1), "amin")
-        hi.scatter_reduce_(1, index, torch.where(allowed, kv_at, -1).amax(dim=-1), "amax")
-        allowed_count.index_add_(1, tile_rows, allowed.sum(dim=-1))
+        lo.scatter_reduce_(1, index, lo_tile, "amin")
+        hi.scatter_reduce_(1, index, hi_tile, "amax")
+        allowed_count.index_add_(1, tile_rows, count_tile)
     # The interval's size on the query's partial blocks (inside KV_LEN), block by block.
     here = (kinds[:, 0, 0, rows, cols] == PARTIAL)[:, :, None]  # (Bm, count, 1)
     first = (cols * plan.kv_block).view(1, count, 1)
