@@ -275,20 +275,27 @@ def ordered_from_codes(codes: Tensor) -> tuple[Ordered, Ordered]:
     if codes.numel() == 0 or exporting():
         return ordered_from_flags(codes == PARTIAL, codes == FULL)
     grid = codes.reshape(-1, *codes.shape[-2:])
-    kv_runs, q_runs = _kv_runs(grid), _q_runs(grid)
+    return _side(_kv_runs(grid), codes, codes.shape), q_side_from_codes(codes)
+
+
+def q_side_from_codes(codes: Tensor) -> Ordered:
+    """torch's q side alone (per kv block column) from final tile codes ``(R, Hh, nq, nkv)``
+    (contiguous, not empty): the runs down the columns found on the codes as they lie
+    (``_q_runs``); for builds whose kv side comes from runs already (``unions``)."""
+    if exporting():
+        flipped = codes.transpose(-2, -1).contiguous()
+        return Ordered(*ordered_lines(flipped == PARTIAL), *ordered_lines(flipped == FULL))
     q_shape = torch.Size((*codes.shape[:-2], codes.shape[-1], codes.shape[-2]))
+    runs = _q_runs(codes.reshape(-1, *codes.shape[-2:]))
+    return _side(runs, codes.transpose(-2, -1), q_shape)
 
-    def side(runs: _Runs | None, codes: Tensor, shape: torch.Size) -> Ordered:
-        if runs is None:  # many short runs: ranked column by column
-            return Ordered(*_ranked(codes == PARTIAL), *_ranked(codes == FULL))
-        return Ordered(
-            *_listed_from_runs(runs, PARTIAL, shape), *_listed_from_runs(runs, FULL, shape)
-        )
 
-    return (
-        side(kv_runs, codes, codes.shape),
-        side(q_runs, codes.transpose(-2, -1), q_shape),
-    )
+def _side(runs: _Runs | None, codes: Tensor, shape: torch.Size) -> Ordered:
+    """One side's tensors from its runs of codes (lines along ``shape[-1]``; ``codes`` as
+    that side reads them), or ranked column by column where the runs were many (None)."""
+    if runs is None:
+        return Ordered(*_ranked(codes == PARTIAL), *_ranked(codes == FULL))
+    return Ordered(*_listed_from_runs(runs, PARTIAL, shape), *_listed_from_runs(runs, FULL, shape))
 
 
 def ordered_from_flags(partial: Tensor, full: Tensor) -> tuple[Ordered, Ordered]:

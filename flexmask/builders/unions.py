@@ -60,8 +60,9 @@ import torch
 from torch import Tensor
 
 from flexmask.algebra.mask import Mask, Or
+from flexmask.blocks.codes import CODE_DTYPE, codes_from
 from flexmask.blocks.grid import BlockGrid
-from flexmask.blocks.write import Ordered, expand_runs
+from flexmask.blocks.write import Ordered, expand_runs, exporting, q_side_from_codes
 from flexmask.builders.closed_form import clipped, special_blocks
 
 # Larger than any position: the neutral value of a min over non-attending queries; the sum
@@ -223,16 +224,51 @@ def union_row_runs(
     first and last query, and over every query of the blocks where an operand starts or
     stops attending (``closed_form.special_blocks``: at most two per operand). Full runs
     are torch's (complete tiles), or with ``in_range`` those of in-range codes
-    (``closed_form.row_runs``)."""
+    (``closed_form.row_runs``).
+
+    ``queries``: both operands' intervals at every query (``_queries``), when the caller
+    has them; else only those edge queries and the special blocks' are evaluated (as
+    ``closed_form.row_runs`` does: O(rows x blocks), not O(rows x queries))."""
     nq, qb = grid.num_q_blocks, grid.q_block
-    lo, hi = (t.view(2, rows, nq, qb) for t in (queries or _queries(a, b, grid, rows)))
-    edges = lo[..., [0, -1]], hi[..., [0, -1]]
-    special = _special(edges, grid.kv_offset)
-    index = special[None, :, :, None].expand(2, -1, -1, qb)
-    reduced = _lines(edges, (lo.gather(2, index), hi.gather(2, index)), special)
+    if queries is not None:
+        lo, hi = (t.view(2, rows, nq, qb) for t in queries)
+        edges = lo[..., [0, -1]], hi[..., [0, -1]]
+        special = _special(edges, grid.kv_offset)
+        index = special[None, :, :, None].expand(2, -1, -1, qb)
+        inside = lo.gather(2, index), hi.gather(2, index)
+    else:
+        edges, special, inside = _edge_queries(a, b, grid, rows)
+    reduced = _lines(edges, inside, special)
     if in_range:
         return _line_runs(reduced, False, grid.kv_offset, grid.kv_block, grid.kv_len)
     return _line_runs(reduced, grid.q_len % qb != 0, grid.kv_offset, grid.kv_block)
+
+
+def _edge_queries(
+    a: Mask, b: Mask, grid: BlockGrid, rows: int
+) -> tuple[tuple[Tensor, Tensor], Tensor, tuple[Tensor, Tensor]]:
+    """Both operands' clipped intervals at each q block's first and last query (``edges``,
+    each ``(2, R, nq, 2)``), the special blocks ``(R, s)`` they give (``_special``), and
+    the intervals at every query of those blocks (``inside``, each ``(2, R, s, q_block)``;
+    past ``Q_LEN`` the last query repeats, as in ``_queries``)."""
+    nq, qb, dev = grid.num_q_blocks, grid.q_block, grid.device
+    first_q = grid.q_first.view(-1, nq).expand(rows, nq)  # per-row offsets: (B, nq)
+    last_q = grid.q_last.view(-1, nq).expand(rows, nq)
+    row = torch.arange(rows, device=dev).view(rows, 1)
+    q_idx = torch.cat([first_q, last_q], 1)
+
+    def both(q: Tensor) -> tuple[Tensor, Tensor]:
+        (lo_a, hi_a), (lo_b, hi_b) = clipped(a, q, row, grid), clipped(b, q, row, grid)
+        return torch.stack([lo_a, lo_b]), torch.stack([hi_a, hi_b])
+
+    edges = tuple(t.view(2, rows, 2, nq).transpose(-1, -2) for t in both(q_idx))
+    special = _special((edges[0], edges[1]), grid.kv_offset)
+    count = special.shape[1]
+    inside_q = first_q.gather(1, special).unsqueeze(-1) + torch.arange(qb, device=dev)
+    q_end = grid.q_end.view(-1, 1, 1) if isinstance(grid.q_end, Tensor) else grid.q_end
+    inside_q = inside_q.clamp_(max=q_end - 1).view(rows, count * qb)
+    inside = tuple(t.view(2, rows, count, qb) for t in both(inside_q))
+    return (edges[0], edges[1]), special, (inside[0], inside[1])
 
 
 def _transposed(lo: Tensor, hi: Tensor, grid: BlockGrid) -> tuple[Callable, Tensor]:
@@ -292,6 +328,33 @@ def union_column_runs(
     return _line_runs(reduced, grid.kv_len % kb != 0, grid.q_offset, grid.q_block)
 
 
+class _Segments(NamedTuple):
+    """Each line cut at its runs' ends into nine segments ``(N, 9)``, each wholly in or
+    out of every run: where each starts, how long it is, and whether its blocks are
+    listed partial or full (``listed``, ``(2, N, 9)``; neither: unlisted)."""
+
+    start: Tensor
+    length: Tensor
+    listed: Tensor
+
+
+def _segments(starts: Tensor, stops: Tensor, ends: int | Tensor) -> _Segments:
+    """The segments of lines given by their runs (``ordered_runs`` says how)."""
+    n = starts.shape[0]
+    points = torch.cat([starts, stops], 1).clamp_(min=0)
+    points = points.clamp_(max=ends) if isinstance(ends, int) else points.minimum(ends)
+    points = points.sort(1).values
+    line_end = points.new_full((n, 1), ends) if isinstance(ends, int) else ends
+    seg_start = torch.cat([points.new_zeros(n, 1), points], 1)
+    seg_len = torch.cat([points, line_end], 1) - seg_start
+    x = seg_start.unsqueeze(-1)
+    inside = (starts.unsqueeze(1) <= x) & (x < stops.unsqueeze(1))  # (N, 9, 4)
+    # Elementwise ors: torch's CPU `any` over a dimension of 2 costs several times more.
+    full = inside[..., 2] | inside[..., 3]
+    listed = torch.stack([(inside[..., 0] | inside[..., 1]) & ~full, full])  # (2, N, 9)
+    return _Segments(seg_start, seg_len, listed)
+
+
 def ordered_runs(
     starts: Tensor, stops: Tensor, ends: int | Tensor, out: Sequence[Tensor]
 ) -> list[Tensor]:
@@ -306,18 +369,13 @@ def ordered_runs(
     of the segments by "listed first" is torch's order, and each tensor's segments are
     expanded in one pass (``write.expand_runs``).
     """
-    n = starts.shape[0]
-    points = torch.cat([starts, stops], 1).clamp_(min=0)
-    points = points.clamp_(max=ends) if isinstance(ends, int) else points.minimum(ends)
-    points = points.sort(1).values
-    line_end = points.new_full((n, 1), ends) if isinstance(ends, int) else ends
-    seg_start = torch.cat([points.new_zeros(n, 1), points], 1)
-    seg_len = torch.cat([points, line_end], 1) - seg_start
-    x = seg_start.unsqueeze(-1)
-    inside = (starts.unsqueeze(1) <= x) & (x < stops.unsqueeze(1))  # (N, 9, 4)
-    # Elementwise ors: torch's CPU `any` over a dimension of 2 costs several times more.
-    full = inside[..., 2] | inside[..., 3]
-    listed = torch.stack([(inside[..., 0] | inside[..., 1]) & ~full, full])  # (2, N, 9)
+    return _write_segments(_segments(starts, stops, ends), out)
+
+
+def _write_segments(segments: _Segments, out: Sequence[Tensor]) -> list[Tensor]:
+    """``ordered_runs`` from the lines' segments."""
+    seg_start, seg_len, listed = segments
+    n = seg_start.shape[0]
     counts = (seg_len * listed).sum(-1, dtype=torch.int32)
     order = (~listed).to(torch.int8).argsort(dim=-1, stable=True)
     lines = [t.numel() // t.shape[-1] if t.numel() else 0 for t in out]
@@ -334,19 +392,64 @@ def ordered_runs(
 
 
 def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
-    """Both sides' tensors of a union ``union_operands`` accepts, shaped ``(R, 1, n[, m])``."""
+    """Both sides' tensors of a union ``union_operands`` accepts, shaped ``(R, 1, n[, m])``.
+
+    The kv side from the block rows' runs (``union_row_runs``, from the edge queries and
+    the special blocks' only); the q side from the tile codes those runs give, one byte a
+    tile written segment by segment, read down the columns (``write.q_side_from_codes``):
+    no interval is evaluated at every query. Under ``torch.export`` (whose shapes must not
+    follow values) both sides come from runs (``_union_sides_by_columns``)."""
     operands = union_operands(mask)
     assert operands is not None  # callers check union_operands(mask)
+    if exporting():
+        return _union_sides_by_columns(*operands, grid, grid.reduced(mask)[0])
     rows, _ = grid.reduced(mask)
     nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
     # The outputs first (closed_form.ordered_sides says why).
+    kv_p, kv_f = (torch.empty((rows, nq, nkv), dtype=torch.int32, device=dev) for _ in range(2))
+    runs = union_row_runs(*operands, grid, rows)
+    segments = _segments(runs.starts.view(-1, 4), runs.stops.view(-1, 4), nkv)
+    codes = _codes(segments, rows * nq * nkv).view(rows, 1, nq, nkv)
+    kv_pn, kv_fn = _write_segments(segments, (kv_p, kv_f))
+    q = q_side_from_codes(codes)
+    return (
+        Ordered(
+            kv_pn.view(rows, 1, nq), kv_p.unsqueeze(1), kv_fn.view(rows, 1, nq), kv_f.unsqueeze(1)
+        ),
+        q,
+    )
+
+
+def _codes(segments: _Segments, total: int) -> Tensor:
+    """The int8 tile codes of lines laid end to end (``total`` tiles) from their segments:
+    each segment's code less the one before it (in the order the segments are laid, over
+    all the lines) added where it begins, and a running sum — two passes over one byte a
+    tile. Empty segments add and take back their jump at the same place, and those at the
+    very end jump nowhere."""
+    partial, full = segments.listed
+    code = codes_from(partial | full, full).view(-1)
+    length = segments.length.view(-1)
+    first = length.cumsum(0).sub_(length)
+    jump = torch.diff(code, prepend=code.new_zeros(1))
+    out = torch.zeros(total, dtype=CODE_DTYPE, device=code.device)
+    out.scatter_add_(0, first.clamp(max=total - 1), jump.masked_fill_(first >= total, 0))
+    return out.cumsum_(0)
+
+
+def _union_sides_by_columns(
+    a: Mask, b: Mask, grid: BlockGrid, rows: int
+) -> tuple[Ordered, Ordered]:
+    """Both sides from runs: the rows' (``union_row_runs``) and the columns' from the
+    intervals at every query (``union_column_runs``), written together (``ordered_runs``):
+    nothing whose shape follows values, so ``torch.export`` traces it."""
+    nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
     kv_p, q_p, kv_f, q_f = (
         torch.empty((rows, n, m), dtype=torch.int32, device=dev)
         for n, m in ((nq, nkv), (nkv, nq), (nq, nkv), (nkv, nq))
     )
-    queries = _queries(*operands, grid, rows)
-    runs = union_row_runs(*operands, grid, rows, queries)
-    cols = union_column_runs(*operands, grid, rows, queries)
+    queries = _queries(a, b, grid, rows)
+    runs = union_row_runs(a, b, grid, rows, queries)
+    cols = union_column_runs(a, b, grid, rows, queries)
     # Both sides' lines as one list: kv-side rows of nkv blocks, then q-side columns of nq.
     starts, stops = (
         torch.cat([r.view(-1, 4), c.view(-1, 4)]) for r, c in zip(runs, cols, strict=True)
