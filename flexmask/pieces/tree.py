@@ -73,7 +73,22 @@ class Tree(Piece):
 
         Past the tree, rank = position and end = 0: such a kv is nobody's ancestor and such
         a q has a rank beyond every subtree, so neither attends.
+
+        The last length's pair is kept with the device copies (``_placed``, never pickled):
+        a build reads them twice (its mask_mod and its tiles), and a re-build again. Read
+        only: the BlockMask's mask_mod holds them.
         """
+        names = (f"lookup rank {length}", f"lookup end {length}")
+        rank, end = (self._placed.get((name, device)) for name in names)
+        if rank is not None and end is not None:
+            return rank, end
+        for stale in [k for k in self._placed if k[0].startswith("lookup ")]:
+            del self._placed[stale]  # one length kept: memory stays O(tree)
+        rank, end = self._make_lookups(length, device)
+        self._placed[(names[0], device)], self._placed[(names[1], device)] = rank, end
+        return rank, end
+
+    def _make_lookups(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
         rows = len(self.parents)
         rank = torch.arange(length + 1, dtype=torch.int32).repeat(rows, 1)
         end = torch.zeros(rows, length + 1, dtype=torch.int32)
@@ -169,10 +184,18 @@ class Tree(Piece):
         q_ranks = blocks(rank, q_first, q_end, nq, q_block, -1)
         max_q_all = q_ranks.amax(-1)
         q_in = (q_ranks >= 0) & (q_ranks < sizes.view(-1, 1, 1))
-        min_q = torch.where(q_in, q_ranks, big).amin(-1)
         max_q = torch.where(q_in, q_ranks, -1).amax(-1)
+        # The least rank of the block's tokens (padding aside). Past the tree a rank is the
+        # position, above every rank in it: where the block holds tokens of the tree this
+        # is the least of theirs, and where it holds none it is >= the tree's size, past
+        # every subtree's end (no tile of it is non-empty) — so it serves as both.
+        full_min_q = (
+            q_ranks.amin(-1)
+            if nq * q_block == grid.q_len
+            else blocks(rank, q_first, q_end, nq, q_block, big).amin(-1)
+        )
+        min_q = full_min_q
         q_run = (max_q - min_q + 1 == q_in.sum(-1, dtype=torch.int32)) | (max_q < 0)
-        full_min_q = torch.where(q_ranks >= 0, q_ranks, big).amin(-1)
         # Tiles: a few passes over (R, nq, nkv).
         full = torch.le(max_rank_all.view(rows, 1, nkv), full_min_q.view(rows, nq, 1))
         full &= torch.gt(min_end_all.view(rows, 1, nkv), max_q_all.view(rows, nq, 1))
