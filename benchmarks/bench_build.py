@@ -21,6 +21,9 @@ pages where the allocator maps them: at 131k B=8 it is most of any build's cost)
 write" is the build over it. "vs document-causal" is the build over the document-causal closed
 form of the same shape (B, H, S), measured in the same run (always measured, also when
 ``--masks`` leaves it out); each row's line also prints the load average when it finished.
+Each row calls its build, the document-causal build and the fresh write in turn (at least
+5 rounds), so a change of load on a shared machine falls on all three: both ratios are
+given of the minimums and of the medians.
 "ops" counts the torch operator calls of one build (views included) and "ops x small op" is
 that count times one call on a one-element tensor measured in the same run: a lower bound
 on any build made of that many eager torch calls, whatever their size.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -148,29 +152,40 @@ def write_floor(B: int, H: int, nq: int, nkv: int, repeat: int) -> float:
     return best_time(write, repeat=max(repeat, 20))
 
 
-def fresh_write(B: int, H: int, nq: int, nkv: int, repeat: int) -> float:
-    """Best time to allocate and fill torch's eight BlockMask tensors of a build's shape
-    (four counts, four indices, int32) as a build allocates them: whatever pages the
-    allocator hands out (at 131k B=8, 32 MiB each, fresh ones from the OS)."""
+def fresh_write_once(B: int, H: int, nq: int, nkv: int) -> None:
+    """Allocates and fills torch's eight BlockMask tensors of a build's shape (four counts,
+    four indices, int32) once, as a build allocates them: whatever pages the allocator
+    hands out (at 131k B=8, 32 MiB each, fresh ones from the OS)."""
+    with cpu_threads(torch.device("cpu")):  # the builds' thread count
+        out = [
+            torch.empty(shape, dtype=torch.int32).fill_(1)
+            for shape in (
+                (B, H, nq),
+                (B, H, nq, nkv),
+                (B, H, nkv),
+                (B, H, nkv, nq),
+                (B, H, nq),
+                (B, H, nq, nkv),
+                (B, H, nkv),
+                (B, H, nkv, nq),
+            )
+        ]
+        del out
 
-    def write() -> None:
-        with cpu_threads(torch.device("cpu")):  # the builds' thread count
-            out = [
-                torch.empty(shape, dtype=torch.int32).fill_(1)
-                for shape in (
-                    (B, H, nq),
-                    (B, H, nq, nkv),
-                    (B, H, nkv),
-                    (B, H, nkv, nq),
-                    (B, H, nq),
-                    (B, H, nq, nkv),
-                    (B, H, nkv),
-                    (B, H, nkv, nq),
-                )
-            ]
-            del out
 
-    return best_time(write, repeat=max(repeat, 5))
+def interleaved(fns: list[Callable[[], Any]], repeat: int) -> list[list[float]]:
+    """Wall times of ``repeat`` rounds, each calling every one of ``fns`` in turn (after one
+    warm-up round): on a shared machine a change of load falls on all of them, so their
+    ratios (of minimums, of medians) compare like with like."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, out in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return times
 
 
 class _CountOps(TorchDispatchMode):
@@ -249,6 +264,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             "fresh write",
             "vs fresh write",
             "vs document-causal",
+            "vs doc-causal (medians)",
+            "vs fresh write (medians)",
             "ops",
             "ops × small op",
         ],
@@ -273,6 +290,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                 fmt_time(r.get("fresh_s")),
                 ratio(r["flexmask_s"], r.get("fresh_s")),
                 ratio(r["flexmask_s"], r.get("document_s")),
+                ratio(r.get("flexmask_median_s"), r.get("document_median_s")),
+                ratio(r.get("flexmask_median_s"), r.get("fresh_median_s")),
                 f"{r['ops']:,}" if "ops" in r else "—",
                 fmt_time(r.get("ops_s")),
             ]
@@ -355,21 +374,26 @@ def main() -> None:
                 def build(m: flexmask.Mask = mask, B: int = B, H: int = H, S: int = S) -> None:
                     flexmask.create_block_mask(m, B, H, S, S, "cpu")
 
-                ours = best_time(build, repeat=repeat)
-                if H not in document_s:
-                    document_s[H] = (
-                        ours
-                        if name == "document-causal"
-                        else best_time(
-                            lambda d=cases["document-causal"], B=B, H=H, S=S: (
-                                flexmask.create_block_mask(d, B, H, S, S, "cpu")
-                            ),
-                            repeat=repeat,
-                        )
-                    )
+                def document(
+                    d: flexmask.Mask = cases["document-causal"], B: int = B, H: int = H, S: int = S
+                ) -> None:
+                    flexmask.create_block_mask(d, B, H, S, S, "cpu")
+
+                def write(
+                    B: int = B,
+                    H: int = H,
+                    nq: int = grid.num_q_blocks,
+                    nkv: int = grid.num_kv_blocks,
+                ) -> None:
+                    fresh_write_once(B, H, nq, nkv)
+
+                # The build, the document-causal build and the fresh write in turn, so a
+                # change of load falls on all three: ratios of minimums and of medians.
+                times = interleaved([build, document, write], repeat=max(repeat, 5))
+                ours, document_s[H], fresh = (min(t) for t in times)
+                ours_median, document_median, fresh_median = (statistics.median(t) for t in times)
                 ours_mem, _ = peak_extra_bytes(build)
                 floor = write_floor(B, H, grid.num_q_blocks, grid.num_kv_blocks, repeat)
-                fresh = fresh_write(B, H, grid.num_q_blocks, grid.num_kv_blocks, repeat)
                 ops = count_ops(build)
                 row = dict(
                     mask=name,
@@ -391,6 +415,9 @@ def main() -> None:
                     compiled_first_s=None,
                     compiled_bytes=None,
                     document_s=document_s[H],
+                    flexmask_median_s=ours_median,
+                    document_median_s=document_median,
+                    fresh_median_s=fresh_median,
                 )
                 if args.eager_limit_gb * 2**30 >= 10 * B * H * S * S:
                     row["eager_s"] = best_time(
@@ -422,7 +449,9 @@ def main() -> None:
                 print(
                     f"  B={B} H={H} S={S:>6} {name:16} flexmask {fmt_time(ours):>9} "
                     f"vs doc-causal {ratio(ours, document_s[H])} "
-                    f"vs fresh write {ratio(ours, fresh)} ({fmt_time(fresh)}) "
+                    f"(median {ratio(ours_median, document_median)}) "
+                    f"vs fresh write {ratio(ours, fresh)} ({fmt_time(fresh)}; "
+                    f"median {ratio(ours_median, fresh_median)}) "
                     f"eager {fmt_time(row['eager_s']):>9} compiled {fmt_time(row['compiled_s']):>9}"
                     f" refined {refined}/{row['tiles']} floor {fmt_time(floor)}"
                     f" ({ratio(ours, floor)}) ops {ops} x small op {fmt_time(ops * small_op)}"
