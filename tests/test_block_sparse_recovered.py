@@ -198,3 +198,26 @@ def test_score_mod_with_intervals_read_back():
     want = torch.autograd.grad(expected, (q, k, v), grad_out)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-10, rtol=0)
+
+
+def test_the_read_back_runs_on_one_intra_op_thread():
+    """Its many small ops would each wait for a descheduled intra-op thread on a busy
+    machine; the caller's thread count is restored after."""
+    seen = []
+    inner = window(37)
+
+    def counting(b, h, q_idx, kv_idx):
+        seen.append(torch.get_num_threads())
+        return inner(b, h, q_idx, kv_idx)
+
+    block_mask = create_block_mask(inner, None, None, 211, 211, device="cpu", BLOCK_SIZE=32)
+    block_mask.mask_mod = counting
+    plan_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, k, v, _ = qkv(1, 2, 2, 211, 211)
+        block_sparse_attention(q, k, v, block_mask, backend="sparse", threads=1)
+        assert seen and seen[0] == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(plan_threads)

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from flexmask.algebra.mask import Mask
 from flexmask.backends.block_sparse import kernel
+from flexmask.backends.block_sparse.threads import one_thread
 from flexmask.backends.mod_eval import broadcasts, call_mod
 from flexmask.backends.plan import Plan, pad_to_blocks
 from flexmask.blocks.codes import PARTIAL
@@ -178,6 +179,18 @@ def recovered_bounds(plan: Plan, mod_eval: str) -> kernel.Bounds | None:
     kinds = plan.kinds  # (Bm, Hkv | 1, G | 1, NQ, NKV)
     if kinds.size(1) * kinds.size(2) > 1 or not bool(plan.partial.any()):
         return None  # blocks that differ per head, or no partial block to mask
+    if kinds.device.type != "cpu":
+        return _read_back(plan, mod_eval)
+    # A few hundred small ops: on torch's intra-op threads each would wait for a thread the
+    # OS took away on a busy machine (tree at 2k, load 5, 2 threads: 0.3-0.9 s, against
+    # 9 ms on one thread).
+    with one_thread():
+        return _read_back(plan, mod_eval)
+
+
+def _read_back(plan: Plan, mod_eval: str) -> kernel.Bounds | None:
+    """:func:`recovered_bounds` after its early exits."""
+    kinds = plan.kinds
     device = kinds.device
     rows, cols = plan.partial.to(device).nonzero().unbind(1)
     count = rows.numel()
