@@ -183,8 +183,23 @@ class Tree(Piece):
         # Per q block: extremes of its ranks, and of those in the tree.
         q_ranks = blocks(rank, q_first, q_end, nq, q_block, -1)
         max_q_all = q_ranks.amax(-1)
-        q_in = (q_ranks >= 0) & (q_ranks < sizes.view(-1, 1, 1))
-        max_q = torch.where(q_in, q_ranks, -1).amax(-1)
+        # A token is in the tree iff its position is below the tree's size (the ranks in
+        # it are a permutation of 0..size-1; past it a rank is the position): so each q
+        # block's tokens in the tree are a prefix of it, counted from block bounds alone.
+        # Their greatest rank is the block's where it holds no other (padding is -1), -1
+        # where it holds none, and read token by token only in the one block per row that
+        # the tree's end cuts.
+        block_first = grid.q_first.view(1, nq)
+        in_range = (q_end - block_first).clamp_(max=q_block)  # (1, nq)
+        in_tree = (sizes.view(-1, 1).clamp(max=q_end) - block_first).clamp_(min=0)
+        in_tree = torch.minimum(in_tree, in_range)  # (R, nq)
+        max_q = torch.where(in_tree == in_range, max_q_all, -1)
+        max_q.masked_fill_(in_tree == 0, -1)
+        cut = ((in_tree > 0) & (in_tree < in_range)).nonzero()
+        if cut.numel():
+            row, block = cut.unbind(1)
+            held = torch.arange(q_block, device=device) < in_tree[row, block].unsqueeze(1)
+            max_q[row, block] = torch.where(held, q_ranks[row, block], -1).amax(-1)
         # The least rank of the block's tokens (padding aside). Past the tree a rank is the
         # position, above every rank in it: where the block holds tokens of the tree this
         # is the least of theirs, and where it holds none it is >= the tree's size, past
@@ -195,7 +210,7 @@ class Tree(Piece):
             else blocks(rank, q_first, q_end, nq, q_block, big).amin(-1)
         )
         min_q = full_min_q
-        q_run = (max_q - min_q + 1 == q_in.sum(-1, dtype=torch.int32)) | (max_q < 0)
+        q_run = (max_q - min_q + 1 == in_tree) | (max_q < 0)
         # Tiles: a few passes over (R, nq, nkv).
         full = torch.le(max_rank_all.view(rows, 1, nkv), full_min_q.view(rows, nq, 1))
         full &= torch.gt(min_end_all.view(rows, 1, nkv), max_q_all.view(rows, nq, 1))
