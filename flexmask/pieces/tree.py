@@ -78,6 +78,8 @@ class Tree(Piece):
         a build reads them twice (its mask_mod and its tiles), and a re-build again. Read
         only: the BlockMask's mask_mod holds them.
         """
+        if _tracing():  # tensors made under a trace are the trace's: never kept
+            return self._make_lookups(length, device)
         names = (f"lookup rank {length}", f"lookup end {length}")
         rank, end = (self._placed.get((name, device)) for name in names)
         if rank is not None and end is not None:
@@ -274,6 +276,13 @@ class Tree(Piece):
             return f"tree(<{len(self.parents)} rows>)"
         p = self.parents[0]
         return f"tree({p.tolist()})" if p.numel() <= 16 else f"tree(<{p.numel()} tokens>)"
+
+
+def _tracing() -> bool:
+    """True under torch.compile or torch.export: the tensors made then are fake or graph
+    values, which a later eager call must not read."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(torch.compiler.is_compiling() or (is_exporting is not None and is_exporting()))
 
 
 class TreeMod(PieceMod):
