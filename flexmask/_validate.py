@@ -100,7 +100,7 @@ def int_vector(value: Any, name: str) -> Tensor:
     if all(type(v) is int for v in value):  # plain ints (not bool): one bulk conversion
         try:
             return torch.tensor(value, dtype=torch.int64)
-        except (OverflowError, RuntimeError):
+        except (OverflowError, RuntimeError, ValueError):
             pass  # a value outside int64: the per-value check below names it
     items = [check_int(v, f"{name}[{i}]") for i, v in enumerate(value)]
     return torch.tensor(items, dtype=torch.int64)

@@ -100,6 +100,13 @@ class Piece(Leaf):
             )
 
 
+def tracing() -> bool:
+    """True under torch.compile or torch.export: the tensors made then are fake or graph
+    values, which a later eager call must not read (a piece never keeps them)."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(torch.compiler.is_compiling() or (is_exporting is not None and is_exporting()))
+
+
 def _device_key(device: torch.device) -> tuple[str, int]:
     device = torch.device(device)
     index = device.index

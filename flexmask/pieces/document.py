@@ -12,7 +12,7 @@ from flexmask._validate import INT64_MAX, checked_sum, digest, int_vector, is_ne
 from flexmask.algebra.mask import Intervals, Lowered
 from flexmask.blocks.codes import codes_from
 from flexmask.blocks.grid import BlockGrid
-from flexmask.pieces._base import Piece, PieceMod
+from flexmask.pieces._base import Piece, PieceMod, tracing
 
 _PAST = 1 << 62  # pads document starts and ends: past every position
 
@@ -86,7 +86,10 @@ class Document(Piece):
     def seq_lens(self) -> list[Tensor]:
         """Each row's document lengths (one row when shared), int64."""
         if self._rows_cache is None:
-            self._rows_cache = list(self._flat.split(self._counts))
+            rows = list(self._flat.split(self._counts))
+            if tracing():  # a trace's tensors are never kept
+                return rows
+            self._rows_cache = rows
         return self._rows_cache
 
     def _tables(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -94,7 +97,7 @@ class Document(Piece):
         position (never a match), and document counts (R,): what every lookup needs.
         Documents may run past the sequence (docs/algebra.md: clipped to it); bounds past
         _PAST are no position either, and clamping them keeps each row sorted for search."""
-        if self._bounds is None:
+        if self._bounds is None or tracing():
             rows = self.seq_lens
             ends = torch.nn.utils.rnn.pad_sequence(
                 [r.cumsum(0).clamp(max=_PAST) for r in rows],
@@ -106,7 +109,10 @@ class Document(Piece):
                 batch_first=True,
                 padding_value=_PAST,
             )
-            self._bounds = (starts, ends, torch.tensor(self._counts))
+            bounds = (starts, ends, torch.tensor(self._counts))
+            if tracing():  # a trace's tensors are never kept
+                return bounds
+            self._bounds = bounds
         return self._bounds
 
     @property

@@ -11,7 +11,7 @@ from flexmask._validate import check_parents, digest, is_nested, source_device
 from flexmask.algebra.mask import Extent, Lowered
 from flexmask.blocks.codes import codes_from
 from flexmask.blocks.grid import BlockGrid
-from flexmask.pieces._base import Piece, PieceMod
+from flexmask.pieces._base import Piece, PieceMod, tracing
 
 
 class Tree(Piece):
@@ -78,7 +78,7 @@ class Tree(Piece):
         a build reads them twice (its mask_mod and its tiles), and a re-build again. Read
         only: the BlockMask's mask_mod holds them.
         """
-        if _tracing():  # tensors made under a trace are the trace's: never kept
+        if tracing():  # tensors made under a trace are the trace's: never kept
             return self._make_lookups(length, device)
         names = (f"lookup rank {length}", f"lookup end {length}")
         rank, end = (self._placed.get((name, device)) for name in names)
@@ -276,13 +276,6 @@ class Tree(Piece):
             return f"tree(<{len(self.parents)} rows>)"
         p = self.parents[0]
         return f"tree({p.tolist()})" if p.numel() <= 16 else f"tree(<{p.numel()} tokens>)"
-
-
-def _tracing() -> bool:
-    """True under torch.compile or torch.export: the tensors made then are fake or graph
-    values, which a later eager call must not read."""
-    is_exporting = getattr(torch.compiler, "is_exporting", None)
-    return bool(torch.compiler.is_compiling() or (is_exporting is not None and is_exporting()))
 
 
 class TreeMod(PieceMod):

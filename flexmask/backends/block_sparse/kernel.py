@@ -13,8 +13,9 @@ forward of activation checkpointing. So this kernel
 * **masks once, with one pass**: a group whose blocks are all full and inside ``KV_LEN`` takes
   no mask at all; otherwise one bool mask per run of columns that need one (full blocks,
   ``mask_mod`` on partial ones, the ``KV_LEN`` edge) is built at the mask's own batch/head
-  size and applied by one ``masked_fill_``: full blocks between them take none. Softmax is torch's fused one, in place, after one ``max`` that also gives
-  the lse; rows with no key (rare) take one more pass: their ``lse`` is ``-inf``, output 0.
+  size and applied by one ``masked_fill_``: full blocks between them take none. Softmax is
+  torch's fused one, in place, after one ``max`` that also gives the lse; rows with no key
+  (rare) take one more pass: their ``lse`` is ``-inf``, output 0.
 * **reads and writes views where it can**: a group of one q block whose kv blocks are one
   run (most groups of document, window and causal masks) multiplies views of the inputs,
   writes its output and dQ with ``bmm(out=)`` and adds dK, dV with ``baddbmm_`` into their
