@@ -178,8 +178,14 @@ class Tree(Piece):
             if nkv * kv_block == grid.kv_len
             else blocks(end, kv_first, kv_end, nkv, kv_block, big).amin(-1)
         )
-        kv_in = kv_end_b > kv_rank
-        u_lo, top = torch.where(kv_in, kv_rank, big).min(-1)
+        # U's least rank is the block's least rank, read with no pass to pick the tokens in
+        # the tree: those past it have rank = position, above every rank in it, so they
+        # never win a block that holds one; a block that holds none has U empty (u_hi = 0)
+        # whatever u_lo is. Only the -1 padding of the last block is read around.
+        u_lo, top = kv_rank.min(-1)
+        if nkv * kv_block != grid.kv_len:
+            last_held = grid.kv_len - (nkv - 1) * kv_block
+            u_lo[:, -1], top[:, -1] = kv_rank[:, -1, :last_held].min(-1)
         u_hi = kv_end_b.amax(-1)  # ends of tokens outside the tree are 0
         u_run = kv_end_b.gather(-1, top.unsqueeze(-1)).squeeze(-1) >= u_hi
         # Per q block: extremes of its ranks, and of those in the tree.
@@ -238,7 +244,7 @@ class Tree(Piece):
         if unsure is not None and bool(unsure.any()):
             tiles = unsure.nonzero()
             parents = self._external_parents(grid, rank.to(torch.int64))
-            found = _search_subtrees(tiles, parents, kv_in, kv_rank, kv_end_b, big)
+            found = _search_subtrees(tiles, parents, kv_rank, kv_end_b, big)
             codes[tuple(tiles.unbind(1))] = found.to(codes.dtype)  # PARTIAL (1) or EMPTY (0)
         return codes.view(rows, 1, nq, nkv)
 
@@ -318,20 +324,22 @@ def _band(grid: BlockGrid) -> tuple[Tensor, Tensor]:
 
 
 def _search_subtrees(
-    tiles: Tensor, parents: Tensor, kv_in: Tensor, kv_rank: Tensor, kv_end: Tensor, big: int
+    tiles: Tensor, parents: Tensor, kv_rank: Tensor, kv_end: Tensor, big: int
 ) -> Tensor:
     """For tiles ``(k, 3)`` = (row, q block, kv block): does some external parent's rank lie
     in the kv block's union of subtrees? The kv blocks these tiles name have their subtrees
     sorted by rank, with the running max of their ends (rank x is in U iff the running end
     at the last rank <= x exceeds x); one search over those blocks laid end to end, each
-    block's keys shifted past the previous block's."""
+    block's keys shifted past the previous block's. Tokens outside the tree stay among the
+    keys: their end is 0 (they cover nothing), padding's rank -1 sorts first and a rank past
+    the tree (its position) sorts after every rank a parent can have."""
     rows, nkv, kv_block = kv_rank.shape
     named = tiles[:, 0] * nkv + tiles[:, 2]
     blocks, which = torch.unique(named, return_inverse=True)
-    u_rank = torch.where(kv_in, kv_rank, big).view(rows * nkv, kv_block)[blocks].to(torch.int64)
+    u_rank = kv_rank.reshape(rows * nkv, kv_block)[blocks].to(torch.int64)
     u_rank, order = u_rank.sort(-1)
     u_end = kv_end.reshape(rows * nkv, kv_block)[blocks].to(torch.int64).gather(-1, order)
-    u_end = torch.where(u_rank < big, u_end, 0).cummax(-1).values
+    u_end = u_end.cummax(-1).values
     stride = big + 1
     line = torch.arange(blocks.numel(), device=u_rank.device).view(-1, 1)
     keys = (line * stride + u_rank).view(-1)
