@@ -382,3 +382,24 @@ def test_dense_masks_go_to_sdpa_and_sparse_ones_stay():
         listed = 1 - block_mask.sparsity() / 100
         assert (listed >= SDPA_MIN_DENSITY) == (expected == "sdpa"), listed
         assert choose_backend(plan_of(block_mask, 2048, 2048), mask) == expected
+
+
+def test_a_small_forward_without_gradients_goes_to_sdpa():
+    """Without gradients SDPA takes rows up to SDPA_MAX_PAIRS_NO_GRAD pairs; with them the
+    same sparse mask stays on the sparse kernel, and past the bound both stay sparse."""
+    from flexmask.backends.sdpa import SDPA_MAX_PAIRS_NO_GRAD, choose_backend
+
+    mask = flexmask.causal() & flexmask.sliding_window(100)
+    for n, no_grad in ((1024, "sdpa"), (2048, "sparse")):
+        assert (n * n <= SDPA_MAX_PAIRS_NO_GRAD) == (no_grad == "sdpa")
+        plan = plan_of(flexmask.create_block_mask(mask, 1, 1, n, n), n, n)
+        assert choose_backend(plan, mask, needs_grad=False) == no_grad
+        assert choose_backend(plan, mask, needs_grad=True) == "sparse"
+    # Through the call: the same inputs, with and without gradients, agree with SDPA on the
+    # dense mask either way (the path differs, the result does not).
+    q, k, v = (torch.randn(1, 2, 1024, 16) for _ in range(3))
+    dense = mask.to_dense(1, 1, 1024, 1024)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    with torch.no_grad():
+        out = flexmask.flex_attention(q, k, v, mask)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -31,14 +31,15 @@ TABLE: dict[str, ModuleType] = {
 
 AUTO_BENCHMARK = "benchmarks/bench_backends.py"
 AUTO: dict[str, tuple[str, ...]] = {
-    # Measured by AUTO_BENCHMARK (2 cores at load 4-5, torch 2.13, B=2, H=4, D=64, float32,
-    # S 1k-4k; causal, document-causal, tree, sliding window; fwd+bwd and no-grad fwd):
-    # block_sparse (which itself runs SDPA on dense or tiny masks, is_causal on causal) was
-    # fastest in fwd+bwd on every sparse mask (sdpa 1.5-6.9x slower: 2544 vs 371 ms at 4k
-    # document-causal) and in no-grad fwd at 2k (sdpa 1.8-3.5x slower); sdpa was faster at
-    # 1k no-grad fwd on tree (76 vs 115 ms) and sliding window (28 vs 33 ms). Timing noise on
-    # that machine was +-30% (the same call timed twice). torch's uncompiled flex forward
-    # materialises every score: 6-25x slower on every row, so it comes last.
+    # Measured by AUTO_BENCHMARK (2 cores at load 1.1-2.4, torch 2.13, B=2, H=4, D=64,
+    # float32, S 1k-4k; causal, document-causal, tree, sliding window; fwd+bwd and no-grad
+    # fwd; medians of 9 interleaved calls): block_sparse (which itself runs SDPA on plain
+    # causal, on masks half dense or more and on small rows, 1k x 1k without gradients) was
+    # fastest or within 10% on 21 of 24 rows (sdpa 1.5-6.8x slower in fwd+bwd on documents
+    # and windows at 1k-4k: 881.7 vs 130.5 ms at 4k document-causal). The other three were
+    # the RL tree at 1k fwd+bwd (sdpa 1.22x faster), at 1k no-grad fwd (1.86x; now SDPA) and
+    # at 2k no-grad fwd (1.18x; 0.64x the other way in a second run: noise). torch's
+    # uncompiled flex forward materialises every score: 8-37x slower on every row, so last.
     "cpu": (block_sparse.NAME, sdpa.NAME, flex.NAME),
     # Not measured here (no GPU was lent): torch's compiled kernel first, as flex_attention
     # has always run; varlen where flex cannot take the call. Measure before reordering.

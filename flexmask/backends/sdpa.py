@@ -32,19 +32,31 @@ SDPA_MIN_DENSITY = 0.5
 
 SDPA_MAX_PAIRS = 256 * 256
 
+# A forward without gradients is SDPA's cheapest call (no backward to save), so it wins up to
+# larger rows: benchmarks/bench_backends.py (B=2, H=4, D=64, 2 cores at load 1.1-2.4) at
+# 1k x 1k, no grad: an RL tree (47% listed, mostly partial blocks) 36.7 ms sparse against
+# 19.7 ms SDPA (29.0 against 17.1 ms in a second run); documents and windows within 6% either
+# way. At 2k the sparse path was 0.27-0.64x SDPA's time on documents, windows and the tree in
+# one run (the tree 1.18x in another: noise at that load).
+SDPA_MAX_PAIRS_NO_GRAD = 1024 * 1024
 
-def choose_backend(plan: Plan, mask: Mask | None = None) -> Literal["sparse", "sdpa"]:
+
+def choose_backend(
+    plan: Plan, mask: Mask | None = None, *, needs_grad: bool = True
+) -> Literal["sparse", "sdpa"]:
     """``"sdpa"`` where SDPA is faster on a CPU, else ``"sparse"``.
 
     SDPA's fused CPU kernel does every (query, key) pair but without the sparse path's extra
     passes over the scores, so it wins when the listed blocks cover most of the grid
-    (``SDPA_MIN_DENSITY``: half of them) and on tiny problems (``SDPA_MAX_PAIRS``), where
-    per-group overhead dominates; and on plain causal, where ``is_causal=True`` skips the upper
-    triangle without any mask. On an idle 2-core machine (B=1, H=4, D=64) the sparse path beat
+    (``SDPA_MIN_DENSITY``: half of them) and on small problems (``SDPA_MAX_PAIRS`` pairs per
+    row with gradients, ``SDPA_MAX_PAIRS_NO_GRAD`` without), where per-group overhead
+    dominates; and on plain causal, where ``is_causal=True`` skips the upper triangle without
+    any mask. On an idle 2-core machine (B=1, H=4, D=64) the sparse path beat
     SDPA with 43% of blocks listed (0.55× its time at 2k) and 26–31% (trees, 0.3–0.53×); on a
     loaded one its many small ops wait on busy cores — see docs/cpu-training.md.
     """
-    if plan.q_len * plan.kv_len <= SDPA_MAX_PAIRS or is_causal(plan, mask):
+    most = SDPA_MAX_PAIRS if needs_grad else SDPA_MAX_PAIRS_NO_GRAD
+    if plan.q_len * plan.kv_len <= most or is_causal(plan, mask):
         return "sdpa"
     listed = (plan.kinds != EMPTY).flatten(0, 2).any(dim=0)
     return "sdpa" if float(listed.float().mean()) >= SDPA_MIN_DENSITY else "sparse"

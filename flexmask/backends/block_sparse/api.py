@@ -236,7 +236,7 @@ def block_sparse_attention(
     if score_mod is None and not return_lse and backend != "sparse":
         causal = is_causal(plan, mask)
         if backend == "auto":
-            backend = "sdpa" if causal else choose_backend(plan)
+            backend = "sdpa" if causal else choose_backend(plan, needs_grad=needs_grad)
         if backend == "sdpa":
             return sdpa_attention(query, key, value, plan, mod_eval, causal)
     if bounds is None:
