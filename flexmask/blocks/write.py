@@ -163,10 +163,17 @@ def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
     offset = starts - first  # entry p of run r holds p + offset[r]
     chunks = total // k
     if chunks:
-        # Runs begun at or before chunk c's first entry c*k: those with ceil(first/k) <= c.
-        begun = torch.bincount(first.add(k - 1).div_(k, rounding_mode="floor"), minlength=chunks)
-        run = begun[:chunks].cumsum(0).sub_(1)
-        base = torch.arange(0, chunks * k, k, device=out.device).add_(offset.index_select(0, run))
+        # Chunk c's first entry c*k holds c*k + offset[r], r the last run begun by then (the
+        # last with ceil(first/k) <= c): a running sum of k per chunk and each run's jump in
+        # offset at the chunk it takes over — one cumsum over the chunks, in the output's
+        # dtype where its values fit (they are the output's values: entries of out).
+        wide = out.dtype if total < (1 << 31) else torch.int64
+        at_chunk = first.add(k - 1).div_(k, rounding_mode="floor").clamp_(max=chunks)
+        jump = torch.diff(offset, prepend=offset.new_zeros(1)).to(wide)
+        base = torch.full((chunks + 1,), k, dtype=wide, device=out.device)
+        base[0] = 0
+        base.scatter_add_(0, at_chunk, jump)
+        base = base[:chunks].cumsum(0, dtype=wide)
         steps = torch.arange(k, dtype=out.dtype, device=out.device)
         torch.add(base.to(out.dtype).view(chunks, 1), steps, out=out[: chunks * k].view(chunks, k))
     # Entries to mend: each run begun inside a chunk, up to that chunk's end (or its own),
