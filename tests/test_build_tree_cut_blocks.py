@@ -1,7 +1,8 @@
 """Trees in insertion order whose end cuts a block: the tree filling a length that is not a
 multiple of the block size (the last kv and q blocks padded), or ending inside a block with
 positions past it, per row at different places — whole tensors equal to torch's build, with
-and without the search of sorted subtrees settling tiles."""
+and without the search of sorted subtrees settling tiles, the tiles classified in one pass or
+a chunk of q blocks at a time (as grids of over a million tiles are)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def insertion_tree(n: int, seed: int, sequences: int) -> list[int]:
     return parents
 
 
+@pytest.fixture(params=[False, True], ids=["one pass", "chunks"])
+def chunked(request, monkeypatch):
+    """Tiles classified in one pass, or in chunks of q blocks whatever the grid's size."""
+    if request.param:
+        monkeypatch.setattr(tree_module, "_CHUNKED_FROM", 0)
+    return request.param
+
+
 @pytest.fixture
 def searched(monkeypatch):
     """How many tiles the classifier settled by the search of sorted subtrees."""
@@ -52,7 +61,7 @@ def searched(monkeypatch):
 
 @pytest.mark.parametrize("block", [16, (16, 32), (32, 8)])
 @pytest.mark.parametrize("sequences", [4, 40])
-def test_tree_ends_inside_blocks_per_row(block, sequences):
+def test_tree_ends_inside_blocks_per_row(block, sequences, chunked):
     # Row 0 fills the odd length (its last blocks padded, in the tree); rows 1-3 end inside a
     # block, on a block edge, and one token into a block, with positions past them.
     length = 517
@@ -66,7 +75,7 @@ def test_tree_ends_inside_blocks_per_row(block, sequences):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_cut_blocks_reach_the_search(seed, searched):
+def test_cut_blocks_reach_the_search(seed, searched, chunked):
     # Branchy trees leave tiles to the search; the kv blocks the tree's end cuts are among
     # those it reads (their tokens past the tree root no subtree).
     gen = torch.Generator().manual_seed(seed)

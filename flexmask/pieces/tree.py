@@ -224,11 +224,16 @@ class Tree(Piece):
         # grid); each chunk's flags fit the cache in two small buffers reused (a pass over
         # the whole grid per compare wrote fresh pages: half its cost at 131k B=8).
         exact = bool(q_run.all()) and bool(u_run.all())
-        codes = torch.zeros(rows, nq, nkv, dtype=CODE_DTYPE, device=device)
-        reach = torch.searchsorted(grid.kv_first.reshape(nkv), grid.q_last.reshape(nq), right=True)
-        step = max(1, min(_CHUNK_TILES // max(1, rows * nkv), -(-nq // 4)))  # >= 4 chunks
-        stops = list(range(step, nq, step)) + [nq]
-        reach_at = reach[torch.tensor(stops, device=device) - 1].tolist()
+        if rows * nq * nkv > _CHUNKED_FROM:
+            step = max(1, min(_CHUNK_TILES // max(1, rows * nkv), -(-nq // 4)))  # >= 4 chunks
+            stops = list(range(step, nq, step)) + [nq]
+            kv_first_flat, q_last_flat = grid.kv_first.reshape(nkv), grid.q_last.reshape(nq)
+            reach = torch.searchsorted(kv_first_flat, q_last_flat, right=True)
+            reach_at = reach[torch.tensor(stops, device=device) - 1].tolist()
+            codes = torch.zeros(rows, nq, nkv, dtype=CODE_DTYPE, device=device)
+        else:  # small grids in one pass: a chunk's dozen calls cost more than they save
+            step, stops, reach_at = nq, [nq], [nkv]
+            codes = torch.empty(rows, nq, nkv, dtype=CODE_DTYPE, device=device)
         buffers = torch.empty(2, rows * min(step, nq) * nkv, dtype=torch.bool, device=device)
         unsure_tiles: list[Tensor] = []
         for first, last, cols in zip(range(0, nq, step), stops, reach_at, strict=True):
@@ -332,6 +337,9 @@ class TreeMod(PieceMod):
 
 _CHUNK_TILES = 1 << 19
 """Tiles per chunk of q blocks in ``Tree._classify_ranked``: its two flag buffers stay in cache."""
+
+_CHUNKED_FROM = 1 << 20
+"""Grids of more tiles than this are classified in chunks of q blocks (``_CHUNK_TILES``)."""
 
 
 def _band(grid: BlockGrid) -> tuple[Tensor, Tensor]:
