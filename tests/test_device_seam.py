@@ -12,10 +12,12 @@ import pickle
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexmask
 from flexmask.blocks.grid import make_grid
+from flexmask.builders import unions
 from flexmask.builders.create import build, in_closed_form
 
 # Ops that wait for a device's values: a scalar read, or an output whose shape depends on
@@ -80,9 +82,11 @@ WINDOWS = [(0, 0), (64, 0), ([10, 100], [0, 3]), (128, 64)]
 
 @pytest.mark.parametrize("name", sorted(CLOSED_FORM))
 @pytest.mark.parametrize(("q_offset", "kv_offset"), WINDOWS)
-def test_closed_form_build_never_syncs(name, q_offset, kv_offset):
+def test_closed_form_build_never_syncs(name, q_offset, kv_offset, monkeypatch):
     mask = CLOSED_FORM[name]
     assert in_closed_form(mask)
+    # The path an accelerator takes (on the CPU unions may read values: no device there).
+    monkeypatch.setattr(unions, "must_not_sync", lambda grid: True)
     # Validation reads the user's host data; the build itself reads nothing back.
     grid = make_grid(mask, 2, 2, 300, 400, "cpu", 64, q_offset, kv_offset)
     spy = NoSync()
@@ -131,3 +135,20 @@ def test_pieces_move_their_data_once_and_do_not_pickle_the_copies():
     clone = pickle.loads(pickle.dumps(mask))
     assert clone == mask
     assert next(c for c in clone.children if isinstance(c, is_document))._placed == {}
+
+
+def test_unions_on_the_cpu_read_values_and_stay_exact():
+    # The CPU path of a union reads its tile codes (a nonzero: no device to wait for there);
+    # the same build equals torch's, so the seam above is the only difference.
+    mask = CLOSED_FORM["composed"]
+    grid = make_grid(mask, 2, 2, 300, 400, "cpu", 64, 0, 0)
+    assert not unions.must_not_sync(grid)
+    spy = NoSync()
+    with spy:
+        ours = build(mask, grid)
+    assert "aten::nonzero" in spy.seen
+    theirs = torch_create_block_mask(mask.mask_mod, 2, 2, 300, 400, "cpu", BLOCK_SIZE=64)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name

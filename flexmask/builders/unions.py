@@ -397,11 +397,13 @@ def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     The kv side from the block rows' runs (``union_row_runs``, from the edge queries and
     the special blocks' only); the q side from the tile codes those runs give, one byte a
     tile written segment by segment, read down the columns (``write.q_side_from_codes``):
-    no interval is evaluated at every query. Under ``torch.export`` (whose shapes must not
-    follow values) both sides come from runs (``_union_sides_by_columns``)."""
+    no interval is evaluated at every query. That path sizes tensors from values (a host
+    sync), so under ``torch.export`` (whose shapes must not follow values) and off the CPU
+    (where a closed-form build never syncs: tests/test_device_seam.py) both sides come from
+    runs (``_union_sides_by_columns``)."""
     operands = union_operands(mask)
     assert operands is not None  # callers check union_operands(mask)
-    if exporting():
+    if must_not_sync(grid):
         return _union_sides_by_columns(*operands, grid, grid.reduced(mask)[0])
     rows, _ = grid.reduced(mask)
     nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
@@ -418,6 +420,12 @@ def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
         ),
         q,
     )
+
+
+def must_not_sync(grid: BlockGrid) -> bool:
+    """Whether a union's build must size nothing from values: under ``torch.export`` and on
+    an accelerator (on the CPU a read of values is no device sync)."""
+    return exporting() or grid.device.type != "cpu"
 
 
 def _codes(segments: _Segments, total: int) -> Tensor:

@@ -82,6 +82,10 @@ class Document(Piece):
             natural=max(self._totals),
         )
 
+    def __getstate__(self) -> dict[str, object]:
+        # The lookups and row views are made again on first use: a pickle holds the lengths.
+        return {**super().__getstate__(), "_bounds": None, "_rows_cache": None}
+
     @property
     def seq_lens(self) -> list[Tensor]:
         """Each row's document lengths (one row when shared), int64."""
