@@ -9,7 +9,7 @@ from torch import Tensor
 
 from flexmask._validate import check_parents, digest, is_nested, source_device
 from flexmask.algebra.mask import Extent, Lowered
-from flexmask.blocks.codes import CODE_DTYPE, codes_from
+from flexmask.blocks.codes import CODE_DTYPE, EMPTY, codes_from
 from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import Piece, PieceMod, tracing
 
@@ -230,13 +230,13 @@ class Tree(Piece):
             kv_first_flat, q_last_flat = grid.kv_first.reshape(nkv), grid.q_last.reshape(nq)
             reach = torch.searchsorted(kv_first_flat, q_last_flat, right=True)
             reach_at = reach[torch.tensor(stops, device=device) - 1].tolist()
-            codes = torch.zeros(rows, nq, nkv, dtype=CODE_DTYPE, device=device)
         else:  # small grids in one pass: a chunk's dozen calls cost more than they save
             step, stops, reach_at = nq, [nq], [nkv]
-            codes = torch.empty(rows, nq, nkv, dtype=CODE_DTYPE, device=device)
+        codes = torch.empty(rows, nq, nkv, dtype=CODE_DTYPE, device=device)  # each tile once
         buffers = torch.empty(2, rows * min(step, nq) * nkv, dtype=torch.bool, device=device)
         unsure_tiles: list[Tensor] = []
         for first, last, cols in zip(range(0, nq, step), stops, reach_at, strict=True):
+            codes[:, first:last, cols:] = EMPTY
             if cols == 0:
                 continue
             shape = (rows, last - first, cols)
