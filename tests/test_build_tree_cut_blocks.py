@@ -2,7 +2,7 @@
 multiple of the block size (the last kv and q blocks padded), or ending inside a block with
 positions past it, per row at different places — whole tensors equal to torch's build, with
 and without the search of sorted subtrees settling tiles, the tiles classified in one pass or
-a chunk of q blocks at a time (as grids of over a million tiles are)."""
+a chunk of q blocks at a time (as grids of over 256k tiles are)."""
 
 from __future__ import annotations
 

@@ -30,8 +30,9 @@ class Tree(Piece):
     token and ``end`` one past the last rank of its subtree, kv is an ancestor-or-self of q
     iff ``rank[kv] <= rank[q] < end[kv]``. When the tokens are laid out in preorder (as
     ``flexmask.pack_tree`` lays them out) ``rank`` is the position itself and blocks are
-    classified exactly from the per-block extremes of ``end``; other layouts fall back to
-    evaluating the lower-triangle blocks.
+    classified exactly from the per-block extremes of ``end``; other layouts (insertion order)
+    in rank space, from per-block extremes of ``rank`` and ``end`` and a search of a few
+    ranks where a block's ranks are not one run (``_classify_ranked``): no tile evaluated.
     """
 
     __slots__ = ("parents", "ranks", "ends", "preorder", "per_row")
@@ -338,7 +339,7 @@ class TreeMod(PieceMod):
 _CHUNK_TILES = 1 << 19
 """Tiles per chunk of q blocks in ``Tree._classify_ranked``: its two flag buffers stay in cache."""
 
-_CHUNKED_FROM = 1 << 20
+_CHUNKED_FROM = 1 << 18
 """Grids of more tiles than this are classified in chunks of q blocks (``_CHUNK_TILES``)."""
 
 
