@@ -89,3 +89,31 @@ def test_cut_blocks_reach_the_search(seed, searched, chunked):
     theirs = torch_create_block_mask(mask.mask_mod, 2, 1, length, length, "cpu", 16)
     oracle.assert_same_block_mask(ours, theirs, f"branchy cut trees seed={seed}")
     assert searched[0] > 0
+
+
+def preorder_tree(n: int, seed: int) -> list[int]:
+    """A random tree laid out in preorder: each token's parent is on the path to the token
+    before it (its previous token or one of that token's ancestors), or it starts a root."""
+    gen = torch.Generator().manual_seed(seed)
+    parents: list[int] = []
+    path: list[int] = []
+    for i in range(n):
+        keep = int(torch.randint(0, len(path) + 1, (1,), generator=gen)) if path else 0
+        if torch.rand(1, generator=gen).item() < 0.8:
+            keep = len(path)  # mostly chains
+        path = path[:keep]
+        parents.append(path[-1] if path else -1)
+        path.append(i)
+    return parents
+
+
+@pytest.mark.parametrize("block", [16, (16, 32), (32, 8)])
+def test_preorder_trees_ending_inside_blocks(block, chunked):
+    length = 517
+    sizes = [length, 301, 256, 33]
+    trees = [preorder_tree(n, seed=r) for r, n in enumerate(sizes)]
+    mask = flexmask.tree(trees)
+    assert all(mask.preorder)  # the preorder path
+    ours = flexmask.create_block_mask(mask, 4, 2, length, length, "cpu", block)
+    theirs = torch_create_block_mask(mask.mask_mod, 4, 2, length, length, "cpu", block)
+    oracle.assert_same_block_mask(ours, theirs, f"preorder trees block={block}")

@@ -123,13 +123,35 @@ class Tree(Piece):
         # The block-index conditions are shared by the rows: one (nq, nkv) pass each.
         q_first = grid.q_first.view(1, nq, 1)
         q_last = grid.q_last.view(1, nq, 1)
-        before = (grid.kv_first <= grid.q_last).view(1, nq, nkv)
-        below = (grid.kv_last <= grid.q_first).view(1, nq, nkv)
-        nonempty = torch.gt(max_end, q_first)
-        nonempty &= before
-        full = torch.gt(min_end, q_last)
-        full &= below
-        return codes_from(nonempty, full).view(rows, 1, nq, nkv)
+        if rows * nq * nkv <= 2 * _CHUNKED_FROM:  # two compares: chunks pay off later
+            before = (grid.kv_first <= grid.q_last).view(1, nq, nkv)
+            below = (grid.kv_last <= grid.q_first).view(1, nq, nkv)
+            nonempty = torch.gt(max_end, q_first)
+            nonempty &= before
+            full = torch.gt(min_end, q_last)
+            full &= below
+            return codes_from(nonempty, full).view(rows, 1, nq, nkv)
+        # Large grids a chunk of q blocks at a time (as in ``_classify_ranked``): kv blocks
+        # after a chunk's last query are EMPTY, unread; the flags in two reused buffers.
+        chunks, step = _chunks(grid, rows)
+        codes = torch.empty(rows, nq, nkv, dtype=CODE_DTYPE, device=device)
+        buffers = torch.empty(2, rows * step * nkv, dtype=torch.bool, device=device)
+        kv_first, kv_last = grid.kv_first.view(1, 1, nkv), grid.kv_last.view(1, 1, nkv)
+        for first, last, cols in chunks:
+            codes[:, first:last, cols:] = EMPTY
+            if cols == 0:
+                continue
+            shape = (rows, last - first, cols)
+            nonempty = buffers[0, : rows * (last - first) * cols].view(shape)
+            full = buffers[1, : nonempty.numel()].view(shape)
+            torch.gt(max_end[..., :cols], q_first[:, first:last], out=nonempty)
+            nonempty &= kv_first[..., :cols] <= q_last[:, first:last]
+            torch.gt(min_end[..., :cols], q_last[:, first:last], out=full)
+            full &= kv_last[..., :cols] <= q_first[:, first:last]
+            torch.add(
+                nonempty.view(CODE_DTYPE), full.view(CODE_DTYPE), out=codes[:, first:last, :cols]
+            )
+        return codes.view(rows, 1, nq, nkv)
 
     def _classify_ranked(self, grid: BlockGrid) -> Tensor:
         """Exact codes for any parent-before-child layout, in rank space.
@@ -226,17 +248,13 @@ class Tree(Piece):
         # the whole grid per compare wrote fresh pages: half its cost at 131k B=8).
         exact = bool(q_run.all()) and bool(u_run.all())
         if rows * nq * nkv > _CHUNKED_FROM:
-            step = max(1, min(_CHUNK_TILES // max(1, rows * nkv), -(-nq // 4)))  # >= 4 chunks
-            stops = list(range(step, nq, step)) + [nq]
-            kv_first_flat, q_last_flat = grid.kv_first.reshape(nkv), grid.q_last.reshape(nq)
-            reach = torch.searchsorted(kv_first_flat, q_last_flat, right=True)
-            reach_at = reach[torch.tensor(stops, device=device) - 1].tolist()
+            chunks, step = _chunks(grid, rows)
         else:  # small grids in one pass: a chunk's dozen calls cost more than they save
-            step, stops, reach_at = nq, [nq], [nkv]
+            chunks, step = [(0, nq, nkv)], nq
         codes = torch.empty(rows, nq, nkv, dtype=CODE_DTYPE, device=device)  # each tile once
         buffers = torch.empty(2, rows * min(step, nq) * nkv, dtype=torch.bool, device=device)
         unsure_tiles: list[Tensor] = []
-        for first, last, cols in zip(range(0, nq, step), stops, reach_at, strict=True):
+        for first, last, cols in chunks:
             codes[:, first:last, cols:] = EMPTY
             if cols == 0:
                 continue
@@ -341,6 +359,18 @@ _CHUNK_TILES = 1 << 19
 
 _CHUNKED_FROM = 1 << 18
 """Grids of more tiles than this are classified in chunks of q blocks (``_CHUNK_TILES``)."""
+
+
+def _chunks(grid: BlockGrid, rows: int) -> tuple[list[tuple[int, int, int]], int]:
+    """Chunks of q blocks ``(first, last, cols)`` (at least 4, at most ``_CHUNK_TILES`` tiles
+    over the rows), ``cols`` the kv blocks starting at or before the chunk's last query (the
+    others are after every query of it), and the most q blocks a chunk holds."""
+    nq, nkv = grid.num_q_blocks, grid.num_kv_blocks
+    step = max(1, min(_CHUNK_TILES // max(1, rows * nkv), -(-nq // 4)))
+    stops = list(range(step, nq, step)) + [nq]
+    reach = torch.searchsorted(grid.kv_first.reshape(nkv), grid.q_last.reshape(nq), right=True)
+    reach_at = reach[torch.tensor(stops, device=grid.device) - 1].tolist()
+    return list(zip(range(0, nq, step), stops, reach_at, strict=True)), step
 
 
 def _band(grid: BlockGrid) -> tuple[Tensor, Tensor]:
