@@ -14,6 +14,12 @@ import torch
 # ``workers`` for run_groups: choose per call between the two ways (see ThreadChoice).
 AUTO = 0
 
+# How much of a core other processes must keep busy for every call to go to the workers: a
+# whole spinning process (1 core) does; the demo's DataLoader workers' bursts mostly do not
+# (benchmarks/bench_sparse_threads.py --demo --rounds 2, load 1.8-2.3: at 0.5 the choice took
+# 11.4 s against torch's threads' 9.4 s, at 0.9 11.3 s against 10.6 s).
+BUSY_CORES = 0.9
+
 
 class CoreLoad:
     """How many of this process's cores other processes kept busy lately, from the kernel's
@@ -97,10 +103,10 @@ class ThreadChoice:
     slower costs about 3% more time.
 
     With a ``load`` (the default choice, :data:`CHOICE`, has one), the cores are looked at
-    first: while other processes keep at least half a core of those torch's threads need
-    busy, every call runs on the workers and torch's threads are neither used nor probed, so
-    a probe never lands on a busy core (such a probe cost 2-14x a call). Its window is
-    ``CoreLoad.period`` (0.2 s), not the load average's minute. Measured with
+    first: while other processes keep at least ``BUSY_CORES`` (0.9) of a core of those
+    torch's threads need busy, every call runs on the workers and torch's threads are
+    neither used nor probed, so a probe never lands on a busy core (such a probe cost 2-14x
+    a call). Its window is ``CoreLoad.period`` (0.2 s), not the load average's minute. Measured with
     ``benchmarks/bench_sparse_threads.py --repeats 3`` at load 9-10 (others kept 1.7-1.8 of
     the 2 cores busy): medians 0.85-1.19x the workers' (the same way: noise) and 0.11-0.35x
     torch's threads', for the demo's calls, doc-20 2k, doc-4 8k and a 1024 window at 2k.
@@ -131,15 +137,16 @@ class ThreadChoice:
             return best
 
     def _others_busy(self) -> bool:
-        """Whether other processes took at least half a core of those torch's threads need
-        (the ``load``'s latest window); False without a ``load`` or where it cannot read."""
+        """Whether other processes took at least ``BUSY_CORES`` of a core of those torch's
+        threads need (the ``load``'s latest window); False without a ``load`` or where it
+        cannot read."""
         if self.load is None:
             return False
         others = self.load.others()
         if others is None:
             return False
         cores = len(self.load.cpus) if self.load.cpus is not None else os.cpu_count() or 1
-        return cores - others < min(torch.get_num_threads(), cores) - 0.5
+        return cores - others < min(torch.get_num_threads(), cores) - BUSY_CORES
 
     def record(self, kind: tuple[str, int], way: str, seconds_per_unit: float) -> None:
         with self.lock:
