@@ -1,6 +1,8 @@
 import gc
+import importlib
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -27,3 +29,19 @@ def pytest_sessionfinish(session, exitstatus):
     """
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture
+def searched(monkeypatch):
+    """How many tiles the tree classifier settled by the search of sorted subtrees (the
+    exact fallback of ``flexmask.pieces.tree``), counted through the test."""
+    tree_module = importlib.import_module("flexmask.pieces.tree")  # not the function tree
+    count = [0]
+    search = tree_module._search_subtrees
+
+    def counted(tiles, *args):
+        count[0] += tiles.shape[0]
+        return search(tiles, *args)
+
+    monkeypatch.setattr(tree_module, "_search_subtrees", counted)
+    return count

@@ -45,20 +45,6 @@ def chunked(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def searched(monkeypatch):
-    """How many tiles the classifier settled by the search of sorted subtrees."""
-    count = [0]
-    search = tree_module._search_subtrees
-
-    def counted(tiles, *args):
-        count[0] += tiles.shape[0]
-        return search(tiles, *args)
-
-    monkeypatch.setattr(tree_module, "_search_subtrees", counted)
-    return count
-
-
 @pytest.mark.parametrize("block", [16, (16, 32), (32, 8)])
 @pytest.mark.parametrize("sequences", [4, 40])
 def test_tree_ends_inside_blocks_per_row(block, sequences, chunked):

@@ -42,20 +42,6 @@ def random_tree(n: int, seed: int) -> list[int]:
     return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
 
 
-@pytest.fixture
-def searched(monkeypatch):
-    """How many tiles the classifier settled by the search of sorted subtrees."""
-    count = [0]
-    search = tree_module._search_subtrees
-
-    def counted(tiles, *args):
-        count[0] += tiles.shape[0]
-        return search(tiles, *args)
-
-    monkeypatch.setattr(tree_module, "_search_subtrees", counted)
-    return count
-
-
 @pytest.mark.parametrize("block", [128, 64, (32, 16)])
 def test_insertion_trees_at_batch_match_torch(block):
     length, batch = 1999, 3
