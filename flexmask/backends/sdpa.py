@@ -35,9 +35,8 @@ SDPA_MAX_PAIRS = 256 * 256
 # A forward without gradients is SDPA's cheapest call (no backward to save), so it wins up to
 # larger rows: benchmarks/bench_backends.py (B=2, H=4, D=64, 2 cores at load 1.1-2.4) at
 # 1k x 1k, no grad: an RL tree (47% listed, mostly partial blocks) 36.7 ms sparse against
-# 19.7 ms SDPA (29.0 against 17.1 ms in a second run); documents and windows within 6% either
-# way. At 2k the sparse path was 0.27-0.64x SDPA's time on documents, windows and the tree in
-# one run (the tree 1.18x in another: noise at that load).
+# 19.7 ms SDPA; documents and windows within 16% either way. At 2k, no grad, the sparse path
+# took 0.54-0.57x SDPA's time on documents and windows and 1.12-1.18x on the tree (two runs).
 SDPA_MAX_PAIRS_NO_GRAD = 1024 * 1024
 
 
