@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from flexmask._validate import check_device
@@ -16,9 +17,8 @@ FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3
 """MagiAttention's ``attn_type_map`` values (``AttnMaskType.to_int_type``)."""
 
 # A slice's type from how its rows' first and last attended keys move from one query to the
-# next: (first moves?, last moves?) -> type. Magi's causal is bottom-right aligned (the last
-# key grows with the query), inverse causal top-left aligned (the first key does).
-_TYPE = {(0, 0): FULL, (0, 1): CAUSAL, (1, 0): INVCAUSAL, (1, 1): BICAUSAL}
+# next, 0 or 1 each: 2 * (first's step) + (last's step). Magi's causal is bottom-right aligned
+# (the last key grows with the query), inverse causal top-left aligned (the first key does).
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,19 +108,25 @@ def to_magi(
     win = window(mask, B, None, Q_LEN, KV_LEN, q_offset, kv_offset)
     dev = check_device(device, mask.device)
     lo, hi = lines(one_mask_for_all_heads(mask, "MagiAttention"), win)
-    per_row = [_slices(lo[r], hi[r]) for r in range(lo.shape[0])]
-    q_out, k_out, types = [], [], []
-    for b in range(win.batch):
-        q, k, t = per_row[min(b, len(per_row) - 1)]
-        q_out.append(q + b * win.q_len)
-        k_out.append(k + b * win.kv_len)
-        types.append(t)
-    q_ranges = torch.cat(q_out).to(torch.int32)
-    k_ranges = torch.cat(k_out).to(torch.int32)
+    row, q, k, t = _slices(lo, hi)
+    rows = lo.shape[0]
+    if rows < win.batch:
+        # Batch row b takes the slices of mask row min(b, R - 1): the last row's repeated.
+        counts = torch.bincount(row, minlength=rows)
+        use = torch.arange(win.batch).clamp(max=rows - 1)
+        per_batch = counts[use]
+        row = torch.repeat_interleave(torch.arange(win.batch), per_batch)
+        first = (torch.cumsum(counts, 0) - counts)[use]
+        at = torch.arange(row.numel()) - (torch.cumsum(per_batch, 0) - per_batch - first)[row]
+        q, k, t = q[at], k[at], t[at]
+    # Rows laid end to end: (B * Q_LEN) queries and (B * KV_LEN) keys.
+    shift = row.view(-1, 1)
+    q_ranges = (q + shift * win.q_len).to(torch.int32)
+    k_ranges = (k + shift * win.kv_len).to(torch.int32)
     return MagiMask(
         q_ranges=q_ranges.to(dev),
         k_ranges=k_ranges.to(dev),
-        attn_type_map=torch.cat(types).to(torch.int32).to(dev),
+        attn_type_map=t.to(torch.int32).to(dev),
         max_seqlen_q=int((q_ranges[:, 1] - q_ranges[:, 0]).max()) if len(q_ranges) else 0,
         max_seqlen_k=int((k_ranges[:, 1] - k_ranges[:, 0]).max()) if len(k_ranges) else 0,
         total_q=win.batch * win.q_len,
@@ -128,45 +134,78 @@ def to_magi(
     )
 
 
-def _slices(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Slices of one row from its ``(N, K)`` intervals: each track (the k-th interval of
-    every query) cut greedily into runs of one shape."""
-    q_all, k_all, t_all = [], [], []
-    for track in range(lo.shape[1]):
-        first, last = lo[:, track].tolist(), hi[:, track].tolist()
-        for start, end, shape in _runs(first, last):
-            if shape is None:
-                shape = (0, 0)
-            q_all.append((start, end + 1))
-            stop = last[end] if shape[1] else last[start]
-            k_all.append((first[start], stop + 1))
-            t_all.append(_TYPE[shape])
-    if not q_all:
-        empty = torch.zeros(0, 2, dtype=torch.int64)
-        return empty, empty, torch.zeros(0, dtype=torch.int64)
-    order = sorted(range(len(q_all)), key=lambda i: (q_all[i][0], k_all[i][0]))
-    return (
-        torch.tensor([q_all[i] for i in order], dtype=torch.int64),
-        torch.tensor([k_all[i] for i in order], dtype=torch.int64),
-        torch.tensor([t_all[i] for i in order], dtype=torch.int64),
-    )
+def _slices(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Every row's slices from its ``(R, N, K)`` intervals, as (row, q range, k range, type)
+    sorted by (row, first query, first key): each track (the k-th interval of every query of
+    a row) cut greedily into maximal runs of one shape, the first run starting at the track's
+    first attending query and each next run at the first attending query after the last.
 
-
-def _runs(first: list[int], last: list[int]):
-    """Greedy maximal runs ``(start, end, shape)`` of queries with an interval whose ends
-    move by a constant 0 or 1 per query; ``shape`` is None for a single query."""
-    n = len(first)
-    q = 0
-    while q < n:
-        if first[q] > last[q]:
-            q += 1
-            continue
-        start, shape = q, None
-        while q + 1 < n and first[q + 1] <= last[q + 1]:
-            step = (first[q + 1] - first[q], last[q + 1] - last[q])
-            if step not in _TYPE or (shape is not None and step != shape):
-                break
-            shape = step
-            q += 1
-        yield start, q, shape
-        q += 1
+    The greedy cut is read from the steps between neighbouring queries, not walked query by
+    query (this runs once per training step, ~N Python iterations cost as much as the
+    attention at 8k). A step ``j`` (query j to j + 1) is *usable* when both queries attend and
+    both ends move by 0 or 1; maximal stretches of usable steps of one kind are *segments*.
+    A run starting inside a segment takes it to its end, so runs are segments entered at
+    their first step or, when the segment before ends at the step just before (its run took
+    this segment's first query), at their second; a segment of one step entered at its second
+    step is skipped. Within a chain of touching one-step segments after an entered segment the
+    skipped ones alternate, which a cumulative sum gives. Every attending query no entered
+    segment's run covers is a run of its own (a full slice of one query).
+    """
+    rows, n, tracks = lo.shape
+    width = n + 1
+    # One line per (row, track), in row-major then track order, each followed by an empty
+    # query (lo > hi) so that no step joins two lines. Steps touching an empty query are
+    # never read, and none overflows: lines' empty slots are (2**62, -2**62).
+    first = F.pad(lo.transpose(1, 2), (0, 1), value=1).reshape(-1)
+    last = F.pad(hi.transpose(1, 2), (0, 1), value=0).reshape(-1)
+    valid = first <= last
+    step_first, step_last = first.diff(), last.diff()
+    # Usable: both queries attend and both steps are 0 or 1 (no bit but the lowest set).
+    usable = valid[:-1] & valid[1:] & (((step_first | step_last) & -2) == 0)
+    kind = torch.where(usable, step_first * 2 + step_last, -1)
+    # Segments: maximal stretches [a, b] of usable steps of one kind.
+    change = F.pad(kind, (1, 1), value=-1).diff() != 0
+    a = (usable & change[:-1]).nonzero().view(-1)
+    b = (usable & change[1:]).nonzero().view(-1)
+    seg_kind = kind[a]
+    # Touching: the segment before ends at the step just before this one starts.
+    touching = torch.zeros_like(a, dtype=torch.bool)
+    touching[1:] = b[:-1] == a[1:] - 1
+    # In a chain of touching one-step segments, the k-th (counting from 1 after the last
+    # segment that is not one) is skipped when k is odd: the segment before it is entered.
+    chained = touching & (a == b)
+    if bool(chained.any()):
+        index = torch.arange(a.numel())
+        chain_start = torch.where(chained, 0, index).cummax(0).values
+        entered = ~(chained & ((index - chain_start) % 2 == 1))
+        before_entered = torch.ones_like(entered)
+        before_entered[1:] = entered[:-1]
+        late = touching & before_entered
+        a, b, seg_kind, late = a[entered], b[entered], seg_kind[entered], late[entered]
+    else:
+        late = touching  # every segment entered: one touching the one before at its second step
+    start = a + late
+    end = b + 1
+    # Attending queries no entered segment's run covers: one-query runs (full slices).
+    attending = int(valid.sum())
+    if attending != int((end - start).sum()) + start.numel():
+        edges = torch.zeros(first.numel() + 1, dtype=torch.int64)
+        edges.index_put_(
+            (torch.cat([start, end + 1]),),
+            torch.cat([torch.ones_like(start), -torch.ones_like(end)]),
+            accumulate=True,
+        )
+        alone = (valid & (edges.cumsum(0)[:-1] == 0)).nonzero().view(-1)
+        start = torch.cat([start, alone])
+        end = torch.cat([end, alone])
+        seg_kind = torch.cat([seg_kind, torch.zeros_like(alone)])
+    line = start.div(width, rounding_mode="floor")
+    row = line.div(tracks, rounding_mode="floor")
+    q_start = start - line * width
+    k_start = first[start]
+    # By (row, first query, first key): positions and lengths stay below 2**31 (Magi's
+    # ranges are int32), so the key fits in an int64.
+    order = torch.argsort((row * width + q_start) * (1 << 31) + k_start)
+    q = torch.stack([q_start, q_start + (end - start) + 1], 1)[order]
+    k = torch.stack([k_start, last[end] + 1], 1)[order]
+    return row[order], q, k, seg_kind[order]
