@@ -2,9 +2,11 @@
 
 On a device whose flex_attention kernel has a backward, torch's kernel runs — compiled once
 per process (static shapes: one graph per sequence length and mask kind) unless compilation
-is turned off. On the CPU, where torch has no backward, a call that needs gradients runs the
-differentiable block-sparse path driven by the same BlockMask. A no-grad CPU call runs it
-too (or SDPA, where that is faster) unless compilation was asked for — ``compile=True``,
+is turned off. On the CPU, where torch has no backward, a call that needs gradients runs
+torch's fused CPU flash kernel once per slice of the mask (documents, trees, prefix masks:
+the ``slices`` backend) or else the differentiable block-sparse path driven by the same
+BlockMask. A no-grad CPU call runs them too (or SDPA, where that is faster) unless
+compilation was asked for — ``compile=True``,
 ``set_compile(True)`` or ``FLEXMASK_COMPILE=1`` — because the first compiled CPU call costs
 20-40 s per sequence length and mask kind: worth it for many calls, not for one.
 """
@@ -116,10 +118,10 @@ def flex_attention(
         compile: compile torch's kernel (once per process); None follows ``set_compile`` /
             FLEXMASK_COMPILE where either is set, and otherwise compiles on accelerators but
             not on the CPU (whose first compiled call takes 20-40 s): a no-grad CPU call then
-            runs the block-sparse path, or SDPA where that is faster.
+            runs the slices backend or the block-sparse path, or SDPA where that is faster.
         **kwargs: passed to torch's flex_attention (e.g. ``kernel_options``); where the
             block-sparse path runs (the CPU with gradients or compile off) its options
-            instead — ``threads``, ``memory_budget``, ``recompute``, ``max_chunk_elements``,
+            instead (a call with them always runs that path) — ``threads``, ``memory_budget``, ``recompute``, ``max_chunk_elements``,
             ``backend``, ``mod_eval`` (see ``flexmask.block_sparse.block_sparse_attention``);
             those raise TypeError where torch's kernel runs.
 
@@ -141,7 +143,8 @@ def flex_attention(
         query, key, value, block_mask, score_mod, scale, enable_gqa, return_lse, compile, kwargs
     )
     # The first backend of the table that takes the call: torch's kernel, else (on the CPU
-    # with gradients or compile off) the block-sparse path, driven by the same BlockMask.
+    # with gradients or compile off) the slices backend where the mask is a few big slices,
+    # else the block-sparse path, driven by the same BlockMask.
     backend = backends.choose(request)
     return backend.attend(backend.lower(request))
 
@@ -205,7 +208,7 @@ def explain(
         >>> q = k = v = torch.randn(1, 2, 256, 16, requires_grad=True)
         >>> choice = flexmask.explain(q, k, v, flexmask.causal() & flexmask.document([100, 156]))
         >>> choice.backend
-        'block_sparse'
+        'slices'
         >>> print(choice.refused["varlen"])
         varlen_attn and flash-attn run on CUDA only, and this call is on cpu
     """
@@ -251,7 +254,7 @@ def attention(
         backend: ``"auto"`` asks the backends in ``flexmask.backends.AUTO``'s order for the
             device (fastest first, as measured by ``benchmarks/bench_backends.py``) and runs
             the first that takes the call; or a name of ``flexmask.backends.TABLE``
-            (``"flex"``, ``"block_sparse"``, ``"sdpa"``, ``"varlen"``), which raises
+            (``"flex"``, ``"slices"``, ``"block_sparse"``, ``"sdpa"``, ``"varlen"``), which raises
             ValueError saying why where that backend cannot run the call.
         score_mod, scale, enable_gqa, return_lse, compile: as for :func:`flex_attention`.
         **options: the chosen backend's options (e.g. ``threads`` for block_sparse).

@@ -41,7 +41,7 @@ def qkv(length=200, requires_grad=False, seed=0):
 
 
 def test_every_backend_is_one_module_with_the_three_calls():
-    assert list(backends.TABLE) == ["flex", "block_sparse", "sdpa", "varlen"]
+    assert list(backends.TABLE) == ["flex", "slices", "block_sparse", "sdpa", "varlen"]
     for name, module in backends.TABLE.items():
         assert name == module.NAME
         for call in ("can_take", "lower", "attend"):
@@ -49,16 +49,24 @@ def test_every_backend_is_one_module_with_the_three_calls():
 
 
 def test_the_table_chooses_as_flex_attention_always_did():
+    """torch's kernel where it is compiled and needs no backward; on the CPU the slices
+    backend for masks in big slices, the block-sparse path for the rest and for any call
+    with its options."""
+    window = flexmask.causal() & flexmask.sliding_window(64)
     q, k, v = qkv()
     with torch.no_grad():
         assert backends.choose(request(q, k, v, compile=True)) is backends.flex
-        assert backends.choose(request(q, k, v, compile=False)) is backends.block_sparse
+        assert backends.choose(request(q, k, v, compile=False)) is backends.slices
+        assert backends.choose(request(q, k, v, window, compile=False)) is backends.block_sparse
     q, k, v = qkv(requires_grad=True)
-    assert backends.choose(request(q, k, v, compile=True)) is backends.block_sparse
+    assert backends.choose(request(q, k, v, compile=True)) is backends.slices
+    assert backends.choose(request(q, k, v, window, compile=True)) is backends.block_sparse
+    threads = request(q, k, v, compile=True)._replace(options={"threads": 1})
+    assert backends.choose(threads) is backends.block_sparse
     assert "no backward" in backends.flex.can_take(request(q, k, v, compile=True))
 
 
-@pytest.mark.parametrize("name", ["block_sparse", "sdpa"])
+@pytest.mark.parametrize("name", ["slices", "block_sparse", "sdpa"])
 def test_cpu_backends_agree_with_the_dense_oracle(name):
     # A query with no key (padding cuts the last 20 keys, the window the first rows' own):
     # every backend gives it 0, as flex_attention does.

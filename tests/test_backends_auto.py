@@ -63,10 +63,14 @@ def dense(rows):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("backend", ["auto", "block_sparse", "sdpa"])
+@pytest.mark.parametrize("backend", ["auto", "slices", "block_sparse", "sdpa"])
 def test_auto_and_each_cpu_backend_match_a_dense_reference(case, backend):
     mask, rows = CASES[case]
     q, k, v = qkv()
+    if backend == "slices" and case == "sliding-window":
+        with pytest.raises(ValueError, match="bi-causal"):  # its body needs a dense mask
+            flexmask.attention(q, k, v, mask, backend)
+        return
     out = flexmask.attention(q, k, v, mask, backend)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
@@ -82,7 +86,7 @@ def test_auto_runs_compiled_flex_when_asked_on_a_no_grad_cpu_call():
     mask, rows = CASES["document-causal-padding"]
     q, k, v = (t.float() for t in qkv(requires_grad=False))
     choice = flexmask.explain(q, k, v, mask, compile=True)
-    assert choice.backend == "block_sparse"  # measured faster on the CPU: AUTO's order
+    assert choice.backend == "slices"  # measured faster on the CPU: AUTO's order
     out = flexmask.attention(q, k, v, mask, "flex", compile=True)
     torch.testing.assert_close(out, dense_attention(q, k, v, dense(rows)), atol=2e-5, rtol=0)
 
@@ -91,18 +95,22 @@ def test_explain_names_the_choice_and_every_refusal():
     mask = CASES["document-causal-padding"][0]
     q, k, v = qkv()
     choice = flexmask.explain(q, k, v, mask)
-    assert choice.backend == backends.AUTO["cpu"][0] == "block_sparse"
+    assert choice.backend == backends.AUTO["cpu"][0] == "slices"
     assert set(choice.order) == set(backends.TABLE)
     assert choice.refused == {
         "flex": "torch's flex_attention has no backward on the CPU",
         "varlen": "varlen_attn and flash-attn run on CUDA only, and this call is on cpu",
     }
     text = repr(choice)
-    assert "backend='block_sparse'" in text and "varlen: refused: varlen_attn" in text
+    assert "backend='slices'" in text and "varlen: refused: varlen_attn" in text
     # A call that only some take: return_lse is refused by SDPA, with its reason.
     with torch.no_grad():
         refused = flexmask.explain(q, k, v, mask, return_lse=True).refused
     assert refused["sdpa"] == "SDPA returns no log-sum-exp"
+    # With gradients the slices backend refuses return_lse, and block_sparse takes it.
+    choice = flexmask.explain(q, k, v, mask, return_lse=True)
+    assert choice.backend == "block_sparse"
+    assert "without gradients" in choice.refused["slices"]
 
 
 def test_a_named_backend_that_cannot_run_the_call_raises_its_reason():

@@ -320,7 +320,8 @@ def test_flex_attention_passes_the_mask_behind_a_handle_or_expression(monkeypatc
         return inner(*args, mask=mask, **kwargs)
 
     monkeypatch.setattr(block_sparse_backend, "block_sparse_attention", spy)
-    mask = flexmask.causal() & flexmask.document([100, 156])
+    # A sliding window: the slices backend (asked first) refuses it, block_sparse takes it.
+    mask = flexmask.causal() & flexmask.document([100, 156]) & flexmask.sliding_window(40)
     q, k, v, _ = qkv(1, 2, 256, 256)
     handle = flexmask.lazy(mask, 1, 1, 256, 256)
     block_mask = flexmask.create_block_mask(mask, 1, 1, 256, 256)

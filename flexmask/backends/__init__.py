@@ -18,14 +18,17 @@ from __future__ import annotations
 from types import ModuleType
 from typing import NamedTuple
 
-from flexmask.backends import block_sparse, flex, sdpa, varlen
+from flexmask.backends import block_sparse, flex, sdpa, slices, varlen
 from flexmask.backends.request import Request
 
 TABLE: dict[str, ModuleType] = {
     flex.NAME: flex,
+    # Before block_sparse: on the CPU it takes documents, trees and prefix masks in slices
+    # big enough for torch's fused kernel, and refuses the rest (and any block-sparse option).
+    slices.NAME: slices,
     block_sparse.NAME: block_sparse,
     sdpa.NAME: sdpa,
-    varlen.NAME: varlen,  # last: flex_attention's choice is unchanged (flex or block_sparse)
+    varlen.NAME: varlen,  # last: flex_attention's choice stays flex, slices or block_sparse
 }
 """Every backend, in the order ``choose`` asks them."""
 
@@ -40,7 +43,7 @@ AUTO: dict[str, tuple[str, ...]] = {
     # the RL tree at 1k fwd+bwd (sdpa 1.22x faster), at 1k no-grad fwd (1.86x; now SDPA) and
     # at 2k no-grad fwd (1.18x; 0.64x the other way in a second run: noise). torch's
     # uncompiled flex forward materialises every score: 8-37x slower on every row, so last.
-    "cpu": (block_sparse.NAME, sdpa.NAME, flex.NAME),
+    "cpu": (slices.NAME, block_sparse.NAME, sdpa.NAME, flex.NAME),
     # Not measured here (no GPU was lent): torch's compiled kernel first, as flex_attention
     # has always run; varlen where flex cannot take the call. Measure before reordering.
     "cuda": (flex.NAME, varlen.NAME, sdpa.NAME),

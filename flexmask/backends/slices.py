@@ -1,0 +1,263 @@
+"""The slices backend: torch's fused CPU flash kernel, once per MagiAttention slice.
+
+A mask whose queries attend a few key intervals lowers exactly to MagiAttention's slices
+(``flexmask.formats.to_magi``): a query range, a key range, and full or causal. Each slice is
+one call of torch's CPU flash-attention kernel on *views* of q, k and v — no gather, no mask
+tensor, and a causal slice skips its upper triangle inside the kernel — so documents, a
+shared-prefix tree (an RL group: the prompt once, each response onto it) and prefix-LM masks
+cost what their attended pairs cost at the fused kernel's speed. Slices that share queries
+merge by their log-sum-exps (the online-softmax rule); the backward calls the kernel's own
+backward once per slice with the merged output and log-sum-exp, which gives each slice its
+exact share of the gradient (ring attention's rule).
+
+It refuses, so that the block-sparse path takes the call: a sliding window's body (a
+bi-causal slice needs a dense mask tensor per slice), many small slices (a tree of tiny
+nodes: per-call overhead), ``score_mod``, a BlockMask without the Mask it was built from,
+and the block-sparse path's own options.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from flexmask.algebra.mask import Mask
+from flexmask.backends.request import Request
+from flexmask.builders.create import built_from
+from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL, to_magi
+from flexmask.pieces import Full
+
+NAME = "slices"
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+"""What torch's CPU flash kernel takes."""
+
+# A slice costs one kernel call forward and one backward plus a merge over its rows: about
+# 0.1-0.2 ms on 2 cores whatever its size (benchmarks/bench_backends.py). Below this many
+# queries per call on average the block-sparse path, whose cost follows its 128-token
+# blocks, is the cheaper one.
+MIN_ROWS_PER_CALL = 64
+
+_LOWERED = "slices"
+"""The key under which ``lower`` hands the Slices to ``attend``."""
+
+
+def _flash_ops() -> tuple[Any, Any] | None:
+    """torch's CPU flash kernel and its backward (private aten ops, present in every torch
+    this package supports), or None where a torch lacks them."""
+    ops = torch.ops.aten
+    try:
+        return (
+            ops._scaled_dot_product_flash_attention_for_cpu.default,
+            ops._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        )
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class Slices(NamedTuple):
+    """Kernel calls of one mask, in local positions: call ``i`` runs batch rows
+    ``rows[i]`` (None: every row), queries ``[q_start, q_end)`` onto keys
+    ``[k_start, k_end)``, top-left causal where ``causal`` (the key range then as long as the
+    query range). Calls cover each (query, key) pair at most once."""
+
+    calls: tuple[tuple[int | None, int, int, int, int, bool], ...]
+    rows_covered: int
+    """Query rows summed over the slices (a query in two slices counts twice)."""
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+
+def kernel_calls(magi: Any, q_len: int, kv_len: int, per_row: bool) -> tuple[list, str | None]:
+    """MagiAttention's slices as calls of torch's CPU kernel, or the reason they cannot be.
+
+    ``to_magi`` lays batch rows end to end (row ``b``'s queries from ``b * q_len``, its keys
+    from ``b * kv_len``); a call keeps the row and local positions. Magi's causal is
+    bottom-right aligned, torch's CPU kernel's top-left: a causal slice with more keys than
+    queries is a full slice onto its first keys plus a square causal one onto its last; one
+    with fewer keys than queries leaves its first queries out (they see none of its keys).
+    """
+    calls: list[tuple[int | None, int, int, int, int, bool]] = []
+    q_ranges = magi.q_ranges.tolist()
+    k_ranges = magi.k_ranges.tolist()
+    for (qs, qe), (ks, ke), kind in zip(
+        q_ranges, k_ranges, magi.attn_type_map.tolist(), strict=True
+    ):
+        row = qs // q_len if per_row else None
+        if row is not None:
+            qs, qe, ks, ke = (
+                qs - row * q_len,
+                qe - row * q_len,
+                ks - row * kv_len,
+                ke - row * kv_len,
+            )
+        if kind == FULL:
+            calls.append((row, qs, qe, ks, ke, False))
+            continue
+        if kind in (INVCAUSAL, BICAUSAL):
+            what = "inverse-causal" if kind == INVCAUSAL else "bi-causal (a sliding window's body)"
+            return [], f"the mask has a {what} slice, which torch's CPU flash kernel cannot mask"
+        if kind != CAUSAL:
+            raise RuntimeError(f"to_magi returned slice type {kind}, not one of Magi's four")
+        n, m = qe - qs, ke - ks
+        if m > n:
+            calls.append((row, qs, qe, ks, ke - n, False))
+            calls.append((row, qs, qe, ke - n, ke, True))
+        else:
+            calls.append((row, qe - m, qe, ks, ke, True))
+    return calls, None
+
+
+def can_take(request: Request) -> str | None:
+    if not request.on_cpu:
+        return f"it runs torch's CPU flash kernel, and this call is on {request.query.device.type}"
+    if _flash_ops() is None:
+        return "this torch has no _scaled_dot_product_flash_attention_for_cpu"
+    if request.score_mod is not None:
+        return "torch's flash kernel takes no score_mod"
+    if request.return_lse and request.needs_grad:
+        return "it returns the log-sum-exp only without gradients"
+    if request.options:
+        return f"it takes no options (the block-sparse path's), got {sorted(request.options)}"
+    shapes = _shape_problem(request)
+    if shapes is not None:
+        return shapes
+    lowered = _lower(request)
+    return lowered if isinstance(lowered, str) else too_many(lowered)
+
+
+def lower(request: Request) -> Request:
+    """The mask's kernel calls, handed to ``attend`` in the Request's options."""
+    lowered = _shape_problem(request) or _lower(request)
+    if not isinstance(lowered, str):
+        lowered = too_many(lowered) or lowered
+    if isinstance(lowered, str):
+        raise ValueError(f"backend 'slices' cannot run this call: {lowered}")
+    return request._replace(options={_LOWERED: lowered})
+
+
+def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:
+    lowered: Slices = request.options[_LOWERED]
+    q, k, v = request.query, request.key, request.value
+    out, lse = _SliceAttention.apply(q, k, v, lowered.calls, request.scale)
+    return (out, lse) if request.return_lse else out
+
+
+def _shape_problem(request: Request) -> str | None:
+    """Why torch's CPU flash kernel cannot take these tensors, or None. The kernel aborts the
+    process on some bad shapes (no heads: a division by zero), so anything but the plain
+    case is refused here, and the path that takes the call instead names what is wrong."""
+    q, k, v = request.query, request.key, request.value
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return "query, key and value must be 4-D tensors (B, H, seq_len, head_dim)"
+    if q.dtype not in DTYPES or not q.dtype == k.dtype == v.dtype:
+        return f"torch's CPU flash kernel takes one dtype of {[str(d) for d in DTYPES]}"
+    if min(*q.shape, *k.shape, *v.shape) < 1:
+        return "a dimension of query, key or value is 0"
+    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3]:
+        return "query, key and value must share B; key and value their heads and length"
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        return "torch's CPU flash kernel needs one head_dim for query, key and value"
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv and not (request.enable_gqa and hq % hkv == 0):
+        return "query heads must equal key heads, or be a multiple of them with enable_gqa"
+    return None
+
+
+def _lower(request: Request) -> Slices | str:
+    mask = request.mask
+    if mask is None and request.block_mask is not None:
+        mask = built_from(request.block_mask)
+        if mask is None:
+            return "it lowers a flexmask Mask, and this call brings a BlockMask without one"
+    if mask is None:
+        mask = Full()
+    batch, q_len, kv_len = request.query.shape[0], request.query.shape[-2], request.key.shape[-2]
+    return _lowered(mask, batch, q_len, kv_len)
+
+
+@functools.lru_cache(maxsize=16)
+def _lowered(mask: Mask, batch: int, q_len: int, kv_len: int) -> Slices | str:
+    """The kernel calls, or why there are none: kept for the calls of one step (can_take,
+    then lower; every layer of a model) — a Mask hashes by its content."""
+    per_row = mask.rows is not None and mask.rows > 1
+    try:
+        magi = to_magi(mask, batch if per_row else 1, q_len, kv_len)
+    except ValueError as err:
+        return str(err)
+    calls, refused = kernel_calls(magi, q_len, kv_len, per_row)
+    if refused is not None:
+        return refused
+    covered = int((magi.q_ranges[:, 1] - magi.q_ranges[:, 0]).sum()) if calls else 0
+    return Slices(tuple(calls), covered)
+
+
+def too_many(lowered: Slices) -> str | None:
+    """Why the block-sparse path is the cheaper one for these calls, or None."""
+    if len(lowered) <= max(8, lowered.rows_covered // MIN_ROWS_PER_CALL):
+        return None
+    return (
+        f"its {len(lowered)} kernel calls average {lowered.rows_covered // len(lowered)} "
+        f"queries, fewer than {MIN_ROWS_PER_CALL}: the block-sparse path is cheaper"
+    )
+
+
+class _SliceAttention(torch.autograd.Function):
+    """Forward: one flash call per slice, merged into the rows' output by log-sum-exp.
+    Backward: the kernel's backward per slice, given the merged output and log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, calls, scale):  # type: ignore[override]
+        forward_op, _ = _flash_ops()  # type: ignore[misc]
+        batch, heads, q_len, _ = q.shape
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = q.new_zeros(batch, heads, q_len, v.shape[-1], dtype=acc)
+        lse = q.new_full((batch, heads, q_len), float("-inf"), dtype=acc)
+        for row, qs, qe, ks, ke, causal in calls:
+            b = slice(None) if row is None else slice(row, row + 1)
+            o, part_lse = forward_op(
+                q[b, :, qs:qe], k[b, :, ks:ke], v[b, :, ks:ke], 0.0, causal, scale=scale
+            )
+            seen, rows = lse[b, :, qs:qe], out[b, :, qs:qe]
+            merged = torch.logaddexp(seen, part_lse)
+            rows.mul_((seen - merged).exp_().unsqueeze(-1))
+            rows.add_(o.to(acc) * (part_lse - merged).exp_().unsqueeze(-1))
+            seen.copy_(merged)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.calls, ctx.scale = calls, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, _grad_lse):  # type: ignore[override]
+        _, backward_op = _flash_ops()  # type: ignore[misc]
+        q, k, v, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for row, qs, qe, ks, ke, causal in ctx.calls:
+            b = slice(None) if row is None else slice(row, row + 1)
+            gq, gk, gv = backward_op(
+                grad_out[b, :, qs:qe],
+                q[b, :, qs:qe],
+                k[b, :, ks:ke],
+                v[b, :, ks:ke],
+                out[b, :, qs:qe],
+                lse[b, :, qs:qe].to(torch.float32)
+                if q.dtype != torch.float64
+                else lse[b, :, qs:qe],
+                0.0,
+                causal,
+                scale=ctx.scale,
+            )
+            dq[b, :, qs:qe] += gq
+            dk[b, :, ks:ke] += gk
+            dv[b, :, ks:ke] += gv
+        return dq, dk, dv, None, None
+
+
+__all__ = ["DTYPES", "MIN_ROWS_PER_CALL", "NAME", "Slices", "attend", "can_take", "lower"]

@@ -1,0 +1,271 @@
+"""The slices backend (torch's CPU flash kernel once per MagiAttention slice) against attention
+written plainly from the oracle's dense masks: outputs, gradients and log-sum-exps, on random
+expressions with B and H > 1, odd and unequal lengths, grouped heads; and every refusal named."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_block_mask
+
+import flexmask
+from flexmask import backends
+from flexmask.backends import slices
+from flexmask.formats.magi import MagiMask
+from tests import oracle
+from tests.strategies import expressions
+from tests.test_formats import magi_dense
+
+
+def dense_attention(q, k, v, allowed, scale=None):
+    """Softmax over the allowed keys, written plainly; a row with none gives 0 and lse -inf.
+    ``allowed`` is (B or 1, Hq or 1, Q, KV); grouped heads read kv head h // (Hq // Hkv)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v, lse
+
+
+def qkv(batch, q_heads, kv_heads, q_len, kv_len, dtype=torch.float64, seed=0, dim=8):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(batch, q_heads, q_len, dim), (batch, kv_heads, kv_len, dim)]
+    shapes.append(shapes[1])
+    return [torch.randn(s, dtype=dtype, generator=gen).requires_grad_(True) for s in shapes]
+
+
+@pytest.fixture
+def every_lowering(monkeypatch):
+    """The cost rule off: every mask the kernel can mask is taken, however small its slices."""
+    monkeypatch.setattr(slices, "MIN_ROWS_PER_CALL", 1)
+
+
+def check(mask, dense, batch, q_heads, kv_heads, q_len, kv_len, scale=None):
+    q, k, v = qkv(batch, q_heads, kv_heads, q_len, kv_len)
+    try:
+        out = flexmask.attention(
+            q, k, v, mask, "slices", enable_gqa=q_heads != kv_heads, scale=scale
+        )
+    except ValueError as err:
+        return str(err)
+    allowed = torch.from_numpy(np.asarray(dense)).expand(batch, q_heads, q_len, kv_len)
+    ref, _ = dense_attention(q, k, v, allowed, scale)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=0, msg=f"grad of {name}")
+    return None
+
+
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    data=st.data(),
+    batch=st.integers(1, 3),
+    heads=st.sampled_from([(1, 1), (2, 2), (4, 2), (4, 1)]),
+    q_len=st.integers(1, 70),
+    kv_len=st.integers(1, 70),
+)
+def test_equals_dense_attention_or_refuses(every_lowering, data, batch, heads, q_len, kv_len):
+    q_heads, kv_heads = heads
+    length = max(q_len, kv_len)
+    mask, dense = data.draw(expressions(batch, q_heads, length, max_leaves=3))
+    want = dense(length, length)[:, :, :q_len, :kv_len]
+    refused = check(mask, want, batch, q_heads, kv_heads, q_len, kv_len)
+    if refused is not None:
+        # Refused only for a reason it names: a slice the kernel cannot mask, heads that
+        # differ, or a mask_mod leaf (no structure).
+        assert any(
+            why in refused
+            for why in ("bi-causal", "inverse-causal", "heads", "from_mask_mod", "mask_mod")
+        ), refused
+
+
+S = 301  # odd: no slice boundary sits on a block edge
+
+STRUCTURED = {
+    "rl-tree": (
+        flexmask.tree(
+            [-1, *range(99), *([40] + list(range(100, 170))), *([99] + list(range(171, 300)))]
+        ),
+        oracle.tree(
+            [-1, *range(99), *([40] + list(range(100, 170))), *([99] + list(range(171, 300)))], S, S
+        ),
+    ),
+    "documents-padding-per-row": (
+        flexmask.causal()
+        & flexmask.document([[90, 113, 98], [50, 60, 70]])
+        & flexmask.padding([290, 170]),
+        np.stack(
+            [
+                oracle.causal(S, S)
+                & oracle.document([90, 113, 98], S, S)
+                & oracle.padding(290, S, S),
+                oracle.causal(S, S)
+                & oracle.document([50, 60, 70], S, S)
+                & oracle.padding(170, S, S),
+            ]
+        )[:, None],
+    ),
+    "prefix-lm": (
+        flexmask.causal() | flexmask.prefix(77),
+        oracle.causal(S, S) | oracle.prefix(77, S, S),
+    ),
+    "bidirectional-documents": (
+        flexmask.document([100, 1, 200]),
+        oracle.document([100, 1, 200], S, S),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STRUCTURED))
+@pytest.mark.parametrize("lens", [(S, S), (S, 120), (120, S)])
+def test_structured_masks_are_taken_and_exact(case, lens):
+    """Documents, an RL tree and a prefix-LM are never refused at the default cost rule, at
+    equal and unequal lengths (causal slices then bottom-right aligned in Magi's form)."""
+    mask, dense = STRUCTURED[case]
+    q_len, kv_len = lens
+    want = np.asarray(dense)[..., :q_len, :kv_len]
+    assert check(mask, want, 2, 4, 2, q_len, kv_len, scale=0.3) is None
+
+
+def test_lse_without_gradients_and_empty_rows():
+    """return_lse gives flex's lse: natural log, -inf (and output 0) where a row attends
+    nothing; with gradients it is refused (the lse is not differentiated here)."""
+    mask = flexmask.causal() & flexmask.document([40, 50]) & flexmask.padding(70)
+    q, k, v = qkv(2, 2, 2, 96, 96)
+    allowed = torch.from_numpy(
+        oracle.causal(96, 96) & oracle.document([40, 50], 96, 96) & oracle.padding(70, 96, 96)
+    )
+    with torch.no_grad():
+        out, lse = flexmask.attention(q, k, v, mask, "slices", return_lse=True)
+        ref, ref_lse = dense_attention(q, k, v, allowed)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=0)
+    assert torch.isneginf(lse[..., 70:]).all() and (out[..., 70:, :] == 0).all()
+    choice = flexmask.explain(q, k, v, mask, "slices", return_lse=True)
+    assert choice.backend == "" and "without gradients" in choice.refused["slices"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_close_to_float64(dtype):
+    mask = flexmask.tree([-1, *range(63), *([20] + list(range(64, 127)))])
+    allowed = torch.from_numpy(
+        oracle.tree([-1, *range(63), *([20] + list(range(64, 127)))], 128, 128)
+    )
+    q, k, v = qkv(1, 2, 2, 128, 128, dim=16)
+    ref, _ = dense_attention(q, k, v, allowed)
+    low = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
+    out = flexmask.attention(*low, mask, "slices")
+    assert out.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    out.sum().backward()
+    assert all(x.grad is not None and x.grad.dtype == dtype for x in low)
+
+
+def test_refusals_name_their_reason():
+    q, k, v = qkv(1, 2, 2, 256, 256)
+    window = flexmask.causal() & flexmask.sliding_window(64)
+    cases = {
+        "bi-causal": dict(mask=window),
+        "fewer than": dict(mask=flexmask.causal() & flexmask.document([4] * 64)),
+        "takes no options": dict(mask=flexmask.causal(), threads=1),
+        "score_mod": dict(mask=flexmask.causal(), score_mod=lambda s, b, h, qi, ki: s),
+        "BlockMask without one": dict(
+            mask=create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 256, 256, "cpu")
+        ),
+    }
+    for why, kwargs in cases.items():
+        mask = kwargs.pop("mask")
+        choice = flexmask.explain(q, k, v, mask, "slices", **kwargs)
+        assert choice.backend == "" and why in choice.refused["slices"], (why, choice)
+        with pytest.raises(ValueError, match="slices"):
+            flexmask.attention(q, k, v, mask, "slices", **kwargs)
+
+
+def test_flexmask_built_block_mask_and_handle_are_lowered():
+    """A BlockMask flexmask built knows its Mask; a handle carries it: both lower."""
+    mask = flexmask.causal() & flexmask.document([100, 156])
+    q, k, v = qkv(1, 2, 2, 256, 256)
+    built = flexmask.create_block_mask(mask, 1, 1, 256, 256, device="cpu")
+    handle = flexmask.lazy(mask, 1, 2, 256, 256, device="cpu")
+    for given_mask in (built, handle, mask):
+        assert flexmask.explain(q, k, v, given_mask).backend == "slices"
+
+
+def test_flex_attention_on_cpu_runs_slices_for_a_tree(monkeypatch):
+    """flexmask.flex_attention asks the table in order: on the CPU with gradients the slices
+    backend takes an RL tree; a call with a block-sparse option goes to block_sparse."""
+    mask, dense = STRUCTURED["rl-tree"]
+    q, k, v = qkv(1, 2, 2, S, S)
+    calls = []
+    real = slices.attend
+    monkeypatch.setattr(slices, "attend", lambda request: calls.append(1) or real(request))
+    out = flexmask.flex_attention(q, k, v, block_mask=mask)
+    ref, _ = dense_attention(q, k, v, torch.from_numpy(dense))
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    assert calls == [1]
+    flexmask.flex_attention(q, k, v, block_mask=mask, threads=1)
+    assert calls == [1]
+    assert backends.TABLE["slices"] is slices
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 3), q_len=st.integers(1, 12), kv_len=st.integers(1, 12))
+def test_kernel_calls_mask_what_magis_slices_mean(data, batch, q_len, kv_len):
+    """Random full and causal Magi slices (any key count: more, equal or fewer keys than
+    queries) become calls of torch's kernel whose top-left causal geometry covers exactly
+    the pairs Magi's documented bottom-right geometry does (``magi_dense`` in test_formats)."""
+    q_rows, k_rows, types = [], [], []
+    for b in range(batch):
+        for _ in range(data.draw(st.integers(0, 2))):
+            qs = data.draw(st.integers(0, q_len - 1))
+            qe = data.draw(st.integers(qs + 1, q_len))
+            ks = data.draw(st.integers(0, kv_len - 1))
+            ke = data.draw(st.integers(ks + 1, kv_len))
+            q_rows.append((b * q_len + qs, b * q_len + qe))
+            k_rows.append((b * kv_len + ks, b * kv_len + ke))
+            types.append(data.draw(st.sampled_from([0, 1])))
+    if not types:
+        return
+    i32 = torch.int32
+    magi = MagiMask(
+        torch.tensor(q_rows, dtype=i32).view(-1, 2),
+        torch.tensor(k_rows, dtype=i32).view(-1, 2),
+        torch.tensor(types, dtype=i32),
+        q_len,
+        kv_len,
+        batch * q_len,
+        batch * kv_len,
+    )
+    # Pairs covered twice are not a slice list to_magi makes; count them on both sides.
+    want = np.zeros((batch, q_len, kv_len), dtype=int)
+    for one in range(len(types)):
+        single = MagiMask(
+            magi.q_ranges[one : one + 1],
+            magi.k_ranges[one : one + 1],
+            magi.attn_type_map[one : one + 1],
+            q_len,
+            kv_len,
+            batch * q_len,
+            batch * kv_len,
+        )
+        want += magi_dense(single, batch, q_len, kv_len)
+    calls, refused = slices.kernel_calls(magi, q_len, kv_len, per_row=True)
+    assert refused is None
+    got = np.zeros_like(want)
+    for row, qs, qe, ks, ke, causal in calls:
+        block = np.ones((qe - qs, ke - ks), dtype=int)
+        if causal:  # torch's kernel: top-left aligned
+            block = np.tril(block)
+        got[row, qs:qe, ks:ke] += block
+    np.testing.assert_array_equal(got, want)
