@@ -32,13 +32,16 @@ SHARD = sys.modules["flexmask.builders.cp_shard"]
 
 
 SEGMENTS = sys.modules["flexmask.builders.segments"]
+CORE = sys.modules["flexmask.context_parallel.core"]
 
 
 @pytest.fixture
 def segments_only(monkeypatch):
-    """Closed-form shards take the segments path (runs per ascending key piece turned off),
-    never a dense compare or the tile path; returns the list of written sides."""
+    """Closed-form shards take the segments path (runs per ascending key piece and the
+    per-document balancer's closed form for its own mask turned off), never a dense compare
+    or the tile path; returns the list of written sides."""
     calls = []
+    monkeypatch.setattr(CORE, "_own_documents", lambda *args: None)
     real = SEGMENTS.side
     monkeypatch.setattr(SHARD, "PIECES_PER_BLOCK", 0.0)
     monkeypatch.setattr(SHARD, "DENSE_PAIRS_PER_BLOCK", 1e9)

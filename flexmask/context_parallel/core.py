@@ -21,9 +21,11 @@ from flexmask.blocks.read import block_mask_nbytes
 from flexmask.builders.cp_shard import KeyOrder, build_shard
 from flexmask.builders.create import build as build_window
 from flexmask.builders.create import cpu_threads
+from flexmask.context_parallel import per_document
 from flexmask.context_parallel.balance import (
     HeadTailBalancer,
     MaskAwareBalancer,
+    PerDocumentBalancer,
     PTRRBalancer,
     _check_cost,
     _round_up,
@@ -443,6 +445,19 @@ def _check_permutation(indices: Tensor, lb: _LoadBalancer) -> None:
             )
 
 
+def _own_documents(lb: _LoadBalancer | None, mask: Mask, whole: BlockGrid) -> list[int] | None:
+    """The documents of a per-document balancer of one row that shards its own mask
+    ``causal() & document(lengths)`` on the CPU as one row and head, else None. That shard
+    is written in closed form from the documents (``per_document``) instead of from every
+    query's interval (``segments``)."""
+    if not isinstance(lb, PerDocumentBalancer) or lb.rows != 1:
+        return None
+    if whole.device.type != "cpu" or whole.reduced(mask) != (1, 1):
+        return None
+    lengths = lb.seq_length_per_doc[0]
+    return lengths if per_document.own_mask(mask, lengths) else None
+
+
 def _build(plan: _Plan) -> CPShard:
     mask, Q_LEN = plan.mask, plan.Q_LEN
     world, rank, block, device = plan.world, plan.rank, plan.block, plan.device
@@ -469,7 +484,13 @@ def _build(plan: _Plan) -> CPShard:
             return CPShard(block_mask, indices, lb, rank, world, Q_LEN, padded, key, kv_length)
         built = mask if padded == Q_LEN else mask & padding(Q_LEN)
         whole = plan.spec.grid(sized=False)
-        block_mask = build_shard(built, whole, indices, rank, world, keys)
+        lengths = _own_documents(lb, built, whole)
+        if lengths is not None:
+            block_mask = per_document.build(
+                built, lengths, indices, keys[0].runs, rank, world, block
+            )
+        else:
+            block_mask = build_shard(built, whole, indices, rank, world, keys)
     return CPShard(block_mask, indices, lb, rank, world, Q_LEN, padded, key)
 
 
