@@ -53,9 +53,15 @@ class SimMesh:
 
 
 def documents(seq: int, count: int, unit: int, seed: int = 0) -> list[int]:
+    """Up to ``count`` random document lengths, multiples of ``unit``, that sum to ``seq``:
+    fewer where ``seq`` holds fewer units, and the last one takes ``seq % unit`` too."""
     rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, seq // unit), count - 1))
-    return [(b - a) * unit for a, b in zip([0, *cuts], [*cuts, seq // unit], strict=False)]
+    units = seq // unit
+    count = max(1, min(count, units))
+    cuts = sorted(rng.sample(range(1, units), count - 1))
+    lengths = [(b - a) * unit for a, b in zip([0, *cuts], [*cuts, units], strict=False)]
+    lengths[-1] += seq - units * unit
+    return lengths
 
 
 def build_times(sizes, worlds, torch_max, repeat):
@@ -294,6 +300,11 @@ def main() -> None:
         million(args.million_repeat, million_ranks)
     if args.paths_seq:
         paths(args.paths_seq, 8, args.repeat)
+    if args.imbalance_seq % 8:  # the per-document balancer's documents are multiples of 2W
+        parser.error(
+            f"--imbalance-seq must be a multiple of 8 (2 x the 4 ranks, as the per-document "
+            f"balancer needs), got {args.imbalance_seq}"
+        )
     imbalances(args.imbalance_seq, 4)
 
 

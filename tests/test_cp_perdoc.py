@@ -150,3 +150,35 @@ def test_other_masks_keep_the_general_path():
             oracle.assert_same_block_mask(shard.block_mask, reference, own_storage=False)
     assert torch.equal(balancer._generate_indices()[0].sort().values, torch.arange(384))
 
+
+def _bench_cp(monkeypatch):
+    """benchmarks/bench_cp.py as a module (it imports its neighbour ``common``)."""
+    import importlib.util
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(folder))
+    spec = importlib.util.spec_from_file_location("_flexmask_bench_cp", folder / "bench_cp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("seq", [8, 1024, 4096, 6000, 6152])
+def test_bench_imbalance_at_short_and_odd_lengths(seq, monkeypatch, capsys):
+    """``bench_cp.py --imbalance-seq N`` crashed inside ``documents()`` below ~6144 tokens
+    (12 documents of 512-token units do not fit) and, at a length that is not a multiple of
+    512, built a per-document balancer for fewer tokens than the masks. Now the documents
+    always sum to N, in multiples of 2W, and every row prints."""
+    bench = _bench_cp(monkeypatch)
+    lengths = bench.documents(seq, 12, 512, seed=2)
+    assert sum(lengths) == seq and all(n % 8 == 0 for n in lengths) and 1 <= len(lengths) <= 12
+    bench.imbalances(seq, 4)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == [
+        "| documents",
+        "| tree",
+        "| documents + sliding window",
+    ]
+    for row in rows[1:]:
+        assert all(float(value) >= 1.0 for value in row.strip(" |").split(" | ")[1:]), row
