@@ -198,8 +198,7 @@ def _normalize(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
     """Sorted, disjoint, non-adjacent intervals (joined where they overlap or touch), empty
     slots last, as few slots as the fullest line needs (at least one)."""
     valid = lo <= hi
-    lo = torch.where(valid, lo, _BIG).to(torch.int64)
-    hi = torch.where(valid, hi, -_BIG).to(torch.int64)
+    lo, hi = _pick(valid, lo, _BIG), _pick(valid, hi, -_BIG)
     # Most lists hold one or two intervals (a piece, an & of pieces, a tree's prompt and
     # own run): merged elementwise, as the general path below would, without its sort, cummax
     # and scatters along a last dimension of 1-2 (which cost 10-50x more at 8k-131k lines).
@@ -235,17 +234,25 @@ def _normalize_two(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
     """``_normalize`` of two intervals per line, empty ones already at (_BIG, -_BIG)."""
     lo0, lo1, hi0, hi1 = lo[..., 0], lo[..., 1], hi[..., 0], hi[..., 1]
     swap = lo1 < lo0  # the stable sort's order: by lo, the first slot first on a tie
-    a_lo, b_lo = torch.where(swap, lo1, lo0), torch.where(swap, lo0, lo1)
-    a_hi, b_hi = torch.where(swap, hi1, hi0), torch.where(swap, hi0, hi1)
+    a_lo, b_lo = torch.minimum(lo0, lo1), torch.maximum(lo0, lo1)
+    a_hi, b_hi = _pick(swap, hi1, hi0), _pick(swap, hi0, hi1)
     # The second joins the first when it overlaps or touches it (an empty second never does:
     # its lo is _BIG; an empty first means both are empty).
     join = (b_lo <= b_hi) & (b_lo <= a_hi + 1)
-    a_hi = torch.where(join, torch.maximum(a_hi, b_hi), a_hi)
-    b_lo = torch.where(join, _BIG, b_lo)
-    b_hi = torch.where(join, -_BIG, b_hi)
+    a_hi = torch.maximum(a_hi, _pick(join, b_hi, -_BIG))
+    apart = ~join
+    b_lo, b_hi = _pick(apart, b_lo, _BIG), _pick(apart, b_hi, -_BIG)
     if not bool((b_lo <= b_hi).any()):
         return a_lo.unsqueeze(-1), a_hi.unsqueeze(-1)
     return torch.stack([a_lo, b_lo], -1), torch.stack([a_hi, b_hi], -1)
+
+
+def _pick(keep: Tensor, x: Tensor, other: Tensor | int) -> Tensor:
+    """``torch.where(keep, x, other)`` as int64 arithmetic, for values within +-_BIG (no
+    difference overflows). Same result; torch.where's CPU kernel costs several adds (150
+    against 22 us for an int64 add of 24k elements, torch 2.13, load 4.5 on 2 cores), and the
+    lowerings pick per line at every query."""
+    return ((x.to(torch.int64) - other) * keep).add_(other)
 
 
 def _broadcast(*tensors: Tensor) -> list[Tensor]:
@@ -296,10 +303,16 @@ def lines(mask: Mask, win: Window, *, transpose: bool = False) -> Lines:
         pos = win.q_offset + torch.arange(win.q_len).view(1, -1)
         first, length = win.kv_offset, win.kv_len
     last = first + length - 1
-    lo, hi = _clip(_lines(mask, pos, first, last, transpose), first, last)
+    lo, hi = _lines(mask, pos, first, last, transpose)
+    # _lines' lists are normalized (empty slots at (_BIG, -_BIG)): the clip changes nothing
+    # when none sticks out of the window (a tree's, a document's), so it is skipped then.
+    if bool((lo < first.unsqueeze(-1)).any() | (hi > last.unsqueeze(-1)).any()):
+        lo, hi = _clip((lo, hi), first, last)
     lo, hi, first = _broadcast(lo, hi, first.unsqueeze(-1))
+    if not bool(first.any()):  # local indices are the absolute ones
+        return Lines(lo.contiguous(), hi.contiguous())
     empty = lo > hi
-    return Lines(torch.where(empty, _BIG, lo - first), torch.where(empty, -_BIG, hi - first))
+    return Lines(_pick(~empty, lo - first, _BIG), _pick(~empty, hi - first, -_BIG))
 
 
 def _lines(
@@ -322,6 +335,8 @@ def _lines(
     if isinstance(mask, PerHead):
         return _lines(one_mask_for_all_heads(mask, "this format"), pos, first, last, transpose)
     lo, hi = _piece(mask, pos, transpose)
+    if isinstance(mask, Tree) and not transpose and bool(lo[..., -1].ne(_BIG).any()):
+        return lo, hi  # already normalized: root first, its last slot used (_ancestor_runs)
     return _normalize(lo, hi)
 
 
@@ -398,7 +413,7 @@ def _runs_at(starts: Tensor, ends: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]
     k = k.clamp(max=ends.shape[1] - 1)
     start, end = starts.gather(1, k), ends.gather(1, k)
     inside = (start <= pos) & (pos < end)
-    return torch.where(inside, start, INF), torch.where(inside, end - 1, -INF)
+    return _pick(inside, start, INF), _pick(inside, end - 1, -INF)
 
 
 def _tree(piece: Tree, pos: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
@@ -421,42 +436,66 @@ def _tree(piece: Tree, pos: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
             end = piece.ends[tree_row][at]
             rows.append((torch.where(inside, p, INF), torch.where(inside, end - 1, -INF)))
             continue
-        # Ancestors of q as runs of consecutive positions: a run continues while a token's
-        # parent is the token before it; each jump leaves the run for the parent of its start.
-        index = torch.arange(n)
-        breaks = parents != index - 1
-        run_start = torch.where(breaks, index, 0).cummax(0).values
-        cur = torch.where(inside, at, -1)
-        los, his = [], []
-        while bool((cur >= 0).any()):
-            alive = cur >= 0
-            start = run_start[cur.clamp(min=0)]
-            los.append(torch.where(alive, start, INF))
-            his.append(torch.where(alive, cur, -INF))
-            cur = torch.where(alive, parents[start], -1)
-        if not los:
-            los, his = [torch.full_like(p, INF)], [torch.full_like(p, -INF)]
-        # The runs were found deepest first; laid out root first (the count of each line's
-        # runs, then its j-th slot from that end), they are sorted, disjoint and non-adjacent
-        # (a run starts where a token's parent is not the token before), so _normalize keeps
-        # them as they are instead of sorting them.
-        lo, hi = torch.stack(los, -1), torch.stack(his, -1)
-        count = (hi > -INF).sum(-1, keepdim=True)
-        slot = torch.arange(lo.shape[-1])
-        index = torch.where(slot < count, count - 1 - slot, slot)
-        rows.append((lo.gather(-1, index), hi.gather(-1, index)))
+        rows.append(_ancestor_runs(parents, at, inside))
     if transpose:
         lo = torch.stack([r[0] for r in rows])
         hi = torch.stack([r[1] for r in rows])
         return lo.unsqueeze(-1), hi.unsqueeze(-1)
+    if len(rows) == 1:
+        return rows[0][0].unsqueeze(0), rows[0][1].unsqueeze(0)
     width = max(r[0].shape[-1] for r in rows)
-    lo = torch.stack([_pad_to(r[0], width, INF) for r in rows])
-    hi = torch.stack([_pad_to(r[1], width, -INF) for r in rows])
+    lo = torch.full((len(rows), pos.shape[-1], width), _BIG, dtype=torch.int64)
+    hi = torch.full((len(rows), pos.shape[-1], width), -_BIG, dtype=torch.int64)
+    for r, (row_lo, row_hi) in enumerate(rows):
+        lo[r, :, : row_lo.shape[-1]] = row_lo
+        hi[r, :, : row_hi.shape[-1]] = row_hi
     return lo, hi
 
 
-def _pad_to(t: Tensor, width: int, value: int) -> Tensor:
-    return torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=value)
+def _ancestor_runs(parents: Tensor, at: Tensor, inside: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, D) the ancestors of each node ``at`` (itself included) as runs of consecutive
+    positions, root first, (_BIG, -_BIG) after them and for lines not ``inside`` the tree.
+
+    A run continues while a token's parent is the token before it (so runs are disjoint and
+    non-adjacent, and root first is sorted: what _normalize keeps without sorting). Every node
+    of a run has the same ancestors outside it, so the chains are followed once per run (a
+    shared-prefix tree has a few runs per group), then read per line.
+    """
+    n = parents.numel()
+    breaks = parents != torch.arange(-1, n - 1)
+    breaks[0] = True
+    run = breaks.cumsum(0) - 1
+    start = breaks.nonzero().view(-1)
+    up = parents[start].to(torch.int64)  # the last ancestor before each run, -1 at a root
+    chain_lo, chain_hi = [], []
+    depth = torch.zeros_like(start)
+    node = up
+    while bool((node >= 0).any()):  # nearest ancestor run first
+        alive = node >= 0
+        above = run[node.clamp(min=0)]
+        chain_lo.append(torch.where(alive, start[above], _BIG))
+        chain_hi.append(torch.where(alive, node, -_BIG))
+        depth += alive
+        node = torch.where(alive, up[above], -1)
+    # Per run: its ancestor runs root first, then itself (its end is the line's own node);
+    # one more run, all empty, for the lines outside the tree.
+    width = len(chain_lo) + 1
+    empty = start.new_full((1,), _BIG)
+    table_lo = torch.stack([*chain_lo, torch.full_like(start, _BIG)], -1)
+    table_hi = torch.stack([*chain_hi, torch.full_like(start, -_BIG)], -1)
+    slot = torch.arange(width)
+    own = depth.view(-1, 1)
+    index = torch.where(slot < own, own - 1 - slot, width - 1)
+    table_lo = torch.where(slot == own, start.view(-1, 1), table_lo.gather(1, index))
+    table_lo = torch.cat([table_lo, empty.expand(1, width)])
+    table_hi = torch.cat([table_hi.gather(1, index), (-empty).expand(1, width)])
+    depth = torch.cat([depth, depth.new_zeros(1)])
+    line_run, line_end = run.index_select(0, at), at
+    if not bool(inside.all()):
+        line_run, line_end = _pick(inside, line_run, start.numel()), _pick(inside, at, -_BIG)
+    lo, hi = table_lo.index_select(0, line_run), table_hi.index_select(0, line_run)
+    hi.scatter_(1, depth.index_select(0, line_run).view(-1, 1), line_end.view(-1, 1))
+    return lo, hi
 
 
 # ---------------------------------------------------------------------------- varlen

@@ -148,26 +148,28 @@ def _slices(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     their first step or, when the segment before ends at the step just before (its run took
     this segment's first query), at their second; a segment of one step entered at its second
     step is skipped. Within a chain of touching one-step segments after an entered segment the
-    skipped ones alternate, which a cumulative sum gives. Every attending query no entered
+    skipped ones alternate, which a running maximum gives. Every attending query no entered
     segment's run covers is a run of its own (a full slice of one query).
     """
     rows, n, tracks = lo.shape
     width = n + 1
     # One line per (row, track), in row-major then track order, each followed by an empty
-    # query (lo > hi) so that no step joins two lines. Steps touching an empty query are
-    # never read, and none overflows: lines' empty slots are (2**62, -2**62).
-    first = F.pad(lo.transpose(1, 2), (0, 1), value=1).reshape(-1)
-    last = F.pad(hi.transpose(1, 2), (0, 1), value=0).reshape(-1)
-    valid = first <= last
+    # query so that no step joins two lines. Ends in int32 (half the bytes of every pass
+    # below): real ones are key positions, below 2**31 as Magi's int32 ranges are; those of
+    # empty slots (+-2**62) wrap to values no step reads (both its queries must attend).
+    valid = F.pad((lo <= hi).transpose(1, 2), (0, 1)).reshape(-1)
+    first = F.pad(lo.transpose(1, 2).to(torch.int32), (0, 1)).reshape(-1)
+    last = F.pad(hi.transpose(1, 2).to(torch.int32), (0, 1)).reshape(-1)
     step_first, step_last = first.diff(), last.diff()
     # Usable: both queries attend and both steps are 0 or 1 (no bit but the lowest set).
     usable = valid[:-1] & valid[1:] & (((step_first | step_last) & -2) == 0)
-    kind = torch.where(usable, step_first * 2 + step_last, -1)
+    # The kind of a usable step plus one (1 full ... 4 bi-causal), 0 for the others.
+    code = ((step_first & 1) * 2 + (step_last & 1) + 1) * usable
     # Segments: maximal stretches [a, b] of usable steps of one kind.
-    change = F.pad(kind, (1, 1), value=-1).diff() != 0
+    change = F.pad(code, (1, 1)).diff() != 0
     a = (usable & change[:-1]).nonzero().view(-1)
     b = (usable & change[1:]).nonzero().view(-1)
-    seg_kind = kind[a]
+    seg_kind = code.index_select(0, a) - 1
     # Touching: the segment before ends at the step just before this one starts.
     touching = torch.zeros_like(a, dtype=torch.bool)
     touching[1:] = b[:-1] == a[1:] - 1
@@ -202,10 +204,10 @@ def _slices(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     line = start.div(width, rounding_mode="floor")
     row = line.div(tracks, rounding_mode="floor")
     q_start = start - line * width
-    k_start = first[start]
+    k_start = first.index_select(0, start)
     # By (row, first query, first key): positions and lengths stay below 2**31 (Magi's
     # ranges are int32), so the key fits in an int64.
     order = torch.argsort((row * width + q_start) * (1 << 31) + k_start)
     q = torch.stack([q_start, q_start + (end - start) + 1], 1)[order]
-    k = torch.stack([k_start, last[end] + 1], 1)[order]
+    k = torch.stack([k_start, last.index_select(0, end) + 1], 1).to(torch.int64)[order]
     return row[order], q, k, seg_kind[order]
