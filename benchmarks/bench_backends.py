@@ -4,7 +4,8 @@ Times ``flexmask.attention(..., backend=name)`` for every backend that takes the
 ``backend="auto"``, on the same inputs in one run (interleaved, the median of several
 calls: on a shared machine single calls swing 2-4x, and a minimum rewards a lucky call), for a few
 masks and lengths; forward+backward (training) and forward under no_grad. On the CPU that is
-``block_sparse`` and ``sdpa`` (and torch's uncompiled ``flex_attention`` forward, which
+``slices`` (where the mask is a few big slices), ``block_sparse`` and ``sdpa`` (and torch's
+uncompiled ``flex_attention`` forward, which
 materialises every score, as ``flex (eager)``: ``auto`` never picks it, it is the reference
 row). Prints one markdown table with each time's ratio to the best backend, whether ``auto``
 is within 10% of the best, and the machine's load. Its result is ``flexmask.backends.AUTO``.
@@ -113,7 +114,7 @@ def main() -> None:
                 rows.append(run(S, name, mask, train, args.repeat, B, H))
                 print(rows[-1], flush=True)
     print(f"load after: {os.getloadavg()}")
-    labels = ["block_sparse", "sdpa", "flex (eager)", "auto"]
+    labels = ["slices", "block_sparse", "sdpa", "flex (eager)", "auto"]
     table = []
     for row in rows:
         times = row["times"]

@@ -41,8 +41,13 @@ def qkv(batch, q_heads, kv_heads, q_len, kv_len, dtype=torch.float64, seed=0, di
 
 @pytest.fixture
 def every_lowering(monkeypatch):
-    """The cost rule off: every mask the kernel can mask is taken, however small its slices."""
+    """The cost rule off: every mask the kernel can mask is taken, however small its slices;
+    banded slices cut every 5 queries, so short lengths cross call edges too."""
     monkeypatch.setattr(slices, "MIN_ROWS_PER_CALL", 1)
+    monkeypatch.setattr(slices, "BAND_ROWS", 5)
+    slices._lowered.cache_clear()
+    yield
+    slices._lowered.cache_clear()
 
 
 def check(mask, dense, batch, q_heads, kv_heads, q_len, kv_len, scale=None):
@@ -81,12 +86,9 @@ def test_equals_dense_attention_or_refuses(every_lowering, data, batch, heads, q
     want = dense(length, length)[:, :, :q_len, :kv_len]
     refused = check(mask, want, batch, q_heads, kv_heads, q_len, kv_len)
     if refused is not None:
-        # Refused only for a reason it names: a slice the kernel cannot mask, heads that
-        # differ, or a mask_mod leaf (no structure).
-        assert any(
-            why in refused
-            for why in ("bi-causal", "inverse-causal", "heads", "from_mask_mod", "mask_mod")
-        ), refused
+        # Refused only for a reason it names: heads that differ, or a mask_mod leaf (no
+        # structure to lower).
+        assert any(why in refused for why in ("heads", "from_mask_mod", "mask_mod")), refused
 
 
 S = 301  # odd: no slice boundary sits on a block edge
@@ -119,6 +121,15 @@ STRUCTURED = {
         flexmask.causal() | flexmask.prefix(77),
         oracle.causal(S, S) | oracle.prefix(77, S, S),
     ),
+    "sliding-window": (
+        flexmask.causal() & flexmask.sliding_window(37),
+        oracle.causal(S, S) & oracle.sliding_window(37, S, S),
+    ),
+    "window-in-documents": (
+        flexmask.causal() & flexmask.document([150, 151]) & flexmask.sliding_window(130),
+        oracle.causal(S, S) & oracle.document([150, 151], S, S) & oracle.sliding_window(130, S, S),
+    ),
+    "anti-causal": (~flexmask.causal(), ~oracle.causal(S, S)),
     "bidirectional-documents": (
         flexmask.document([100, 1, 200]),
         oracle.document([100, 1, 200], S, S),
@@ -174,9 +185,7 @@ def test_low_precision_close_to_float64(dtype):
 
 def test_refusals_name_their_reason():
     q, k, v = qkv(1, 2, 2, 256, 256)
-    window = flexmask.causal() & flexmask.sliding_window(64)
     cases = {
-        "bi-causal": dict(mask=window),
         "fewer than": dict(mask=flexmask.causal() & flexmask.document([4] * 64)),
         "takes no options": dict(mask=flexmask.causal(), threads=1),
         "score_mod": dict(mask=flexmask.causal(), score_mod=lambda s, b, h, qi, ki: s),
@@ -222,9 +231,10 @@ def test_flex_attention_on_cpu_runs_slices_for_a_tree(monkeypatch):
 @settings(max_examples=200, deadline=None)
 @given(data=st.data(), batch=st.integers(1, 3), q_len=st.integers(1, 12), kv_len=st.integers(1, 12))
 def test_kernel_calls_mask_what_magis_slices_mean(data, batch, q_len, kv_len):
-    """Random full and causal Magi slices (any key count: more, equal or fewer keys than
-    queries) become calls of torch's kernel whose top-left causal geometry covers exactly
-    the pairs Magi's documented bottom-right geometry does (``magi_dense`` in test_formats)."""
+    """Random Magi slices of all four types (any key count: more, equal or fewer keys than
+    queries) become calls of torch's kernel whose top-left causal geometry and band masks
+    cover exactly the pairs Magi's documented geometry does (``magi_dense`` in
+    test_formats), with banded slices cut into calls of 3 queries."""
     q_rows, k_rows, types = [], [], []
     for b in range(batch):
         for _ in range(data.draw(st.integers(0, 2))):
@@ -234,7 +244,7 @@ def test_kernel_calls_mask_what_magis_slices_mean(data, batch, q_len, kv_len):
             ke = data.draw(st.integers(ks + 1, kv_len))
             q_rows.append((b * q_len + qs, b * q_len + qe))
             k_rows.append((b * kv_len + ks, b * kv_len + ke))
-            types.append(data.draw(st.sampled_from([0, 1])))
+            types.append(data.draw(st.sampled_from([0, 1, 2, 3])))
     if not types:
         return
     i32 = torch.int32
@@ -260,12 +270,20 @@ def test_kernel_calls_mask_what_magis_slices_mean(data, batch, q_len, kv_len):
             batch * kv_len,
         )
         want += magi_dense(single, batch, q_len, kv_len)
-    calls, refused = slices.kernel_calls(magi, q_len, kv_len, per_row=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(slices, "BAND_ROWS", 3)
+        calls, refused = slices.kernel_calls(magi, q_len, kv_len, per_row=True)
     assert refused is None
     got = np.zeros_like(want)
-    for row, qs, qe, ks, ke, causal in calls:
-        block = np.ones((qe - qs, ke - ks), dtype=int)
+    for row, qs, qe, ks, ke, causal, band in calls:
+        a = np.arange(qe - qs)[:, None]
+        b = np.arange(ke - ks)[None, :]
+        block = np.ones((qe - qs, ke - ks), dtype=bool)
         if causal:  # torch's kernel: top-left aligned
-            block = np.tril(block)
+            block &= b <= a
+        if band is not None:  # the band mask: from the query's own column, band keys wide
+            block &= (b >= a) & ((band == 0) | (b <= a + band - 1))
+        # Every query of a call sees a key: a row of -inf alone would be NaN in the kernel.
+        assert block.any(axis=1).all(), (row, qs, qe, ks, ke, causal, band)
         got[row, qs:qe, ks:ke] += block
     np.testing.assert_array_equal(got, want)

@@ -52,15 +52,15 @@ def test_the_table_chooses_as_flex_attention_always_did():
     """torch's kernel where it is compiled and needs no backward; on the CPU the slices
     backend for masks in big slices, the block-sparse path for the rest and for any call
     with its options."""
-    window = flexmask.causal() & flexmask.sliding_window(64)
+    tiny = flexmask.causal() & flexmask.document([4] * 50)  # 50 calls of 4 queries
     q, k, v = qkv()
     with torch.no_grad():
         assert backends.choose(request(q, k, v, compile=True)) is backends.flex
         assert backends.choose(request(q, k, v, compile=False)) is backends.slices
-        assert backends.choose(request(q, k, v, window, compile=False)) is backends.block_sparse
+        assert backends.choose(request(q, k, v, tiny, compile=False)) is backends.block_sparse
     q, k, v = qkv(requires_grad=True)
     assert backends.choose(request(q, k, v, compile=True)) is backends.slices
-    assert backends.choose(request(q, k, v, window, compile=True)) is backends.block_sparse
+    assert backends.choose(request(q, k, v, tiny, compile=True)) is backends.block_sparse
     threads = request(q, k, v, compile=True)._replace(options={"threads": 1})
     assert backends.choose(threads) is backends.block_sparse
     assert "no backward" in backends.flex.can_take(request(q, k, v, compile=True))

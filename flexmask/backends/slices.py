@@ -10,10 +10,13 @@ merge by their log-sum-exps (the online-softmax rule); the backward calls the ke
 backward once per slice with the merged output and log-sum-exp, which gives each slice its
 exact share of the gradient (ring attention's rule).
 
-It refuses, so that the block-sparse path takes the call: a sliding window's body (a
-bi-causal slice needs a dense mask tensor per slice), many small slices (a tree of tiny
-nodes: per-call overhead), ``score_mod``, a BlockMask without the Mask it was built from,
-and the block-sparse path's own options.
+A sliding window's body (Magi's bi-causal slice) and inverse-causal slices run in calls of
+``BAND_ROWS`` queries, each onto just the keys they see, under one small additive band mask.
+
+It refuses, so that the block-sparse path takes the call: many small slices (a tree of tiny
+nodes, tiny documents: per-call overhead), ``score_mod``, a BlockMask without the Mask it was
+built from, heads that differ, ``return_lse`` with gradients, and the block-sparse path's own
+options.
 """
 
 from __future__ import annotations
@@ -33,6 +36,14 @@ from flexmask.pieces import Full
 NAME = "slices"
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 """What torch's CPU flash kernel takes."""
+
+# A banded slice (a sliding window's body, inverse causal) runs in calls of this many
+# queries, each onto the keys its queries see, with a (rows, keys) additive mask: the band's
+# waste is (rows - 1) / (rows - 1 + width) of the scores, and smaller calls run the kernel
+# less efficiently. Causal window 1024, H=4, D=64, fwd+bwd, one thread, load ~3: 8k 944 /
+# 722 / 655 / 922 ms at 64 / 128 / 256 / 512 rows (block-sparse 1017 ms); 2k 188 / 177 /
+# 129 ms at 64 / 128 / 256 (block-sparse 195 ms, SDPA with the dense mask 248 ms).
+BAND_ROWS = 256
 
 # A slice costs one kernel call forward and one backward plus a merge over its rows: about
 # 0.1-0.2 ms on 2 cores whatever its size (benchmarks/bench_backends.py). Below this many
@@ -57,13 +68,19 @@ def _flash_ops() -> tuple[Any, Any] | None:
         return None
 
 
-class Slices(NamedTuple):
-    """Kernel calls of one mask, in local positions: call ``i`` runs batch rows
-    ``rows[i]`` (None: every row), queries ``[q_start, q_end)`` onto keys
-    ``[k_start, k_end)``, top-left causal where ``causal`` (the key range then as long as the
-    query range). Calls cover each (query, key) pair at most once."""
+Call = tuple[int | None, int, int, int, int, bool, int | None]
+"""``(row, q_start, q_end, k_start, k_end, causal, band)``: batch row ``row`` (None: every
+row), queries ``[q_start, q_end)`` onto keys ``[k_start, k_end)``; top-left causal where
+``causal``; where ``band`` is not None, query ``a`` of the call sees key ``b`` (both counted
+from the call's first) only for ``a <= b``, and ``b <= a + band - 1`` where ``band > 0``
+(an additive mask, one per shape, shared by the calls)."""
 
-    calls: tuple[tuple[int | None, int, int, int, int, bool], ...]
+
+class Slices(NamedTuple):
+    """Kernel calls of one mask, in local positions. Calls cover each (query, key) pair at
+    most once."""
+
+    calls: tuple[Call, ...]
     rows_covered: int
     """Query rows summed over the slices (a query in two slices counts twice)."""
 
@@ -79,8 +96,11 @@ def kernel_calls(magi: Any, q_len: int, kv_len: int, per_row: bool) -> tuple[lis
     bottom-right aligned, torch's CPU kernel's top-left: a causal slice with more keys than
     queries is a full slice onto its first keys plus a square causal one onto its last; one
     with fewer keys than queries leaves its first queries out (they see none of its keys).
+    Inverse-causal and bi-causal slices (query ``i`` from key ``i + ks - qs``; bi-causal up
+    to ``i + ke - qe``) run in calls of ``BAND_ROWS`` queries, each onto just the keys its
+    queries see, under a band mask.
     """
-    calls: list[tuple[int | None, int, int, int, int, bool]] = []
+    calls: list[Call] = []
     q_ranges = magi.q_ranges.tolist()
     k_ranges = magi.k_ranges.tolist()
     for (qs, qe), (ks, ke), kind in zip(
@@ -95,19 +115,30 @@ def kernel_calls(magi: Any, q_len: int, kv_len: int, per_row: bool) -> tuple[lis
                 ke - row * kv_len,
             )
         if kind == FULL:
-            calls.append((row, qs, qe, ks, ke, False))
+            calls.append((row, qs, qe, ks, ke, False, None))
             continue
         if kind in (INVCAUSAL, BICAUSAL):
-            what = "inverse-causal" if kind == INVCAUSAL else "bi-causal (a sliding window's body)"
-            return [], f"the mask has a {what} slice, which torch's CPU flash kernel cannot mask"
+            # Band width: bi-causal query i sees [i + ks - qs, i + ke - qe]; inverse causal
+            # from i + ks - qs to the slice's last key (0: no upper edge).
+            width = (ke - ks) - (qe - qs) + 1 if kind == BICAUSAL else 0
+            if kind == BICAUSAL and width < 1:
+                continue  # no query sees a key (to_magi makes none such)
+            if kind == INVCAUSAL:
+                qe = min(qe, qs + ke - ks)  # queries past it would see no key of this slice
+            for start in range(qs, qe, BAND_ROWS):
+                stop = min(start + BAND_ROWS, qe)
+                first = start + ks - qs
+                last = stop - 1 + ke - qe if kind == BICAUSAL else ke - 1
+                calls.append((row, start, stop, first, last + 1, False, width))
+            continue
         if kind != CAUSAL:
             raise RuntimeError(f"to_magi returned slice type {kind}, not one of Magi's four")
         n, m = qe - qs, ke - ks
         if m > n:
-            calls.append((row, qs, qe, ks, ke - n, False))
-            calls.append((row, qs, qe, ke - n, ke, True))
+            calls.append((row, qs, qe, ks, ke - n, False, None))
+            calls.append((row, qs, qe, ke - n, ke, True, None))
         else:
-            calls.append((row, qe - m, qe, ks, ke, True))
+            calls.append((row, qe - m, qe, ks, ke, True, None))
     return calls, None
 
 
@@ -216,10 +247,17 @@ class _SliceAttention(torch.autograd.Function):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = q.new_zeros(batch, heads, q_len, v.shape[-1], dtype=acc)
         lse = q.new_full((batch, heads, q_len), float("-inf"), dtype=acc)
-        for row, qs, qe, ks, ke, causal in calls:
+        bands = _Bands(q.dtype)
+        for row, qs, qe, ks, ke, causal, band in calls:
             b = slice(None) if row is None else slice(row, row + 1)
             o, part_lse = forward_op(
-                q[b, :, qs:qe], k[b, :, ks:ke], v[b, :, ks:ke], 0.0, causal, scale=scale
+                q[b, :, qs:qe],
+                k[b, :, ks:ke],
+                v[b, :, ks:ke],
+                0.0,
+                causal,
+                attn_mask=bands.get(band, qe - qs, ke - ks),
+                scale=scale,
             )
             seen, rows = lse[b, :, qs:qe], out[b, :, qs:qe]
             merged = torch.logaddexp(seen, part_lse)
@@ -228,7 +266,7 @@ class _SliceAttention(torch.autograd.Function):
             seen.copy_(merged)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.calls, ctx.scale = calls, scale
+        ctx.calls, ctx.scale, ctx.bands = calls, scale, bands
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -239,7 +277,7 @@ class _SliceAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for row, qs, qe, ks, ke, causal in ctx.calls:
+        for row, qs, qe, ks, ke, causal, band in ctx.calls:
             b = slice(None) if row is None else slice(row, row + 1)
             gq, gk, gv = backward_op(
                 grad_out[b, :, qs:qe],
@@ -252,12 +290,41 @@ class _SliceAttention(torch.autograd.Function):
                 else lse[b, :, qs:qe],
                 0.0,
                 causal,
+                attn_mask=ctx.bands.get(band, qe - qs, ke - ks),
                 scale=ctx.scale,
             )
             dq[b, :, qs:qe] += gq
             dk[b, :, ks:ke] += gk
             dv[b, :, ks:ke] += gv
         return dq, dk, dv, None, None
+
+
+class _Bands:
+    """The additive band masks of one call's banded slices, one tensor per band width (a
+    call's mask is its top-left corner: the band is the same relative to any call's first
+    query and key)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.masks: dict[int, Tensor] = {}
+
+    def get(self, band: int | None, rows: int, keys: int) -> Tensor | None:
+        if band is None:
+            return None
+        mask = self.masks.get(band)
+        if mask is None or mask.shape[0] < rows or mask.shape[1] < keys:
+            height = max(rows, BAND_ROWS)
+            width = max(keys, height - 1 + band) if band else max(keys, 1)
+            if mask is not None:
+                height, width = max(height, mask.shape[0]), max(width, mask.shape[1])
+            query = torch.arange(height).view(-1, 1)
+            key = torch.arange(width).view(1, -1)
+            seen = key >= query
+            if band:
+                seen &= key <= query + band - 1
+            mask = torch.zeros(height, width, dtype=self.dtype).masked_fill_(~seen, float("-inf"))
+            self.masks[band] = mask
+        return mask[:rows, :keys]
 
 
 __all__ = ["DTYPES", "MIN_ROWS_PER_CALL", "NAME", "Slices", "attend", "can_take", "lower"]
