@@ -210,10 +210,12 @@ def million(repeat, ranks):
 
 
 def paths(seq, world, repeat):
-    """Per-rank shard time (max over ranks) by path: block-aligned closed form (runs),
-    unaligned closed form (segments) and trees (one classification of the rank's tiles)."""
+    """Per-rank shard time (max over ranks) by path: block-aligned closed form (runs), the
+    per-document balancer's own mask (from its documents), unaligned closed form (segments)
+    and trees (one classification of the rank's tiles)."""
     lengths = documents(seq, 16, 256)
     docs = flexmask.causal() & flexmask.document(lengths)
+    per_document = PerDocumentBalancer([lengths], world)
     rng = random.Random(1)
     parents = [-1] + [
         rng.randrange(max(0, i - 512), i) if rng.random() > 0.002 else -1 for i in range(1, seq)
@@ -224,7 +226,8 @@ def paths(seq, world, repeat):
     print("|---|---|---|---:|---:|")
     for name, mask, balancer, path in (
         ("documents", docs, "mask_aware", "runs"),
-        ("documents", docs, PerDocumentBalancer([lengths], world), "segments"),
+        ("documents", docs, per_document, "per-document"),
+        ("documents & window 1024", docs & flexmask.sliding_window(1024), per_document, "segments"),
         ("tree", tree, "head_tail", "tiles"),
     ):
         flexmask.shard(mask, 1, 1, seq, world_size=world, rank=0, balancer=balancer)  # balancer
