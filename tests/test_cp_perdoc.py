@@ -124,6 +124,23 @@ def test_equals_torch_per_document_cp_block_mask(world, closed_form_only):
     assert closed_form_only
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_rank_major_order_of_torch_2_14(world, closed_form_only, monkeypatch):
+    """torch 2.14 lists each document's pairs rank by rank (rank r keeps pair r of every
+    document): the same closed form, against the dense rows under that permutation."""
+    balance = __import__("sys").modules["flexmask.context_parallel.balance"]
+    core = __import__("sys").modules["flexmask.context_parallel.core"]
+    monkeypatch.setattr(balance, "_RANK_MAJOR", True)
+    monkeypatch.setattr(core, "_PERMUTATIONS", type(core._PERMUTATIONS)(maxsize=8))
+    # The example in PerDocumentBalancer's docstring, written out by hand.
+    two = PerDocumentBalancer([[4, 8]], 2)._generate_indices()[0].tolist()
+    assert two == [0, 3, 4, 5, 10, 11, 1, 2, 6, 7, 8, 9]
+    unit = 2 * world
+    for lengths in ([unit * 37], [unit, unit * 3, unit * 50, 0, unit * 2], [unit * 9] * 7):
+        for block in (16, 48):
+            check_shard(lengths, world, block, closed_form_only)
+
+
 def test_other_masks_keep_the_general_path():
     """The closed form is for the balancer's own mask: a different mask, or documents other
     than the balancer's, is written by the general path (and stays exact)."""
