@@ -1,4 +1,4 @@
-"""CPU forward+backward: flexmask's block-sparse path against dense SDPA with a bool mask.
+"""CPU forward+backward: flexmask's CPU attention against dense SDPA with a bool mask.
 
 flex_attention has no backward on CPU, so the dense alternative is
 ``scaled_dot_product_attention(q, k, v, attn_mask=(1, 1, S, S) bool)``. Both are timed on the
@@ -7,9 +7,11 @@ both alike; memory is the peak of tensors alive at once during the call, measure
 allocator (``_memory.peak_extra_bytes``: the calling thread's tensors, so the sparse path runs
 on one thread for it), and the rise of the process's resident set (``_memory.peak_rss_bytes``:
 every thread, both sides on their default threads), with SDPA's dense mask built inside the
-call so it is counted (building it is the price of using SDPA with a mask). flexmask runs with its
-defaults (``backend="auto"``: the grouped sparse kernel, or SDPA where that is faster); the
-row says which ran.
+call so it is counted (building it is the price of using SDPA with a mask). flexmask runs what
+``flexmask.flex_attention`` runs for the Mask on the CPU (the row says which backend: ``slices``,
+torch's fused flash kernel once per slice of the mask, where it takes the mask; else the
+block-sparse path with its defaults, which hands masks to SDPA where that is faster); where
+that is ``slices``, the block-sparse path's own time is a row too.
 
 Run from the repository root::
 
@@ -137,15 +139,23 @@ def run_case(
     build_s = time.perf_counter() - start
     plan = make_plan(q, k, v, block_mask, None, None, False, "auto")
     backend = choose_backend(plan, mask)
+    chosen = flexmask.explain(q, k, v, mask).backend  # what flexmask.flex_attention runs
 
     def clear() -> None:
         for t in (q, k, v):
             t.grad = None
 
-    def flexmask_path(threads: int | None = None) -> None:
+    def block_sparse_path(threads: int | None = None) -> None:
         clear()
-        # What flexmask.flex_attention runs for this mask on the CPU (the Mask passed along).
         block_sparse_attention(q, k, v, block_mask, mask=mask, threads=threads).backward(grad_out)
+
+    def flexmask_path(threads: int | None = None) -> None:
+        # What flexmask.flex_attention runs for this mask on the CPU (the Mask passed along).
+        if chosen != "slices":
+            block_sparse_path(threads)
+            return
+        clear()
+        flexmask.flex_attention(q, k, v, block_mask=mask).backward(grad_out)
 
     def sdpa() -> None:
         clear()
@@ -166,8 +176,11 @@ def run_case(
             q, k, v, block_mask, mask=mask, backend="sparse", threads=threads
         ).backward(grad_out)
 
-    impls = [(f"flexmask ({backend})", flexmask_path), ("sdpa + dense bool mask", sdpa)]
-    if backend != "sparse" and not is_causal(plan, mask):
+    label = "slices" if chosen == "slices" else backend
+    impls = [(f"flexmask ({label})", flexmask_path), ("sdpa + dense bool mask", sdpa)]
+    if chosen == "slices":
+        impls.append((f"flexmask block_sparse ({backend})", block_sparse_path))
+    elif backend != "sparse" and not is_causal(plan, mask):
         # Where auto hands the mask to SDPA, the sparse kernel's time too: the rows that set
         # SDPA_MIN_DENSITY.
         impls.append(("flexmask (sparse, forced)", sparse_path))

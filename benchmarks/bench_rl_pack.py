@@ -15,9 +15,12 @@ the same loss (the completions' log-probs); one run measures, per layout:
 The model is deliberately tiny (``TinyLM`` from examples/_model.py: dim 32, 2 heads, 1 layer,
 vocabulary 128) so the whole step runs in a few minutes on 2 CPU cores: the times show
 attention and per-token costs at this scale, not those of a real LLM, where the per-token
-(MLP) share grows and the saved tokens count for more. Attention runs through flexmask's CPU
-block-sparse path for documents and trees, and causal ``scaled_dot_product_attention`` for
-padding and one sequence at a time.
+(MLP) share grows and the saved tokens count for more. Attention runs through
+``flexmask.flex_attention`` for documents and trees (on the CPU its ``slices`` backend: torch's
+fused flash kernel once per MagiAttention slice, the prompt once per group), and causal
+``scaled_dot_product_attention`` for padding and one sequence at a time. Every tree and
+document step lowers its masks afresh (the slices backend's cache is cleared first), as a
+training step on new data does.
 
 Run from the repository root::
 
@@ -44,6 +47,7 @@ sys.path[:0] = [str(_HERE), str(_HERE.parent)]
 from common import fmt_time, machine, markdown_table  # noqa: E402
 
 import flexmask  # noqa: E402
+from flexmask.backends import slices  # noqa: E402
 from flexmask.backends.block_sparse import threads  # noqa: E402
 from flexmask.packing import pack, pack_trees  # noqa: E402
 
@@ -130,6 +134,7 @@ class Trees(Layout):
 
     def step(self) -> None:
         batch, self.log_probs_s = self.batch, 0.0
+        slices._lowered.cache_clear()  # new data each step: its masks lowered afresh
         for row, handle in enumerate(self.handles):
             logits = self.model(
                 batch.tokens[row : row + 1], batch.position_ids[row : row + 1], handle
@@ -145,6 +150,7 @@ class Trees(Layout):
         q, k, v = (torch.randn(1, HEADS, BUDGET, 16, requires_grad=True) for _ in range(3))
 
         def run():
+            slices._lowered.cache_clear()
             for handle in self.handles:
                 flexmask.flex_attention(q, k, v, block_mask=handle, compile=False).sum().backward()
 
@@ -171,6 +177,7 @@ class Documents(Layout):
 
     def step(self) -> None:
         batch = self.batch
+        slices._lowered.cache_clear()  # new data each step: its masks lowered afresh
         for row, handle in enumerate(self.handles):
             logits = self.model(
                 batch.tokens[row : row + 1], batch.position_ids[row : row + 1], handle
@@ -277,12 +284,14 @@ def run_size(model, num_groups: int, repeats: int, block_size: int) -> None:
     ]
     print(markdown_table(header, rows))
     attention = trees.attention_alone()
+    probe = torch.randn(1, HEADS, BUDGET, 16, requires_grad=True)
+    backend = flexmask.explain(probe, probe, probe, trees.handles[0]).backend
     ways = sorted({f"{k[0]}: {w}" for k in threads.CHOICE.kinds if (w := threads.CHOICE.way(k))})
     print(
         f"\ntree step {fmt_time(median[trees.name])}: its attention alone (fwd + bwd) "
         f"{fmt_time(attention)}, log_probs {fmt_time(trees.log_probs_s)}, masks built in "
-        f"{fmt_time(trees.prep)} (with pack_trees); kernel threads: "
-        f"{', '.join(ways) or 'one thread, no choice'}",
+        f"{fmt_time(trees.prep)} (with pack_trees); attention backend: {backend}; "
+        f"block-sparse threads: {', '.join(ways) or 'not used'}",
         flush=True,
     )
 
