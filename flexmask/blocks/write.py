@@ -148,19 +148,21 @@ def _listed_from_runs(runs: _Runs, code: int, shape: torch.Size) -> tuple[Tensor
 
 _CHUNK = 16
 """Entries per chunk of ``_expand_runs_chunked``: each chunk is written as its first entry
-plus ``0..15``; chunks a run begins inside are then mended entry by entry."""
+plus ``0..15``; chunks a run begins inside are then written again, whole."""
 
 
 def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
     """``expand_runs`` for runs that are all nonempty, in one write of ``out``: every chunk
     of ``_CHUNK`` entries takes the run of its first entry (found from a count of the runs
-    begun by then), as a broadcast add that runs as fast as a fill; the entries where a run
-    begins inside a chunk, to that chunk's end, and the last partial chunk are then written
-    one by one (under ``_CHUNK`` per run). No cumsum over the output."""
+    begun by then), as a broadcast add that runs as fast as a fill; the chunks a run begins
+    inside are then rewritten whole, from a small table of them (a row per such chunk:
+    its first value, 1 per entry and each run's jump where it begins, summed along the
+    row), and the last partial chunk entry by entry. No cumsum over the output."""
     total = out.numel()
     k = _CHUNK
     first = lens.cumsum(0).sub_(lens)
     offset = starts - first  # entry p of run r holds p + offset[r]
+    jump = torch.diff(offset, prepend=offset.new_zeros(1))
     chunks = total // k
     if chunks:
         # Chunk c's first entry c*k holds c*k + offset[r], r the last run begun by then (the
@@ -169,36 +171,36 @@ def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
         # dtype where its values fit (they are the output's values: entries of out).
         wide = out.dtype if total < (1 << 31) else torch.int64
         at_chunk = first.add(k - 1).div_(k, rounding_mode="floor").clamp_(max=chunks)
-        jump = torch.diff(offset, prepend=offset.new_zeros(1)).to(wide)
         base = torch.full((chunks + 1,), k, dtype=wide, device=out.device)
         base[0] = 0
-        base.scatter_add_(0, at_chunk, jump)
+        base.scatter_add_(0, at_chunk, jump.to(wide))
         base = base[:chunks].cumsum(0, dtype=wide)
         steps = torch.arange(k, dtype=out.dtype, device=out.device)
-        torch.add(base.to(out.dtype).view(chunks, 1), steps, out=out[: chunks * k].view(chunks, k))
-    # Entries to mend: each run begun inside a chunk, up to that chunk's end (or its own),
-    # and every run's entries in the last partial chunk (the same entry twice holds the
-    # same value).
-    inside = first % k
-    mend = torch.where(inside != 0, torch.minimum(lens, k - inside), 0)
-    at = first
+        rows = out[: chunks * k].view(chunks, k)
+        torch.add(base.to(out.dtype).view(chunks, 1), steps, out=rows)
+        # Runs begun inside a chunk: entry j of that chunk is its first value plus j plus
+        # the jumps of the runs begun inside it up to j. Each such chunk once, as a row of
+        # a table: its first value, then 1 per entry and 1 + jump where a run begins (no
+        # two runs begin at one entry: they are nonempty), summed along the row.
+        inside = first % k
+        begun = ((inside != 0) & (first < chunks * k)).nonzero().squeeze(1)
+        if begun.numel():
+            chunk = first.index_select(0, begun).div_(k, rounding_mode="floor")
+            which, row = torch.unique_consecutive(chunk, return_inverse=True)
+            table = torch.ones((which.numel(), k), dtype=wide, device=out.device)
+            table[:, 0] = base.index_select(0, which)
+            table.index_put_(
+                (row, inside.index_select(0, begun)), jump.index_select(0, begun).to(wide).add_(1)
+            )
+            rows.index_copy_(0, which, table.cumsum_(1).to(out.dtype))
     tail = chunks * k
     if tail < total:
-        tail_at = first.clamp(min=tail)
-        at = torch.cat([at, tail_at])
-        mend = torch.cat([mend, (first + lens - tail_at).clamp_(min=0)])
-        offset = torch.cat([offset, offset])
-    which = mend.nonzero().squeeze(1)
-    if which.numel() == 0:
-        return
-    # The mended entries are runs too: their positions and values, each expanded compactly.
-    mend, at = mend.index_select(0, which), at.index_select(0, which)
-    count = int(mend.sum())
-    position = torch.empty(count, dtype=torch.int64, device=out.device)
-    _expand_runs_cumsum(position, at, mend)
-    value = torch.empty(count, dtype=out.dtype, device=out.device)
-    _expand_runs_cumsum(value, at + offset.index_select(0, which), mend)
-    out.index_copy_(0, position, value)
+        # The last partial chunk: the runs that reach into it, each from its first entry
+        # there (fewer than ``_CHUNK`` entries in all).
+        last = torch.searchsorted(first, first.new_tensor([tail]), right=True)
+        reach = slice(int(last) - 1, None)
+        at = first[reach].clamp(min=tail)
+        _expand_runs_cumsum(out[tail:], at + offset[reach], first[reach] + lens[reach] - at)
 
 
 def ordered_lines(blocks: Tensor) -> tuple[Tensor, Tensor]:

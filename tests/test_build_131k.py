@@ -1,0 +1,73 @@
+"""The paths bench_build's 131k rows take, forced at sizes torch can check: tiles classified
+a chunk of q blocks at a time from int8 flags (``tree._tested_codes``), and index tensors
+written a chunk of entries at a time, the chunks a run begins inside rewritten whole from a
+table and the last partial chunk entry by entry (``write._expand_runs_chunked``) — for trees
+in insertion order and in preorder, the composed union and ``per_head``, with rows that
+differ, two heads and lengths off the block size; whole tensors against torch's own
+``create_block_mask``."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+import flexmask
+from flexmask.blocks import write
+from tests import oracle
+from tests.test_build_tree_cut_blocks import insertion_tree, preorder_tree
+
+tree_module = sys.modules["flexmask.pieces.tree"]  # the package re-exports a function tree
+
+Q_LEN, KV_LEN = 1533, 1203  # neither a block multiple; q longer than kv, and square below
+
+
+@pytest.fixture(params=[3, 16], ids=["chunk 3", "chunk 16"])
+def small_chunks(request, monkeypatch):
+    """Every output written in chunks of ``request.param`` entries (most runs begin inside
+    one, and a partial chunk is left over), every tile grid classified in chunks of a few
+    hundred tiles (many chunks, some reaching no kv block)."""
+    monkeypatch.setattr(write, "_CHUNKED_FROM", 0)
+    monkeypatch.setattr(write, "_CHUNK", request.param)
+    monkeypatch.setattr(tree_module, "_CHUNKED_FROM", 0)
+    monkeypatch.setattr(tree_module, "_CHUNK_TILES", 300)
+    return request.param
+
+
+def _check(mask: flexmask.Mask, batch: int, heads: int, block, context: str) -> None:
+    for q_len, kv_len in ((Q_LEN, KV_LEN), (KV_LEN, Q_LEN), (KV_LEN, KV_LEN)):
+        ours = flexmask.create_block_mask(mask, batch, heads, q_len, kv_len, "cpu", block)
+        theirs = torch_create_block_mask(mask.mask_mod, batch, heads, q_len, kv_len, "cpu", block)
+        oracle.assert_same_block_mask(ours, theirs, f"{context} q={q_len} kv={kv_len} {block}")
+
+
+@pytest.mark.parametrize("block", [16, (32, 16)])
+def test_insertion_order_trees_in_small_chunks(block, small_chunks):
+    # Rows differ (and end at different places, one inside a block).
+    trees = [insertion_tree(KV_LEN - 97 * r, seed=40 + r, sequences=5 + 4 * r) for r in range(3)]
+    mask = flexmask.tree(trees)
+    assert not any(mask.preorder)  # rank space
+    _check(mask, 3, 2, block, f"insertion trees chunk={small_chunks}")
+
+
+@pytest.mark.parametrize("block", [16, (16, 48)])
+def test_preorder_trees_in_small_chunks(block, small_chunks):
+    trees = [preorder_tree(KV_LEN - 61 * r, seed=50 + r) for r in range(3)]
+    mask = flexmask.tree(trees)
+    assert all(mask.preorder)  # the preorder path
+    _check(mask, 3, 2, block, f"preorder trees chunk={small_chunks}")
+
+
+def test_composed_union_in_small_chunks(small_chunks):
+    docs = [[400, 333, 470], [900, 303], [KV_LEN]]
+    mask = (
+        flexmask.causal() & flexmask.document(docs) & flexmask.sliding_window(300)
+    ) | flexmask.prefix(64)
+    _check(mask, 3, 2, 16, f"composed chunk={small_chunks}")
+
+
+def test_per_head_of_a_tree_and_a_window_in_small_chunks(small_chunks):
+    trees = [insertion_tree(KV_LEN, seed=60, sequences=6), preorder_tree(KV_LEN - 200, seed=61)]
+    mask = flexmask.per_head(flexmask.tree(trees), flexmask.causal() & flexmask.sliding_window(250))
+    _check(mask, 2, 4, 16, f"per_head chunk={small_chunks}")
