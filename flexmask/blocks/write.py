@@ -61,6 +61,25 @@ class _Runs(NamedTuple):
     value: Tensor
 
 
+def _div_mod(
+    values: Tensor, divisor: int, *, div: bool = True, mod: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Floor quotient and remainder of non-negative int64 ``values`` by ``divisor`` (those
+    asked for; the other is ``values``): by a shift and a mask where ``divisor`` is a power
+    of two (chunks of 16, 1024 blocks a line at 131k) — torch's CPU int64 division and
+    remainder take ~10x a shift (250 against 25 us on 67k runs, one run)."""
+    if divisor & (divisor - 1) == 0:
+        shift = divisor.bit_length() - 1
+        return (
+            values >> shift if div else values,
+            values & (divisor - 1) if mod else values,
+        )
+    return (
+        values.div(divisor, rounding_mode="floor") if div else values,
+        values % divisor if mod else values,
+    )
+
+
 def _run_starts(grid: Tensor, along_rows: bool) -> Tensor | None:
     """Flat positions (ascending) in a contiguous ``(G, rows, cols)`` grid where a run of
     equal codes begins: along each row (``along_rows`` False: the kv side's lines) or down
@@ -97,7 +116,7 @@ def _kv_runs(grid: Tensor) -> _Runs | None:
         return None
     length = torch.diff(starts, append=starts.new_tensor([grid.numel()]))
     value = grid.view(-1).index_select(0, starts).to(torch.int64)
-    return _Runs(starts.div(cols, rounding_mode="floor"), starts % cols, length, value)
+    return _Runs(*_div_mod(starts, cols), length, value)
 
 
 def _q_runs(grid: Tensor) -> _Runs | None:
@@ -107,13 +126,13 @@ def _q_runs(grid: Tensor) -> _Runs | None:
     starts = _run_starts(grid, along_rows=True)
     if starts is None:
         return None
-    plane, tile = starts.div(rows * cols, rounding_mode="floor"), starts % (rows * cols)
-    row, col = tile.div(cols, rounding_mode="floor"), tile % cols
+    plane, tile = _div_mod(starts, rows * cols)
+    row, col = _div_mod(tile, cols)
     # The start's flat position in the transposed grid: line-major, as the output lists.
     transposed, order = ((plane * cols + col) * rows + row).sort()
     length = torch.diff(transposed, append=transposed.new_tensor([grid.numel()]))
     value = grid.view(-1).index_select(0, starts.index_select(0, order)).to(torch.int64)
-    return _Runs(transposed.div(rows, rounding_mode="floor"), transposed % rows, length, value)
+    return _Runs(*_div_mod(transposed, rows), length, value)
 
 
 def _listed_from_runs(runs: _Runs, code: int, shape: torch.Size) -> tuple[Tensor, Tensor]:
@@ -170,7 +189,7 @@ def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
         # offset at the chunk it takes over — one cumsum over the chunks, in the output's
         # dtype where its values fit (they are the output's values: entries of out).
         wide = out.dtype if total < (1 << 31) else torch.int64
-        at_chunk = first.add(k - 1).div_(k, rounding_mode="floor").clamp_(max=chunks)
+        at_chunk = _div_mod(first.add(k - 1), k, mod=False)[0].clamp_(max=chunks)
         base = torch.full((chunks + 1,), k, dtype=wide, device=out.device)
         base[0] = 0
         base.scatter_add_(0, at_chunk, jump.to(wide))
@@ -182,10 +201,10 @@ def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
         # the jumps of the runs begun inside it up to j. Each such chunk once, as a row of
         # a table: its first value, then 1 per entry and 1 + jump where a run begins (no
         # two runs begin at one entry: they are nonempty), summed along the row.
-        inside = first % k
+        inside = _div_mod(first, k, div=False)[1]
         begun = ((inside != 0) & (first < chunks * k)).nonzero().squeeze(1)
         if begun.numel():
-            chunk = first.index_select(0, begun).div_(k, rounding_mode="floor")
+            chunk = _div_mod(first.index_select(0, begun), k, mod=False)[0]
             which, row = torch.unique_consecutive(chunk, return_inverse=True)
             table = torch.ones((which.numel(), k), dtype=wide, device=out.device)
             table[:, 0] = base.index_select(0, which)
