@@ -174,15 +174,15 @@ def _layout(
     starts = torch.empty(2 * n + lines, dtype=torch.int64)
     lens = torch.empty(2 * n + lines, dtype=torch.int64)
     listed_at = runs_before.index_select(0, line) + rank
-    starts[listed_at] = start
-    lens[listed_at] = end - start
+    starts.index_copy_(0, listed_at, start)
+    lens.index_copy_(0, listed_at, end - start)
     # Gaps u = 0..count of a line: [end of range u - 1 (or 0), start of range u (or width)).
     gap_before = before + torch.arange(lines)  # count + 1 gaps per line
     gap_start = torch.zeros(n + lines, dtype=torch.int64)
     gap_end = torch.full((n + lines,), width, dtype=torch.int64)
     at = gap_before.index_select(0, line) + rank
-    gap_start[at + 1] = end
-    gap_end[at] = start
+    gap_start.index_copy_(0, at + 1, end)
+    gap_end.index_copy_(0, at, start)
     gap_line = torch.repeat_interleave(torch.arange(lines), count + 1)
     gap_at = (
         runs_before.index_select(0, gap_line)
@@ -190,8 +190,8 @@ def _layout(
         + torch.arange(n + lines)
         - gap_before.index_select(0, gap_line)
     )
-    starts[gap_at] = gap_start
-    lens[gap_at] = gap_end - gap_start
+    starts.index_copy_(0, gap_at, gap_start)
+    lens.index_copy_(0, gap_at, gap_end - gap_start)
     write_runs(out.view(-1), starts, lens)
     num = torch.zeros(lines, dtype=torch.int64).index_add_(0, line, end - start)
     return num.to(torch.int32)
@@ -234,11 +234,11 @@ def _side(
     full_before = in_group.cumsum(0) - in_group
     points = torch.empty(2 * g_line.numel() + 2 * f_line.numel(), dtype=torch.int64)
     g_at = 2 * torch.arange(g_line.numel()) + 2 * full_before
-    points[g_at] = g0
-    points[g_at + 2 * in_group + 1] = g1
+    points.index_copy_(0, g_at, g0)
+    points.index_copy_(0, g_at + 2 * in_group + 1, g1)
     f_at = 2 * group + 2 * torch.arange(f_line.numel()) + 1
-    points[f_at] = f0
-    points[f_at + 1] = f1
+    points.index_copy_(0, f_at, f0)
+    points.index_copy_(0, f_at + 1, f1)
     pair_line = torch.repeat_interleave(g_line, in_group + 1)
     p_start, p_end = points[0::2], points[1::2]
     real = torch.nonzero(p_end > p_start).flatten()
