@@ -242,7 +242,7 @@ class Tree(Piece):
         q_run = (max_q - min_q + 1 == in_tree) | (max_q < 0)
         # Tiles, a chunk of q blocks at a time: ancestors come first, so no kv block after a
         # chunk's last query attends it and those tiles stay EMPTY, unread (about half the
-        # grid); each chunk's flags fit the cache in two small buffers reused (a pass over
+        # grid); each chunk's flags fit the cache in a few small buffers reused (a pass over
         # the whole grid per compare wrote fresh pages: half its cost at 131k B=8).
         exact = bool(q_run.all()) and bool(u_run.all())
         if rows * nq * nkv > _CHUNKED_FROM:
@@ -368,7 +368,7 @@ class TreeMod(PieceMod):
 
 
 _CHUNK_TILES = 1 << 19
-"""Tiles per chunk of q blocks in ``Tree._classify_ranked``: its two flag buffers stay in cache."""
+"""Tiles per chunk of q blocks in ``Tree._classify_ranked``: its flag buffers stay in cache."""
 
 _CHUNKED_FROM = 1 << 18
 """Grids of more tiles than this are classified in chunks of q blocks (``_CHUNK_TILES``)."""
