@@ -6,17 +6,19 @@ The slices' meaning is checked against a dense oracle in tests/test_formats.py."
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import flexmask
-from flexmask.formats import to_magi
+from flexmask.formats import _structure, magi, to_magi
 from flexmask.formats._structure import _normalize, lines, one_mask_for_all_heads, window
 from flexmask.formats.magi import _slices
 from flexmask.packing import pack_trees
-from tests.strategies import expressions
+from tests.strategies import expressions, random_parents
 
 BIG = 1 << 62  # lines' empty slot: (BIG, -BIG)
 
@@ -129,29 +131,47 @@ def interval_tracks(draw):
     return lo, hi
 
 
+WAYS = pytest.mark.parametrize("way", ["lists", "tensors"])
+
+
+@contextlib.contextmanager
+def cut(way: str):
+    """Both ways the slices and a tree's run tables are built: from Python lists (few
+    segments or runs) and with tensor ops (many)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if way == "tensors":
+            patch.setattr(magi, "_FEW_SEGMENTS", -1)
+            patch.setattr(_structure, "_FEW_RUNS", 0)
+        yield
+
+
+@WAYS
 @given(tracks=interval_tracks())
-def test_slices_equal_the_old_greedy_walk_on_random_tracks(tracks):
-    lo, hi = tracks
-    row, q, k, t = _slices(lo, hi)
-    for r in range(lo.shape[0]):
-        want_q, want_k, want_t = old_slices(lo[r], hi[r])
-        mine = row == r
-        assert torch.equal(q[mine], want_q), (q[mine].tolist(), want_q.tolist())
-        assert torch.equal(k[mine], want_k)
-        assert torch.equal(t[mine], want_t)
-    assert torch.equal(row, row.sort().values)  # rows in order
+def test_slices_equal_the_old_greedy_walk_on_random_tracks(way, tracks):
+    with cut(way):
+        lo, hi = tracks
+        row, q, k, t = _slices(lo, hi)
+        for r in range(lo.shape[0]):
+            want_q, want_k, want_t = old_slices(lo[r], hi[r])
+            mine = row == r
+            assert torch.equal(q[mine], want_q), (q[mine].tolist(), want_q.tolist())
+            assert torch.equal(k[mine], want_k)
+            assert torch.equal(t[mine], want_t)
+        assert torch.equal(row, row.sort().values)  # rows in order
 
 
-def test_slices_of_a_chain_of_one_step_segments_alternate():
-    # Steps alternate causal / full / causal ...: the greedy walk takes two queries a run.
-    first = [0] * 9
-    last = [0, 1, 1, 2, 2, 3, 3, 4, 4]
-    lo = torch.tensor(first).view(1, -1, 1)
-    hi = torch.tensor(last).view(1, -1, 1)
-    _, q, _, t = _slices(lo, hi)
-    want_q, _, want_t = old_slices(lo[0], hi[0])
-    assert q.tolist() == want_q.tolist() == [[0, 2], [2, 4], [4, 6], [6, 8], [8, 9]]
-    assert t.tolist() == want_t.tolist() == [1, 1, 1, 1, 0]
+@WAYS
+def test_slices_of_a_chain_of_one_step_segments_alternate(way):
+    with cut(way):
+        # Steps alternate causal / full / causal ...: the greedy walk takes two queries a run.
+        first = [0] * 9
+        last = [0, 1, 1, 2, 2, 3, 3, 4, 4]
+        lo = torch.tensor(first).view(1, -1, 1)
+        hi = torch.tensor(last).view(1, -1, 1)
+        _, q, _, t = _slices(lo, hi)
+        want_q, _, want_t = old_slices(lo[0], hi[0])
+        assert q.tolist() == want_q.tolist() == [[0, 2], [2, 4], [4, 6], [6, 8], [8, 9]]
+        assert t.tolist() == want_t.tolist() == [1, 1, 1, 1, 0]
 
 
 # ----------------------------------------------------------------- masks
@@ -177,10 +197,12 @@ def documents(count: int, length: int, seed: int) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
+@WAYS
 @pytest.mark.parametrize("groups", [1, 8])
-def test_rl_trees_lower_as_before(groups):
-    mask, rows = rl_tree(groups)
-    assert_same_as_old(mask, rows, 8192)
+def test_rl_trees_lower_as_before(way, groups):
+    with cut(way):
+        mask, rows = rl_tree(groups)
+        assert_same_as_old(mask, rows, 8192)
 
 
 @pytest.mark.parametrize("count", [20, 1000])
@@ -199,21 +221,35 @@ def test_windows_per_row_documents_and_offsets_lower_as_before():
     )
 
 
+@WAYS
+@given(data=st.data(), batch=st.integers(1, 3), length=st.integers(1, 40))
+def test_random_trees_lower_as_before(way, data, batch, length):
+    with cut(way):
+        rows = [data.draw(random_parents(data.draw(st.integers(1, length)))) for _ in range(batch)]
+        tree = flexmask.tree(rows if data.draw(st.booleans()) else rows[0])
+        q_off = data.draw(st.integers(0, 3))
+        kv_len = data.draw(st.integers(1, length + 3))
+        assert_same_as_old(tree, batch, length, kv_len, q_offset=q_off)
+        assert_same_as_old(tree & flexmask.causal() | flexmask.prefix(2), batch, length, kv_len)
+
+
+@WAYS
 @given(data=st.data(), batch=st.integers(1, 3), q_len=st.integers(1, 17))
-def test_random_masks_lower_as_before(data, batch, q_len):
-    kv_len = data.draw(st.integers(1, 17))
-    q_off = data.draw(st.integers(0, 5))
-    kv_off = data.draw(st.integers(0, 5))
-    n = max(q_off + q_len, kv_off + kv_len)
-    mask, _ = data.draw(expressions(batch, 1, n, max_leaves=4))
-    try:
-        old_to_magi(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
-    except ValueError as error:
-        with pytest.raises(ValueError, match="cannot be lowered"):
-            to_magi(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
-        assert "cannot be lowered" in str(error)
-        return
-    assert_same_as_old(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
+def test_random_masks_lower_as_before(way, data, batch, q_len):
+    with cut(way):
+        kv_len = data.draw(st.integers(1, 17))
+        q_off = data.draw(st.integers(0, 5))
+        kv_off = data.draw(st.integers(0, 5))
+        n = max(q_off + q_len, kv_off + kv_len)
+        mask, _ = data.draw(expressions(batch, 1, n, max_leaves=4))
+        try:
+            old_to_magi(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
+        except ValueError as error:
+            with pytest.raises(ValueError, match="cannot be lowered"):
+                to_magi(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
+            assert "cannot be lowered" in str(error)
+            return
+        assert_same_as_old(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
 
 
 # ----------------------------------------------------------------- interval lists
@@ -267,3 +303,28 @@ def test_interval_lists_normalize_to_their_plain_merge(lists):
     want_hi = [[b for _, b in m] + [-BIG] * (slots - len(m)) for m in merged]
     assert got_lo.tolist() == want_lo
     assert got_hi.tolist() == want_hi
+
+
+def plain_ancestor_runs(parents: list[int], q: int, kv_len: int) -> list[tuple[int, int]]:
+    """Keys a tree query attends (itself and its ancestors, below kv_len) as sorted runs."""
+    keys = set()
+    while q >= 0:
+        keys.add(q)
+        q = parents[q]
+    return plain_merge([(k, k) for k in keys if k < kv_len])
+
+
+@WAYS
+@given(data=st.data(), length=st.integers(1, 40))
+def test_tree_lines_are_the_ancestors_as_runs(way, data, length):
+    parents = data.draw(random_parents(data.draw(st.integers(1, length))))
+    q_len, kv_len = length, data.draw(st.integers(1, length + 2))
+    mask = flexmask.tree(parents)
+    with cut(way):
+        got = lines(mask, window(mask, 1, None, q_len, kv_len))
+    for q in range(q_len):
+        want = plain_ancestor_runs(parents, q, kv_len) if q < len(parents) else []
+        pairs = zip(got.lo[0, q].tolist(), got.hi[0, q].tolist(), strict=True)
+        have = [(a, b) for a, b in pairs if a <= b]
+        assert have == want, (q, parents)
+        assert all(a == BIG for a in got.lo[0, q].tolist()[len(want) :])

@@ -304,13 +304,13 @@ def lines(mask: Mask, win: Window, *, transpose: bool = False) -> Lines:
         first, length = win.kv_offset, win.kv_len
     last = first + length - 1
     lo, hi = _lines(mask, pos, first, last, transpose)
-    # _lines' lists are normalized (empty slots at (_BIG, -_BIG)): the clip changes nothing
-    # when none sticks out of the window (a tree's, a document's), so it is skipped then.
-    if bool((lo < first.unsqueeze(-1)).any() | (hi > last.unsqueeze(-1)).any()):
+    # _lines' lists are normalized (sorted, empty slots last at (_BIG, -_BIG)): the clip
+    # changes nothing when none sticks out of the window (a tree's, a document's).
+    if bool((lo[..., 0] < first).any() | (hi > last.unsqueeze(-1)).any()):
         lo, hi = _clip((lo, hi), first, last)
     lo, hi, first = _broadcast(lo, hi, first.unsqueeze(-1))
     if not bool(first.any()):  # local indices are the absolute ones
-        return Lines(lo.contiguous(), hi.contiguous())
+        return Lines(lo, hi)
     empty = lo > hi
     return Lines(_pick(~empty, lo - first, _BIG), _pick(~empty, hi - first, -_BIG))
 
@@ -352,11 +352,10 @@ def _one(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
 
 def _piece(piece: Mask, pos: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
     """(R, N, k) intervals of one piece at absolute line positions ``pos`` ((R, N))."""
-    none = torch.full_like(pos, INF), torch.full_like(pos, -INF)
     if isinstance(piece, Full):
         return _one(torch.full_like(pos, -INF), torch.full_like(pos, INF))
     if isinstance(piece, Empty):
-        return _one(*none)
+        return _one(torch.full_like(pos, INF), torch.full_like(pos, -INF))
     if isinstance(piece, Causal):
         if transpose:  # key kv is attended by queries q >= kv
             return _one(pos, torch.full_like(pos, INF))
@@ -423,9 +422,9 @@ def _tree(piece: Tree, pos: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
         tree_row = min(r, len(piece.parents) - 1)
         p = pos[min(r, pos.shape[0] - 1)]
         n = parents.numel()
-        inside = (p >= 0) & (p < n)
-        at = p.clamp(0, n - 1)
         if transpose:
+            inside = (p >= 0) & (p < n)
+            at = p.clamp(0, n - 1)
             if not piece.preorder[tree_row]:
                 raise ValueError(
                     f"{piece!r} cannot be lowered to this format in this token order: the "
@@ -436,7 +435,7 @@ def _tree(piece: Tree, pos: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
             end = piece.ends[tree_row][at]
             rows.append((torch.where(inside, p, INF), torch.where(inside, end - 1, -INF)))
             continue
-        rows.append(_ancestor_runs(parents, at, inside))
+        rows.append(_ancestor_runs(parents, p))
     if transpose:
         lo = torch.stack([r[0] for r in rows])
         hi = torch.stack([r[1] for r in rows])
@@ -452,9 +451,10 @@ def _tree(piece: Tree, pos: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
     return lo, hi
 
 
-def _ancestor_runs(parents: Tensor, at: Tensor, inside: Tensor) -> tuple[Tensor, Tensor]:
-    """(N, D) the ancestors of each node ``at`` (itself included) as runs of consecutive
-    positions, root first, (_BIG, -_BIG) after them and for lines not ``inside`` the tree.
+def _ancestor_runs(parents: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, D) the ancestors of the nodes at positions ``pos`` (>= 0; itself included) as runs
+    of consecutive positions, root first, (_BIG, -_BIG) after them and for positions past
+    the tree.
 
     A run continues while a token's parent is the token before it (so runs are disjoint and
     non-adjacent, and root first is sorted: what _normalize keeps without sorting). Every node
@@ -464,9 +464,36 @@ def _ancestor_runs(parents: Tensor, at: Tensor, inside: Tensor) -> tuple[Tensor,
     n = parents.numel()
     breaks = parents != torch.arange(-1, n - 1)
     breaks[0] = True
-    run = breaks.cumsum(0) - 1
     start = breaks.nonzero().view(-1)
+    runs = start.numel()
+    # The run of each node, and a last, empty one for positions past the tree.
+    run = torch.cat([breaks.cumsum(0) - 1, start.new_full((1,), runs)])
     up = parents[start].to(torch.int64)  # the last ancestor before each run, -1 at a root
+    if runs <= _FEW_RUNS:
+        table_lo, table_hi = _run_tables_listed(start, up, run, n)
+    else:
+        table_lo, table_hi = _run_tables(start, up, run, n)
+    width = table_lo.shape[1]
+    # Read per line slot-major ((width, N), then viewed as (N, width)): a lowering walks each
+    # slot along the lines, and flat 1-d reads are the cheapest gathers here. A line's own
+    # run ends at the line (the table holds the run's last node): every other slot ends
+    # before it, so one minimum writes it.
+    at = pos.clamp(max=n)
+    flat = run.index_select(0, at) + (runs + 1) * torch.arange(width).view(-1, 1)
+    lo = table_lo.t().reshape(-1).index_select(0, flat.view(-1)).view(width, -1)
+    hi = table_hi.t().reshape(-1).index_select(0, flat.view(-1)).view(width, -1)
+    return lo.t(), torch.minimum(hi, at).t()
+
+
+_FEW_RUNS = 256
+"""Trees of at most this many runs have their run tables built from Python lists: a few
+list operations per run cost less than the ~60 torch calls of the vectorized build (one
+shared-prefix group at 8k has ~10 runs)."""
+
+
+def _run_tables(start: Tensor, up: Tensor, run: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """Per run (and a last, empty one for positions past the tree): its ancestor runs root
+    first, then itself up to its last node, as ``(runs + 1, width)`` lo and hi."""
     chain_lo, chain_hi = [], []
     depth = torch.zeros_like(start)
     node = up
@@ -477,25 +504,40 @@ def _ancestor_runs(parents: Tensor, at: Tensor, inside: Tensor) -> tuple[Tensor,
         chain_hi.append(torch.where(alive, node, -_BIG))
         depth += alive
         node = torch.where(alive, up[above], -1)
-    # Per run: its ancestor runs root first, then itself (its end is the line's own node);
-    # one more run, all empty, for the lines outside the tree.
     width = len(chain_lo) + 1
-    empty = start.new_full((1,), _BIG)
+    end = torch.cat([start[1:], start.new_full((1,), n)]) - 1
     table_lo = torch.stack([*chain_lo, torch.full_like(start, _BIG)], -1)
     table_hi = torch.stack([*chain_hi, torch.full_like(start, -_BIG)], -1)
     slot = torch.arange(width)
     own = depth.view(-1, 1)
     index = torch.where(slot < own, own - 1 - slot, width - 1)
     table_lo = torch.where(slot == own, start.view(-1, 1), table_lo.gather(1, index))
-    table_lo = torch.cat([table_lo, empty.expand(1, width)])
-    table_hi = torch.cat([table_hi.gather(1, index), (-empty).expand(1, width)])
-    depth = torch.cat([depth, depth.new_zeros(1)])
-    line_run, line_end = run.index_select(0, at), at
-    if not bool(inside.all()):
-        line_run, line_end = _pick(inside, line_run, start.numel()), _pick(inside, at, -_BIG)
-    lo, hi = table_lo.index_select(0, line_run), table_hi.index_select(0, line_run)
-    hi.scatter_(1, depth.index_select(0, line_run).view(-1, 1), line_end.view(-1, 1))
-    return lo, hi
+    table_hi = torch.where(slot == own, end.view(-1, 1), table_hi.gather(1, index))
+    return (
+        torch.cat([table_lo, torch.full((1, width), _BIG)]),
+        torch.cat([table_hi, torch.full((1, width), -_BIG)]),
+    )
+
+
+def _run_tables_listed(start: Tensor, up: Tensor, run: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """``_run_tables`` from Python lists: a run's ancestors are those of the run holding its
+    parent, then that run up to the parent (runs are numbered in position order, so that
+    run's chain is already made)."""
+    starts, ups = start.tolist(), up.tolist()
+    ends = [s - 1 for s in starts[1:]] + [n - 1]
+    holder = run.index_select(0, up.clamp(min=0)).tolist()
+    chains: list[list[tuple[int, int]]] = []
+    for parent, r in zip(ups, holder, strict=True):
+        chains.append([] if parent < 0 else [*chains[r], (starts[r], parent)])
+    width = max(len(c) for c in chains) + 1
+    lo_rows, hi_rows = [], []
+    for chain, first, last in zip(chains, starts, ends, strict=True):
+        pad = width - 1 - len(chain)
+        lo_rows.append([a for a, _ in chain] + [first] + [_BIG] * pad)
+        hi_rows.append([b for _, b in chain] + [last] + [-_BIG] * pad)
+    lo_rows.append([_BIG] * width)
+    hi_rows.append([-_BIG] * width)
+    return torch.tensor(lo_rows), torch.tensor(hi_rows)
 
 
 # ---------------------------------------------------------------------------- varlen
