@@ -163,8 +163,9 @@ def _slices(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     step_first, step_last = first.diff(), last.diff()
     # Usable: both queries attend and both steps are 0 or 1 (no bit but the lowest set).
     usable = valid[:-1] & valid[1:] & (((step_first | step_last) & -2) == 0)
-    # The kind of a usable step plus one (1 full ... 4 bi-causal), 0 for the others.
-    code = ((step_first & 1) * 2 + (step_last & 1) + 1) * usable
+    # The kind of a usable step plus one (1 full ... 4 bi-causal), 0 for the others (whose
+    # steps, of unread ends, may have wrapped).
+    code = (step_first * 2 + step_last + 1) * usable
     # Segments: maximal stretches [a, b] of usable steps of one kind.
     change = F.pad(code, (1, 1)).diff() != 0
     a = (usable & change[:-1]).nonzero().view(-1)
