@@ -287,3 +287,29 @@ def test_kernel_calls_mask_what_magis_slices_mean(data, batch, q_len, kv_len):
         assert block.any(axis=1).all(), (row, qs, qe, ks, ke, causal, band)
         got[row, qs:qe, ks:ke] += block
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("busy", [True, False])
+def test_one_intra_op_thread_while_other_processes_keep_a_core_busy(monkeypatch, busy):
+    """Under contention every kernel call (forward and backward) runs on one intra-op thread
+    and torch's count comes back after; on free cores torch's threads run them."""
+    threads_seen = []
+    forward_op, backward_op = slices._flash_ops()
+
+    def spy(op):
+        def call(*args, **kwargs):
+            threads_seen.append(torch.get_num_threads())
+            return op(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(slices, "others_busy", lambda: busy)
+    monkeypatch.setattr(slices, "_flash_ops", lambda: (spy(forward_op), spy(backward_op)))
+    before = torch.get_num_threads()
+    q, k, v = qkv(1, 2, 2, 64, 64)
+    flexmask.attention(
+        q, k, v, flexmask.causal() & flexmask.document([30, 34]), "slices"
+    ).sum().backward()
+    assert len(threads_seen) == 4  # two documents, forward and backward
+    assert set(threads_seen) == ({1} if busy else {before})
+    assert torch.get_num_threads() == before

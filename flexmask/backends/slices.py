@@ -21,6 +21,7 @@ options.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, NamedTuple
 
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 from flexmask.algebra.mask import Mask
+from flexmask.backends.block_sparse.threads import one_thread, others_busy
 from flexmask.backends.request import Request
 from flexmask.builders.create import built_from
 from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL, to_magi
@@ -173,7 +175,8 @@ def lower(request: Request) -> Request:
 def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:
     lowered: Slices = request.options[_LOWERED]
     q, k, v = request.query, request.key, request.value
-    out, lse = _SliceAttention.apply(q, k, v, lowered.calls, request.scale)
+    with _threads():
+        out, lse = _SliceAttention.apply(q, k, v, lowered.calls, request.scale)
     return (out, lse) if request.return_lse else out
 
 
@@ -236,6 +239,13 @@ def too_many(lowered: Slices) -> str | None:
     )
 
 
+def _threads() -> contextlib.AbstractContextManager[None]:
+    """One intra-op thread while other processes keep a core busy: the kernel calls and
+    merges are many short ops, each of whose threads would wait for a descheduled one (the
+    block-sparse path's reason for its workers); torch's threads otherwise."""
+    return one_thread() if others_busy() else contextlib.nullcontext()
+
+
 class _SliceAttention(torch.autograd.Function):
     """Forward: one flash call per slice, merged into the rows' output by log-sum-exp.
     Backward: the kernel's backward per slice, given the merged output and log-sum-exp."""
@@ -273,6 +283,11 @@ class _SliceAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_lse):  # type: ignore[override]
+        with _threads():
+            return _SliceAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):  # type: ignore[no-untyped-def]
         _, backward_op = _flash_ops()  # type: ignore[misc]
         q, k, v, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()

@@ -275,6 +275,14 @@ def run_groups(
         raise errors[0]
 
 
+def others_busy() -> bool:
+    """Whether other processes keep at least ``BUSY_CORES`` of a core of those torch's
+    intra-op threads need busy (``CHOICE``'s window): where they do, a kernel that cannot deal
+    its work to the workers runs on one intra-op thread, as each op's threads would otherwise
+    wait for a descheduled one."""
+    return CHOICE._others_busy()
+
+
 def in_this_thread(one: Callable[[int], None], count: int) -> None:
     """Every group here, in order, with torch's intra-op threads in each op."""
     for index in range(count):
