@@ -442,13 +442,14 @@ def _tree(piece: Tree, pos: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
         return lo.unsqueeze(-1), hi.unsqueeze(-1)
     if len(rows) == 1:
         return rows[0][0].unsqueeze(0), rows[0][1].unsqueeze(0)
+    # Slot-major like each row's (see _ancestor_runs), viewed as (R, N, width).
     width = max(r[0].shape[-1] for r in rows)
-    lo = torch.full((len(rows), pos.shape[-1], width), _BIG, dtype=torch.int64)
-    hi = torch.full((len(rows), pos.shape[-1], width), -_BIG, dtype=torch.int64)
+    lo = torch.full((len(rows), width, pos.shape[-1]), _BIG, dtype=torch.int64)
+    hi = torch.full((len(rows), width, pos.shape[-1]), -_BIG, dtype=torch.int64)
     for r, (row_lo, row_hi) in enumerate(rows):
-        lo[r, :, : row_lo.shape[-1]] = row_lo
-        hi[r, :, : row_hi.shape[-1]] = row_hi
-    return lo, hi
+        lo[r, : row_lo.shape[-1]] = row_lo.t()
+        hi[r, : row_hi.shape[-1]] = row_hi.t()
+    return lo.transpose(1, 2), hi.transpose(1, 2)
 
 
 def _ancestor_runs(parents: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
