@@ -71,3 +71,22 @@ def test_per_head_of_a_tree_and_a_window_in_small_chunks(small_chunks):
     trees = [insertion_tree(KV_LEN, seed=60, sequences=6), preorder_tree(KV_LEN - 200, seed=61)]
     mask = flexmask.per_head(flexmask.tree(trees), flexmask.causal() & flexmask.sliding_window(250))
     _check(mask, 2, 4, 16, f"per_head chunk={small_chunks}")
+
+
+@pytest.mark.parametrize(("q_offset", "kv_offset"), [(300, 0), (517, 211), (0, 640)])
+def test_insertion_order_tree_windows_in_small_chunks(q_offset, kv_offset, small_chunks):
+    # A window's kv blocks start off the tree's first token: each block's least rank and
+    # that token's subtree end are read in the window (lengths off the block size too).
+    trees = [insertion_tree(KV_LEN, seed=70 + r, sequences=4 + 5 * r) for r in range(2)]
+    mask = flexmask.tree(trees)
+    q_len, kv_len = KV_LEN - q_offset, KV_LEN - kv_offset
+    ours = flexmask.create_block_mask(
+        mask, 2, 1, q_len, kv_len, "cpu", 16, q_offset=q_offset, kv_offset=kv_offset
+    )
+    mod = mask.mask_mod
+
+    def shifted(b, h, q_idx, kv_idx):
+        return mod(b, h, q_idx + q_offset, kv_idx + kv_offset)
+
+    theirs = torch_create_block_mask(shifted, 2, 1, q_len, kv_len, "cpu", 16)
+    oracle.assert_same_block_mask(ours, theirs, f"window q+{q_offset} kv+{kv_offset}")

@@ -91,6 +91,19 @@ class Tree(Piece):
         self._placed[(names[0], device)], self._placed[(names[1], device)] = rank, end
         return rank, end
 
+    def _end_by_rank(self, length: int, device: torch.device) -> Tensor:
+        """(R, length + 1) int32 subtree end of the token of each rank (``end`` permuted by
+        ``rank``, a permutation of the positions): kept with the length's rank and end."""
+        rank, end = self._lookups(length, device)
+        if tracing():
+            return torch.empty_like(end).scatter_(1, rank.to(torch.int64), end)
+        name = (f"lookup end by rank {length}", device)
+        kept = self._placed.get(name)
+        if kept is None:
+            kept = torch.empty_like(end).scatter_(1, rank.to(torch.int64), end)
+            self._placed[name] = kept
+        return kept
+
     def _make_lookups(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
         rows = len(self.parents)
         rank = torch.arange(length + 1, dtype=torch.int32).repeat(rows, 1)
@@ -203,12 +216,16 @@ class Tree(Piece):
         # the tree: those past it have rank = position, above every rank in it, so they
         # never win a block that holds one; a block that holds none has U empty (u_hi = 0)
         # whatever u_lo is. Only the -1 padding of the last block is read around.
-        u_lo, top = kv_rank.min(-1)
+        u_lo = kv_rank.amin(-1)
         if nkv * kv_block != grid.kv_len:
             last_held = grid.kv_len - (nkv - 1) * kv_block
-            u_lo[:, -1], top[:, -1] = kv_rank[:, -1, :last_held].min(-1)
+            u_lo[:, -1] = kv_rank[:, -1, :last_held].amin(-1)
         u_hi = kv_end_b.amax(-1)  # ends of tokens outside the tree are 0
-        u_run = kv_end_b.gather(-1, top.unsqueeze(-1)).squeeze(-1) >= u_hi
+        # The subtree end of the block's least-ranked token, read by its rank (ranks are a
+        # permutation of the positions): no argmin, which costs ~9x the amin (1.26 against
+        # 0.14 ms over (8, 1024, 128), one run).
+        end_by_rank = self._end_by_rank(grid.length, device)
+        u_run = end_by_rank.gather(1, u_lo.to(torch.int64)) >= u_hi
         # Per q block: extremes of its ranks, and of those in the tree.
         q_ranks = blocks(rank, q_first, q_end, nq, q_block, -1)
         max_q_all = q_ranks.amax(-1)
