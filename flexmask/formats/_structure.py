@@ -201,7 +201,7 @@ def _normalize(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
     lo, hi = _pick(valid, lo, _BIG), _pick(valid, hi, -_BIG)
     # Most lists hold one or two intervals (a piece, an & of pieces, a tree's prompt and
     # own run): merged elementwise, as the general path below would, without its sort, cummax
-    # and scatters along a last dimension of 1-2 (which cost 10-50x more at 8k-131k lines).
+    # and scatters along a last dimension of 1-2 (each several times an elementwise pass).
     if lo.shape[-1] == 1:
         return lo, hi
     if lo.shape[-1] == 2:
@@ -250,7 +250,7 @@ def _normalize_two(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
 def _pick(keep: Tensor, x: Tensor, other: Tensor | int) -> Tensor:
     """``torch.where(keep, x, other)`` as int64 arithmetic, for values within +-_BIG (no
     difference overflows). Same result; torch.where's CPU kernel costs several adds (150
-    against 22 us for an int64 add of 24k elements, torch 2.13, load 4.5 on 2 cores), and the
+    against 22 us for an int64 add of 24k elements, torch 2.13, load 4.4 on 2 cores), and the
     lowerings pick per line at every query."""
     return ((x.to(torch.int64) - other) * keep).add_(other)
 
@@ -489,7 +489,7 @@ def _ancestor_runs(parents: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
 _FEW_RUNS = 256
 """Trees of at most this many runs have their run tables built from Python lists: a few
 list operations per run cost less than the ~60 torch calls of the vectorized build (one
-shared-prefix group at 8k has ~10 runs)."""
+shared-prefix group at 8k has 8 runs, a row of several groups 12-15)."""
 
 
 def _run_tables(start: Tensor, up: Tensor, run: Tensor, n: int) -> tuple[Tensor, Tensor]:
