@@ -83,6 +83,8 @@ class Slices(NamedTuple):
     most once."""
 
     calls: tuple[Call, ...]
+    first: tuple[bool, ...]
+    """Per call: no earlier call touches its queries, so its output is written, not merged."""
     rows_covered: int
     """Query rows summed over the slices (a query in two slices counts twice)."""
 
@@ -176,7 +178,7 @@ def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:
     lowered: Slices = request.options[_LOWERED]
     q, k, v = request.query, request.key, request.value
     with _threads():
-        out, lse = _SliceAttention.apply(q, k, v, lowered.calls, request.scale)
+        out, lse = _SliceAttention.apply(q, k, v, lowered, request.scale)
     return (out, lse) if request.return_lse else out
 
 
@@ -226,7 +228,23 @@ def _lowered(mask: Mask, batch: int, q_len: int, kv_len: int) -> Slices | str:
     if refused is not None:
         return refused
     covered = int((magi.q_ranges[:, 1] - magi.q_ranges[:, 0]).sum()) if calls else 0
-    return Slices(tuple(calls), covered)
+    return Slices(tuple(calls), _first_calls(calls, q_len), covered)
+
+
+def _first_calls(calls: list[Call], q_len: int) -> tuple[bool, ...]:
+    """Which calls are the first to touch every one of their queries (a call for every row
+    touches each row's)."""
+    touched: dict[int | None, Tensor] = {}
+    first = []
+    for row, qs, qe, *_ in calls:
+        rows = [row] if row is not None else [None, *(r for r in touched if r is not None)]
+        seen = [touched.setdefault(r, torch.zeros(q_len, dtype=torch.bool)) for r in rows]
+        if row is not None and None in touched:
+            seen.append(touched[None])
+        first.append(not any(bool(t[qs:qe].any()) for t in seen))
+        for t in seen:
+            t[qs:qe] = True
+    return tuple(first)
 
 
 def too_many(lowered: Slices) -> str | None:
@@ -251,14 +269,24 @@ class _SliceAttention(torch.autograd.Function):
     Backward: the kernel's backward per slice, given the merged output and log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, calls, scale):  # type: ignore[override]
+    def forward(ctx, q, k, v, lowered, scale):  # type: ignore[override]
         forward_op, _ = _flash_ops()  # type: ignore[misc]
         batch, heads, q_len, _ = q.shape
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        bands = _Bands(q.dtype)
+        calls = lowered.calls
+        ctx.calls, ctx.scale, ctx.bands = calls, scale, bands
+        if len(calls) == 1 and calls[0][:3] == (None, 0, q_len) and calls[0][6] is None:
+            # One call for every query (causal, full): the kernel's own output, unmerged.
+            _, _, _, ks, ke, causal, _ = calls[0]
+            out, lse = forward_op(q, k[:, :, ks:ke], v[:, :, ks:ke], 0.0, causal, scale=scale)
+            lse = lse.to(acc)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.mark_non_differentiable(lse)
+            return out, lse
         out = q.new_zeros(batch, heads, q_len, v.shape[-1], dtype=acc)
         lse = q.new_full((batch, heads, q_len), float("-inf"), dtype=acc)
-        bands = _Bands(q.dtype)
-        for row, qs, qe, ks, ke, causal, band in calls:
+        for (row, qs, qe, ks, ke, causal, band), first in zip(calls, lowered.first, strict=True):
             b = slice(None) if row is None else slice(row, row + 1)
             o, part_lse = forward_op(
                 q[b, :, qs:qe],
@@ -270,13 +298,16 @@ class _SliceAttention(torch.autograd.Function):
                 scale=scale,
             )
             seen, rows = lse[b, :, qs:qe], out[b, :, qs:qe]
+            if first:  # nothing to merge with yet
+                rows.copy_(o)
+                seen.copy_(part_lse)
+                continue
             merged = torch.logaddexp(seen, part_lse)
             rows.mul_((seen - merged).exp_().unsqueeze(-1))
             rows.add_(o.to(acc) * (part_lse - merged).exp_().unsqueeze(-1))
             seen.copy_(merged)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.calls, ctx.scale, ctx.bands = calls, scale, bands
         ctx.mark_non_differentiable(lse)
         return out, lse
 
