@@ -130,6 +130,9 @@ STRUCTURED = {
         oracle.causal(S, S) & oracle.document([150, 151], S, S) & oracle.sliding_window(130, S, S),
     ),
     "anti-causal": (~flexmask.causal(), ~oracle.causal(S, S)),
+    # One kernel call for every query (the unmerged fast path), and no mask at all.
+    "causal": (flexmask.causal(), oracle.causal(S, S)),
+    "full": (flexmask.full(), np.ones((S, S), dtype=bool)),
     "bidirectional-documents": (
         flexmask.document([100, 1, 200]),
         oracle.document([100, 1, 200], S, S),

@@ -324,8 +324,28 @@ class _SliceAttention(torch.autograd.Function):
         _, backward_op = _flash_ops()  # type: ignore[misc]
         q, k, v, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
+        calls = ctx.calls
+        if len(calls) == 1 and calls[0][:5] == (None, 0, q.shape[2], 0, k.shape[2]):
+            # One call over every query and key (plain causal, full): its gradients as they are.
+            causal, band = calls[0][5:]
+            return (
+                *backward_op(
+                    grad_out,
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    0.0,
+                    causal,
+                    attn_mask=ctx.bands.get(band, q.shape[2], k.shape[2]),
+                    scale=ctx.scale,
+                ),
+                None,
+                None,
+            )
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for row, qs, qe, ks, ke, causal, band in ctx.calls:
+        for row, qs, qe, ks, ke, causal, band in calls:
             b = slice(None) if row is None else slice(row, row + 1)
             gq, gk, gv = backward_op(
                 grad_out[b, :, qs:qe],
