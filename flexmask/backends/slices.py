@@ -230,23 +230,22 @@ def _lowered(mask: Mask, batch: int, q_len: int, kv_len: int) -> Slices | str:
     if refused is not None:
         return refused
     covered = int((magi.q_ranges[:, 1] - magi.q_ranges[:, 0]).sum()) if calls else 0
-    return Slices(tuple(calls), _first_calls(calls, q_len), covered)
+    ordered, first = _first_calls(calls)
+    return Slices(tuple(ordered), first, covered)
 
 
-def _first_calls(calls: list[Call], q_len: int) -> tuple[bool, ...]:
-    """Which calls are the first to touch every one of their queries (a call for every row
-    touches each row's)."""
-    touched: dict[int | None, Tensor] = {}
+def _first_calls(calls: list[Call]) -> tuple[list[Call], tuple[bool, ...]]:
+    """The calls in the order they run (by batch row, then first query: merging by
+    log-sum-exp does not depend on the order), and which of them is the first to touch every
+    one of its queries. ``to_magi`` gives all calls a row or none a row."""
+    ordered = sorted(calls, key=lambda c: (-1 if c[0] is None else c[0], c[1], c[3]))
+    reach: dict[int | None, int] = {}  # per row, the furthest query end of the calls so far
     first = []
-    for row, qs, qe, *_ in calls:
-        rows = [row] if row is not None else [None, *(r for r in touched if r is not None)]
-        seen = [touched.setdefault(r, torch.zeros(q_len, dtype=torch.bool)) for r in rows]
-        if row is not None and None in touched:
-            seen.append(touched[None])
-        first.append(not any(bool(t[qs:qe].any()) for t in seen))
-        for t in seen:
-            t[qs:qe] = True
-    return tuple(first)
+    for row, q_start, q_end, *_ in ordered:
+        end = reach.get(row, 0)
+        first.append(q_start >= end)
+        reach[row] = max(end, q_end)
+    return ordered, tuple(first)
 
 
 def too_many(lowered: Slices) -> str | None:
