@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 import flexmask
 from flexmask import backends
@@ -130,6 +131,88 @@ def test_auto_runs_the_backend_explain_names(monkeypatch):
     mask = CASES["sliding-window"][0]
     flexmask.attention(q, k, v, mask)
     assert seen == [flexmask.explain(q, k, v, mask).backend]
+
+
+def _spy_on_the_sparse_path(monkeypatch):
+    """Records each time block_sparse_attention reads intervals or runs its sparse kernel."""
+    from flexmask.backends.block_sparse import api
+
+    taken = []
+    for name in ("interval_bounds", "grouped_attention"):
+        real = getattr(api, name)
+        monkeypatch.setattr(
+            api, name, lambda *a, name=name, real=real, **kw: taken.append(name) or real(*a, **kw)
+        )
+    return taken
+
+
+DELEGATED = {
+    # block_sparse's own rule runs SDPA on each: too small for the sparse kernel with
+    # gradients (203 x 203), half the blocks or more listed (300 x 300, 7 of 9), or a
+    # no-grad 1k x 1k call; tiny documents, which the slices backend refuses.
+    "small, with gradients": (
+        flexmask.causal() & flexmask.document([7] * 29),
+        S,
+        True,
+        lambda: dense([oracle.causal(S, S) & oracle.document([7] * 29, S, S)]),
+    ),
+    "half dense or more": (  # torch's BlockMask: no Mask, so the slices backend refuses it
+        create_block_mask(lambda b, h, q, kv: (q >= kv) | (kv < 200), None, None, 300, 300, "cpu"),
+        300,
+        True,
+        lambda: dense([oracle.causal(300, 300) | oracle.prefix(200, 300, 300)]),
+    ),
+    "1k tiny documents, no grad": (
+        flexmask.causal() & flexmask.document([16] * 64),
+        1024,
+        False,
+        lambda: dense([oracle.causal(1024, 1024) & oracle.document([16] * 64, 1024, 1024)]),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DELEGATED))
+def test_calls_the_block_sparse_rule_hands_to_sdpa_run_the_sdpa_backends_ops(monkeypatch, case):
+    """Where block_sparse's rule picks SDPA, the call runs the sdpa backend's ops and nothing
+    more: no intervals read, no sparse kernel, output and gradients equal bit for bit to
+    backend="sdpa" (and to the dense reference). Through auto and flex_attention too, which
+    pick block_sparse on these calls."""
+    mask, length, train, allowed = DELEGATED[case]
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(B, H, length, 16, dtype=torch.float64, generator=gen).requires_grad_(train)
+        for _ in range(3)
+    )
+    taken = _spy_on_the_sparse_path(monkeypatch)
+    with torch.set_grad_enabled(train):
+        by_sdpa = flexmask.attention(q, k, v, mask, "sdpa")
+        runs = {
+            "block_sparse": flexmask.attention(q, k, v, mask, "block_sparse"),
+            "auto": flexmask.attention(q, k, v, mask),
+            "flex_attention": flexmask.flex_attention(q, k, v, mask, compile=False),
+        }
+    assert taken == []
+    torch.testing.assert_close(by_sdpa, dense_attention(q, k, v, allowed()), atol=1e-10, rtol=0)
+    grad = torch.randn_like(by_sdpa)
+    want = torch.autograd.grad(by_sdpa, (q, k, v), grad) if train else ()
+    for name, out in runs.items():
+        assert torch.equal(out, by_sdpa), name
+        if train:
+            got = torch.autograd.grad(out, (q, k, v), grad)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), name
+    assert flexmask.explain(q, k, v, mask).backend == "block_sparse"
+
+
+def test_a_block_sparse_option_still_runs_the_block_sparse_backend(monkeypatch):
+    """An option of the block-sparse path keeps the call there; backend="sparse" runs its
+    sparse kernel even where its rule would pick SDPA."""
+    mask, rows = CASES["document-causal-padding"]
+    q, k, v = qkv()
+    assert flexmask.explain(q, k, v, mask, threads=1).backend == "block_sparse"
+    taken = _spy_on_the_sparse_path(monkeypatch)
+    out = flexmask.flex_attention(q, k, v, mask, compile=False, backend="sparse")
+    assert taken == ["interval_bounds", "grouped_attention"]
+    torch.testing.assert_close(out, dense_attention(q, k, v, dense(rows)), atol=1e-10, rtol=0)
 
 
 def test_the_auto_table_names_its_benchmark_and_only_known_backends():

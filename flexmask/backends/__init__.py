@@ -43,6 +43,9 @@ AUTO: dict[str, tuple[str, ...]] = {
     # the RL tree at 1k fwd+bwd (sdpa 1.22x faster), at 1k no-grad fwd (1.86x; now SDPA) and
     # at 2k no-grad fwd (1.18x; 0.64x the other way in a second run: noise). torch's
     # uncompiled flex forward materialises every score: 8-37x slower on every row, so last.
+    # Where block_sparse runs SDPA it now runs the sdpa backend's own ops (decided before it
+    # reads intervals): 1k doc-causal no-grad 24.4 ms against sdpa's 24.1 (27.8 before), and
+    # 0.99-1.01x sdpa on 6 such rows (2 threads, load 0.7-1.2, medians of 15 interleaved).
     "cpu": (slices.NAME, block_sparse.NAME, sdpa.NAME, flex.NAME),
     # Not measured here (no GPU was lent): torch's compiled kernel first, as flex_attention
     # has always run; varlen where flex cannot take the call. Measure before reordering.

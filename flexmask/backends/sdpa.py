@@ -41,7 +41,7 @@ SDPA_MAX_PAIRS_NO_GRAD = 1024 * 1024
 
 
 def choose_backend(
-    plan: Plan, mask: Mask | None = None, *, needs_grad: bool = True
+    plan: Plan, mask: Mask | None = None, *, needs_grad: bool = True, causal: bool | None = None
 ) -> Literal["sparse", "sdpa"]:
     """``"sdpa"`` where SDPA is faster on a CPU, else ``"sparse"``.
 
@@ -53,9 +53,14 @@ def choose_backend(
     any mask. On an idle 2-core machine (B=1, H=4, D=64) the sparse path beat
     SDPA with 43% of blocks listed (0.55× its time at 2k) and 26–31% (trees, 0.3–0.53×); on a
     loaded one its many small ops wait on busy cores — see docs/cpu-training.md.
+
+    ``causal``: :func:`is_causal` of the plan where the caller has it already (None: worked
+    out here, where the size alone does not decide).
     """
     most = SDPA_MAX_PAIRS if needs_grad else SDPA_MAX_PAIRS_NO_GRAD
-    if plan.q_len * plan.kv_len <= most or is_causal(plan, mask):
+    if causal or plan.q_len * plan.kv_len <= most:
+        return "sdpa"
+    if causal is None and is_causal(plan, mask):
         return "sdpa"
     listed = (plan.kinds != EMPTY).flatten(0, 2).any(dim=0)
     return "sdpa" if float(listed.float().mean()) >= SDPA_MIN_DENSITY else "sparse"
