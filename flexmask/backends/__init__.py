@@ -34,18 +34,16 @@ TABLE: dict[str, ModuleType] = {
 
 AUTO_BENCHMARK = "benchmarks/bench_backends.py"
 AUTO: dict[str, tuple[str, ...]] = {
-    # Measured by AUTO_BENCHMARK (2 cores at load 1.1-2.4, torch 2.13, B=2, H=4, D=64,
+    # Measured by AUTO_BENCHMARK (2 cores at load 0.8-1.9, torch 2.13, B=2, H=4, D=64,
     # float32, S 1k-4k; causal, document-causal, tree, sliding window; fwd+bwd and no-grad
-    # fwd; medians of 9 interleaved calls): block_sparse (which itself runs SDPA on plain
-    # causal, on masks half dense or more and on small rows, 1k x 1k without gradients) was
-    # fastest or within 10% on 21 of 24 rows (sdpa 1.5-6.8x slower in fwd+bwd on documents
-    # and windows at 1k-4k: 881.7 vs 130.5 ms at 4k document-causal). The other three were
-    # the RL tree at 1k fwd+bwd (sdpa 1.22x faster), at 1k no-grad fwd (1.86x; now SDPA) and
-    # at 2k no-grad fwd (1.18x; 0.64x the other way in a second run: noise). torch's
-    # uncompiled flex forward materialises every score: 8-37x slower on every row, so last.
-    # Where block_sparse runs SDPA it now runs the sdpa backend's own ops (decided before it
-    # reads intervals): 1k doc-causal no-grad 24.4 ms against sdpa's 24.1 (27.8 before), and
-    # 0.99-1.01x sdpa on 6 such rows (2 threads, load 0.7-1.2, medians of 15 interleaved).
+    # fwd; medians of 9 interleaved calls; docs/costs.md has the table): slices, where it
+    # takes the mask, was the fastest backend or within 4% of it on every row but one (1k
+    # causal no-grad, 1.12x SDPA's 10.7 ms, the same kernel call); documents 2.0-2.9x faster
+    # than block_sparse at 2k-4k and 8-14x faster than SDPA with a dense mask, the RL tree
+    # 1.5-2.5x and 1.8-3.2x, windows 1.03-2.2x and 2.1-4.9x. Where it refuses (1k
+    # documents of ~20 tokens) block_sparse was fastest fwd+bwd (31.5 ms against SDPA's 71.5)
+    # and, running the sdpa backend's own ops, 1.02x SDPA without gradients. torch's
+    # uncompiled flex forward materialises every score: 14-109x slower, so last.
     "cpu": (slices.NAME, block_sparse.NAME, sdpa.NAME, flex.NAME),
     # Not measured here (no GPU was lent): torch's compiled kernel first, as flex_attention
     # has always run; varlen where flex cannot take the call. Measure before reordering.
