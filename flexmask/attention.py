@@ -121,8 +121,9 @@ def flex_attention(
             runs the slices backend or the block-sparse path, or SDPA where that is faster.
         **kwargs: passed to torch's flex_attention (e.g. ``kernel_options``); where the
             block-sparse path runs (the CPU with gradients or compile off) its options
-            instead (a call with them always runs that path) — ``threads``, ``memory_budget``, ``recompute``, ``max_chunk_elements``,
-            ``backend``, ``mod_eval`` (see ``flexmask.block_sparse.block_sparse_attention``);
+            instead (a call with them always runs that path) — ``threads``,
+            ``memory_budget``, ``recompute``, ``max_chunk_elements``, ``backend``,
+            ``mod_eval`` (see ``flexmask.block_sparse.block_sparse_attention``);
             those raise TypeError where torch's kernel runs.
 
     Returns:

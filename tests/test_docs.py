@@ -8,8 +8,9 @@
 * Every public module's docstring examples are run with doctest.
 * ``mkdocs build --strict`` must succeed without a warning.
 
-Samples run with FLEXMASK_COMPILE=0 (so CPU calls take flexmask's slices backend or block-sparse path):
-compiling flex_attention takes 13–20 s on a CPU, and the samples' results do not depend on it.
+Samples run with FLEXMASK_COMPILE=0 (so CPU calls take flexmask's slices backend or
+block-sparse path): compiling flex_attention takes 13–20 s on a CPU, and the samples'
+results do not depend on it.
 """
 
 from __future__ import annotations
