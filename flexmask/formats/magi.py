@@ -194,13 +194,7 @@ def _slices(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # Attending queries no entered segment's run covers: one-query runs (full slices).
     attending = int(valid.sum())
     if attending != int((end - start).sum()) + start.numel():
-        edges = torch.zeros(first.numel() + 1, dtype=torch.int64)
-        edges.index_put_(
-            (torch.cat([start, end + 1]),),
-            torch.cat([torch.ones_like(start), -torch.ones_like(end)]),
-            accumulate=True,
-        )
-        alone = (valid & (edges.cumsum(0)[:-1] == 0)).nonzero().view(-1)
+        alone = _uncovered(valid, start, end)
         start = torch.cat([start, alone])
         end = torch.cat([end, alone])
         seg_kind = torch.cat([seg_kind, torch.zeros_like(alone)])
@@ -214,6 +208,18 @@ def _slices(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     q = torch.stack([q_start, q_start + (end - start) + 1], 1)[order]
     k = torch.stack([k_start, last.index_select(0, end) + 1], 1).to(torch.int64)[order]
     return row[order], q, k, seg_kind[order]
+
+
+def _uncovered(valid: Tensor, start: Tensor, end: Tensor) -> Tensor:
+    """The attending queries (``valid``) in none of the runs ``[start, end]``: each becomes a
+    one-query run (a full slice)."""
+    edges = torch.zeros(valid.numel() + 1, dtype=torch.int64)
+    edges.index_put_(
+        (torch.cat([start, end + 1]),),
+        torch.cat([torch.ones_like(start), -torch.ones_like(end)]),
+        accumulate=True,
+    )
+    return (valid & (edges.cumsum(0)[:-1] == 0)).nonzero().view(-1)
 
 
 _FEW_SEGMENTS = 256
@@ -248,13 +254,7 @@ def _slices_listed(
     start, end = torch.tensor(starts, dtype=torch.int64), torch.tensor(ends, dtype=torch.int64)
     # Attending queries no entered segment's run covers: one-query runs (full slices).
     if int(valid.sum()) != sum(ends) - sum(starts) + len(starts):
-        edges = torch.zeros(first.numel() + 1, dtype=torch.int64)
-        edges.index_put_(
-            (torch.cat([start, end + 1]),),
-            torch.cat([torch.ones_like(start), -torch.ones_like(end)]),
-            accumulate=True,
-        )
-        alone = (valid & (edges.cumsum(0)[:-1] == 0)).nonzero().view(-1)
+        alone = _uncovered(valid, start, end)
         start, end = torch.cat([start, alone]), torch.cat([end, alone])
         starts, ends = start.tolist(), end.tolist()
         types += [FULL] * alone.numel()
