@@ -23,7 +23,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmask import backends
 from flexmask.algebra.mask import Mask
 from flexmask.backends.flex import ENV_COMPILE, compiled_flex_attention  # noqa: F401 - re-exported
-from flexmask.backends.request import Request
+from flexmask.backends.request import Deferred, Request
 from flexmask.runtime.cache import default_cache
 from flexmask.runtime.lazy import LazyBlockMask
 
@@ -162,8 +162,20 @@ def _request(
     compile: bool | None,
     options: dict[str, Any],
 ) -> Request:
-    """One call as the backends see it: the BlockMask resolved, the Mask behind it kept."""
-    resolved = resolve_block_mask(mask, query, key)
+    """One call as the backends see it: the BlockMask resolved (for a Mask, deferred until a
+    backend reads it: the slices backend lowers the Mask itself), the Mask behind it kept."""
+    resolved: BlockMask | Deferred | None
+    if isinstance(mask, Mask):
+        given = mask
+
+        def build() -> BlockMask:
+            return default_cache().get(
+                given, query.shape[0], query.shape[1], query.shape[-2], key.shape[-2], query.device
+            )
+
+        resolved = Deferred(build)
+    else:
+        resolved = resolve_block_mask(mask, query, key)
     # The Mask behind the BlockMask, where flexmask built it: the block-sparse path reads
     # partial blocks from its intervals and recognises plain causal from its key.
     structure = mask.mask if isinstance(mask, LazyBlockMask) else mask

@@ -316,3 +316,17 @@ def test_one_intra_op_thread_while_other_processes_keep_a_core_busy(monkeypatch,
     assert len(threads_seen) == 4  # two documents, forward and backward
     assert set(threads_seen) == ({1} if busy else {before})
     assert torch.get_num_threads() == before
+
+
+def test_a_mask_runs_without_building_its_block_mask():
+    """A Mask passed to flexmask.attention builds no BlockMask where the slices backend runs
+    (it lowers the Mask itself); the block-sparse path, which reads one, builds it."""
+    mask = flexmask.causal() & flexmask.document([150, 151])
+    q, k, v = qkv(1, 2, 2, S, S)
+    flexmask.cache_clear()
+    out = flexmask.attention(q, k, v, mask)
+    assert flexmask.explain(q, k, v, mask).backend == "slices"
+    assert flexmask.cache_info().misses == 0 and flexmask.cache_info().entries == 0
+    same = flexmask.attention(q, k, v, mask, "block_sparse")
+    assert flexmask.cache_info().misses == 1
+    torch.testing.assert_close(out, same, atol=1e-10, rtol=0)

@@ -36,7 +36,7 @@ def can_take(request: Request) -> str | None:
 
 
 def lower(request: Request) -> Request:
-    """Nothing to do: torch's kernel reads the BlockMask (None: no mask) as it is."""
+    """The BlockMask built: torch's kernel reads it (None: no mask) as it is."""
     knobs = sorted(name for name in BLOCK_SPARSE_OPTIONS if name in request.options)
     if knobs:
         raise TypeError(
@@ -44,7 +44,7 @@ def lower(request: Request) -> Request:
             f"kernel runs this call (device {request.query.device.type}, "
             f"compile={request.compile}): drop them, or pass compile=False on the CPU"
         )
-    return request
+    return request.built()
 
 
 def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:

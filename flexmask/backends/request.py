@@ -17,14 +17,33 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmask.algebra.mask import Mask
 
 
+class Deferred:
+    """A BlockMask built when a backend first asks for it: a call that brought a Mask (not a
+    handle or a BlockMask) builds none where its backend lowers the Mask itself (``slices``,
+    ``varlen``), which at 131k and B = 8 is ~150 ms and 128 MiB of index tensors."""
+
+    __slots__ = ("_build", "_value")
+
+    def __init__(self, build: Callable[[], BlockMask]) -> None:
+        self._build: Callable[[], BlockMask] | None = build
+        self._value: BlockMask | None = None
+
+    def __call__(self) -> BlockMask:
+        if self._build is not None:
+            self._value, self._build = self._build(), None
+        assert self._value is not None
+        return self._value
+
+
 class Request(NamedTuple):
     """One attention call as the backends see it."""
 
     query: Tensor
     key: Tensor
     value: Tensor
-    block_mask: BlockMask | None
-    """The lowered BlockMask; None means every query attends every key."""
+    block_mask: BlockMask | Deferred | None
+    """The lowered BlockMask, or its deferred build (``built``); None means every query
+    attends every key."""
     mask: Mask | None
     """The Mask flexmask built ``block_mask`` from (its intervals, its key), else None."""
     score_mod: Callable[..., Tensor] | None
@@ -35,6 +54,12 @@ class Request(NamedTuple):
     """Whether torch's kernel is to be compiled (resolved from compile=, set_compile, env)."""
     options: dict[str, Any]
     """Backend options (``threads``, ``backend``, ...) and torch's extra kwargs, as given."""
+
+    def built(self) -> Request:
+        """This request with its BlockMask built, for a backend that reads it."""
+        if isinstance(self.block_mask, Deferred):
+            return self._replace(block_mask=self.block_mask())
+        return self
 
     @property
     def on_cpu(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.algebra.dense import open_empty_rows, zero_empty_rows
 from flexmask.algebra.mask import Mask
@@ -185,7 +186,8 @@ def can_take(request: Request) -> str | None:
 
 
 def lower(request: Request) -> Request:
-    """No mask made the full one (from the cache)."""
+    """The BlockMask built; no mask made the full one (from the cache)."""
+    request = request.built()
     if request.block_mask is None:
         q_len, kv_len = request.query.shape[-2], request.key.shape[-2]
         full = default_cache().get(Full(), 1, 1, q_len, kv_len, request.query.device)
@@ -195,7 +197,7 @@ def lower(request: Request) -> Request:
 
 def attend(request: Request) -> Tensor:
     """SDPA over the dense mask the BlockMask means (``is_causal`` where it is causal)."""
-    assert request.block_mask is not None  # lower() made one
+    assert isinstance(request.block_mask, BlockMask)  # lower() built or made one
     mod_eval = request.options.get("mod_eval", "auto")
     plan = make_plan(
         request.query,

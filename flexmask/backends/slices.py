@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.algebra.mask import Mask
 from flexmask.backends.block_sparse.threads import one_thread, others_busy
@@ -207,7 +208,7 @@ def _shape_problem(request: Request) -> str | None:
 
 def _lower(request: Request) -> Slices | str:
     mask = request.mask
-    if mask is None and request.block_mask is not None:
+    if mask is None and isinstance(request.block_mask, BlockMask):
         mask = built_from(request.block_mask)
         if mask is None:
             return "it lowers a flexmask Mask, and this call brings a BlockMask without one"

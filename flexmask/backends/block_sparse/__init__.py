@@ -11,6 +11,7 @@ tiles, for CPUs and for devices without a compiled flex_attention.
 from __future__ import annotations
 
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.backends.block_sparse.api import DEFAULT_MAX_CHUNK_ELEMENTS, block_sparse_attention
 from flexmask.backends.request import Request
@@ -37,7 +38,8 @@ def can_take(request: Request) -> str | None:
 
 
 def lower(request: Request) -> Request:
-    """The options checked, and no mask made the full one (from the cache)."""
+    """The options checked, the BlockMask built, and no mask made the full one (from the
+    cache)."""
     extra = sorted(name for name in request.options if name not in OPTIONS)
     if extra:
         raise TypeError(
@@ -45,6 +47,7 @@ def lower(request: Request) -> Request:
             f"compile off), which takes none of torch's extra flex_attention options; got "
             f"{extra} (it takes {', '.join(OPTIONS)})"
         )
+    request = request.built()
     if request.block_mask is None:
         q_len, kv_len = request.query.shape[-2], request.key.shape[-2]
         full = default_cache().get(Full(), 1, 1, q_len, kv_len, request.query.device)
@@ -53,7 +56,7 @@ def lower(request: Request) -> Request:
 
 
 def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:
-    assert request.block_mask is not None  # lower() made one
+    assert isinstance(request.block_mask, BlockMask)  # lower() built or made one
     return block_sparse_attention(
         request.query,
         request.key,
