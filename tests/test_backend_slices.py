@@ -330,3 +330,25 @@ def test_a_mask_runs_without_building_its_block_mask():
     same = flexmask.attention(q, k, v, mask, "block_sparse")
     assert flexmask.cache_info().misses == 1
     torch.testing.assert_close(out, same, atol=1e-10, rtol=0)
+
+
+def test_transposed_views_one_input_with_grad_and_inference_mode():
+    """(B, S, H, D) tensors transposed to (B, H, S, D) views, as models pass them; a gradient
+    for the query alone; and a call under inference_mode."""
+    parents = [-1, *range(63), *([20] + list(range(64, 127)))]
+    mask, allowed = flexmask.tree(parents), torch.from_numpy(oracle.tree(parents, 128, 128))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (
+        torch.randn(2, 128, 4, 16, dtype=torch.float64, generator=gen).transpose(1, 2)
+        for _ in range(3)
+    )
+    q.requires_grad_(True)
+    out = flexmask.attention(q, k, v, mask, "slices")
+    ref, _ = dense_attention(q, k, v, allowed)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    grad = torch.randn_like(out)
+    (got,), (want,) = torch.autograd.grad(out, q, grad), torch.autograd.grad(ref, q, grad)
+    torch.testing.assert_close(got, want, atol=1e-9, rtol=0)
+    with torch.inference_mode():
+        again = flexmask.attention(q.detach(), k, v, mask, "slices")
+    torch.testing.assert_close(again, ref.detach(), atol=1e-10, rtol=0)
