@@ -13,6 +13,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
+from flexmask.blocks.codes import UNDECIDED
+from flexmask.blocks.grid import make_grid
 from tests import oracle
 
 tree_module = sys.modules["flexmask.pieces.tree"]  # the package re-exports a function tree
@@ -103,3 +105,35 @@ def test_preorder_trees_ending_inside_blocks(block, chunked):
     ours = flexmask.create_block_mask(mask, 4, 2, length, length, "cpu", block)
     theirs = torch_create_block_mask(mask.mask_mod, 4, 2, length, length, "cpu", block)
     oracle.assert_same_block_mask(ours, theirs, f"preorder trees block={block}")
+
+
+@pytest.mark.parametrize("layout", ["preorder", "insertion", "branchy"])
+def test_trees_build_without_looking_for_undecided_tiles(layout, chunked):
+    """A tree settles every tile itself (``settles_every_tile``), so the build skips its
+    look for UNDECIDED tiles: its tile codes hold none, and the whole tensors still equal
+    torch's — rows that differ, two heads, lengths off the block, windows at offsets."""
+    gen = torch.Generator().manual_seed(7)
+    sizes = [389, 250]
+    if layout == "preorder":
+        trees = [preorder_tree(n, seed=10 + r) for r, n in enumerate(sizes)]
+    elif layout == "insertion":
+        trees = [insertion_tree(n, seed=10 + r, sequences=9) for r, n in enumerate(sizes)]
+    else:
+        trees = [
+            [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+            for n in sizes
+        ]
+    mask = flexmask.tree(trees)
+    assert mask.settles_every_tile
+    grid = make_grid(mask, 2, 2, 389, 389, "cpu", 16, 0, 0)
+    assert int(mask.classify_tiles(grid).max()) < UNDECIDED
+    for q_len, kv_len, q_offset, kv_offset in ((389, 389, 0, 0), (130, 260, 259, 5)):
+        ours = flexmask.create_block_mask(
+            mask, 2, 2, q_len, kv_len, "cpu", 16, q_offset=q_offset, kv_offset=kv_offset
+        )
+
+        def shifted(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset):
+            return mask.mask_mod(b, h, q_idx + q_offset, kv_idx + kv_offset)
+
+        theirs = torch_create_block_mask(shifted, 2, 2, q_len, kv_len, "cpu", 16)
+        oracle.assert_same_block_mask(ours, theirs, f"{layout} q={q_len}+{q_offset}")

@@ -134,7 +134,10 @@ def classify_blocks(mask: Mask, grid: BlockGrid) -> Classified:
     shape = (rows, heads, grid.num_q_blocks, grid.num_kv_blocks)
     structure = classify(mask, grid)
     codes, refined = structure.codes.expand(shape).contiguous(), structure.refined
-    if int(codes.max()) == UNDECIDED:
+    # A leaf that settles every tile itself (``settles_every_tile``, a tree) leaves none
+    # UNDECIDED: no pass over the grid to look (0.6-1.5 ms at 131k B=8).
+    settled = isinstance(mask, Leaf) and getattr(mask, "settles_every_tile", False)
+    if not settled and int(codes.max()) == UNDECIDED:
         undecided = (codes == UNDECIDED).nonzero()
         if mask.has_intervals():
             refined += refine_by_intervals(codes, undecided, mask, grid)

@@ -37,6 +37,10 @@ class Tree(Piece):
 
     __slots__ = ("parents", "ranks", "ends", "preorder", "per_row")
 
+    settles_every_tile = True
+    """``classify_tiles`` returns EMPTY, PARTIAL or FULL for every tile, never UNDECIDED
+    (the build then skips looking for undecided tiles)."""
+
     @property
     def carries_batch_data(self) -> bool:
         return True
