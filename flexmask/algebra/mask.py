@@ -514,6 +514,10 @@ class Leaf(Mask):
 
     __slots__ = ()
 
+    settles_every_tile: bool = False
+    """Whether ``classify_tiles`` never returns UNDECIDED (a tree decides every tile from its
+    structure), so the builder need not look for undecided tiles."""
+
     @abstractmethod
     def classify_tiles(self, grid: BlockGrid) -> Tensor:
         """(R, H, nq, nkv) block codes of ``grid``'s tiles, EMPTY / PARTIAL / FULL (UNDECIDED
