@@ -137,3 +137,36 @@ def test_trees_build_without_looking_for_undecided_tiles(layout, chunked):
 
         theirs = torch_create_block_mask(shifted, 2, 2, q_len, kv_len, "cpu", 16)
         oracle.assert_same_block_mask(ours, theirs, f"{layout} q={q_len}+{q_offset}")
+
+
+@pytest.mark.parametrize("narrow", [1, 40, None], ids=["int32", "some chunks too wide", "int16"])
+@pytest.mark.parametrize("layout", ["preorder", "insertion", "branchy"])
+def test_narrowed_and_wide_compares_match_torch(layout, narrow, chunked, monkeypatch):
+    """Tile tests compared as int16 (each chunk's values shifted, kv ones clamped just past
+    the chunk's q-side range) or left int32 where some chunk's range is wider than int16
+    counts (forced here by a small limit): whole tensors equal torch's either way, for
+    every layout, windows at offsets and lengths off the block."""
+    if narrow is not None:
+        monkeypatch.setattr(tree_module, "_NARROW", narrow)
+    gen = torch.Generator().manual_seed(11)
+    sizes = [463, 300, 97]
+    if layout == "preorder":
+        trees = [preorder_tree(n, seed=20 + r) for r, n in enumerate(sizes)]
+    elif layout == "insertion":
+        trees = [insertion_tree(n, seed=20 + r, sequences=11) for r, n in enumerate(sizes)]
+    else:
+        trees = [
+            [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+            for n in sizes
+        ]
+    mask = flexmask.tree(trees)
+    for q_len, kv_len, q_offset, kv_offset in ((463, 463, 0, 0), (150, 301, 313, 7)):
+        ours = flexmask.create_block_mask(
+            mask, 3, 1, q_len, kv_len, "cpu", (16, 8), q_offset=q_offset, kv_offset=kv_offset
+        )
+
+        def shifted(b, h, q_idx, kv_idx, q_offset=q_offset, kv_offset=kv_offset):
+            return mask.mask_mod(b, h, q_idx + q_offset, kv_idx + kv_offset)
+
+        theirs = torch_create_block_mask(shifted, 3, 1, q_len, kv_len, "cpu", (16, 8))
+        oracle.assert_same_block_mask(ours, theirs, f"{layout} narrow={narrow} q={q_len}")

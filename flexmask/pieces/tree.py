@@ -152,19 +152,18 @@ class Tree(Piece):
             (kv_first, q_last),
         )
         if rows * nq * nkv <= 2 * _CHUNKED_FROM:  # one pass: chunks pay off later
-            codes = torch.empty(rows, nq, nkv, dtype=CODE_DTYPE, device=device)
-            _tested_codes(codes, tests, _work(rows * nq * nkv, device))
-            return codes.view(rows, 1, nq, nkv)
-        # Large grids a chunk of q blocks at a time (as in ``_classify_ranked``): kv blocks
-        # after a chunk's last query are EMPTY, unread; the work in reused buffers.
-        chunks, step = _chunks(grid, rows)
+            chunks, step = [(0, nq, nkv)], nq
+        else:
+            # Large grids a chunk of q blocks at a time (as in ``_classify_ranked``): kv
+            # blocks after a chunk's last query are EMPTY, unread; the work in reused buffers.
+            chunks, step = _chunks(grid, rows)
+        parts = _chunk_parts(tests, chunks, nq)
         codes = torch.empty(rows, nq, nkv, dtype=CODE_DTYPE, device=device)
-        work = _work(rows * step * nkv, device)
-        for first, last, cols in chunks:
+        work = _work(rows * step * nkv, device, parts[0][0][0].dtype)
+        for (first, last, cols), part in zip(chunks, parts, strict=True):
             codes[:, first:last, cols:] = EMPTY
             if cols == 0:
                 continue
-            part = _part(tests, first, last, cols)
             _tested_codes(codes[:, first:last, :cols], part, work)
         return codes.view(rows, 1, nq, nkv)
 
@@ -271,10 +270,6 @@ class Tree(Piece):
         else:  # small grids in one pass: a chunk's dozen calls cost more than they save
             chunks, step = [(0, nq, nkv)], nq
         codes = torch.empty(rows, nq, nkv, dtype=CODE_DTYPE, device=device)  # each tile once
-        if exact:
-            work = _work(rows * min(step, nq) * nkv, device)
-        else:
-            buffers = torch.empty(2, rows * min(step, nq) * nkv, dtype=torch.bool, device=device)
         # Each test as "lo <= hi" (strict ones on ends less one), per q block / kv block:
         # full: max rank(kv) <= min rank(q), max rank(q) < min end(kv); nonempty: U's least
         # rank <= max rank(q), min rank(q) < U's end.
@@ -285,38 +280,43 @@ class Tree(Piece):
             (u_lo.to(torch.int32).unsqueeze(1), max_q.unsqueeze(-1)),
             (min_q.unsqueeze(-1), u_hi.sub(1).unsqueeze(1)),
         )
+        parts = _chunk_parts(tests, chunks, nq)
+        flag = parts[0][0][0].dtype
+        work = _work(rows * min(step, nq) * nkv, device, flag, 3 if exact else 4)
+        # Where a side is not one run the hull test is a candidate only: 0/1 flags of the
+        # sides that are, in the tests' dtype (as ``_tested_codes``: no bools).
+        q_run_flag = q_run.to(flag).unsqueeze(-1)
+        u_run_flag = u_run.to(flag).unsqueeze(1)
         unsure_tiles: list[Tensor] = []
-        for first, last, cols in chunks:
+        for (first, last, cols), part in zip(chunks, parts, strict=True):
             codes[:, first:last, cols:] = EMPTY
             if cols == 0:
                 continue
             if exact:  # the extremes decide every tile: codes from int32 arithmetic
-                _tested_codes(codes[:, first:last, :cols], _part(tests, first, last, cols), work)
+                _tested_codes(codes[:, first:last, :cols], part, work)
                 continue
-            shape = (rows, last - first, cols)
-            full = buffers[0, : shape[0] * shape[1] * cols].view(shape)
-            other = buffers[1, : full.numel()].view(shape)
-            part = _part(tests, first, last, cols)
-            torch.le(*part[0], out=full)
-            full &= torch.le(*part[1], out=other)
-            nonempty = torch.le(*part[2], out=other)
-            nonempty &= torch.le(*part[3])
-            # Hull overlap is exact only where both sides are one run; elsewhere it is a
-            # candidate (no kv after the q block attends it).
-            inexact = ~(q_run[:, first:last, None] & u_run[:, None, :cols])
-            before = (
-                grid.kv_first.reshape(1, 1, nkv)[..., :cols]
-                <= grid.q_last.reshape(1, nq, 1)[:, first:last]
+            shape = torch.Size((rows, last - first, cols))
+            full, nonempty, sure, unsure = (work[i, : shape.numel()].view(shape) for i in range(4))
+            _test_pair(full, part[0], part[1], sure)
+            _test_pair(nonempty, part[2], part[3], sure)
+            # No kv block after the q block attends it: where the hull test is exact it is
+            # already EMPTY there, so this changes only the candidates.
+            nonempty &= torch.le(
+                grid.kv_first.reshape(1, 1, nkv)[..., :cols],
+                grid.q_last.reshape(1, nq, 1)[:, first:last],
+                out=sure[:1, : last - first, :cols],
             )
-            unsure = nonempty & inexact & before & ~full
+            # sure: the hull test is exact (both sides one run) or the tile is FULL (exact).
+            torch.bitwise_and(q_run_flag[:, first:last], u_run_flag[..., :cols], out=sure)
+            sure |= full
+            torch.gt(nonempty, sure, out=unsure)  # candidate, not settled: searched below
             tiles = unsure.nonzero()
             tiles[:, 1] += first
             unsure_tiles.append(tiles)
-            nonempty &= ~inexact
+            # codes_from(nonempty & (exact or full), full): full implies nonempty.
+            nonempty &= sure
             nonempty |= full
-            torch.add(
-                nonempty.view(CODE_DTYPE), full.view(CODE_DTYPE), out=codes[:, first:last, :cols]
-            )
+            codes[:, first:last, :cols] = nonempty.add_(full)
         if unsure_tiles and sum(t.shape[0] for t in unsure_tiles):
             tiles = torch.cat(unsure_tiles)
             parents = self._external_parents(grid, rank.to(torch.int64))
@@ -421,30 +421,91 @@ def _part(
     return tuple((part(lo), part(hi)) for lo, hi in tests)
 
 
-def _work(tiles: int, device: torch.device) -> Tensor:
-    """Three int8 flag buffers of ``tiles`` entries for ``_tested_codes``, reused across
-    chunks (a chunk's fit the cache)."""
-    return torch.empty(3, tiles, dtype=CODE_DTYPE, device=device)
+def _work(tiles: int, device: torch.device, dtype: torch.dtype, count: int = 3) -> Tensor:
+    """``count`` 0/1 flag buffers of ``tiles`` entries in the tests' ``dtype`` (see
+    ``_narrowed``) for ``_tested_codes`` (three) or the inexact branch of
+    ``Tree._classify_ranked`` (four), reused across chunks (a chunk's fit the cache)."""
+    return torch.empty(count, tiles, dtype=dtype, device=device)
+
+
+_NARROW = torch.iinfo(torch.int16).max
+"""Chunks whose q-side values span less than this are compared as int16 (``_chunk_parts``)."""
+
+
+def _chunk_parts(
+    tests: tuple[tuple[Tensor, Tensor], ...], chunks: list[tuple[int, int, int]], nq: int
+) -> list[tuple[tuple[Tensor, Tensor], ...]]:
+    """Each chunk's tests ``lo <= hi`` (one side per q block ``(r, nq, 1)``, the other per
+    kv block ``(r, 1, m)``) on its q blocks ``first:last`` and kv blocks ``:cols``, as
+    int16 where every chunk's q-side values span less than ``_NARROW``, else int32.
+
+    Narrowing is exact: in a chunk whose q-side values lie in ``[a, b]`` a kv-side value
+    below ``a`` compares as ``a - 1`` does and one above ``b`` as ``b + 1``, so the kv side
+    is clamped to ``[a - 1, b + 1]`` and both sides less ``a - 1`` fit int16. It pays:
+    torch's CPU compare is vectorized only into its operands' dtype — an int32 compare
+    into int8 flags computes int32 and casts (213 us on an (8, 64, 1024) chunk, one run),
+    int16 into int16 takes 30 us. Ranking the values instead costs more than it saves
+    (torch's CPU sort of (8, 8192) int32 took 3.5 ms)."""
+    count = len(chunks)
+    step = chunks[0][1] - chunks[0][0]
+    narrowed: list[tuple[Tensor, Tensor, bool]] = []
+    for lo, hi in tests:
+        q_is_lo = lo.shape[-2] == nq and lo.shape[-1] == 1
+        q, kv = (lo, hi) if q_is_lo else (hi, lo)
+        r = q.shape[0]
+        pad = count * step - nq
+        q_rows = q.reshape(r, nq)
+        if pad:
+            low = torch.nn.functional.pad(q_rows, (0, pad), value=torch.iinfo(q.dtype).max)
+            high = torch.nn.functional.pad(q_rows, (0, pad), value=torch.iinfo(q.dtype).min)
+        else:
+            low = high = q_rows
+        base = low.view(r, count, step).amin(-1).sub_(1).unsqueeze(-1)  # (r, chunks, 1)
+        top = high.view(r, count, step).amax(-1).add_(1).unsqueeze(-1)
+        if int((top - base).max()) > _NARROW:
+            return [_part(tests, first, last, cols) for first, last, cols in chunks]
+        kv_n = torch.minimum(torch.maximum(kv, base), top).sub_(base).to(torch.int16)
+        q_n = q_rows.view(r, -1) - base.repeat_interleave(step, 1).view(r, -1)[:, :nq]
+        narrowed.append((q_n.to(torch.int16).view(r, nq, 1), kv_n, q_is_lo))
+    parts = []
+    for index, (first, last, cols) in enumerate(chunks):
+        part = []
+        for q_n, kv_n, q_is_lo in narrowed:
+            q_side = q_n[:, first:last]
+            kv_side = kv_n[:, index : index + 1, :cols]
+            part.append((q_side, kv_side) if q_is_lo else (kv_side, q_side))
+        parts.append(tuple(part))
+    return parts
+
+
+def _test_pair(
+    flags: Tensor, first: tuple[Tensor, Tensor], second: tuple[Tensor, Tensor], other: Tensor
+) -> None:
+    """int8 0/1 ``flags`` (a view at the chunk's shape): where both tests ``lo <= hi``
+    hold. The first is written at the whole shape, the second at the shape its operands
+    broadcast to (a block-bound test is shared by the rows) into the front of ``other``."""
+    torch.le(first[0].expand(flags.shape), first[1], out=flags)
+    lo, hi = second
+    shape = torch.broadcast_shapes(lo.shape, hi.shape)
+    flags &= torch.le(lo, hi, out=other[tuple(slice(0, n) for n in shape)])
 
 
 def _tested_codes(out: Tensor, tests: tuple[tuple[Tensor, Tensor], ...], work: Tensor) -> None:
     """Tile codes into ``out`` (int8 ``(R, n, m)``, a view of the grid) from four tests
-    ``lo <= hi`` of int32 operands that broadcast to it (per q block, per kv block, per
-    row or shared by the rows): FULL where the first two hold, else PARTIAL where the last
-    two hold, else EMPTY — ``codes_from(nonempty, full)``, whose full implies nonempty.
+    ``lo <= hi`` of operands that broadcast to it (per q block, per kv block, per row or
+    shared by the rows): FULL where the first two hold, else PARTIAL where the last two
+    hold, else EMPTY — ``codes_from(nonempty, full)``, whose full implies nonempty.
 
-    The flags are written as int8 0/1, not bools: torch's CPU compare of int32 operands
-    into bools takes its scalar loop, ~2.6x the time of the same compare into int8 (220
-    against 85 us on a 393k-tile chunk, one run); a chunk's codes in 0.52 ms against 1.0
-    ms as compares into bools (the previous code). The first test of each pair is written
-    at the chunk's whole shape; the second may be shared by the rows (block bounds)."""
+    The flags are 0/1 in the operands' dtype (int16 from ``_narrowed``), not bools nor
+    int8: torch's CPU compare is vectorized only into its operands' dtype (int32 operands
+    into bools take its scalar loop; into int8 they are computed as int32 and cast). One
+    cast at the end writes the codes. The first test of each pair is written at the
+    chunk's whole shape; the second may be shared by the rows (block bounds)."""
     shape = out.shape
     full, nonempty, other = (work[i, : shape.numel()].view(shape) for i in range(3))
-    for flags, ((lo1, hi1), (lo2, hi2)) in ((full, tests[:2]), (nonempty, tests[2:])):
-        torch.le(lo1.expand(shape), hi1, out=flags)
-        second = torch.broadcast_shapes(lo2.shape, hi2.shape)
-        flags &= torch.le(lo2, hi2, out=other[tuple(slice(0, n) for n in second)])
-    torch.add(full, nonempty, out=out)
+    _test_pair(full, tests[0], tests[1], other)
+    _test_pair(nonempty, tests[2], tests[3], other)
+    out.copy_(full.add_(nonempty))
 
 
 def _band(grid: BlockGrid) -> tuple[Tensor, Tensor]:
