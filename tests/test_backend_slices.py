@@ -352,3 +352,20 @@ def test_transposed_views_one_input_with_grad_and_inference_mode():
     with torch.inference_mode():
         again = flexmask.attention(q.detach(), k, v, mask, "slices")
     torch.testing.assert_close(again, ref.detach(), atol=1e-10, rtol=0)
+
+
+def test_a_torch_without_the_flash_ops_refuses_and_block_sparse_runs(monkeypatch):
+    """This torch has the private ops with the arguments the backend passes; a torch
+    without them (or with other ones) gets a refusal, and flex_attention the block-sparse
+    path, never a failing call."""
+    assert slices._flash_ops() is not None
+    monkeypatch.setattr(slices, "_flash_ops", lambda: None)
+    mask, dense = STRUCTURED["rl-tree"]
+    q, k, v = qkv(1, 2, 2, S, S)
+    choice = flexmask.explain(q, k, v, mask)
+    assert (
+        choice.backend == "block_sparse" and "flash_attention_for_cpu" in choice.refused["slices"]
+    )
+    out = flexmask.flex_attention(q, k, v, block_mask=mask)
+    ref, _ = dense_attention(q, k, v, torch.from_numpy(dense))
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)

@@ -60,17 +60,28 @@ _LOWERED = "slices"
 """The key under which ``lower`` hands the Slices to ``attend``."""
 
 
+_FORWARD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
+_BACKWARD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", *_FORWARD_ARGS[3:]]
+
+
+@functools.lru_cache(maxsize=1)
 def _flash_ops() -> tuple[Any, Any] | None:
     """torch's CPU flash kernel and its backward (private aten ops, present in every torch
-    this package supports), or None where a torch lacks them."""
+    this package supports), or None where a torch lacks them or calls them otherwise than
+    this module does (then the backend refuses every call, and the block-sparse path runs)."""
     ops = torch.ops.aten
     try:
-        return (
-            ops._scaled_dot_product_flash_attention_for_cpu.default,
-            ops._scaled_dot_product_flash_attention_for_cpu_backward.default,
-        )
+        forward = ops._scaled_dot_product_flash_attention_for_cpu.default
+        backward = ops._scaled_dot_product_flash_attention_for_cpu_backward.default
     except (AttributeError, RuntimeError):
         return None
+    signatures = [
+        ([a.name for a in op._schema.arguments], len(op._schema.returns))
+        for op in (forward, backward)
+    ]
+    if signatures != [(_FORWARD_ARGS, 2), (_BACKWARD_ARGS, 3)]:
+        return None
+    return forward, backward
 
 
 Call = tuple[int | None, int, int, int, int, bool, int | None]
@@ -153,7 +164,10 @@ def can_take(request: Request) -> str | None:
     if not request.on_cpu:
         return f"it runs torch's CPU flash kernel, and this call is on {request.query.device.type}"
     if _flash_ops() is None:
-        return "this torch has no _scaled_dot_product_flash_attention_for_cpu"
+        return (
+            "this torch has no aten._scaled_dot_product_flash_attention_for_cpu and backward "
+            "taking the arguments this backend passes"
+        )
     if request.score_mod is not None:
         return "torch's flash kernel takes no score_mod"
     if request.return_lse and request.needs_grad:
