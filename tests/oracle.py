@@ -22,6 +22,19 @@ BLOCK_FIELDS = (
 )
 
 
+def attention(q, k, v, allowed, scale=None):
+    """Attention written plainly: softmax over the allowed keys of ``allowed`` (bool,
+    broadcastable to (B, Hq, Q, KV)); grouped heads read kv head ``h // (Hq // Hkv)``. A
+    row with no allowed key gives output 0 and lse -inf. Returns (output, lse)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v, lse
+
+
 def _grid(q_len: int, kv_len: int):
     q = np.arange(q_len)[:, None]
     kv = np.arange(kv_len)[None, :]

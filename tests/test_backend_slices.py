@@ -19,17 +19,7 @@ from tests import oracle
 from tests.strategies import expressions
 from tests.test_formats import magi_dense
 
-
-def dense_attention(q, k, v, allowed, scale=None):
-    """Softmax over the allowed keys, written plainly; a row with none gives 0 and lse -inf.
-    ``allowed`` is (B or 1, Hq or 1, Q, KV); grouped heads read kv head h // (Hq // Hkv)."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q @ k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v, lse
+dense_attention = oracle.attention
 
 
 def qkv(batch, q_heads, kv_heads, q_len, kv_len, dtype=torch.float64, seed=0, dim=8):
