@@ -106,8 +106,8 @@ class Slices(NamedTuple):
         return len(self.calls)
 
 
-def kernel_calls(magi: Any, q_len: int, kv_len: int, per_row: bool) -> tuple[list, str | None]:
-    """MagiAttention's slices as calls of torch's CPU kernel, or the reason they cannot be.
+def kernel_calls(magi: Any, q_len: int, kv_len: int, per_row: bool) -> list[Call]:
+    """MagiAttention's slices as calls of torch's CPU kernel (every type of slice has one).
 
     ``to_magi`` lays batch rows end to end (row ``b``'s queries from ``b * q_len``, its keys
     from ``b * kv_len``); a call keeps the row and local positions. Magi's causal is
@@ -157,7 +157,7 @@ def kernel_calls(magi: Any, q_len: int, kv_len: int, per_row: bool) -> tuple[lis
             calls.append((row, qs, qe, ke - n, ke, True, None))
         else:
             calls.append((row, qe - m, qe, ks, ke, True, None))
-    return calls, None
+    return calls
 
 
 def can_take(request: Request) -> str | None:
@@ -241,9 +241,7 @@ def _lowered(mask: Mask, batch: int, q_len: int, kv_len: int) -> Slices | str:
         magi = to_magi(mask, batch if per_row else 1, q_len, kv_len)
     except ValueError as err:
         return str(err)
-    calls, refused = kernel_calls(magi, q_len, kv_len, per_row)
-    if refused is not None:
-        return refused
+    calls = kernel_calls(magi, q_len, kv_len, per_row)
     covered = int((magi.q_ranges[:, 1] - magi.q_ranges[:, 0]).sum()) if calls else 0
     ordered, first = _first_calls(calls)
     return Slices(tuple(ordered), first, covered)
@@ -289,9 +287,8 @@ class _SliceAttention(torch.autograd.Function):
         forward_op, _ = _flash_ops()  # type: ignore[misc]
         batch, heads, q_len, _ = q.shape
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        bands = _Bands(q.dtype)
         calls = lowered.calls
-        ctx.calls, ctx.scale, ctx.bands = calls, scale, bands
+        ctx.calls, ctx.scale = calls, scale
         if len(calls) == 1 and calls[0][:3] == (None, 0, q_len) and calls[0][6] is None:
             # One call for every query (causal, full): the kernel's own output, unmerged.
             _, _, _, ks, ke, causal, _ = calls[0]
@@ -310,7 +307,7 @@ class _SliceAttention(torch.autograd.Function):
                 v[b, :, ks:ke],
                 0.0,
                 causal,
-                attn_mask=bands.get(band, qe - qs, ke - ks),
+                attn_mask=_band(band, qe - qs, ke - ks, q.dtype),
                 scale=scale,
             )
             seen, rows = lse[b, :, qs:qe], out[b, :, qs:qe]
@@ -352,7 +349,7 @@ class _SliceAttention(torch.autograd.Function):
                     lse,
                     0.0,
                     causal,
-                    attn_mask=ctx.bands.get(band, q.shape[2], k.shape[2]),
+                    attn_mask=_band(band, q.shape[2], k.shape[2], q.dtype),
                     scale=ctx.scale,
                 ),
                 None,
@@ -372,7 +369,7 @@ class _SliceAttention(torch.autograd.Function):
                 else lse[b, :, qs:qe],
                 0.0,
                 causal,
-                attn_mask=ctx.bands.get(band, qe - qs, ke - ks),
+                attn_mask=_band(band, qe - qs, ke - ks, q.dtype),
                 scale=ctx.scale,
             )
             dq[b, :, qs:qe] += gq
@@ -381,32 +378,29 @@ class _SliceAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-class _Bands:
-    """The additive band masks of one call's banded slices, one tensor per band width (a
-    call's mask is its top-left corner: the band is the same relative to any call's first
-    query and key)."""
+def _band(band: int | None, rows: int, keys: int, dtype: torch.dtype) -> Tensor | None:
+    """A call's additive band mask. A bi-causal band's is the top-left ``(rows, keys)`` corner
+    of one mask per band width and dtype (the band is the same relative to any call's first
+    query and key), kept across calls and layers rather than rebuilt by each."""
+    if band is None:
+        return None
+    if not band:
+        # Inverse causal (no upper edge): as wide as its keys, which vary by call and may be
+        # the whole sequence, so built for the call, not kept.
+        return _band_mask.__wrapped__(0, rows, keys, dtype)
+    # A bi-causal call of BAND_ROWS queries sees at most BAND_ROWS - 1 + band keys.
+    height = max(rows, BAND_ROWS)
+    return _band_mask(band, height, max(height - 1 + band, keys), dtype)[:rows, :keys]
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        self.masks: dict[int, Tensor] = {}
 
-    def get(self, band: int | None, rows: int, keys: int) -> Tensor | None:
-        if band is None:
-            return None
-        mask = self.masks.get(band)
-        if mask is None or mask.shape[0] < rows or mask.shape[1] < keys:
-            height = max(rows, BAND_ROWS)
-            width = max(keys, height - 1 + band) if band else max(keys, 1)
-            if mask is not None:
-                height, width = max(height, mask.shape[0]), max(width, mask.shape[1])
-            query = torch.arange(height).view(-1, 1)
-            key = torch.arange(width).view(1, -1)
-            seen = key >= query
-            if band:
-                seen &= key <= query + band - 1
-            mask = torch.zeros(height, width, dtype=self.dtype).masked_fill_(~seen, float("-inf"))
-            self.masks[band] = mask
-        return mask[:rows, :keys]
+@functools.lru_cache(maxsize=8)
+def _band_mask(band: int, height: int, width: int, dtype: torch.dtype) -> Tensor:
+    query = torch.arange(height).view(-1, 1)
+    key = torch.arange(width).view(1, -1)
+    seen = key >= query
+    if band:
+        seen &= key <= query + band - 1
+    return torch.zeros(height, width, dtype=dtype).masked_fill_(~seen, float("-inf"))
 
 
 __all__ = ["DTYPES", "MIN_ROWS_PER_CALL", "NAME", "Slices", "attend", "can_take", "lower"]
