@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
@@ -167,13 +167,7 @@ def _request(
     resolved: BlockMask | Deferred | None
     if isinstance(mask, Mask):
         given = mask
-
-        def build() -> BlockMask:
-            return default_cache().get(
-                given, query.shape[0], query.shape[1], query.shape[-2], key.shape[-2], query.device
-            )
-
-        resolved = Deferred(build)
+        resolved = Deferred(lambda: cast(BlockMask, resolve_block_mask(given, query, key)))
     else:
         resolved = resolve_block_mask(mask, query, key)
     # The Mask behind the BlockMask, where flexmask built it: the block-sparse path reads
