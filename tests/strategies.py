@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 from hypothesis import strategies as st
 
 import flexmask
@@ -330,3 +331,42 @@ def small_windows(draw, batch: int, masks, max_len: int = 24):
     # Every row's queries reach the data's end: the window holds all the data it describes.
     q_len = max(1, length - min(q_off if isinstance(q_off, list) else [q_off])) + q_past - 1
     return mask, dense, q_len, kv_len, q_off, kv_off, block
+
+
+def insertion_tree(n: int, seed: int, sequences: int, random_lengths: bool = False) -> list[int]:
+    """A trie of ``sequences`` sequences, tokens numbered as inserted (AReaL's layout): each
+    sequence shares a random prefix of a random earlier one, then appends its own tokens —
+    ``n // sequences`` of them, or a random count with ``random_lengths``. Not a preorder once
+    a branch lands after unrelated sequences."""
+    gen = torch.Generator().manual_seed(seed)
+    parents: list[int] = []
+    paths: list[list[int]] = []
+    per = max(1, n // sequences)
+    while len(parents) < n:
+        path: list[int] = []
+        if paths:
+            base = paths[int(torch.randint(0, len(paths), (1,), generator=gen))]
+            path = base[: int(torch.randint(0, len(base) + 1, (1,), generator=gen))]
+        if random_lengths:
+            per = int(torch.randint(1, 2 * n // sequences + 2, (1,), generator=gen))
+        for _ in range(min(per, n - len(parents))):
+            parents.append(path[-1] if path else -1)
+            path.append(len(parents) - 1)
+        paths.append(path)
+    return parents
+
+
+def preorder_tree(n: int, seed: int) -> list[int]:
+    """A random tree laid out in preorder: each token's parent is on the path to the token
+    before it (its previous token or one of that token's ancestors), or it starts a root."""
+    gen = torch.Generator().manual_seed(seed)
+    parents: list[int] = []
+    path: list[int] = []
+    for i in range(n):
+        keep = int(torch.randint(0, len(path) + 1, (1,), generator=gen)) if path else 0
+        if torch.rand(1, generator=gen).item() < 0.8:
+            keep = len(path)  # mostly chains
+        path = path[:keep]
+        parents.append(path[-1] if path else -1)
+        path.append(i)
+    return parents

@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 import flexmask
 from flexmask.blocks import write
 from tests import oracle
-from tests.test_build_tree_cut_blocks import insertion_tree, preorder_tree
+from tests.strategies import insertion_tree, preorder_tree
 
 tree_module = sys.modules["flexmask.pieces.tree"]  # the package re-exports a function tree
 

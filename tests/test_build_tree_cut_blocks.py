@@ -16,27 +16,9 @@ import flexmask
 from flexmask.blocks.codes import UNDECIDED
 from flexmask.blocks.grid import make_grid
 from tests import oracle
+from tests.strategies import insertion_tree, preorder_tree
 
 tree_module = sys.modules["flexmask.pieces.tree"]  # the package re-exports a function tree
-
-
-def insertion_tree(n: int, seed: int, sequences: int) -> list[int]:
-    """A trie of ``sequences`` sequences numbered as inserted: each shares a random prefix of a
-    random earlier one (not a preorder once a branch lands after unrelated sequences)."""
-    gen = torch.Generator().manual_seed(seed)
-    parents: list[int] = []
-    paths: list[list[int]] = []
-    per = max(1, n // sequences)
-    while len(parents) < n:
-        path: list[int] = []
-        if paths:
-            base = paths[int(torch.randint(0, len(paths), (1,), generator=gen))]
-            path = base[: int(torch.randint(0, len(base) + 1, (1,), generator=gen))]
-        for _ in range(min(per, n - len(parents))):
-            parents.append(path[-1] if path else -1)
-            path.append(len(parents) - 1)
-        paths.append(path)
-    return parents
 
 
 @pytest.fixture(params=[False, True], ids=["one pass", "chunks"])
@@ -77,22 +59,6 @@ def test_cut_blocks_reach_the_search(seed, searched, chunked):
     theirs = torch_create_block_mask(mask.mask_mod, 2, 1, length, length, "cpu", 16)
     oracle.assert_same_block_mask(ours, theirs, f"branchy cut trees seed={seed}")
     assert searched[0] > 0
-
-
-def preorder_tree(n: int, seed: int) -> list[int]:
-    """A random tree laid out in preorder: each token's parent is on the path to the token
-    before it (its previous token or one of that token's ancestors), or it starts a root."""
-    gen = torch.Generator().manual_seed(seed)
-    parents: list[int] = []
-    path: list[int] = []
-    for i in range(n):
-        keep = int(torch.randint(0, len(path) + 1, (1,), generator=gen)) if path else 0
-        if torch.rand(1, generator=gen).item() < 0.8:
-            keep = len(path)  # mostly chains
-        path = path[:keep]
-        parents.append(path[-1] if path else -1)
-        path.append(i)
-    return parents
 
 
 @pytest.mark.parametrize("block", [16, (16, 32), (32, 8)])

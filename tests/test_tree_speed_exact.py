@@ -13,27 +13,14 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 
 import flexmask
 from tests import oracle
+from tests.strategies import insertion_tree as _insertion_tree
 
 tree_module = sys.modules["flexmask.pieces.tree"]
 
 
 def insertion_tree(n: int, seed: int, sequences: int) -> list[int]:
-    """A trie of ``sequences`` sequences of random length, tokens numbered as inserted:
-    each shares a random prefix of a random earlier sequence, then appends its own tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    parents: list[int] = []
-    paths: list[list[int]] = []
-    while len(parents) < n:
-        path: list[int] = []
-        if paths:
-            base = paths[int(torch.randint(0, len(paths), (1,), generator=gen))]
-            path = base[: int(torch.randint(0, len(base) + 1, (1,), generator=gen))]
-        length = int(torch.randint(1, 2 * n // sequences + 2, (1,), generator=gen))
-        for _ in range(min(length, n - len(parents))):
-            parents.append(path[-1] if path else -1)
-            path.append(len(parents) - 1)
-        paths.append(path)
-    return parents
+    """Insertion-order tries of sequences of random length (``strategies.insertion_tree``)."""
+    return _insertion_tree(n, seed, sequences, random_lengths=True)
 
 
 def random_tree(n: int, seed: int) -> list[int]:
