@@ -26,6 +26,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]
 
+from bench_rl_pack import BUDGET, grpo_groups  # noqa: E402
 from common import documents, fmt_time, machine, markdown_table, response_tree  # noqa: E402
 
 import flexmask  # noqa: E402
@@ -33,20 +34,11 @@ from flexmask.backends import slices  # noqa: E402
 from flexmask.packing import pack_trees  # noqa: E402
 
 
-def rl_rows(groups: int, budget: int = 8192) -> list[list[int]]:
-    """The parents of every micro-batch of ``groups`` GRPO groups (prompt 512, 8 completions
-    of 64-1024 tokens), packed by ``pack_trees`` as ``bench_rl_pack.py`` packs them."""
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    sequences, prompts = [], []
-    for _ in range(groups):
-        prompt = torch.randint(0, 128, (512,), generator=gen).tolist()
-        for _ in range(8):
-            n = int(torch.randint(64, 1025, (1,), generator=gen))
-            sequences.append(prompt + torch.randint(0, 128, (n,), generator=gen).tolist())
-            prompts.append(512)
-    batch = pack_trees(sequences, budget, prompt_lens=prompts)
+def rl_rows(groups: int) -> list[list[int]]:
+    """The parents of every micro-batch of ``groups`` GRPO groups, packed by ``pack_trees``
+    exactly as ``bench_rl_pack.py`` packs them."""
+    sequences, prompts = grpo_groups(groups)
+    batch = pack_trees(sequences, BUDGET, prompt_lens=prompts)
     return [batch.parents[row] for row in range(batch.num_rows)]
 
 
