@@ -364,9 +364,7 @@ class _SliceAttention(torch.autograd.Function):
                 k[b, :, ks:ke],
                 v[b, :, ks:ke],
                 out[b, :, qs:qe],
-                lse[b, :, qs:qe].to(torch.float32)
-                if q.dtype != torch.float64
-                else lse[b, :, qs:qe],
+                lse[b, :, qs:qe],  # float32 (float64 for float64), as the kernel keeps it
                 0.0,
                 causal,
                 attn_mask=_band(band, qe - qs, ke - ks, q.dtype),
