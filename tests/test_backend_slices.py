@@ -107,6 +107,13 @@ STRUCTURED = {
             ]
         )[:, None],
     ),
+    # Row 1 attends nothing: no call touches its queries or keys (output and gradients 0).
+    "a-row-attending-nothing": (
+        flexmask.causal() & flexmask.document([[100, 201], [S]]) & flexmask.padding([S, 0]),
+        np.stack([oracle.causal(S, S) & oracle.document([100, 201], S, S), np.zeros((S, S), bool)])[
+            :, None
+        ],
+    ),
     "prefix-lm": (
         flexmask.causal() | flexmask.prefix(77),
         oracle.causal(S, S) | oracle.prefix(77, S, S),

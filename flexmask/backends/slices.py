@@ -21,6 +21,7 @@ options.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 from typing import Any, NamedTuple
@@ -98,7 +99,14 @@ class Slices(NamedTuple):
 
     calls: tuple[Call, ...]
     first: tuple[bool, ...]
-    """Per call: no earlier call touches its queries, so its output is written, not merged."""
+    """Per call: no earlier call touches its queries, so its output is written, not merged
+    (and its queries' gradient written, not added)."""
+    first_keys: tuple[bool, ...]
+    """Per call: no earlier call touches its keys, so their gradients are written, not added."""
+    query_gaps: tuple[tuple[int | None, int, int], ...]
+    """``(row, start, end)``: queries no first call writes (zeroed before the calls add)."""
+    key_gaps: tuple[tuple[int | None, int, int], ...]
+    """The same for keys and the first-keys calls."""
     rows_covered: int
     """Query rows summed over the slices (a query in two slices counts twice)."""
 
@@ -244,7 +252,17 @@ def _lowered(mask: Mask, batch: int, q_len: int, kv_len: int) -> Slices | str:
     calls = kernel_calls(magi, q_len, kv_len, per_row)
     covered = int((magi.q_ranges[:, 1] - magi.q_ranges[:, 0]).sum()) if calls else 0
     ordered, first = _first_calls(calls)
-    return Slices(tuple(ordered), first, covered)
+    keys = [(c[0], c[3], c[4]) for c in ordered]
+    first_keys = _first_touch(keys)
+    rows: list[int | None] = list(range(batch)) if per_row else [None]
+    return Slices(
+        tuple(ordered),
+        first,
+        first_keys,
+        _gaps(rows, q_len, [c[:3] for c, f in zip(ordered, first, strict=True) if f]),
+        _gaps(rows, kv_len, [c for c, f in zip(keys, first_keys, strict=True) if f]),
+        covered,
+    )
 
 
 def _first_calls(calls: list[Call]) -> tuple[list[Call], tuple[bool, ...]]:
@@ -252,13 +270,43 @@ def _first_calls(calls: list[Call]) -> tuple[list[Call], tuple[bool, ...]]:
     log-sum-exp does not depend on the order), and which of them is the first to touch every
     one of its queries. ``to_magi`` gives all calls a row or none a row."""
     ordered = sorted(calls, key=lambda c: (-1 if c[0] is None else c[0], c[1], c[3]))
-    reach: dict[int | None, int] = {}  # per row, the furthest query end of the calls so far
+    return ordered, _first_touch([c[:3] for c in ordered])
+
+
+def _first_touch(spans: list[tuple[int | None, int, int]]) -> tuple[bool, ...]:
+    """Per ``(row, start, end)`` in order: no earlier span of its row overlaps it."""
+    starts: dict[int | None, list[int]] = {}  # per row, the union of the spans so far:
+    ends: dict[int | None, list[int]] = {}  # disjoint, sorted intervals
     first = []
-    for row, q_start, q_end, *_ in ordered:
-        end = reach.get(row, 0)
-        first.append(q_start >= end)
-        reach[row] = max(end, q_end)
-    return ordered, tuple(first)
+    for row, start, end in spans:
+        s, e = starts.setdefault(row, []), ends.setdefault(row, [])
+        lo = bisect.bisect_right(e, start)  # the first interval ending after ``start``
+        hi = bisect.bisect_left(s, end)  # past the last one starting before ``end``
+        first.append(lo == hi)
+        if lo < hi:
+            start, end = min(start, s[lo]), max(end, e[hi - 1])
+        s[lo:hi], e[lo:hi] = [start], [end]
+    return tuple(first)
+
+
+def _gaps(
+    rows: list[int | None], length: int, written: list[tuple[int | None, int, int]]
+) -> tuple[tuple[int | None, int, int], ...]:
+    """Per row, the positions in ``[0, length)`` outside every written span (the spans of
+    first calls, which do not overlap)."""
+    spans: dict[int | None, list[tuple[int, int]]] = {row: [] for row in rows}
+    for row, start, end in written:
+        spans[row].append((start, end))
+    gaps = []
+    for row in rows:
+        at = 0
+        for start, end in sorted(spans[row]):
+            if start > at:
+                gaps.append((row, at, start))
+            at = end
+        if at < length:
+            gaps.append((row, at, length))
+    return tuple(gaps)
 
 
 def too_many(lowered: Slices) -> str | None:
@@ -288,7 +336,7 @@ class _SliceAttention(torch.autograd.Function):
         batch, heads, q_len, _ = q.shape
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         calls = lowered.calls
-        ctx.calls, ctx.scale = calls, scale
+        ctx.lowered, ctx.scale = lowered, scale
         if len(calls) == 1 and calls[0][:3] == (None, 0, q_len) and calls[0][6] is None:
             # One call for every query (causal, full): the kernel's own output, unmerged.
             _, _, _, ks, ke, causal, _ = calls[0]
@@ -297,8 +345,12 @@ class _SliceAttention(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.mark_non_differentiable(lse)
             return out, lse
-        out = q.new_zeros(batch, heads, q_len, v.shape[-1], dtype=acc)
-        lse = q.new_full((batch, heads, q_len), float("-inf"), dtype=acc)
+        out = q.new_empty(batch, heads, q_len, v.shape[-1], dtype=acc)
+        lse = q.new_empty(batch, heads, q_len, dtype=acc)
+        for row, start, end in lowered.query_gaps:  # queries that see no key
+            b = slice(None) if row is None else slice(row, row + 1)
+            out[b, :, start:end] = 0
+            lse[b, :, start:end] = float("-inf")
         for (row, qs, qe, ks, ke, causal, band), first in zip(calls, lowered.first, strict=True):
             b = slice(None) if row is None else slice(row, row + 1)
             o, part_lse = forward_op(
@@ -335,7 +387,8 @@ class _SliceAttention(torch.autograd.Function):
         _, backward_op = _flash_ops()  # type: ignore[misc]
         q, k, v, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        calls = ctx.calls
+        lowered = ctx.lowered
+        calls = lowered.calls
         if len(calls) == 1 and calls[0][:5] == (None, 0, q.shape[2], 0, k.shape[2]):
             # One call over every query and key (plain causal, full): its gradients as they are.
             causal, band = calls[0][5:]
@@ -355,8 +408,16 @@ class _SliceAttention(torch.autograd.Function):
                 None,
                 None,
             )
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for row, qs, qe, ks, ke, causal, band in calls:
+        # Written by the first call to touch them, added to by the rest; zero where none does.
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for grads, gaps in ((dq,), lowered.query_gaps), ((dk, dv), lowered.key_gaps):
+            for row, start, end in gaps:
+                b = slice(None) if row is None else slice(row, row + 1)
+                for grad in grads:
+                    grad[b, :, start:end] = 0
+        for (row, qs, qe, ks, ke, causal, band), first, first_keys in zip(
+            calls, lowered.first, lowered.first_keys, strict=True
+        ):
             b = slice(None) if row is None else slice(row, row + 1)
             gq, gk, gv = backward_op(
                 grad_out[b, :, qs:qe],
@@ -370,10 +431,17 @@ class _SliceAttention(torch.autograd.Function):
                 attn_mask=_band(band, qe - qs, ke - ks, q.dtype),
                 scale=ctx.scale,
             )
-            dq[b, :, qs:qe] += gq
-            dk[b, :, ks:ke] += gk
-            dv[b, :, ks:ke] += gv
+            _write_or_add(dq[b, :, qs:qe], gq, first)
+            _write_or_add(dk[b, :, ks:ke], gk, first_keys)
+            _write_or_add(dv[b, :, ks:ke], gv, first_keys)
         return dq, dk, dv, None, None
+
+
+def _write_or_add(into: Tensor, part: Tensor, first: bool) -> None:
+    if first:
+        into.copy_(part)
+    else:
+        into.add_(part)
 
 
 def _band(band: int | None, rows: int, keys: int, dtype: torch.dtype) -> Tensor | None:
