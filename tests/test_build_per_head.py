@@ -69,6 +69,32 @@ def test_closed_form_part_is_written_in_place_and_exact():
     assert torch.equal(ours.kv_indices[:, 2], before)
 
 
+@pytest.mark.parametrize(("q_len", "kv_len"), [(1001, 1001), (700, 1001), (1001, 333)])
+def test_per_row_closed_form_part_is_written_in_place_row_by_row(q_len, kv_len):
+    """B > 1 and H > 1: a head's slice of ``(B, H, n, m)`` is not contiguous, only its rows
+    are; a per-row closed-form part writes it row by row (no tensors of its own), the part
+    shared by the rows is built once and copied. Exact against torch, and every head's
+    tensors its own."""
+    calls = []
+    real = closed_form.ordered_sides
+
+    def spy(mask, grid, out=None):
+        calls.append(out is not None)
+        return real(mask, grid, out=out)
+
+    docs = [_docs(max(q_len, kv_len), seed) for seed in (11, 12, 13)]
+    mask = flexmask.per_head(
+        flexmask.causal() & flexmask.document(docs),
+        flexmask.causal() & flexmask.sliding_window(130),
+    )
+    with mock.patch.object(closed_form, "ordered_sides", spy):
+        ours = _check(mask, 3, 4, q_len, kv_len, 32, f"rows q={q_len} kv={kv_len}")
+    assert calls == [True, False]  # the per-row part in place; the shared one (1 row) not
+    before = ours.q_indices[1, 2].clone()
+    ours.q_indices[1, 0].fill_(-1)
+    assert torch.equal(ours.q_indices[1, 2], before)
+
+
 def test_per_head_with_groups_rows_and_a_tile_part_matches_torch():
     """GQA groups (two heads a mask), a per-row part beside one shared by the rows (its
     ``(1, ...)`` tensors broadcast over the rows), and a tree on the tile path."""

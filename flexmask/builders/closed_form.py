@@ -152,6 +152,12 @@ def row_runs(mask: Mask, grid: BlockGrid, *, in_range: bool = False) -> Runs:
     return Runs(first, last, full_first, full_last)
 
 
+def _rows_contiguous(target: Tensor) -> bool:
+    """True if each row ``target[r]`` of an ``(R, n, m)`` tensor is contiguous."""
+    _, n, m = target.shape
+    return (m <= 1 or target.stride(2) == 1) and (n <= 1 or target.stride(1) == m)
+
+
 def column_runs(runs: Runs, grid: BlockGrid) -> Runs:
     """The same runs down each kv block column: block row i is in column j's non-empty run
     iff ``first[i] <= j <= last[i]``; both bounds never decrease in i, so the rows that
@@ -214,8 +220,9 @@ def ordered_sides(
     grid and no sort.
 
     ``out``: the four index tensors to write instead of new ones (kv partial, q partial,
-    kv full, q full), each contiguous int32 ``(R, n, m)``: one head's slice of a larger
-    layout (``create._by_head``), written in place.
+    kv full, q full), each int32 ``(R, n, m)`` with every row contiguous: one head's slice
+    of a larger ``(R, H, n, m)`` layout (``create._by_head``), written in place, row by row
+    where the rows are not laid end to end (H > 1).
     """
     rows, _ = grid.reduced(mask)
     nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
@@ -228,9 +235,9 @@ def ordered_sides(
         else list(out)
     )
     for target, (n, m) in zip(targets, shapes, strict=True):
-        if target.shape != (rows, n, m) or not target.is_contiguous():
+        if target.shape != (rows, n, m) or not _rows_contiguous(target):
             raise ValueError(
-                f"out: each index tensor must be contiguous {(rows, n, m)}, got "
+                f"out: each index tensor must be {(rows, n, m)} with contiguous rows, got "
                 f"{tuple(target.shape)} with stride {target.stride()}"
             )
     kv_p, q_p, kv_f, q_f = targets
@@ -244,7 +251,14 @@ def ordered_sides(
         (kv_f, kv_fs, kv_fl),
         (q_f, q_fs, q_fl),
     ):
-        expand_runs(target.view(-1), starts, lens)
+        if target.is_contiguous():
+            expand_runs(target.view(-1), starts, lens)
+            continue
+        # A head's slice of (R, H, n, m): each row's lines are contiguous, rows are not.
+        lines = target.shape[1]
+        for row in range(rows):
+            part = slice(row * lines, (row + 1) * lines)
+            expand_runs(target[row].view(-1), starts[part], lens[part])
     counts = (
         kv_pl[:, :2].sum(1, dtype=torch.int32).view(rows, 1, nq),
         q_pl[:, :2].sum(1, dtype=torch.int32).view(rows, 1, nkv),

@@ -155,9 +155,10 @@ def _by_head(mask: Mask, parts: tuple[tuple[Mask, ...], list[Tensor]], grid: Blo
     the rows) into each of its heads' slices of torch's ``(rows, H, ...)`` layout — one
     write of the output past the parts' own (was an ``index_select`` and an
     ``index_copy_``: two). A part in closed form whose rows are the output's writes its
-    index tensors straight into its first head's slice when that slice is contiguous (one
-    row, or one head), and only its other heads are copies. The output is ordinary memory,
-    a storage per tensor, as torch's."""
+    index tensors straight into its first head's slice (row by row where B > 1 and H > 1:
+    no tensors of its own, whose fresh pages cost as much as the copy at 131k B=8), and
+    only its other heads are copies. The output is ordinary memory, a storage per tensor,
+    as torch's."""
     masks, heads = parts
     rows = grid.reduced(mask)[0]
     nq, nkv = grid.num_q_blocks, grid.num_kv_blocks
@@ -171,12 +172,7 @@ def _by_head(mask: Mask, parts: tuple[tuple[Mask, ...], list[Tensor]], grid: Blo
         head_list = index.tolist()
         if not head_list:  # H shorter than the cycle: no head uses this mask
             continue
-        first = out[1].select(1, head_list[0])
-        direct = (
-            part.has_monotone_intervals()
-            and grid.reduced(part)[0] == rows
-            and first.is_contiguous()
-        )
+        direct = part.has_monotone_intervals() and grid.reduced(part)[0] == rows
         if direct:  # index tensors in order kv partial, q partial, kv full, q full
             targets = [out[i].select(1, head_list[0]) for i in (1, 5, 3, 7)]
             kv, q = closed_form.ordered_sides(part, grid, out=targets)
