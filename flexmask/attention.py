@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any, cast
 
+import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -165,10 +166,14 @@ def _request(
     """One call as the backends see it: the BlockMask resolved (for a Mask, deferred until a
     backend reads it: the slices backend lowers the Mask itself), the Mask behind it kept."""
     resolved: BlockMask | Deferred | None
-    if isinstance(mask, Mask):
+    if isinstance(mask, (Mask, LazyBlockMask)):
+        # A handle checked against the tensors by its recipe, so that a backend lowering its
+        # Mask (slices, varlen) never builds it: a handle builds where a backend reads it.
+        _check_fits(mask, query, key)
         given = mask
         resolved = Deferred(lambda: cast(BlockMask, resolve_block_mask(given, query, key)))
     else:
+        _check_fits(mask, query, key)
         resolved = resolve_block_mask(mask, query, key)
     # The Mask behind the BlockMask, where flexmask built it: the block-sparse path reads
     # partial blocks from its intervals and recognises plain causal from its key.
@@ -191,6 +196,37 @@ def _request(
         use_compile,
         options,
     )
+
+
+def _check_fits(mask: Any, query: Any, key: Any) -> None:
+    """A BlockMask or a handle is made for one pair of lengths and one device; it must be
+    used with those, whichever backend runs (one that lowers the Mask behind it would
+    otherwise lower it for the tensors' lengths, not the ones it was built for). Checked
+    once, here; tensors that are not (B, H, S, D) are left to the backends to name."""
+    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (query, key)):
+        return
+    device: torch.device | None
+    if isinstance(mask, LazyBlockMask):  # its recipe: reading a BlockMask field would build
+        lengths = (mask.Q_LEN, mask.KV_LEN)
+        device = None if mask.device is None else torch.device(mask.device)  # None: query's
+    elif isinstance(mask, BlockMask):
+        lengths, device = (mask.seq_lengths[0], mask.seq_lengths[1]), mask.kv_num_blocks.device
+    else:
+        return
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if lengths != (q_len, kv_len):
+        raise ValueError(
+            f"block_mask was built for (Q_LEN, KV_LEN)={lengths} but query and key give "
+            f"({q_len}, {kv_len}); build it for these lengths"
+        )
+    if device is not None and (
+        device.type != query.device.type
+        or (device.index is not None and device.index != query.device.index)
+    ):
+        raise ValueError(
+            f"block_mask must be on query's device ({query.device}), got {device}; use "
+            f"block_mask.to(device)"
+        )
 
 
 def explain(

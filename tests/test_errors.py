@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
 
 import flexmask
 import flexmask._validate
@@ -254,3 +255,25 @@ def test_zero_rows_attend_like_none_and_a_handle():
 def test_zero_rows_with_per_row_data_name_b():
     with pytest.raises(ValueError, match="B=0 but the mask's data is given for 2 batch rows"):
         flexmask.create_block_mask(flexmask.document([[3, 2], [5]]), 0, 1, 5, 5, "cpu")
+
+
+@pytest.mark.parametrize("backend", ["auto", "slices", "block_sparse", "sdpa"])
+@pytest.mark.parametrize("made", ["handle", "block_mask"])
+@pytest.mark.parametrize("lengths", [(300, 300), (200, 200), (256, 300), (300, 256)])
+def test_a_block_mask_used_at_other_lengths_is_refused_as_torch_refuses(backend, made, lengths):
+    """torch's flex_attention refuses a BlockMask built for other lengths than query's and
+    key's; so does every backend here, the slices backend too (it lowers the Mask behind the
+    BlockMask, and once lowered it for the tensors' lengths: a silently different mask)."""
+    mask = flexmask.causal() & flexmask.document([100, 156])
+    built = flexmask.create_block_mask(mask, 1, 1, 256, 256, device="cpu")
+    given = flexmask.lazy(mask, 1, 1, 256, 256, "cpu") if made == "handle" else built
+    q0, k0 = torch.randn(1, 1, lengths[0], 8), torch.randn(1, 1, lengths[1], 8)
+    with pytest.raises(ValueError, match="block_mask was created for"):
+        torch_flex_attention(q0, k0, k0, block_mask=built)  # torch's own refusal
+    q = torch.randn(1, 1, lengths[0], 8, requires_grad=True)
+    k = torch.randn(1, 1, lengths[1], 8)
+    with pytest.raises(ValueError, match=r"built for \(Q_LEN, KV_LEN\)=\(256, 256\)"):
+        flexmask.attention(q, k, k, given, backend)
+    with pytest.raises(ValueError, match=r"built for \(Q_LEN, KV_LEN\)=\(256, 256\)"):
+        flexmask.flex_attention(q, k, k, block_mask=given)
+    assert not getattr(given, "built", False)

@@ -27,13 +27,19 @@ def test_nothing_is_built_before_use(cache):
     assert cache.info().misses == 0 and cache.info().entries == 0
 
 
-def test_one_build_serves_every_layer(cache):
+@pytest.mark.parametrize("backend", ["block_sparse", "auto"])
+def test_one_build_serves_every_layer(cache, backend):
+    """A backend that reads the BlockMask builds it once for every layer; the one that lowers
+    the Mask itself (``auto`` here runs ``slices``) builds nothing."""
     handle = flexmask.lazy(
         flexmask.causal() & flexmask.document([100, 156]), 2, 4, 256, 256, "cpu", cache=cache
     )
     q, k, v = (torch.randn(2, 4, 256, 16) for _ in range(3))
-    outs = [flexmask.flex_attention(q, k, v, block_mask=handle, compile=False) for _ in range(6)]
-    assert handle.builds == 1 and cache.info().misses == 1 and cache.info().hits == 0
+    assert flexmask.explain(q, k, v, handle, backend).backend in ("block_sparse", "slices")
+    outs = [flexmask.attention(q, k, v, handle, backend, compile=False) for _ in range(6)]
+    builds = int(flexmask.explain(q, k, v, handle, backend).backend == "block_sparse")
+    assert handle.builds == builds and cache.info().misses == builds
+    assert cache.info().hits == 0
     row = oracle.document([100, 156], 256, 256) & oracle.causal(256, 256)
     dense = torch.from_numpy(oracle.stack([row, row], heads=4))
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
@@ -83,8 +89,9 @@ def test_context_manager_and_forward_hook_release(cache):
     hook = handle.release_after(model)
     model(torch.randn(1, 1, 256, 8), handle)
     assert not handle.built  # released at the end of the forward
+    assert handle.block_mask is not None and handle.built  # built again, by hand
     model(torch.randn(1, 1, 256, 8), handle)
-    assert handle.built  # the hook was one-shot
+    assert handle.built  # the hook was one-shot: nothing released it this time
     hook.remove()
 
 
@@ -267,7 +274,7 @@ def test_a_lazy_forward_and_backward_validates_the_mask_once(monkeypatch):
     handle = flexmask.lazy(mask, 1, 1, 256, 256, "cpu", cache=cache)
     assert calls == [mask]
     with handle:
-        out = flexmask.flex_attention(q, k, v, block_mask=handle, compile=False)
+        out = flexmask.attention(q, k, v, handle, "block_sparse")
         out.sum().backward()
         assert calls == [mask] and handle.builds == 1 and q.grad is not None
         again = flexmask.lazy(mask, 1, 1, 256, 256, "cpu", cache=cache)

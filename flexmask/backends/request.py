@@ -18,9 +18,11 @@ from flexmask.algebra.mask import Mask
 
 
 class Deferred:
-    """A BlockMask built when a backend first asks for it: a call that brought a Mask (not a
-    handle or a BlockMask) builds none where its backend lowers the Mask itself (``slices``,
-    ``varlen``), which at 131k and B = 8 is ~150 ms and 128 MiB of index tensors."""
+    """A BlockMask built when a backend first asks for it: a call that brought a Mask or a
+    handle (not a BlockMask) builds none where its backend lowers the Mask itself
+    (``slices``, ``varlen``), which at 131k and B = 8 is ~150 ms and 128 MiB of index
+    tensors. ``flexmask.attention`` checks a handle's lengths and device against the tensors
+    from its recipe first, so deferring its build defers no error."""
 
     __slots__ = ("_build", "_value")
 

@@ -117,8 +117,9 @@ class LazyBlockMask(BuiltOnRead):
         >>> q = k = v = torch.randn(1, 2, 256, 16)
         >>> with handle:                    # released when the block ends
         ...     out = flexmask.flex_attention(q, k, v, block_mask=handle, compile=False)
-        ...     handle.built, handle.shape  # a BlockMask attribute: read from the build
-        (True, (1, 1, 256, 256))
+        ...     before = handle.built       # the CPU's slices backend lowered the mask itself
+        ...     before, handle.shape, handle.built  # a BlockMask attribute: read from the build
+        (False, (1, 1, 256, 256), True)
         >>> handle.built
         False
     """
