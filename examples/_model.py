@@ -35,8 +35,9 @@ def rotate(x: Tensor, position_ids: Tensor) -> Tensor:
 class Block(nn.Module):
     """Pre-norm block: RoPE attention through flexmask, then an MLP."""
 
-    def __init__(self, dim: int, num_heads: int) -> None:
+    def __init__(self, dim: int, num_heads: int, backend: str = "auto") -> None:
         super().__init__()
+        self.backend = backend
         if dim % num_heads or (dim // num_heads) % 2:
             raise ValueError(
                 f"dim={dim} must split into num_heads={num_heads} heads of an even size"
@@ -59,10 +60,13 @@ class Block(nn.Module):
         if block_mask is None:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            # The handle goes in as is: the first layer builds its BlockMask, the others reuse
-            # it. compile=False keeps CPU inference on flexmask's block-sparse path too, rather
-            # than paying torch.compile's first-call cost in a short example.
-            attn = flexmask.flex_attention(q, k, v, block_mask=block_mask, compile=False)
+            # The handle goes in as is: the first layer to read its BlockMask builds it, the
+            # others reuse it (on the CPU the slices backend lowers the mask itself and builds
+            # none). compile=False keeps CPU inference off torch.compile's first-call cost.
+            if self.backend == "auto":
+                attn = flexmask.flex_attention(q, k, v, block_mask=block_mask, compile=False)
+            else:
+                attn = flexmask.attention(q, k, v, block_mask, self.backend, compile=False)
         x = x + self.out(attn.transpose(1, 2).reshape(batch, length, dim))
         return x + self.mlp(self.norm2(x))
 
@@ -76,17 +80,25 @@ class TinyLM(nn.Module):
         num_heads: attention heads (``dim // num_heads`` must be even for RoPE).
         num_layers: transformer blocks.
         seed: parameters are initialised from this seed, leaving the global RNG untouched.
+        backend: ``"auto"`` runs ``flexmask.flex_attention``; a backend's name runs
+            ``flexmask.attention`` with it.
     """
 
     def __init__(
-        self, vocab: int, dim: int = 128, num_heads: int = 4, num_layers: int = 3, seed: int = 0
+        self,
+        vocab: int,
+        dim: int = 128,
+        num_heads: int = 4,
+        num_layers: int = 3,
+        seed: int = 0,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.embed = nn.Embedding(vocab, dim)
             nn.init.normal_(self.embed.weight, std=0.02)
-            self.blocks = nn.ModuleList(Block(dim, num_heads) for _ in range(num_layers))
+            self.blocks = nn.ModuleList(Block(dim, num_heads, backend) for _ in range(num_layers))
             self.norm = nn.LayerNorm(dim)
         self.num_heads = num_heads
 

@@ -133,6 +133,15 @@ def test_lazy_layers() -> None:
     assert "every document mask left the cache on release" in stdout
 
 
+def test_lazy_layers_on_slices_build_nothing() -> None:
+    """On the CPU, flex_attention runs the slices backend for both masks: it lowers each
+    handle's Mask itself, so no handle builds a BlockMask and the cache sees no lookup."""
+    stdout = run_example("lazy_layers.py", "--quick", "--backend", "auto")
+    rows = [line.split() for line in stdout.splitlines() if "causal &" in line]
+    assert len(rows) == 12, stdout
+    assert all((row[-6], row[-5], row[-4], row[-1]) == ("4", "0", "-", "0") for row in rows)
+
+
 @pytest.mark.slow  # two torchrun ranks: ~7 s idle
 def test_context_parallel_example_on_two_gloo_ranks() -> None:
     """What docs/context-parallel.md runs: torchrun, 2 ranks, gloo; every rank checks its
