@@ -98,6 +98,32 @@ def test_expand_runs_in_chunks_match_concatenated_ranges(lens, seed, chunk, dtyp
     assert out.tolist() == want
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+    carry=st.lists(st.booleans(), min_size=30, max_size=30),
+    seed=st.integers(0, 2**31 - 1),
+    chunk=st.sampled_from([2, 3, 7, 16]),
+)
+def test_expand_runs_that_carry_on_their_predecessor_match_concatenated_ranges(
+    lens, carry, seed, chunk
+):
+    """Runs that start where the one before stopped (no jump: unlisted runs side by side)
+    are left to the chunks' broadcast; the others begun inside a chunk rewrite it."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = []
+    for i in range(len(lens)):
+        if i and carry[i]:
+            starts.append(starts[-1] + lens[i - 1])
+        else:
+            starts.append(int(torch.randint(0, 1000, (1,), generator=gen)))
+    want = [s + e for s, n in zip(starts, lens, strict=True) for e in range(n)]
+    out = torch.full((len(want),), -7, dtype=torch.int32)
+    with mock.patch.object(write, "_CHUNK", chunk), mock.patch.object(write, "_CHUNKED_FROM", 0):
+        write.expand_runs(out, torch.tensor(starts), torch.tensor(lens), nonempty=True)
+    assert out.tolist() == want
+
+
 @pytest.fixture
 def from_runs(monkeypatch):
     """How many tensors the run path wrote (small grids of many runs are ranked instead)."""

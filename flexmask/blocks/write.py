@@ -218,7 +218,10 @@ def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
         # a table: its first value, then 1 per entry and 1 + jump where a run begins (no
         # two runs begin at one entry: they are nonempty), summed along the row.
         inside = _div_mod(first, k, div=False)[1]
-        begun = ((inside != 0) & (first < chunks * k)).nonzero().squeeze(1)
+        # A run that carries on its predecessor's values (no jump: two unlisted runs side
+        # by side in a line) leaves its chunk as the broadcast wrote it: a quarter to a
+        # half fewer chunks rewritten in an insertion-order tree at 131k.
+        begun = ((inside != 0) & (jump != 0) & (first < chunks * k)).nonzero().squeeze(1)
         if begun.numel():
             chunk = _div_mod(first.index_select(0, begun), k, mod=False)[0]
             which, row = torch.unique_consecutive(chunk, return_inverse=True)
