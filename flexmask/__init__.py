@@ -93,7 +93,8 @@ def safe_globals() -> list[type]:
 
     torch's default loader refuses any class it was not told of — its own ``BlockMask``
     included. Give it these: every flexmask mask class (pieces, ``And``/``Or``/``Not``), every
-    mask_mod class a built BlockMask holds, ``LazyBlockMask``, and torch's ``BlockMask``. Only
+    mask_mod class a built BlockMask holds, the record of what it was built from,
+    ``LazyBlockMask``, and torch's ``BlockMask``. Only
     classes are listed (no function is called on load beyond building these objects from
     their saved state). A ``from_mask_mod`` leaf holds your function: add it to the list too.
     Classes of modules imported later (``flexmask.context_parallel``) join the list once
@@ -113,8 +114,9 @@ def safe_globals() -> list[type]:
     from torch.nn.attention.flex_attention import BlockMask
 
     from flexmask.algebra.mask import MaskModFn
+    from flexmask.builders.create import BUILT_RECORD
 
-    found: set[type] = {LazyBlockMask, BlockMask}
+    found: set[type] = {LazyBlockMask, BlockMask, BUILT_RECORD}
     pending: list[type] = [Mask, MaskModFn]
     sub: type
     while pending:

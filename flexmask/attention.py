@@ -25,6 +25,7 @@ from flexmask import backends
 from flexmask.algebra.mask import Mask
 from flexmask.backends.flex import ENV_COMPILE, compiled_flex_attention  # noqa: F401 - re-exported
 from flexmask.backends.request import Deferred, Request
+from flexmask.builders.create import built_from
 from flexmask.runtime.cache import default_cache
 from flexmask.runtime.lazy import LazyBlockMask
 
@@ -166,6 +167,8 @@ def _request(
     """One call as the backends see it: the BlockMask resolved (for a Mask, deferred until a
     backend reads it: the slices backend lowers the Mask itself), the Mask behind it kept."""
     resolved: BlockMask | Deferred | None
+    if isinstance(mask, LazyBlockMask) and _edited(mask):
+        mask = mask.block_mask  # its tensors edited in place: its blocks say what is attended
     if isinstance(mask, (Mask, LazyBlockMask)):
         # A handle checked against the tensors by its recipe, so that a backend lowering its
         # Mask (slices, varlen) never builds it: a handle builds where a backend reads it.
@@ -196,6 +199,12 @@ def _request(
         use_compile,
         options,
     )
+
+
+def _edited(handle: LazyBlockMask) -> bool:
+    """Whether the handle holds a BlockMask whose tensors were edited in place (through the
+    handle's fields, which are the built BlockMask's)."""
+    return handle.built and built_from(handle.block_mask, blocks=True) is None
 
 
 def _check_fits(mask: Any, query: Any, key: Any) -> None:

@@ -4,6 +4,10 @@ expressions with B and H > 1, odd and unequal lengths, grouped heads; and every 
 
 from __future__ import annotations
 
+import copy as copy_module
+import io
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -365,3 +369,91 @@ def test_a_torch_without_the_flash_ops_refuses_and_block_sparse_runs(monkeypatch
     out = flexmask.flex_attention(q, k, v, block_mask=mask)
     ref, _ = dense_attention(q, k, v, torch.from_numpy(dense))
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+
+
+def blocks_dense(block_mask, element_mask):
+    """What a BlockMask attends, read plainly from its tensors (torch's documented meaning):
+    a listed full block everything, a listed partial block the mask's own elements, an
+    unlisted block nothing. ``element_mask``: the (Q, KV) dense mask of its mask_mod."""
+    q_len, kv_len = block_mask.seq_lengths
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    out = np.zeros((q_len, kv_len), dtype=bool)
+    sides = [(block_mask.kv_num_blocks, block_mask.kv_indices, False)]
+    if block_mask.full_kv_num_blocks is not None:
+        sides.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, True))
+    for counts, indices, full in sides:
+        for row in range(counts.shape[-1]):
+            for kb in indices[0, 0, row, : int(counts[0, 0, row])].tolist():
+                rows = slice(row * q_block, (row + 1) * q_block)
+                cols = slice(kb * kv_block, (kb + 1) * kv_block)
+                out[rows, cols] = True if full else element_mask[rows, cols]
+    return out
+
+
+EDITS = {
+    "a full block dropped": lambda bm: bm.full_kv_num_blocks[0, 0, 3].zero_(),
+    "a partial block dropped": lambda bm: bm.kv_num_blocks[0, 0, 1].sub_(1),
+    "indices set to another tensor": lambda bm: setattr(
+        bm, "kv_indices", bm.kv_indices.flip(-1).contiguous()
+    ),
+}
+
+
+@pytest.mark.parametrize("made", ["create_block_mask", "handle"])
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_a_block_mask_edited_in_place_attends_its_blocks_not_its_mask(made, edit):
+    """torch code may edit a BlockMask's tensors (drop blocks, swap indices); what is then
+    attended is what its blocks say, as torch's kernel reads them. The slices backend lowers
+    the Mask a BlockMask was built from, so it must not take an edited one: the block-sparse
+    path, which reads the blocks, does — for a BlockMask and for a built handle alike."""
+    mask = flexmask.causal() & flexmask.document([100, 156])
+    element = oracle.causal(256, 256) & oracle.document([100, 156], 256, 256)
+    if made == "handle":
+        given = flexmask.lazy(
+            mask, 1, 1, 256, 256, "cpu", BLOCK_SIZE=64, cache=flexmask.MaskCache()
+        )
+        built = given.block_mask
+    else:
+        given = built = flexmask.create_block_mask(mask, 1, 1, 256, 256, BLOCK_SIZE=64)
+    q, k, v = qkv(1, 2, 2, 256, 256)
+    assert flexmask.explain(q, k, v, given).backend == "slices"  # unedited: its Mask
+    EDITS[edit](built)
+    choice = flexmask.explain(q, k, v, given)
+    assert choice.backend == "block_sparse" and "edited in place" in choice.refused["slices"]
+    allowed = blocks_dense(built, element)
+    assert (allowed != element).any()  # the edit changed what is attended
+    out = flexmask.flex_attention(q, k, v, block_mask=given)
+    ref, _ = dense_attention(q, k, v, torch.from_numpy(allowed).expand(1, 2, 256, 256))
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+
+
+def _pickled(obj):
+    return pickle.loads(pickle.dumps(obj))
+
+
+def _torch_saved(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    with torch.serialization.safe_globals(flexmask.safe_globals()):
+        return torch.load(buffer)  # weights_only=True
+
+
+@pytest.mark.parametrize("copy", [_pickled, _torch_saved, copy_module.deepcopy])
+def test_a_copied_block_mask_is_lowered_until_edited(copy):
+    """A pickled, saved or deep-copied BlockMask flexmask built still lowers to slices (its
+    record names the copy's own tensors); an edit of the copy, or of the original before
+    copying, sends it to the path that reads its blocks."""
+    mask = flexmask.causal() & flexmask.document([100, 156])
+    element = oracle.causal(256, 256) & oracle.document([100, 156], 256, 256)
+    q, k, v = qkv(1, 2, 2, 256, 256)
+    built = flexmask.create_block_mask(mask, 1, 1, 256, 256, BLOCK_SIZE=64)
+    restored = copy(built)
+    assert flexmask.explain(q, k, v, restored).backend == "slices"
+    EDITS["a full block dropped"](restored)
+    assert flexmask.explain(q, k, v, restored).backend == "block_sparse"
+    out = flexmask.flex_attention(q, k, v, block_mask=restored)
+    allowed = torch.from_numpy(blocks_dense(restored, element)).expand(1, 2, 256, 256)
+    torch.testing.assert_close(out, dense_attention(q, k, v, allowed)[0], atol=1e-10, rtol=0)
+    EDITS["a partial block dropped"](built)  # edited before copying: no copy is intact
+    assert flexmask.explain(q, k, v, copy(built)).backend == "block_sparse"

@@ -230,12 +230,16 @@ def _shape_problem(request: Request) -> str | None:
 
 def _lower(request: Request) -> Slices | str:
     mask = request.mask
-    if mask is None and isinstance(request.block_mask, BlockMask):
-        mask = built_from(request.block_mask)
-        if mask is None:
-            return "it lowers a flexmask Mask, and this call brings a BlockMask without one"
-    if mask is None:
+    if mask is None and request.block_mask is None:
         mask = Full()
+    elif mask is None:
+        built = request.block_mask
+        mask = built_from(built, blocks=True) if isinstance(built, BlockMask) else None
+        if mask is None:
+            return (
+                "it lowers a flexmask Mask, and this call brings a BlockMask without one (torch's, "
+                "derived from flexmask's, or edited in place)"
+            )
     batch, q_len, kv_len = request.query.shape[0], request.query.shape[-2], request.key.shape[-2]
     return _lowered(mask, batch, q_len, kv_len)
 

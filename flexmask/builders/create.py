@@ -16,6 +16,7 @@ import contextlib
 import inspect
 import numbers
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -233,7 +234,7 @@ def build_counted(
             kv, q, refined = ordered_sides(mask, grid)
         block_mask = assemble(kv, q, grid, mask_mod, flags)
         if mask_mod is lowered:  # no window: the BlockMask means the mask itself
-            setattr(block_mask, _BUILT_FROM, (mask, mask_mod))
+            setattr(block_mask, _BUILT_FROM, _Built.of(block_mask, mask, mask_mod))
         return block_mask, refined
 
 
@@ -242,14 +243,73 @@ def build_counted(
 _BUILT_FROM = "_flexmask_built_from"
 
 
-def built_from(block_mask: BlockMask) -> Mask | None:
+def built_from(block_mask: BlockMask, blocks: bool = False) -> Mask | None:
     """The Mask ``block_mask`` was built from by :func:`build`, while its mask_mod is still
     the one it was built with; None for torch's BlockMasks, windows (``q_offset``/
-    ``kv_offset``), and BlockMasks torch derived from flexmask's."""
+    ``kv_offset``), and BlockMasks torch derived from flexmask's.
+
+    With ``blocks``, also only while its index tensors are the ones built (no field set to
+    another tensor, no in-place edit: each tensor's version counter unchanged), for a reader
+    that takes the Mask for the blocks too: an edited BlockMask attends what its blocks say.
+    """
     tag = getattr(block_mask, _BUILT_FROM, None)
-    if not isinstance(tag, tuple) or tag[1] is not block_mask.mask_mod:
+    if not isinstance(tag, _Built) or tag.mask_mod is not block_mask.mask_mod:
         return None
-    return tag[0]
+    if blocks and not tag.intact(block_mask):
+        return None
+    return tag.mask
+
+
+class _Built:
+    """What a build records on its BlockMask: the Mask, the mask_mod, and each index tensor
+    (weakly: the record keeps none alive) with its version counter, which every in-place op
+    bumps. It pickles (and deep-copies) with the tensors themselves, so that the copy's
+    record names the copy's tensors (the pickle's memo makes them the same objects) at their
+    versions on load — or, for an edited BlockMask, with none: no copy of it is intact."""
+
+    __slots__ = ("mask", "mask_mod", "tensors")
+
+    def __init__(self, mask: Mask, mask_mod: MaskMod, fields: tuple[Tensor | None, ...] | None):
+        self.mask, self.mask_mod = mask, mask_mod
+        self.tensors = (
+            None
+            if fields is None
+            else tuple(None if t is None else (weakref.ref(t), t._version) for t in fields)
+        )
+
+    @staticmethod
+    def of(block_mask: BlockMask, mask: Mask, mask_mod: MaskMod) -> _Built:
+        return _Built(mask, mask_mod, tuple(getattr(block_mask, n, None) for n in BLOCK_FIELDS))
+
+    def intact(self, block_mask: BlockMask) -> bool:
+        if self.tensors is None:
+            return False
+        for name, kept in zip(BLOCK_FIELDS, self.tensors, strict=True):
+            tensor = getattr(block_mask, name, None)
+            if kept is None:
+                if tensor is not None:
+                    return False
+            elif kept[0]() is not tensor or tensor is None or kept[1] != tensor._version:
+                return False
+        return True
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        tensors = (
+            ()
+            if self.tensors is None
+            else tuple(None if kept is None else kept[0]() for kept in self.tensors)
+        )
+        if self.tensors is None or any(
+            kept is not None and (tensor is None or tensor._version != kept[1])
+            for kept, tensor in zip(self.tensors, tensors, strict=True)
+        ):
+            return (_Built, (self.mask, self.mask_mod, None))
+        return (_Built, (self.mask, self.mask_mod, tensors))
+
+
+BUILT_RECORD = _Built
+"""The class of the record a build leaves on its BlockMask (``flexmask.safe_globals`` lists
+it for ``torch.load(weights_only=True)``)."""
 
 
 def window_mask_mod(mask_mod: MaskMod, grid: BlockGrid) -> MaskMod:
@@ -550,6 +610,8 @@ def emptied(block_mask: BlockMask, B: Any, H: Any) -> BlockMask:
         mask_mod=block_mask.mask_mod,
     )
     tag = getattr(block_mask, _BUILT_FROM, None)
-    if tag is not None:
-        setattr(out, _BUILT_FROM, tag)
+    if isinstance(tag, _Built):
+        tensors = tuple(getattr(out, name, None) for name in BLOCK_FIELDS)
+        intact = tensors if tag.intact(block_mask) else None
+        setattr(out, _BUILT_FROM, _Built(tag.mask, tag.mask_mod, intact))
     return out
