@@ -15,6 +15,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 
 import flexmask
 from flexmask.blocks import write
+from flexmask.builders import unions
 from tests import oracle
 from tests.strategies import insertion_tree, preorder_tree
 
@@ -32,6 +33,7 @@ def small_chunks(request, monkeypatch):
     monkeypatch.setattr(write, "_CHUNK", request.param)
     monkeypatch.setattr(tree_module, "_CHUNKED_FROM", 0)
     monkeypatch.setattr(tree_module, "_CHUNK_TILES", 300)
+    monkeypatch.setattr(unions, "_FROM_RUNS_FROM", 0)  # a union's q side from its rows' runs
     return request.param
 
 

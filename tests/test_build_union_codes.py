@@ -57,6 +57,43 @@ def test_long_unions_read_the_codes_by_runs_and_match_torch(monkeypatch, q_len, 
     assert found and all(found)
 
 
+@pytest.mark.parametrize(
+    ("q_len", "kv_len", "block"), [(4100, 4100, 16), (4100, 3001, (16, 32)), (2999, 4100, 32)]
+)
+def test_unions_list_the_q_side_from_the_rows_runs_and_match_torch(
+    monkeypatch, q_len, kv_len, block
+):
+    """Grids past ``_FROM_RUNS_FROM`` (lowered here) take the q side from the block rows'
+    segments as runs (``write.q_side_from_line_runs``: no grid of codes), three rows that
+    differ, two heads, lengths off the block."""
+    answered = []
+    real = unions.q_side_from_line_runs
+
+    def spy(*args):
+        q = real(*args)
+        answered.append(q is not None)
+        return q
+
+    monkeypatch.setattr(unions, "_FROM_RUNS_FROM", 0)
+    monkeypatch.setattr(unions, "q_side_from_line_runs", spy)
+    for mask in _cases(max(q_len, kv_len), 3, 1500):
+        ours = flexmask.create_block_mask(mask, 3, 2, q_len, kv_len, "cpu", block)
+        theirs = torch_create_block_mask(mask.mask_mod, 3, 2, q_len, kv_len, "cpu", block)
+        oracle.assert_same_block_mask(ours, theirs, f"{mask!r} q={q_len} kv={kv_len}")
+    assert answered and all(answered)
+
+
+def test_short_unions_with_many_runs_from_the_rows_runs_fall_back_and_match_torch(monkeypatch):
+    """Short documents: the q side's runs are many, ``q_side_from_line_runs`` gives up and
+    the codes are ranked column by column."""
+    monkeypatch.setattr(unions, "_FROM_RUNS_FROM", 0)
+    for mask in _cases(700, 2, 40):
+        for q_len, kv_len, block in ((700, 700, 16), (333, 700, 8), (700, 129, (8, 16))):
+            ours = flexmask.create_block_mask(mask, 2, 1, q_len, kv_len, "cpu", block)
+            theirs = torch_create_block_mask(mask.mask_mod, 2, 1, q_len, kv_len, "cpu", block)
+            oracle.assert_same_block_mask(ours, theirs, f"{mask!r} q={q_len} kv={kv_len}")
+
+
 def test_short_unions_with_many_runs_match_torch():
     """Short documents on a small grid: columns of many short runs, ranked column by column
     (``_q_runs`` gives up); queries past the data and a per-row window."""

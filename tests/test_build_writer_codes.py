@@ -68,6 +68,39 @@ def test_codes_written_as_runs_match_torch_order(shape, bands, seed, chunk):
         assert torch.equal(a, b), f"{name} {tuple(codes.shape)} chunk={chunk}"
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 2), st.integers(1, 45), st.integers(1, 45)),
+    bands=st.integers(0, 6),
+    seed=st.integers(0, 2**31 - 1),
+    split=st.integers(0, 6),
+)
+def test_q_side_from_the_rows_runs_matches_torch_order(shape, bands, seed, split):
+    """The q side from runs along the rows (``write.q_side_from_line_runs``, no codes
+    read), some runs split in two at random (equal neighbours apart, as a union's segments
+    come): torch's order of each column's flags, or None where its runs are many."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = _banded(shape, gen, bands)
+    nkv = shape[-1]
+    line, col, length, value = [], [], [], []
+    for index, row in enumerate(codes.reshape(-1, nkv).tolist()):
+        cuts = {0} | {j for j in range(1, nkv) if row[j] != row[j - 1]}
+        cuts |= {int(torch.randint(1, nkv, (1,), generator=gen)) for _ in range(split) if nkv > 1}
+        points = sorted(cuts) + [nkv]
+        for a, b in zip(points, points[1:], strict=False):
+            line.append(index)
+            col.append(a)
+            length.append(b - a)
+            value.append(row[a])
+    got = write.q_side_from_line_runs(*map(torch.tensor, (line, col, length, value)), codes.shape)
+    if got is None:  # many runs: the caller ranks the codes instead
+        return
+    names = ("q_p_num", "q_p", "q_f_num", "q_f")
+    for name, a, b in zip(names, got, _expected(codes)[4:], strict=True):
+        assert a.dtype == torch.int32 and a.is_contiguous(), name
+        assert torch.equal(a, b), f"{name} {tuple(codes.shape)}"
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     shape=st.tuples(st.integers(1, 2), st.integers(1, 2), st.integers(1, 30), st.integers(1, 30)),

@@ -62,7 +62,13 @@ from torch import Tensor
 from flexmask.algebra.mask import Mask, Or
 from flexmask.blocks.codes import CODE_DTYPE, codes_from
 from flexmask.blocks.grid import BlockGrid
-from flexmask.blocks.write import Ordered, expand_runs, exporting, q_side_from_codes
+from flexmask.blocks.write import (
+    Ordered,
+    expand_runs,
+    exporting,
+    q_side_from_codes,
+    q_side_from_line_runs,
+)
 from flexmask.builders.closed_form import clipped, special_blocks
 
 # Larger than any position: the neutral value of a min over non-attending queries; the sum
@@ -411,15 +417,42 @@ def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     kv_p, kv_f = (torch.empty((rows, nq, nkv), dtype=torch.int32, device=dev) for _ in range(2))
     runs = union_row_runs(*operands, grid, rows)
     segments = _segments(runs.starts.view(-1, 4), runs.stops.view(-1, 4), nkv)
-    codes = _codes(segments, rows * nq * nkv).view(rows, 1, nq, nkv)
     kv_pn, kv_fn = _write_segments(segments, (kv_p, kv_f))
-    q = q_side_from_codes(codes)
+    q = _q_side(segments, torch.Size((rows, 1, nq, nkv)))
     return (
         Ordered(
             kv_pn.view(rows, 1, nq), kv_p.unsqueeze(1), kv_fn.view(rows, 1, nq), kv_f.unsqueeze(1)
         ),
         q,
     )
+
+
+_FROM_RUNS_FROM = 1 << 20
+"""Grids of at least this many tiles take their q side from the rows' runs (``_q_side``);
+below, its two dozen more torch calls cost more than the grid of codes they save (a
+small build is bound by its calls: tests/test_unions.py)."""
+
+
+def _q_side(segments: _Segments, shape: torch.Size) -> Ordered:
+    """The q side from the block rows' segments, taken as the rows' runs of codes
+    (``write.q_side_from_line_runs``: no grid of codes; at 131k B=8 68 against 73 ms with
+    its two index tensors, one run); on small grids, or where the q side's runs are many,
+    from the int8 tile codes read down the columns (``write.q_side_from_codes``)."""
+    if shape.numel() >= _FROM_RUNS_FROM:
+        partial, full = segments.listed
+        code = codes_from(partial | full, full).view(-1)
+        length = segments.length.view(-1)
+        kept = length.nonzero().squeeze(1)
+        q = q_side_from_line_runs(
+            kept.div(segments.start.shape[1], rounding_mode="floor"),
+            segments.start.view(-1).index_select(0, kept),
+            length.index_select(0, kept),
+            code.index_select(0, kept).to(torch.int64),
+            shape,
+        )
+        if q is not None:
+            return q
+    return q_side_from_codes(_codes(segments, shape.numel()).view(shape))
 
 
 def must_not_sync(grid: BlockGrid) -> bool:
