@@ -53,7 +53,9 @@ def exporting() -> bool:
 
 class _Runs(NamedTuple):
     """The runs of equal codes along each line of one side, in line order then column
-    order (every line starts one at column 0); int64 ``(runs,)`` each, ``value`` the code."""
+    order (every line starts one at column 0); ``(runs,)`` each, ``value`` the code: int32
+    on grids whose positions fit it (``_narrow``: every pass over the runs reads half the
+    bytes), else int64."""
 
     line: Tensor
     col: Tensor
@@ -78,6 +80,12 @@ def _div_mod(
         values.div(divisor, rounding_mode="floor") if div else values,
         values % divisor if mod else values,
     )
+
+
+def _narrow(total: int) -> torch.dtype:
+    """The dtype runs over ``total`` tiles are held in: int32 where every position, and one
+    line past the last, fits it."""
+    return torch.int32 if total < (1 << 30) else torch.int64
 
 
 def _run_starts(grid: Tensor, along_rows: bool) -> Tensor | None:
@@ -111,11 +119,12 @@ def _run_starts(grid: Tensor, along_rows: bool) -> Tensor | None:
 def _kv_runs(grid: Tensor) -> _Runs | None:
     """Runs along the rows of a contiguous ``(G, rows, cols)`` grid: lines are its rows."""
     cols = grid.shape[-1]
-    starts = _run_starts(grid, along_rows=False)
-    if starts is None:
+    found = _run_starts(grid, along_rows=False)
+    if found is None:
         return None
+    starts = found.to(_narrow(grid.numel()))
     length = torch.diff(starts, append=starts.new_tensor([grid.numel()]))
-    value = grid.view(-1).index_select(0, starts).to(torch.int64)
+    value = grid.view(-1).index_select(0, found).to(starts.dtype)
     return _Runs(*_div_mod(starts, cols), length, value)
 
 
@@ -130,13 +139,10 @@ def _q_runs(grid: Tensor) -> _Runs | None:
     row, col = _div_mod(tile, cols)
     # The start's flat position in the transposed grid: line-major, as the output lists.
     key = (plane * cols + col) * rows + row
-    if grid.numel() < (1 << 31):  # int32 keys sort in half the time (37k: 0.51 against 1.10 ms)
-        transposed, order = key.to(torch.int32).sort()
-        transposed = transposed.to(torch.int64)
-    else:
-        transposed, order = key.sort()
+    # int32 keys sort in half the time (37k: 0.51 against 1.10 ms)
+    transposed, order = key.to(_narrow(grid.numel())).sort()
     length = torch.diff(transposed, append=transposed.new_tensor([grid.numel()]))
-    value = grid.view(-1).index_select(0, starts.index_select(0, order)).to(torch.int64)
+    value = grid.view(-1).index_select(0, starts.index_select(0, order)).to(transposed.dtype)
     return _Runs(*_div_mod(transposed, rows), length, value)
 
 
@@ -159,13 +165,9 @@ def q_runs_from_kv(kv: _Runs, shape: torch.Size) -> _Runs | None:
     total = g_rows * rows * cols
     line, col, length, value = kv
     n, dev = line.numel(), line.device
-    a_key = line * cols + col
-    keys = torch.cat([a_key, a_key + cols])
-    if total + cols < (1 << 31):
-        keys, order = keys.to(torch.int32).sort(stable=True)
-        keys = keys.to(torch.int64)
-    else:
-        keys, order = keys.sort(stable=True)
+    narrow = _narrow(total)
+    a_key = line.to(narrow) * cols + col.to(narrow)
+    keys, order = torch.cat([a_key, a_key + cols]).sort(stable=True)
     is_a = order < n
     none = order.new_full((1,), -1).expand_as(order)
     own = torch.where(is_a, order, none).cummax(0).values  # row i's run at each point
@@ -185,9 +187,11 @@ def q_runs_from_kv(kv: _Runs, shape: torch.Size) -> _Runs | None:
     count = int(spans.sum()) + first_rows
     if count * 8 > total:
         return None
-    starts = torch.empty(count, dtype=torch.int64, device=dev)
-    plane_first = torch.arange(g_rows, device=dev).mul_(rows * cols).view(-1, 1)
-    starts[:first_rows].view(g_rows, cols).copy_(plane_first + torch.arange(cols, device=dev))
+    starts = torch.empty(count, dtype=narrow, device=dev)
+    plane_first = torch.arange(g_rows, dtype=narrow, device=dev).mul_(rows * cols).view(-1, 1)
+    starts[:first_rows].view(g_rows, cols).copy_(
+        plane_first + torch.arange(cols, dtype=narrow, device=dev)
+    )
     expand_runs(starts[first_rows:], keys.index_select(0, kept), spans)
     # Codes at the starts: the first rows' runs, each repeated over its columns; then each
     # interval's code of row i.
@@ -210,23 +214,20 @@ def _q_runs_at(starts: Tensor, code: Tensor, shape: torch.Size) -> _Runs:
     row, col = _div_mod(tile, cols)
     # The start's flat position in the transposed grid: line-major, as the output lists.
     key = (plane * cols + col) * rows + row
-    if total < (1 << 31):  # int32 keys sort in half the time (37k: 0.51 against 1.10 ms)
-        transposed, order = key.to(torch.int32).sort()
-        transposed = transposed.to(torch.int64)
-    else:
-        transposed, order = key.sort()
+    transposed, order = key.to(_narrow(total)).sort()
     length = torch.diff(transposed, append=transposed.new_tensor([total]))
-    value = code.index_select(0, order).to(torch.int64)
+    value = code.index_select(0, order).to(transposed.dtype)
     return _Runs(*_div_mod(transposed, rows), length, value)
 
 
 def _line_places(runs: _Runs) -> tuple[Tensor, Tensor]:
     """For each run, the index of its line's first run and how many runs of its line come
     before it: what ranking a side's partial and full tensors both read (found once)."""
-    line_first = (runs.col == 0).nonzero().squeeze(1)  # each line's first run
+    dtype = runs.line.dtype
+    line_first = (runs.col == 0).nonzero().squeeze(1).to(dtype)  # each line's first run
     first_of_mine = line_first.index_select(0, runs.line)
-    before_in_line = torch.arange(runs.line.numel(), device=runs.line.device) - first_of_mine
-    return first_of_mine, before_in_line
+    before_in_line = torch.arange(runs.line.numel(), dtype=dtype, device=runs.line.device)
+    return first_of_mine, before_in_line.sub_(first_of_mine)
 
 
 def _listed_from_runs(
@@ -241,19 +242,21 @@ def _listed_from_runs(
     line, col, length = runs.line, runs.col, runs.length
     first_of_mine, before_in_line = _line_places(runs) if places is None else places
     is_set = runs.value == code
-    set_count = is_set.to(torch.int64)
-    count = torch.zeros(lines, dtype=torch.int64, device=line.device)
-    count.index_add_(0, line, torch.where(is_set, length, 0))  # no int64 multiply: ~3x a where
+    dtype = line.dtype  # the runs' (``_narrow``)
+    set_count = is_set.to(dtype)
+    count = torch.zeros(lines, dtype=dtype, device=line.device)
+    count.index_add_(0, line, torch.where(is_set, length, 0))  # no multiply: ~3x a where
     # Runs before each one: overall, then set ones; less those of earlier lines.
-    set_before = set_count.cumsum(0).sub_(set_count)
+    set_before = set_count.cumsum(0, dtype=dtype).sub_(set_count)
     set_before_in_line = set_before - set_before.index_select(0, first_of_mine)
-    set_in_line = torch.zeros(lines, dtype=torch.int64, device=line.device)
+    set_in_line = torch.zeros(lines, dtype=dtype, device=line.device)
     set_in_line.index_add_(0, line, set_count)
     rank = first_of_mine + torch.where(
         is_set,
         set_before_in_line,
         set_in_line.index_select(0, line) + before_in_line - set_before_in_line,
     )
+    rank = rank.to(torch.int64)  # index_copy_ takes int64 indices only
     ranked_col = torch.empty_like(col).index_copy_(0, rank, col)
     ranked_length = torch.empty_like(length).index_copy_(0, rank, length)
     indices = torch.empty(shape, dtype=torch.int32, device=line.device)
@@ -275,7 +278,7 @@ def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
     row), and the last partial chunk entry by entry. No cumsum over the output."""
     total = out.numel()
     k = _CHUNK
-    first = lens.cumsum(0).sub_(lens)
+    first = lens.cumsum(0, dtype=lens.dtype).sub_(lens)
     offset = starts - first  # entry p of run r holds p + offset[r]
     jump = torch.diff(offset, prepend=offset.new_zeros(1))
     chunks = total // k
@@ -305,10 +308,12 @@ def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
         if begun.numel():
             chunk = _div_mod(first.index_select(0, begun), k, mod=False)[0]
             which, row = torch.unique_consecutive(chunk, return_inverse=True)
+            which = which.to(torch.int64)  # index_copy_ takes int64 indices only
             table = torch.ones((which.numel(), k), dtype=wide, device=out.device)
             table[:, 0] = base.index_select(0, which)
             table.index_put_(
-                (row, inside.index_select(0, begun)), jump.index_select(0, begun).to(wide).add_(1)
+                (row, inside.index_select(0, begun).to(torch.int64)),
+                jump.index_select(0, begun).to(wide).add_(1),
             )
             rows.index_copy_(0, which, table.cumsum_(1).to(out.dtype))
     tail = chunks * k
