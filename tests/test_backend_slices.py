@@ -422,9 +422,12 @@ def test_a_block_mask_edited_in_place_attends_its_blocks_not_its_mask(made, edit
     assert choice.backend == "block_sparse" and "edited in place" in choice.refused["slices"]
     allowed = blocks_dense(built, element)
     assert (allowed != element).any()  # the edit changed what is attended
-    out = flexmask.flex_attention(q, k, v, block_mask=given)
     ref, _ = dense_attention(q, k, v, torch.from_numpy(allowed).expand(1, 2, 256, 256))
+    out = flexmask.flex_attention(q, k, v, block_mask=given)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    for backend in ("block_sparse", "sdpa"):  # each reads the blocks, with or without the Mask
+        out = flexmask.attention(q, k, v, given, backend)
+        torch.testing.assert_close(out, ref, atol=1e-10, rtol=0, msg=backend)
 
 
 def _pickled(obj):
