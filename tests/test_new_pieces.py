@@ -338,9 +338,9 @@ def test_per_head_builds_each_distinct_mask_once_in_closed_form(monkeypatch):
     built = []
     original = closed_form.ordered_sides
 
-    def spy(part, grid):
+    def spy(part, grid, **kwargs):
         built.append(part)
-        return original(part, grid)
+        return original(part, grid, **kwargs)
 
     monkeypatch.setattr(closed_form, "ordered_sides", spy)
     _no_tiles(monkeypatch)
