@@ -4,10 +4,6 @@ expressions with B and H > 1, odd and unequal lengths, grouped heads; and every 
 
 from __future__ import annotations
 
-import copy as copy_module
-import io
-import pickle
-
 import numpy as np
 import pytest
 import torch
@@ -22,6 +18,7 @@ from flexmask.formats.magi import MagiMask
 from tests import oracle
 from tests.strategies import expressions
 from tests.test_formats import magi_dense
+from tests.test_pickle import ROUND_TRIPS
 
 dense_attention = oracle.attention
 
@@ -430,26 +427,15 @@ def test_a_block_mask_edited_in_place_attends_its_blocks_not_its_mask(made, edit
         torch.testing.assert_close(out, ref, atol=1e-10, rtol=0, msg=backend)
 
 
-def _pickled(obj):
-    return pickle.loads(pickle.dumps(obj))
-
-
-def _torch_saved(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    with torch.serialization.safe_globals(flexmask.safe_globals()):
-        return torch.load(buffer)  # weights_only=True
-
-
-@pytest.mark.parametrize("copy", [_pickled, _torch_saved, copy_module.deepcopy])
-def test_a_copied_block_mask_is_lowered_until_edited(copy):
+@pytest.mark.parametrize("round_trip", sorted(ROUND_TRIPS))
+def test_a_copied_block_mask_is_lowered_until_edited(round_trip):
     """A pickled, saved or deep-copied BlockMask flexmask built still lowers to slices (its
     record names the copy's own tensors); an edit of the copy, or of the original before
     copying, sends it to the path that reads its blocks."""
     mask = flexmask.causal() & flexmask.document([100, 156])
     element = oracle.causal(256, 256) & oracle.document([100, 156], 256, 256)
     q, k, v = qkv(1, 2, 2, 256, 256)
+    copy = ROUND_TRIPS[round_trip]
     built = flexmask.create_block_mask(mask, 1, 1, 256, 256, BLOCK_SIZE=64)
     restored = copy(built)
     assert flexmask.explain(q, k, v, restored).backend == "slices"
