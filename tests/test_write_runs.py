@@ -3,11 +3,12 @@ argsort order (set blocks ascending, then unset ones) on grids of few runs and o
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexmask.blocks.write import ordered_lines
+from flexmask.blocks.write import ordered_from_codes, ordered_lines
 
 
 def _torch_order(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,3 +36,33 @@ def test_lines_written_as_runs_match_torch_order(shape, runs, seed, density):
     want_count, want_indices = _torch_order(blocks)
     assert torch.equal(count, want_count) and count.dtype == torch.int32
     assert torch.equal(indices, want_indices) and indices.dtype == torch.int32
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("shape", [(2, 1, 700, 901), (1, 2, 1024, 1024)])
+def test_large_grids_of_codes_written_as_torch_orders_them(shape, sparse):
+    """Grids of over 16k words of tiles find their run starts by groups of words first
+    (``_nonzero_words``): clustered starts (bands near a diagonal, most groups empty) and
+    scattered ones (most groups hold one), a word count that is and is not a multiple of
+    the group — both sides equal torch's stable argsort of the partial and full tiles."""
+    gen = torch.Generator().manual_seed(sum(shape) + sparse)
+    rows, cols = shape[-2:]
+    if sparse:
+        q = torch.arange(rows).view(-1, 1)
+        lo = q * cols // rows - torch.randint(0, 40, (*shape[:-2], rows, 1), generator=gen)
+        column = torch.arange(cols)
+        inside = (column >= lo) & (column <= q * cols // rows)
+        full = inside & (torch.rand(shape, generator=gen) < 0.3)
+        codes = (inside.to(torch.int8) + full.to(torch.int8)).to(torch.int8)
+    else:
+        codes = torch.randint(0, 3, shape, generator=gen, dtype=torch.int8)
+        codes[..., : rows // 2, :] = codes[..., : rows // 2, :1]  # some lines one run
+    kv, q = ordered_from_codes(codes)
+    flipped = codes.transpose(-2, -1)
+    for side, grid in ((kv, codes), (q, flipped)):
+        for (num, idx), code in (
+            ((side.partial_num, side.partial_idx), 1),
+            ((side.full_num, side.full_idx), 2),
+        ):
+            want_num, want_idx = _torch_order(grid == code)
+            assert torch.equal(num, want_num) and torch.equal(idx, want_idx)

@@ -94,8 +94,8 @@ def _run_starts(grid: Tensor, along_rows: bool) -> Tensor | None:
     each column (True: the q side's lines, read without transposing the grid). None when
     they are many (over one in eight tiles: a column-by-column rank is cheaper then).
 
-    One pass compares neighbours; starts are found in 8-byte words first, so ``nonzero``
-    reads an eighth of the grid, then only the words that hold a start."""
+    One pass compares neighbours; starts are found in 8-byte words first (by groups of
+    words, ``_nonzero_words``), then only the words that hold a start are read bytewise."""
     total = grid.numel()
     words = (total + 7) // 8
     change_words = torch.empty(words, dtype=torch.int64, device=grid.device)
@@ -108,12 +108,38 @@ def _run_starts(grid: Tensor, along_rows: bool) -> Tensor | None:
     else:
         change[..., 0] = True
         torch.ne(grid[..., 1:], grid[..., :-1], out=change[..., 1:])
-    hit = change_words.nonzero().squeeze(1)
-    if hit.numel() * 8 > total:
-        return None
+    hit = _nonzero_words(change_words)
     byte = change_bytes.view(words, 8).index_select(0, hit).nonzero()
     starts = hit.index_select(0, byte[:, 0]).mul_(8).add_(byte[:, 1])
     return None if starts.numel() * 8 > total else starts
+
+
+_GROUP = 16
+"""Words per group of ``_nonzero_words``' first level (128 tiles of a grid of codes)."""
+
+
+def _nonzero_words(words: Tensor) -> Tensor:
+    """Indices (ascending) of the nonzero entries of flat int64 ``words`` of 0/1 bytes
+    (so none is negative), in two levels: the groups of ``_GROUP`` words holding one,
+    from their maxima (a reduction, ~5x faster than torch's CPU ``nonzero`` per word:
+    0.42 against 2.0 ms over 1M words, one run), then ``nonzero`` over those groups alone.
+    Run starts cluster (a tree's grid is 8-28% non-empty at 131k): 19-22k groups of 65k
+    hold one; where over half the groups do, one ``nonzero`` over every word."""
+    n = words.numel()
+    groups = n // _GROUP
+    if groups < 1024:  # small: the first level's calls cost more than they save
+        return words.nonzero().squeeze(1)
+    head = words[: groups * _GROUP].view(groups, _GROUP)
+    held = head.amax(1).nonzero().squeeze(1)
+    if held.numel() * 2 > groups:  # dense: gathering the groups would cost more
+        return words.nonzero().squeeze(1)
+    inner = head.index_select(0, held).view(-1).nonzero().squeeze(1)
+    hit = held.index_select(0, _div_mod(inner, _GROUP, mod=False)[0])
+    hit.mul_(_GROUP).add_(_div_mod(inner, _GROUP, div=False)[1])
+    if groups * _GROUP == n:
+        return hit
+    tail = words[groups * _GROUP :].nonzero().squeeze(1).add_(groups * _GROUP)
+    return torch.cat([hit, tail])
 
 
 def _kv_runs(grid: Tensor) -> _Runs | None:
