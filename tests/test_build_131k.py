@@ -92,3 +92,31 @@ def test_insertion_order_tree_windows_in_small_chunks(q_offset, kv_offset, small
 
     theirs = torch_create_block_mask(shifted, 2, 1, q_len, kv_len, "cpu", 16)
     oracle.assert_same_block_mask(ours, theirs, f"window q+{q_offset} kv+{kv_offset}")
+
+
+def _chain_then_branches(length: int, prefix: int, interleaved: bool) -> list[int]:
+    """A chain of ``prefix`` tokens, then two branches off its last token: one after the
+    other (a preorder), or 16 tokens of each in turn (insertion order, not a preorder, whose
+    blocks of 16 are each one run of ranks: the classifier's exact case)."""
+    parents = [-1, *range(prefix - 1)]
+    tips = [prefix - 1, prefix - 1]
+    count = length - prefix
+    for t in range(count):
+        branch = (t // 16) % 2 if interleaved else int(t >= count // 2)
+        parents.append(tips[branch])
+        tips[branch] = len(parents) - 1
+    return parents
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["preorder", "insertion"])
+def test_trees_whose_edge_tiles_are_demoted_in_small_chunks(interleaved, small_chunks):
+    # Tiles of the last, incomplete q block row or kv block column that every in-range
+    # element attends (a chain every later token descends from) are FULL in structure
+    # and PARTIAL in torch's: each alone, and both.
+    trees = [_chain_then_branches(1210 - 3 * r, 608 - 48 * r, interleaved) for r in range(2)]
+    mask = flexmask.tree(trees)
+    assert all(mask.preorder) != interleaved
+    for q_len, kv_len in ((1520, 590), (1203, 1536), (1533, 1533)):
+        ours = flexmask.create_block_mask(mask, 2, 1, q_len, kv_len, "cpu", 16)
+        theirs = torch_create_block_mask(mask.mask_mod, 2, 1, q_len, kv_len, "cpu", 16)
+        oracle.assert_same_block_mask(ours, theirs, f"edges q={q_len} kv={kv_len}")
