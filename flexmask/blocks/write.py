@@ -97,6 +97,13 @@ def _run_starts(grid: Tensor, along_rows: bool) -> Tensor | None:
     One pass compares neighbours; starts are found in 8-byte words first (by groups of
     words, ``_nonzero_words``), then only the words that hold a start are read bytewise."""
     total = grid.numel()
+    if (
+        along_rows
+        and grid.shape[2] % 8 == 0
+        and grid.dtype.itemsize == 1
+        and grid.storage_offset() % 8 == 0
+    ):
+        return _starts_down_by_words(grid)
     words = (total + 7) // 8
     change_words = torch.empty(words, dtype=torch.int64, device=grid.device)
     change_bytes = change_words.view(torch.bool)
@@ -112,6 +119,34 @@ def _run_starts(grid: Tensor, along_rows: bool) -> Tensor | None:
     byte = change_bytes.view(words, 8).index_select(0, hit).nonzero()
     starts = hit.index_select(0, byte[:, 0]).mul_(8).add_(byte[:, 1])
     return None if starts.numel() * 8 > total else starts
+
+
+def _starts_down_by_words(grid: Tensor) -> Tensor | None:
+    """``_run_starts`` down the columns of a contiguous ``(G, rows, cols)`` grid of bytes
+    whose rows are whole 8-byte words: each word compared with the word above it, into
+    one flag per word (an eighth of the flags a byte compare writes, and no pass to read
+    them back as words), then only the words that differ compared byte by byte."""
+    g_rows, rows, cols = grid.shape
+    per_row = cols // 8
+    words = grid.view(torch.int64)  # (G, rows, cols / 8)
+    count = words.numel()
+    flags = torch.empty((count + 7) // 8, dtype=torch.int64, device=grid.device)
+    differs = flags.view(torch.bool)
+    differs[count:] = False
+    by_word = differs[:count].view(words.shape)
+    by_word[:, 0] = True  # every column's line starts a run at its first tile
+    torch.ne(words[:, 1:], words[:, :-1], out=by_word[:, 1:])
+    flagged = _nonzero_words(flags)
+    at = differs.view(-1, 8).index_select(0, flagged).nonzero()
+    hit = flagged.index_select(0, at[:, 0]).mul_(8).add_(at[:, 1])  # words that differ
+    first_row = _div_mod(hit, rows * per_row, div=False)[1] < per_row
+    above = torch.where(first_row, hit, hit - per_row)
+    as_bytes = grid.reshape(-1, 8)
+    changed = as_bytes.index_select(0, hit) != as_bytes.index_select(0, above)
+    changed |= first_row.view(-1, 1)
+    byte = changed.nonzero()
+    starts = hit.index_select(0, byte[:, 0]).mul_(8).add_(byte[:, 1])
+    return None if starts.numel() * 8 > grid.numel() else starts
 
 
 _GROUP = 16
