@@ -119,8 +119,12 @@ def attention_and_handles() -> None:
     flexmask.set_compile(False)
     assert not flexmask.compile_enabled()
     with handle:
-        out = flexmask.flex_attention(q, k, v, block_mask=handle)
+        out = flexmask.flex_attention(q, k, v, block_mask=handle)  # slices: builds nothing
+        assert not handle.built
+        by_blocks = flexmask.attention(q, k, v, handle, "block_sparse")  # reads the BlockMask
+        assert handle.built
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(by_blocks, reference, atol=1e-5, rtol=1e-5)
     flexmask.set_compile(None)
     info = cache.info()
     assert isinstance(info, flexmask.CacheInfo) and (info.misses, info.discarded) == (1, 1)
