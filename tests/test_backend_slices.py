@@ -446,3 +446,37 @@ def test_a_copied_block_mask_is_lowered_until_edited(round_trip):
     torch.testing.assert_close(out, dense_attention(q, k, v, allowed)[0], atol=1e-10, rtol=0)
     EDITS["a partial block dropped"](built)  # edited before copying: no copy is intact
     assert flexmask.explain(q, k, v, copy(built)).backend == "block_sparse"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    spans=st.lists(
+        st.tuples(st.sampled_from([None, 0, 1]), st.integers(0, 40), st.integers(1, 20)),
+        max_size=12,
+    )
+)
+def test_first_touch_and_gaps_against_a_coverage_array(spans):
+    """Which calls write (no earlier call of their row overlaps them) and what is left to
+    zero, checked against a plain per-position record of what earlier spans covered."""
+    spans = [(row, start, start + size) for row, start, size in spans]
+    length = 60
+    first = slices._first_touch(spans)
+    covered: dict = {}
+    for (row, start, end), is_first in zip(spans, first, strict=True):
+        seen = covered.setdefault(row, np.zeros(length, bool))
+        assert is_first == (not seen[start:end].any())
+        seen[start:end] = True
+    rows = sorted({row for row, _, _ in spans} | {0}, key=lambda r: -1 if r is None else r)
+    written = [s for s, f in zip(spans, first, strict=True) if f]
+    gaps = slices._gaps(rows, length, written)
+    for row in rows:
+        want = np.ones(length, bool)
+        for r, start, end in written:
+            if r == row:
+                want[start:end] = False
+        got = np.zeros(length, bool)
+        for r, start, end in gaps:
+            if r == row:
+                assert start < end and not got[start:end].any()
+                got[start:end] = True
+        assert (got == want).all()
