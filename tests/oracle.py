@@ -109,6 +109,34 @@ def stack(rows: list[np.ndarray], heads: int = 1) -> np.ndarray:
     return np.repeat(arr, heads, axis=1)
 
 
+def block_mask_meaning(block_mask, batch, heads, q_len, kv_len, element=None) -> torch.Tensor:
+    """What a BlockMask attends, read from its lists block by block (torch's documented
+    meaning), as (B, H, Q_LEN, KV_LEN) bool: a listed full block everything, a listed
+    partial block the element mask there, an unlisted block nothing. ``element``: that mask,
+    broadcastable to (B, H, Q_LEN, KV_LEN); by default its mask_mod through torch's
+    ``create_mask``."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    if element is None:
+        element = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len, device="cpu")
+    element = torch.as_tensor(element).expand(batch, heads, q_len, kv_len)
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    dense = torch.zeros(batch, heads, q_len, kv_len, dtype=torch.bool)
+    lists = [(block_mask.kv_num_blocks, block_mask.kv_indices, False)]
+    if block_mask.full_kv_num_blocks is not None:
+        lists.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, True))
+    for num, indices, full in lists:
+        for b in range(batch):
+            for h in range(heads):
+                mb, mh = b % num.size(0), h % num.size(1)
+                for i in range(-(-q_len // q_block)):
+                    rows = slice(i * q_block, (i + 1) * q_block)
+                    for j in indices[mb, mh, i, : int(num[mb, mh, i])].tolist():
+                        cols = slice(j * kv_block, (j + 1) * kv_block)
+                        dense[b, h, rows, cols] = True if full else element[b, h, rows, cols]
+    return dense
+
+
 def torch_blocks(dense: np.ndarray, block_size) -> object:
     """torch's create_block_mask on a plain lookup into the dense mask."""
     table = torch.from_numpy(np.ascontiguousarray(dense))

@@ -368,25 +368,6 @@ def test_a_torch_without_the_flash_ops_refuses_and_block_sparse_runs(monkeypatch
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
 
 
-def blocks_dense(block_mask, element_mask):
-    """What a BlockMask attends, read plainly from its tensors (torch's documented meaning):
-    a listed full block everything, a listed partial block the mask's own elements, an
-    unlisted block nothing. ``element_mask``: the (Q, KV) dense mask of its mask_mod."""
-    q_len, kv_len = block_mask.seq_lengths
-    q_block, kv_block = block_mask.BLOCK_SIZE
-    out = np.zeros((q_len, kv_len), dtype=bool)
-    sides = [(block_mask.kv_num_blocks, block_mask.kv_indices, False)]
-    if block_mask.full_kv_num_blocks is not None:
-        sides.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, True))
-    for counts, indices, full in sides:
-        for row in range(counts.shape[-1]):
-            for kb in indices[0, 0, row, : int(counts[0, 0, row])].tolist():
-                rows = slice(row * q_block, (row + 1) * q_block)
-                cols = slice(kb * kv_block, (kb + 1) * kv_block)
-                out[rows, cols] = True if full else element_mask[rows, cols]
-    return out
-
-
 EDITS = {
     "a full block dropped": lambda bm: bm.full_kv_num_blocks[0, 0, 3].zero_(),
     "a partial block dropped": lambda bm: bm.kv_num_blocks[0, 0, 1].sub_(1),
@@ -417,9 +398,9 @@ def test_a_block_mask_edited_in_place_attends_its_blocks_not_its_mask(made, edit
     EDITS[edit](built)
     choice = flexmask.explain(q, k, v, given)
     assert choice.backend == "block_sparse" and "edited in place" in choice.refused["slices"]
-    allowed = blocks_dense(built, element)
-    assert (allowed != element).any()  # the edit changed what is attended
-    ref, _ = dense_attention(q, k, v, torch.from_numpy(allowed).expand(1, 2, 256, 256))
+    allowed = oracle.block_mask_meaning(built, 1, 2, 256, 256, torch.from_numpy(element))
+    assert (allowed != torch.from_numpy(element)).any()  # the edit changed what is attended
+    ref, _ = dense_attention(q, k, v, allowed)
     out = flexmask.flex_attention(q, k, v, block_mask=given)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
     for backend in ("block_sparse", "sdpa"):  # each reads the blocks, with or without the Mask
@@ -442,7 +423,7 @@ def test_a_copied_block_mask_is_lowered_until_edited(round_trip):
     EDITS["a full block dropped"](restored)
     assert flexmask.explain(q, k, v, restored).backend == "block_sparse"
     out = flexmask.flex_attention(q, k, v, block_mask=restored)
-    allowed = torch.from_numpy(blocks_dense(restored, element)).expand(1, 2, 256, 256)
+    allowed = oracle.block_mask_meaning(restored, 1, 2, 256, 256, torch.from_numpy(element))
     torch.testing.assert_close(out, dense_attention(q, k, v, allowed)[0], atol=1e-10, rtol=0)
     EDITS["a partial block dropped"](built)  # edited before copying: no copy is intact
     assert flexmask.explain(q, k, v, copy(built)).backend == "block_sparse"

@@ -37,6 +37,7 @@ from flexmask.backends.block_sparse import threads as block_sparse_threads
 from flexmask.backends.block_sparse.api import block_sparse_attention
 from flexmask.backends.plan import make_plan
 from flexmask.backends.sdpa import choose_backend
+from tests import oracle
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
@@ -131,27 +132,6 @@ def flex_forward(q, k, v, block_mask, **kwargs):
         )
     finally:
         flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = previous
-
-
-def dense_from_blocks(block_mask, batch, heads, q_len, kv_len):
-    """The mask a BlockMask means, block by block: listed partial blocks take mask_mod's value
-    there, listed full blocks are all True, unlisted blocks are all False."""
-    q_block, kv_block = block_mask.BLOCK_SIZE
-    by_mask_mod = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len, device="cpu")
-    dense = torch.zeros(batch, heads, q_len, kv_len, dtype=torch.bool)
-    lists = [(block_mask.kv_num_blocks, block_mask.kv_indices, False)]
-    if block_mask.full_kv_num_blocks is not None:
-        lists.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, True))
-    for num, indices, full in lists:
-        for b in range(batch):
-            for h in range(heads):
-                mb, mh = b % num.size(0), h % num.size(1)
-                for i in range(-(-q_len // q_block)):
-                    rows = slice(i * q_block, (i + 1) * q_block)
-                    for j in indices[mb, mh, i, : num[mb, mh, i]].tolist():
-                        cols = slice(j * kv_block, (j + 1) * kv_block)
-                        dense[b, h, rows, cols] = True if full else by_mask_mod[b, h, rows, cols]
-    return dense
 
 
 def random_qkv(batch, q_heads, kv_heads, q_len, kv_len, dtype=torch.float64, head_dim=8, seed=0):
@@ -483,7 +463,7 @@ def test_full_blocks_skip_mask_mod():
         mask_mod=causal,
         seq_lengths=(q_len, kv_len),
     )
-    dense = dense_from_blocks(declared, 1, 2, q_len, kv_len)
+    dense = oracle.block_mask_meaning(declared, 1, 2, q_len, kv_len)
     assert dense[0, 0, 0, 31] and not causal(0, 0, torch.tensor(0), torch.tensor(31))
     q, k, v, grad_out = random_qkv(1, 2, 2, q_len, kv_len)
     assert_matches_oracles(q, k, v, grad_out, declared, dense, atol=1e-10)
@@ -494,7 +474,7 @@ def test_unlisted_blocks_are_skipped_even_where_mask_mod_allows():
     num = torch.tensor([[[1, 0, 2]]], dtype=torch.int32)
     idx = torch.tensor([[[[2, 0, 0], [0, 0, 0], [0, 1, 0]]]], dtype=torch.int32)
     block_mask = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=32, seq_lengths=(q_len, kv_len))
-    dense = dense_from_blocks(block_mask, 1, 1, q_len, kv_len)
+    dense = oracle.block_mask_meaning(block_mask, 1, 1, q_len, kv_len)
     assert not dense[:, :, 32:64].any()  # the middle q block lists nothing
     q, k, v, grad_out = random_qkv(1, 1, 1, q_len, kv_len)
     assert_matches_oracles(q, k, v, grad_out, block_mask, dense, atol=1e-10)

@@ -15,29 +15,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from flexmask.backends.block_sparse import grouped
 from flexmask.backends.block_sparse.api import block_sparse_attention
-
-
-def dense_meaning(block_mask, batch, heads, q_len, kv_len):
-    """(B, H, Q_LEN, KV_LEN) bool, block by block, with plain loops over the lists."""
-    q_block, kv_block = block_mask.BLOCK_SIZE
-    dense = torch.zeros(batch, heads, q_len, kv_len, dtype=torch.bool)
-    q_idx = torch.arange(q_len)[:, None]
-    kv_idx = torch.arange(kv_len)[None, :]
-    lists = [(block_mask.kv_num_blocks, block_mask.kv_indices, False)]
-    if block_mask.full_kv_num_blocks is not None:
-        lists.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, True))
-    for b in range(batch):
-        for h in range(heads):
-            by_mod = block_mask.mask_mod(torch.tensor(b), torch.tensor(h), q_idx, kv_idx)
-            for num, indices, full in lists:
-                mb, mh = b % num.size(0), h % num.size(1)
-                for row in range(num.size(2)):
-                    for slot in range(int(num[mb, mh, row])):
-                        col = int(indices[mb, mh, row, slot])
-                        rows = slice(row * q_block, (row + 1) * q_block)
-                        cols = slice(col * kv_block, (col + 1) * kv_block)
-                        dense[b, h, rows, cols] = True if full else by_mod[rows, cols]
-    return dense
+from tests import oracle
 
 
 def reference(q, k, v, dense, score_mod=None):
@@ -133,7 +111,7 @@ def test_intervals_read_back_from_mask_mod_equal_the_dense_reference(monkeypatch
         q, k, v, block_mask, enable_gqa=q_heads != kv_heads, return_lse=True, backend="sparse"
     )
     assert read_back and read_back[0] is not None
-    dense = dense_meaning(block_mask, batch, q_heads, q_len, kv_len)
+    dense = oracle.block_mask_meaning(block_mask, batch, q_heads, q_len, kv_len)
     expected, expected_lse = reference(q, k, v, dense)
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
     torch.testing.assert_close(lse, expected_lse.to(lse.dtype), atol=1e-10, rtol=0)
@@ -172,7 +150,7 @@ def test_rows_that_are_not_intervals_leave_mask_mod_to_decide(monkeypatch, mask_
     q, k, v, grad_out = qkv(2, 2, 2, 170, 170)
     out = block_sparse_attention(q, k, v, block_mask, backend="sparse")
     assert called
-    dense = dense_meaning(block_mask, 2, 2, 170, 170)
+    dense = oracle.block_mask_meaning(block_mask, 2, 2, 170, 170)
     expected, _ = reference(q, k, v, dense)
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
     got = torch.autograd.grad(out, (q, k, v), grad_out)
@@ -191,7 +169,7 @@ def test_score_mod_with_intervals_read_back():
     block_mask = create_block_mask(mask_mod, 2, None, 300, 300, device="cpu", BLOCK_SIZE=32)
     q, k, v, grad_out = qkv(2, 2, 2, 300, 300)
     out = block_sparse_attention(q, k, v, block_mask, score_mod=bias)
-    dense = dense_meaning(block_mask, 2, 2, 300, 300)
+    dense = oracle.block_mask_meaning(block_mask, 2, 2, 300, 300)
     expected, _ = reference(q, k, v, dense, score_mod=bias)
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
     got = torch.autograd.grad(out, (q, k, v), grad_out)

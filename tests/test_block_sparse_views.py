@@ -11,7 +11,8 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from flexmask.backends.block_sparse import kernel
 from flexmask.backends.block_sparse.api import block_sparse_attention
-from tests.test_block_sparse_recovered import dense_meaning, reference
+from tests import oracle
+from tests.test_block_sparse_recovered import reference
 
 
 def long_documents(b, h, q_idx, kv_idx):
@@ -61,7 +62,7 @@ def test_views_and_mask_runs_equal_the_dense_reference(
     # The shortcuts were taken: groups of one q block on views, rows with two mask runs.
     assert any(g.single is not None for g in made)
     assert any(len(g.mask_spans) >= 2 for g in made)
-    dense = dense_meaning(block_mask, 2, q_heads, seq_len, seq_len)
+    dense = oracle.block_mask_meaning(block_mask, 2, q_heads, seq_len, seq_len)
     expected, _ = reference(q, k, v, dense)
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
     got = torch.autograd.grad(out, leaves, grad_out)

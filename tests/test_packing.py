@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 import flexmask
 from flexmask.packing import Chunk, PackedDataset, PackingCollator, pack, pack_tree
+from tests import oracle
 
 # flexmask.lazy and flexmask.flex_attention are written alongside this module; until they land
 # the tests that need them skip (and say why) rather than fail.
@@ -94,32 +95,6 @@ def reference_fit(lengths, capacity, best):
         room[row] -= n
         rows.append(row)
     return rows
-
-
-def effective_dense(block_mask):
-    """What a BlockMask lets through: full blocks, plus mask_mod inside partial blocks."""
-    q_len, kv_len = block_mask.seq_lengths
-    batch, heads = block_mask.kv_num_blocks.shape[:2]
-    q_block, kv_block = block_mask.BLOCK_SIZE
-
-    def blocks(num, indices):
-        out = torch.zeros(batch, heads, num.shape[-1], indices.shape[-1], dtype=torch.bool)
-        for b, h, qb in itertools.product(range(batch), range(heads), range(num.shape[-1])):
-            out[b, h, qb, indices[b, h, qb, : num[b, h, qb]]] = True
-        return out.repeat_interleave(q_block, 2).repeat_interleave(kv_block, 3)[
-            :, :, :q_len, :kv_len
-        ]
-
-    partial = blocks(block_mask.kv_num_blocks, block_mask.kv_indices)
-    full = torch.zeros_like(partial)
-    if block_mask.full_kv_num_blocks is not None:
-        full = blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-    b = torch.arange(batch).view(-1, 1, 1, 1)
-    h = torch.arange(heads).view(1, -1, 1, 1)
-    q = torch.arange(q_len).view(1, 1, -1, 1)
-    kv = torch.arange(kv_len).view(1, 1, 1, -1)
-    inside = block_mask.mask_mod(b, h, q, kv).expand(batch, heads, q_len, kv_len)
-    return full | (partial & inside)
 
 
 # ------------------------------------------------------------------------------------------
@@ -598,7 +573,7 @@ def test_collator_in_workers_ships_small_unbuilt_handles_built_correctly_in_main
             (batch.num_rows, h, max_len, max_len) for h in (1, heads)
         }
         reference = reference_document_mask(batch.seq_lens, max_len)
-        effective = effective_dense(block_mask)
+        effective = oracle.block_mask_meaning(block_mask, *block_mask.shape)
         assert torch.equal(effective, reference[:, None].expand_as(effective))
         torch_bm = torch_create_block_mask(
             lambda b, h, q, kv, ref=reference: ref[b, q, kv],
