@@ -192,19 +192,10 @@ def _kv_runs(grid: Tensor) -> _Runs | None:
 def _q_runs(grid: Tensor) -> _Runs | None:
     """Runs down the columns of a contiguous ``(G, rows, cols)`` grid: lines are its
     columns (the transposed grid's rows), found on the grid as it lies."""
-    g_rows, rows, cols = grid.shape
     starts = _run_starts(grid, along_rows=True)
     if starts is None:
         return None
-    plane, tile = _div_mod(starts, rows * cols)
-    row, col = _div_mod(tile, cols)
-    # The start's flat position in the transposed grid: line-major, as the output lists.
-    key = (plane * cols + col) * rows + row
-    # int32 keys sort in half the time (37k: 0.51 against 1.10 ms)
-    transposed, order = key.to(_narrow(grid.numel())).sort()
-    length = torch.diff(transposed, append=transposed.new_tensor([grid.numel()]))
-    value = grid.view(-1).index_select(0, starts.index_select(0, order)).to(transposed.dtype)
-    return _Runs(*_div_mod(transposed, rows), length, value)
+    return _q_runs_at(starts, grid.view(-1).index_select(0, starts), grid.shape)
 
 
 def q_runs_from_kv(kv: _Runs, shape: torch.Size) -> _Runs | None:
@@ -275,6 +266,7 @@ def _q_runs_at(starts: Tensor, code: Tensor, shape: torch.Size) -> _Runs:
     row, col = _div_mod(tile, cols)
     # The start's flat position in the transposed grid: line-major, as the output lists.
     key = (plane * cols + col) * rows + row
+    # int32 keys sort in half the time (37k: 0.51 against 1.10 ms)
     transposed, order = key.to(_narrow(total)).sort()
     length = torch.diff(transposed, append=transposed.new_tensor([total]))
     value = code.index_select(0, order).to(transposed.dtype)
