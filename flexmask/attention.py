@@ -24,7 +24,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmask import backends
 from flexmask.algebra.mask import Mask
 from flexmask.backends.flex import ENV_COMPILE, compiled_flex_attention  # noqa: F401 - re-exported
-from flexmask.backends.request import Deferred, Request
+from flexmask.backends.request import Deferred, Request, check_fits
 from flexmask.builders.create import built_from
 from flexmask.runtime.cache import default_cache
 from flexmask.runtime.lazy import LazyBlockMask
@@ -211,7 +211,8 @@ def _check_fits(mask: Any, query: Any, key: Any) -> None:
     """A BlockMask or a handle is made for one pair of lengths and one device; it must be
     used with those, whichever backend runs (one that lowers the Mask behind it would
     otherwise lower it for the tensors' lengths, not the ones it was built for). Checked
-    once, here; tensors that are not (B, H, S, D) are left to the backends to name."""
+    here for every call (``make_plan`` checks a BlockMask given to the block-sparse path
+    directly the same way); tensors that are not (B, H, S, D) are left to the backends."""
     if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (query, key)):
         return
     device: torch.device | None
@@ -222,20 +223,7 @@ def _check_fits(mask: Any, query: Any, key: Any) -> None:
         lengths, device = (mask.seq_lengths[0], mask.seq_lengths[1]), mask.kv_num_blocks.device
     else:
         return
-    q_len, kv_len = query.shape[-2], key.shape[-2]
-    if lengths != (q_len, kv_len):
-        raise ValueError(
-            f"block_mask was built for (Q_LEN, KV_LEN)={lengths} but query and key give "
-            f"({q_len}, {kv_len}); build it for these lengths"
-        )
-    if device is not None and (
-        device.type != query.device.type
-        or (device.index is not None and device.index != query.device.index)
-    ):
-        raise ValueError(
-            f"block_mask must be on query's device ({query.device}), got {device}; use "
-            f"block_mask.to(device)"
-        )
+    check_fits(lengths, device, query, key)
 
 
 def explain(

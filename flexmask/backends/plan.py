@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask.backends.request import check_fits
 from flexmask.blocks.codes import EMPTY, PARTIAL
 from flexmask.blocks.read import kv_codes
 
@@ -123,16 +124,7 @@ def make_plan(
             f"block_mask must be a torch.nn.attention.flex_attention.BlockMask (for example "
             f"from create_block_mask), got {type(block_mask).__name__}"
         )
-    if tuple(block_mask.seq_lengths) != (q_len, kv_len):
-        raise ValueError(
-            f"block_mask was built for (Q_LEN, KV_LEN)={tuple(block_mask.seq_lengths)} but query "
-            f"and key give ({q_len}, {kv_len}); build it for these lengths"
-        )
-    if block_mask.kv_num_blocks.device != query.device:
-        raise ValueError(
-            f"block_mask must be on query's device ({query.device}), got "
-            f"{block_mask.kv_num_blocks.device}; use block_mask.to(device)"
-        )
+    check_fits(block_mask.seq_lengths, block_mask.kv_num_blocks.device, query, key)
     q_block, kv_block = (int(s) for s in block_mask.BLOCK_SIZE)
     group = q_heads // kv_heads
     num_q_blocks = -(-q_len // q_block)

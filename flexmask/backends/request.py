@@ -37,6 +37,28 @@ class Deferred:
         return self._value
 
 
+def check_fits(
+    lengths: tuple[int, int], device: torch.device | None, query: Tensor, key: Tensor
+) -> None:
+    """A BlockMask made for ``lengths`` (Q_LEN, KV_LEN) on ``device`` (None: any) must be
+    used with a query and key of those lengths on that device, as torch's flex_attention
+    requires; raises ValueError naming both otherwise."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if tuple(lengths) != (q_len, kv_len):
+        raise ValueError(
+            f"block_mask was built for (Q_LEN, KV_LEN)={tuple(lengths)} but query and key "
+            f"give ({q_len}, {kv_len}); build it for these lengths"
+        )
+    if device is not None and (
+        device.type != query.device.type
+        or (device.index is not None and device.index != query.device.index)
+    ):
+        raise ValueError(
+            f"block_mask must be on query's device ({query.device}), got {device}; use "
+            f"block_mask.to(device)"
+        )
+
+
 class Request(NamedTuple):
     """One attention call as the backends see it."""
 
