@@ -73,23 +73,25 @@ def test_preorder_trees_ending_inside_blocks(block, chunked):
     oracle.assert_same_block_mask(ours, theirs, f"preorder trees block={block}")
 
 
+def _trees(layout, sizes, seed, sequences, branchy_seed):
+    """One tree per size: in preorder, in insertion order, or branchy (each node's parent
+    drawn uniformly from the nodes before it)."""
+    if layout == "preorder":
+        return [preorder_tree(n, seed=seed + r) for r, n in enumerate(sizes)]
+    if layout == "insertion":
+        return [insertion_tree(n, seed=seed + r, sequences=sequences) for r, n in enumerate(sizes)]
+    gen = torch.Generator().manual_seed(branchy_seed)
+    return [
+        [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)] for n in sizes
+    ]
+
+
 @pytest.mark.parametrize("layout", ["preorder", "insertion", "branchy"])
 def test_trees_build_without_looking_for_undecided_tiles(layout, chunked):
     """A tree settles every tile itself (``settles_every_tile``), so the build skips its
     look for UNDECIDED tiles: its tile codes hold none, and the whole tensors still equal
     torch's — rows that differ, two heads, lengths off the block, windows at offsets."""
-    gen = torch.Generator().manual_seed(7)
-    sizes = [389, 250]
-    if layout == "preorder":
-        trees = [preorder_tree(n, seed=10 + r) for r, n in enumerate(sizes)]
-    elif layout == "insertion":
-        trees = [insertion_tree(n, seed=10 + r, sequences=9) for r, n in enumerate(sizes)]
-    else:
-        trees = [
-            [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-            for n in sizes
-        ]
-    mask = flexmask.tree(trees)
+    mask = flexmask.tree(_trees(layout, [389, 250], seed=10, sequences=9, branchy_seed=7))
     assert mask.settles_every_tile
     grid = make_grid(mask, 2, 2, 389, 389, "cpu", 16, 0, 0)
     assert int(mask.classify_tiles(grid).max()) < UNDECIDED
@@ -114,18 +116,7 @@ def test_narrowed_and_wide_compares_match_torch(layout, narrow, chunked, monkeyp
     every layout, windows at offsets and lengths off the block."""
     if narrow is not None:
         monkeypatch.setattr(tree_module, "_NARROW", narrow)
-    gen = torch.Generator().manual_seed(11)
-    sizes = [463, 300, 97]
-    if layout == "preorder":
-        trees = [preorder_tree(n, seed=20 + r) for r, n in enumerate(sizes)]
-    elif layout == "insertion":
-        trees = [insertion_tree(n, seed=20 + r, sequences=11) for r, n in enumerate(sizes)]
-    else:
-        trees = [
-            [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-            for n in sizes
-        ]
-    mask = flexmask.tree(trees)
+    mask = flexmask.tree(_trees(layout, [463, 300, 97], seed=20, sequences=11, branchy_seed=11))
     for q_len, kv_len, q_offset, kv_offset in ((463, 463, 0, 0), (150, 301, 313, 7)):
         ours = flexmask.create_block_mask(
             mask, 3, 1, q_len, kv_len, "cpu", (16, 8), q_offset=q_offset, kv_offset=kv_offset
