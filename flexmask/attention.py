@@ -23,8 +23,9 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask import backends
 from flexmask.algebra.mask import Mask
+from flexmask.backends.finite import attend_checked
 from flexmask.backends.flex import ENV_COMPILE, compiled_flex_attention  # noqa: F401 - re-exported
-from flexmask.backends.request import Deferred, Request, check_fits
+from flexmask.backends.request import Deferred, Request, check_fits, make_request
 from flexmask.builders.create import built_from
 from flexmask.runtime.cache import default_cache
 from flexmask.runtime.lazy import LazyBlockMask
@@ -103,6 +104,7 @@ def flex_attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     compile: bool | None = None,
+    mask: LazyBlockMask | BlockMask | Mask | None = None,
     **kwargs: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """FlexAttention with a lazy handle, a BlockMask or a mask expression.
@@ -112,8 +114,10 @@ def flex_attention(
         block_mask: a ``flexmask.lazy`` handle (built on first use, shared by every layer
             that passes it), a torch BlockMask, a flexmask Mask (built through the
             process-wide cache for the shapes of ``query`` and ``key``), or None.
+            ``mask=`` is the same argument under :func:`attention`'s name (give one).
         score_mod: as for torch's flex_attention.
-        scale, enable_gqa: as for torch's flex_attention.
+        scale, enable_gqa: as for torch's flex_attention: any finite ``scale`` (0 gives every
+            attended key the same weight), any truthy ``enable_gqa``.
         return_lse: also return the log-sum-exp of the scores, ``(B, Hq, Q_LEN)``, as torch's
             flex_attention does: natural log, float32 (float64 for float64 inputs), ``-inf``
             for a query that attends nothing (its output is 0).
@@ -142,14 +146,31 @@ def flex_attention(
         >>> torch.allclose(out, ref, atol=1e-5)
         True
     """
+    mask = _one_mask(block_mask, mask)
     request = _request(
-        query, key, value, block_mask, score_mod, scale, enable_gqa, return_lse, compile, kwargs
+        query, key, value, mask, score_mod, scale, enable_gqa, return_lse, compile, kwargs
     )
     # The first backend of the table that takes the call: torch's kernel, else (on the CPU
     # with gradients or compile off) the slices backend where the mask is a few big slices,
     # else the block-sparse path, driven by the same BlockMask.
-    backend = backends.choose(request)
-    return backend.attend(backend.lower(request))
+    return _run(backends.choose(request), request)
+
+
+def _run(backend: Any, request: Request) -> Tensor | tuple[Tensor, Tensor]:
+    """One call through ``backend``: an empty call's result without a kernel; on the CPU,
+    no masked-out non-finite value reaching an output (``backends.finite``)."""
+    if request.empty:
+        return request.empty_result()
+    return attend_checked(backend, backend.lower(request))
+
+
+def _one_mask(block_mask: Any, mask: Any) -> Any:
+    """The mask of a call that may name it ``block_mask`` (torch's name) or ``mask``."""
+    if block_mask is not None and mask is not None:
+        raise TypeError(
+            "got both block_mask= and mask=, which are one argument under two names: pass one"
+        )
+    return mask if block_mask is None else block_mask
 
 
 def _request(
@@ -164,8 +185,10 @@ def _request(
     compile: bool | None,
     options: dict[str, Any],
 ) -> Request:
-    """One call as the backends see it: the BlockMask resolved (for a Mask, deferred until a
-    backend reads it: the slices backend lowers the Mask itself), the Mask behind it kept."""
+    """One call as the backends see it, checked once (``make_request``): the BlockMask
+    resolved (for a Mask, deferred until a backend reads it: the slices backend lowers the
+    Mask itself), the Mask behind it kept."""
+    backends.check_options(options)
     resolved: BlockMask | Deferred | None
     if isinstance(mask, LazyBlockMask) and _edited(mask):
         mask = mask.block_mask  # its tensors edited in place: its blocks say what is attended
@@ -186,7 +209,7 @@ def _request(
         use_compile = (query.device.type != "cpu") if requested is None else requested
     else:
         use_compile = compile
-    return Request(
+    return make_request(
         query,
         key,
         value,
@@ -238,10 +261,12 @@ def explain(
     enable_gqa: bool = False,
     return_lse: bool = False,
     compile: bool | None = None,
+    block_mask: LazyBlockMask | BlockMask | Mask | None = None,
     **options: Any,
 ) -> backends.Choice:
-    """Which backend :func:`attention` would run for this call, and why each other one
-    cannot; runs nothing. Arguments as for :func:`attention`.
+    """Which backend :func:`attention` would run for this call, the kernel it calls, and
+    why each other one cannot; runs no attention (a Mask's BlockMask may be built, where the
+    chosen backend reads it to decide its kernel). Arguments as for :func:`attention`.
 
     Example:
         >>> import flexmask, torch
@@ -249,25 +274,30 @@ def explain(
         >>> choice = flexmask.explain(q, k, v, flexmask.causal() & flexmask.document([100, 156]))
         >>> choice.backend
         'slices'
+        >>> choice.kernel
+        "torch's CPU flash kernel (aten._scaled_dot_product_flash_attention_for_cpu), 3 calls"
         >>> print(choice.refused["varlen"])
         varlen_attn and flash-attn run on CUDA only, and this call is on cpu
     """
+    mask = _one_mask(block_mask, mask)
     request = _request(
         query, key, value, mask, score_mod, scale, enable_gqa, return_lse, compile, options
     )
     return _choice(request, backend)
 
 
-def _choice(request: Request, backend: str) -> backends.Choice:
+def _choice(request: Request, backend: str, with_kernel: bool = True) -> backends.Choice:
+    """The backend for the call; ``with_kernel``: and what it will call (explain's question,
+    which may cost a build and a plan; a call that runs asks its backend nothing more)."""
     if backend == "auto":
         order = backends.AUTO.get(request.query.device.type, tuple(backends.TABLE))
         others = tuple(name for name in backends.TABLE if name not in order)
-        return backends.rank(request, order + others)
+        return backends.rank(request, order + others, with_kernel=with_kernel)
     if backend not in backends.TABLE:
         raise ValueError(
             f"backend must be 'auto' or one of {sorted(backends.TABLE)}, got {backend!r}"
         )
-    return backends.rank(request, (backend,))
+    return backends.rank(request, (backend,), with_kernel=with_kernel)
 
 
 def attention(
@@ -282,6 +312,7 @@ def attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     compile: bool | None = None,
+    block_mask: LazyBlockMask | BlockMask | Mask | None = None,
     **options: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention with a mask, run by the fastest backend that can take it on this device.
@@ -290,7 +321,8 @@ def attention(
         query: (B, Hq, Q_LEN, D). key, value: (B, Hkv, KV_LEN, D).
         mask: a ``flexmask.lazy`` handle, a torch BlockMask, a flexmask Mask (built through
             the process-wide cache for the shapes of ``query`` and ``key``), or None (every
-            query attends every key).
+            query attends every key). ``block_mask=`` is the same argument under torch's
+            name (give one).
         backend: ``"auto"`` asks the backends in ``flexmask.backends.AUTO``'s order for the
             device (fastest first, as measured by ``benchmarks/bench_backends.py``) and runs
             the first that takes the call; or a name of ``flexmask.backends.TABLE``
@@ -317,13 +349,13 @@ def attention(
         >>> torch.allclose(out, ref, atol=1e-5)
         True
     """
+    mask = _one_mask(block_mask, mask)
     request = _request(
         query, key, value, mask, score_mod, scale, enable_gqa, return_lse, compile, options
     )
-    choice = _choice(request, backend)
+    choice = _choice(request, backend, with_kernel=False)
     if not choice.backend:
         refusals = "; ".join(f"{name}: {reason}" for name, reason in choice.refused.items())
         what = "no attention backend can" if backend == "auto" else f"backend={backend!r} cannot"
         raise ValueError(f"{what} run this call ({refusals})")
-    chosen = backends.TABLE[choice.backend]
-    return chosen.attend(chosen.lower(request))
+    return _run(backends.TABLE[choice.backend], request)

@@ -188,7 +188,7 @@ def test_refusals_name_their_reason():
     q, k, v = qkv(1, 2, 2, 256, 256)
     cases = {
         "fewer than": dict(mask=flexmask.causal() & flexmask.document([4] * 64)),
-        "takes no options": dict(mask=flexmask.causal(), threads=1),
+        "takes no option ['threads']": dict(mask=flexmask.causal(), threads=1),
         "score_mod": dict(mask=flexmask.causal(), score_mod=lambda s, b, h, qi, ki: s),
         "BlockMask without one": dict(
             mask=create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 256, 256, "cpu")

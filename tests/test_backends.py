@@ -37,12 +37,13 @@ def qkv(length=200, requires_grad=False, seed=0):
     ]
 
 
-def test_every_backend_is_one_module_with_the_three_calls():
-    assert list(backends.TABLE) == ["flex", "slices", "block_sparse", "sdpa", "varlen"]
+def test_every_backend_is_one_module_with_the_four_calls_and_its_options():
+    assert set(backends.TABLE) >= {"flex", "slices", "block_sparse", "sdpa", "varlen"}
     for name, module in backends.TABLE.items():
         assert name == module.NAME
-        for call in ("can_take", "lower", "attend"):
+        for call in ("can_take", "lower", "attend", "kernel_name"):
             assert callable(getattr(module, call)), f"{name}.{call}"
+        assert all(isinstance(option, str) for option in module.OPTIONS), name
 
 
 def test_the_table_chooses_as_flex_attention_always_did():
@@ -84,11 +85,15 @@ def test_a_new_backend_is_one_module_and_one_table_line(monkeypatch):
     ones.can_take = lambda call: None if call.options.get("ones") else "not asked for"
     ones.lower = lambda call: call._replace(options={})
     ones.attend = lambda call: seen.append(call.mask) or torch.ones_like(call.query)
+    ones.kernel_name = lambda call: "torch.ones_like"
+    ones.OPTIONS = ("ones",)
     monkeypatch.setattr(backends, "TABLE", {"ones": ones, **backends.TABLE})
     q, k, v = qkv()
     mask = flexmask.causal()
     out = flexmask.flex_attention(q, k, v, block_mask=mask, compile=False, ones=True)
     assert bool((out == 1).all()) and seen == [mask]
+    choice = flexmask.explain(q, k, v, mask, ones=True)
+    assert (choice.backend, choice.kernel) == ("ones", "torch.ones_like")
     # Not asked for: the next backend in the table takes the call, as before.
     out = flexmask.flex_attention(q, k, v, block_mask=mask, compile=False)
     torch.testing.assert_close(

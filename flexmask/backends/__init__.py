@@ -1,11 +1,18 @@
 """Attention backends, in one table: name -> backend.
 
-A backend is one module with three functions and one line in ``TABLE``:
+A backend is one module with four functions, its ``OPTIONS`` and one line in ``TABLE``:
 
 * ``can_take(request) -> str | None`` — why it cannot run this call, or None if it can;
 * ``lower(request) -> Request`` — the call made concrete for it (its BlockMask, its options
   checked);
-* ``attend(request)`` — the output, or ``(output, lse)`` with ``return_lse``.
+* ``attend(request)`` — the output, or ``(output, lse)`` with ``return_lse``;
+* ``kernel_name(request) -> str`` — what ``attend`` will call for this (lowered) request, hand-offs
+  inside the backend included: what ``explain`` reports;
+* ``OPTIONS`` — the keyword options it takes beyond torch's flex_attention arguments.
+
+Every call is checked once before any backend sees it (``request.make_request``: the same
+calls are valid whichever backend runs), and runs through ``finite.attend_checked`` on the
+CPU.
 
 ``flexmask.flex_attention`` hands each call (a ``Request``: q, k, v and the lowered mask) to
 the first backend in table order that takes it (``choose``); ``flexmask.attention`` with
@@ -15,8 +22,9 @@ the first backend in table order that takes it (``choose``); ``flexmask.attentio
 
 from __future__ import annotations
 
+import difflib
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from flexmask.backends import block_sparse, flex, sdpa, slices, varlen
 from flexmask.backends.request import Request
@@ -53,8 +61,55 @@ AUTO: dict[str, tuple[str, ...]] = {
 asked in ``TABLE`` order."""
 
 
+def options() -> tuple[str, ...]:
+    """Every keyword option some backend of ``TABLE`` takes."""
+    return tuple(dict.fromkeys(name for backend in TABLE.values() for name in backend.OPTIONS))
+
+
+_ARGUMENTS = (
+    "block_mask",
+    "mask",
+    "score_mod",
+    "scale",
+    "enable_gqa",
+    "return_lse",
+    "compile",
+    "backend",
+)
+
+
+def check_options(given: dict[str, Any]) -> None:
+    """A keyword no backend takes raises TypeError naming the closest right one (a typo must
+    not reach a backend that would ignore or misread it)."""
+    known = options()
+    unknown = [name for name in given if name not in known]
+    if not unknown:
+        return
+    name = unknown[0]
+    if name in ("attn_mask", "mask_mod", "is_causal"):
+        hint = "pass the mask as block_mask= (or mask=): a flexmask Mask, handle or BlockMask"
+    else:
+        close = difflib.get_close_matches(name, (*_ARGUMENTS, *known), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "check the spelling"
+    raise TypeError(
+        f"unexpected keyword argument {name!r}: {hint} (the arguments are "
+        f"{', '.join(_ARGUMENTS)}; backend options: {', '.join(known)})"
+    )
+
+
+def refusal(backend: ModuleType, request: Request) -> str | None:
+    """Why ``backend`` cannot run the call (options it does not take, then its own
+    ``can_take``), or None."""
+    extra = sorted(name for name in request.options if name not in backend.OPTIONS)
+    if extra:
+        takes = ", ".join(backend.OPTIONS) if backend.OPTIONS else "none"
+        return f"it takes no option {extra} (its options: {takes})"
+    return backend.can_take(request)  # type: ignore[no-any-return]
+
+
 class Choice(NamedTuple):
-    """Which backend runs a call, and why each backend before it in the order did not."""
+    """Which backend runs a call, the kernel it calls, and why each backend before it in
+    the order did not."""
 
     backend: str
     """The backend that runs the call ("" where none takes it)."""
@@ -63,14 +118,30 @@ class Choice(NamedTuple):
     refused: dict[str, str]
     """Backend name -> why it cannot run this call, for every backend asked and refused."""
     device: str
+    kernel: str = ""
+    """What the chosen backend calls for this call, any hand-off inside it included ("" where
+    no backend takes it)."""
 
     def __repr__(self) -> str:
-        lines = [f"Choice(backend={self.backend!r}, device={self.device!r}, order={self.order})"]
+        lines = [
+            f"Choice(backend={self.backend!r}, kernel={self.kernel!r}, device={self.device!r}, "
+            f"order={self.order})"
+        ]
         lines += [f"  {name}: refused: {reason}" for name, reason in self.refused.items()]
         return "\n".join(lines)
 
 
-def rank(request: Request, order: tuple[str, ...] | None = None) -> Choice:
+def kernel_name(name: str, request: Request) -> str:
+    """What backend ``name`` calls for ``request`` (one it takes)."""
+    if request.empty:
+        return "none: the output is empty or no key exists (B, H, Q_LEN or KV_LEN is 0)"
+    backend = TABLE[name]
+    return backend.kernel_name(backend.lower(request))  # type: ignore[no-any-return]
+
+
+def rank(
+    request: Request, order: tuple[str, ...] | None = None, *, with_kernel: bool = True
+) -> Choice:
     """Every backend of ``order`` (default: ``AUTO`` for the device, else ``TABLE``'s order)
     asked in turn; the first that takes the call is chosen, the rest still asked, so the
     Choice says why each one that cannot run it was refused."""
@@ -79,19 +150,25 @@ def rank(request: Request, order: tuple[str, ...] | None = None) -> Choice:
         order = AUTO.get(device, tuple(TABLE))
     chosen, refused = "", {}
     for name in order:
-        reason = TABLE[name].can_take(request)
+        reason = refusal(TABLE[name], request)
         if reason is not None:
             refused[name] = reason
         elif not chosen:
             chosen = name
-    return Choice(chosen, tuple(order), refused, device)
+    return Choice(
+        chosen,
+        tuple(order),
+        refused,
+        device,
+        kernel_name(chosen, request) if chosen and with_kernel else "",
+    )
 
 
 def choose(request: Request) -> ModuleType:
     """The first backend of ``TABLE`` that takes the call."""
     reasons = {}
     for name, backend in TABLE.items():
-        reason = backend.can_take(request)
+        reason = refusal(backend, request)
         if reason is None:
             return backend
         reasons[name] = reason
@@ -99,4 +176,16 @@ def choose(request: Request) -> ModuleType:
     raise ValueError(f"no attention backend takes this call ({refusals})")
 
 
-__all__ = ["AUTO", "AUTO_BENCHMARK", "TABLE", "Choice", "Request", "choose", "rank"]
+__all__ = [
+    "AUTO",
+    "AUTO_BENCHMARK",
+    "TABLE",
+    "Choice",
+    "Request",
+    "check_options",
+    "choose",
+    "kernel_name",
+    "options",
+    "rank",
+    "refusal",
+]

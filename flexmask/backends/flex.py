@@ -19,6 +19,8 @@ from flexmask.backends.request import Request
 
 NAME = "flex"
 ENV_COMPILE = "FLEXMASK_COMPILE"
+OPTIONS = ("kernel_options",)
+"""torch's flex_attention keywords beyond the shared ones, passed through as given."""
 
 _compiled: Callable[..., Any] | None = None
 _compiled_lock = threading.Lock()
@@ -45,6 +47,12 @@ def lower(request: Request) -> Request:
             f"compile={request.compile}): drop them, or pass compile=False on the CPU"
         )
     return request.built()
+
+
+def kernel_name(request: Request) -> str:
+    if request.compile:
+        return "torch's flex_attention, compiled (torch.compile, static shapes)"
+    return "torch's flex_attention, uncompiled (eager: every score materialised)"
 
 
 def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.backends.request import check_fits
+from flexmask.backends.request import check_fits, check_scale, check_tensors
 from flexmask.blocks.codes import EMPTY, PARTIAL
 from flexmask.blocks.read import kv_codes
 
@@ -52,56 +52,14 @@ def make_plan(
     enable_gqa: bool,
     mod_eval: str,
 ) -> Plan:
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D (B, H, seq_len, head_dim), got shape {tuple(tensor.shape)}"
-            )
-        if not tensor.dtype.is_floating_point:
-            raise TypeError(f"{name} must have a floating-point dtype, got {tensor.dtype}")
-    for name, tensor in (("key", key), ("value", value)):
-        if tensor.dtype != query.dtype:
-            raise TypeError(
-                f"{name}.dtype must equal query.dtype ({query.dtype}), got {tensor.dtype}"
-            )
-        if tensor.device != query.device:
-            raise ValueError(
-                f"{name} must be on query's device ({query.device}), got {tensor.device}"
-            )
+    enable_gqa = bool(enable_gqa)  # any truthy value, as torch takes it
+    check_tensors(query, key, value, enable_gqa)
     batch, q_heads, q_len, head_dim = query.shape
-    if key.size(0) != batch or value.size(0) != batch:
-        raise ValueError(
-            f"key and value must have query's batch size {batch}, got key {key.size(0)} and "
-            f"value {value.size(0)}"
-        )
-    if key.size(-1) != head_dim:
-        raise ValueError(
-            f"key's head_dim must equal query's ({head_dim}), got key.shape={tuple(key.shape)}"
-        )
-    if value.shape[1:3] != key.shape[1:3]:
-        raise ValueError(
-            f"value must have key's heads and length {tuple(key.shape[1:3])}, "
-            f"got value.shape={tuple(value.shape)}"
-        )
     kv_heads, kv_len = key.size(1), key.size(2)
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    if q_heads == 0 or kv_heads == 0:
+    if q_heads == 0:
         raise ValueError(
             f"query and key/value must have at least one head (H >= 1, as torch's flex_attention "
             f"needs), got query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
-        )
-    if not enable_gqa and q_heads != kv_heads:
-        raise ValueError(
-            f"query has {q_heads} heads but key/value have {kv_heads}; pass enable_gqa=True "
-            "for grouped-query attention, or give them the same number of heads"
-        )
-    if kv_heads == 0 or q_heads % kv_heads != 0:
-        raise ValueError(
-            f"with enable_gqa=True, query's heads ({q_heads}) must be a multiple of key/value's "
-            f"heads ({kv_heads})"
         )
     if q_len == 0 or kv_len == 0:
         raise ValueError(
@@ -112,10 +70,9 @@ def make_plan(
             f"score_mod must be callable as score_mod(score, b, h, q_idx, kv_idx) or None, "
             f"got {type(score_mod).__name__}"
         )
+    scale = check_scale(scale)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if mod_eval not in MOD_EVALS:
         raise ValueError(f"mod_eval must be one of {MOD_EVALS}, got {mod_eval!r}")
 

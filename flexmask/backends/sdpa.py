@@ -16,7 +16,7 @@ from flexmask.algebra.dense import open_empty_rows, zero_empty_rows
 from flexmask.algebra.mask import Mask
 from flexmask.backends.mod_eval import broadcasts, call_mod
 from flexmask.backends.plan import Plan, make_plan
-from flexmask.backends.request import Request
+from flexmask.backends.request import Request, positive_scale
 from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
 from flexmask.pieces import Full
 from flexmask.pieces.causal import Causal
@@ -161,8 +161,10 @@ def sdpa_attention(
     """SDPA with the dense mask (or ``is_causal``); rows with no key get 0 and zero gradients,
     as in flex."""
     if causal:
+        # is_causal runs torch's fused CPU flash kernel, which needs a positive scale.
+        query, scale = positive_scale(query, plan.scale)
         return torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=plan.scale, enable_gqa=plan.group > 1
+            query, key, value, is_causal=True, scale=scale, enable_gqa=plan.group > 1
         )
     # The one empty-row rule (flexmask.algebra.dense): attend anywhere, then zeroed.
     mask, has_key = open_empty_rows(dense_mask(plan, mod_eval))
@@ -173,6 +175,7 @@ def sdpa_attention(
 
 
 NAME = "sdpa"
+OPTIONS = ("mod_eval",)
 
 
 def can_take(request: Request) -> str | None:
@@ -180,8 +183,6 @@ def can_take(request: Request) -> str | None:
         return "SDPA takes no score_mod"
     if request.return_lse:
         return "SDPA returns no log-sum-exp"
-    if set(request.options) - {"mod_eval"}:
-        return f"SDPA takes only mod_eval, got {sorted(request.options)}"
     return None
 
 
@@ -195,11 +196,21 @@ def lower(request: Request) -> Request:
     return request
 
 
-def attend(request: Request) -> Tensor:
-    """SDPA over the dense mask the BlockMask means (``is_causal`` where it is causal)."""
+def kernel_name(request: Request) -> str:
+    plan = _plan(request)
+    return KERNELS["sdpa_causal" if is_causal(plan, request.mask) else "sdpa_dense"]
+
+
+KERNELS = {
+    "sdpa_causal": "torch's scaled_dot_product_attention with is_causal=True",
+    "sdpa_dense": "torch's scaled_dot_product_attention with the BlockMask's dense bool mask",
+}
+"""What ``sdpa_attention`` calls, by its route: the words ``explain`` reports."""
+
+
+def _plan(request: Request) -> Plan:
     assert isinstance(request.block_mask, BlockMask)  # lower() built or made one
-    mod_eval = request.options.get("mod_eval", "auto")
-    plan = make_plan(
+    return make_plan(
         request.query,
         request.key,
         request.value,
@@ -207,7 +218,13 @@ def attend(request: Request) -> Tensor:
         None,
         request.scale,
         request.enable_gqa,
-        mod_eval,
+        request.options.get("mod_eval", "auto"),
     )
+
+
+def attend(request: Request) -> Tensor:
+    """SDPA over the dense mask the BlockMask means (``is_causal`` where it is causal)."""
+    plan = _plan(request)
     causal = is_causal(plan, request.mask)
+    mod_eval = request.options.get("mod_eval", "auto")
     return sdpa_attention(request.query, request.key, request.value, plan, mod_eval, causal)

@@ -32,12 +32,13 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.algebra.mask import Mask
 from flexmask.backends.block_sparse.threads import one_thread, others_busy
-from flexmask.backends.request import Request
+from flexmask.backends.request import Request, positive_scale
 from flexmask.builders.create import built_from
 from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL, to_magi
 from flexmask.pieces import Full
 
 NAME = "slices"
+OPTIONS: tuple[str, ...] = ()
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 """What torch's CPU flash kernel takes."""
 
@@ -180,8 +181,6 @@ def can_take(request: Request) -> str | None:
         return "torch's flash kernel takes no score_mod"
     if request.return_lse and request.needs_grad:
         return "it returns the log-sum-exp only without gradients"
-    if request.options:
-        return f"it takes no options (the block-sparse path's), got {sorted(request.options)}"
     shapes = _shape_problem(request)
     if shapes is not None:
         return shapes
@@ -199,11 +198,23 @@ def lower(request: Request) -> Request:
     return request._replace(options={_LOWERED: lowered})
 
 
+def kernel_name(request: Request) -> str:
+    calls = len(request.options[_LOWERED])
+    return (
+        f"torch's CPU flash kernel (aten._scaled_dot_product_flash_attention_for_cpu), "
+        f"{calls} call{'s' if calls != 1 else ''}"
+    )
+
+
 def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:
     lowered: Slices = request.options[_LOWERED]
-    q, k, v = request.query, request.key, request.value
+    # The kernel's preconditions, which torch's public entry points meet before calling it:
+    # a unit stride on the last dimension (else wrong outputs), and a positive scale (a
+    # masked score is -inf before scaling: 0 or a negative scale makes it NaN or +inf).
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in request.query_key_value)
+    q, scale = positive_scale(q, request.scale)
     with _threads():
-        out, lse = _SliceAttention.apply(q, k, v, lowered, request.scale)
+        out, lse = _SliceAttention.apply(q, k, v, lowered, scale)
     return (out, lse) if request.return_lse else out
 
 
@@ -473,4 +484,14 @@ def _band_mask(band: int, height: int, width: int, dtype: torch.dtype) -> Tensor
     return torch.zeros(height, width, dtype=dtype).masked_fill_(~seen, float("-inf"))
 
 
-__all__ = ["DTYPES", "MIN_ROWS_PER_CALL", "NAME", "Slices", "attend", "can_take", "lower"]
+__all__ = [
+    "DTYPES",
+    "MIN_ROWS_PER_CALL",
+    "NAME",
+    "OPTIONS",
+    "Slices",
+    "attend",
+    "can_take",
+    "kernel_name",
+    "lower",
+]

@@ -24,6 +24,7 @@ from flexmask.formats.varlen import VarlenMask, to_varlen
 from flexmask.pieces import Full
 
 NAME = "varlen"
+OPTIONS: tuple[str, ...] = ()
 DTYPES = (torch.float16, torch.bfloat16)
 """What both kernels take."""
 _LOWERED = "varlen_mask"
@@ -63,8 +64,6 @@ def can_take(request: Request) -> str | None:
         return "the varlen kernels take no score_mod"
     if request.return_lse:
         return "flexmask's varlen backend returns no log-sum-exp"
-    if request.options:
-        return f"the varlen kernels take no options, got {sorted(request.options)}"
     if request.query.dtype not in DTYPES:
         return f"the varlen kernels take float16 or bfloat16, got {request.query.dtype}"
     if request.mask is None and request.block_mask is not None:
@@ -79,6 +78,12 @@ def lower(request: Request) -> Request:
     if isinstance(lowered, str):
         raise ValueError(f"backend 'varlen' cannot run this call: {lowered}")
     return request._replace(options={_LOWERED: lowered})
+
+
+def kernel_name(request: Request) -> str:
+    if flash_attn_varlen_func() is not None:
+        return "flash_attn.flash_attn_varlen_func on packed tokens"
+    return "torch.nn.attention.varlen.varlen_attn on packed tokens"
 
 
 def attend(request: Request) -> Tensor:

@@ -13,7 +13,11 @@ from __future__ import annotations
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.backends.block_sparse.api import DEFAULT_MAX_CHUNK_ELEMENTS, block_sparse_attention
+from flexmask.backends.block_sparse.api import (
+    DEFAULT_MAX_CHUNK_ELEMENTS,
+    block_sparse_attention,
+    kernel_of,
+)
 from flexmask.backends.request import Request
 from flexmask.pieces import Full
 from flexmask.runtime.cache import default_cache
@@ -55,6 +59,24 @@ def lower(request: Request) -> Request:
     return request
 
 
+def kernel_name(request: Request) -> str:
+    assert isinstance(request.block_mask, BlockMask)  # lower() built or made one
+    return kernel_of(*_arguments(request), mask=request.mask, **request.options)
+
+
+def _arguments(request: Request) -> tuple:
+    return (
+        request.query,
+        request.key,
+        request.value,
+        request.block_mask,
+        request.score_mod,
+        request.scale,
+        request.enable_gqa,
+        request.return_lse,
+    )
+
+
 def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:
     assert isinstance(request.block_mask, BlockMask)  # lower() built or made one
     return block_sparse_attention(
@@ -78,5 +100,6 @@ __all__ = [
     "attend",
     "block_sparse_attention",
     "can_take",
+    "kernel_name",
     "lower",
 ]

@@ -46,7 +46,8 @@ from flexmask.backends.block_sparse.grouped import (
 )
 from flexmask.backends.block_sparse.score_mod import chunked_attention
 from flexmask.backends.block_sparse.threads import kernel_workers
-from flexmask.backends.plan import make_plan
+from flexmask.backends.plan import Plan, make_plan
+from flexmask.backends.sdpa import KERNELS as SDPA_KERNELS
 from flexmask.backends.sdpa import choose_backend, is_causal, sdpa_attention
 from flexmask.builders.create import built_from
 from flexmask.runtime.lazy import BuiltOnRead
@@ -228,16 +229,9 @@ def block_sparse_attention(
     if plan.batch == 0:
         return _empty_batch(query, key, value, return_lse)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if score_mod is None and not return_lse and backend != "sparse":
-        # Decided before the intervals are read: SDPA's dense mask from the BlockMask's own
-        # mask_mod (the sdpa backend's ops, nothing more) cost 0.49-1.04x the same mask from
-        # the intervals plus reading them (B=2, H=4, S 256-2k, one thread, load 0.4; 1.12x
-        # only on a document & padding mask at 2k with 12% listed, which runs sparse).
-        causal = is_causal(plan, mask)
-        if backend == "auto":
-            backend = choose_backend(plan, mask, needs_grad=needs_grad, causal=causal)
-        if backend == "sdpa":
-            return sdpa_attention(query, key, value, plan, mod_eval, causal)
+    kernel = route(plan, mask, score_mod, return_lse, backend, needs_grad)
+    if kernel in ("sdpa_causal", "sdpa_dense"):
+        return sdpa_attention(query, key, value, plan, mod_eval, kernel == "sdpa_causal")
     bounds = None if mask is None else interval_bounds(mask, plan)
     if bounds is not None:
         # Every later evaluation of the mask (score_mod path, grouped kernel) reads the intervals.
@@ -275,6 +269,59 @@ def block_sparse_attention(
         needs_grad,
         return_lse,
     )
+
+
+KERNELS = {
+    **SDPA_KERNELS,
+    "grouped": "flexmask's grouped block-sparse kernel (torch ops over the listed tiles)",
+    "score_mod": "flexmask's chunked score_mod kernel (torch ops over the listed tiles)",
+}
+"""What ``block_sparse_attention`` calls, by its route: the words ``explain`` reports."""
+
+
+def route(
+    plan: Plan,
+    mask: Mask | None,
+    score_mod: Callable[..., Tensor] | None,
+    return_lse: bool,
+    backend: str,
+    needs_grad: bool,
+) -> str:
+    """Which kernel ``block_sparse_attention`` hands a call to (a key of ``KERNELS``): SDPA
+    where it is faster (``choose_backend``) or asked for, else its own kernels."""
+    if score_mod is None and not return_lse and backend != "sparse":
+        # Decided before the intervals are read: SDPA's dense mask from the BlockMask's own
+        # mask_mod (the sdpa backend's ops, nothing more) cost 0.49-1.04x the same mask from
+        # the intervals plus reading them (B=2, H=4, S 256-2k, one thread, load 0.4; 1.12x
+        # only on a document & padding mask at 2k with 12% listed, which runs sparse).
+        causal = is_causal(plan, mask)
+        if backend == "auto":
+            backend = choose_backend(plan, mask, needs_grad=needs_grad, causal=causal)
+        if backend == "sdpa":
+            return "sdpa_causal" if causal else "sdpa_dense"
+    return "grouped" if score_mod is None else "score_mod"
+
+
+def kernel_of(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    block_mask: BlockMask,
+    score_mod: Callable[..., Tensor] | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    *,
+    mod_eval: ModEval = "auto",
+    backend: Backend = "auto",
+    mask: Mask | None = None,
+    **_: object,
+) -> str:
+    """What ``block_sparse_attention`` with these arguments calls (``KERNELS``' words)."""
+    plan = make_plan(query, key, value, block_mask, score_mod, scale, enable_gqa, mod_eval)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    mask = _checked_mask(block_mask, mask)
+    return KERNELS[route(plan, mask, score_mod, return_lse, backend, needs_grad)]
 
 
 def _checked_mask(block_mask: BlockMask, mask: Mask | None) -> Mask | None:

@@ -1,0 +1,178 @@
+"""Non-finite values on the CPU backends: a masked-out position never reaches an output.
+
+Padding often holds garbage, NaN and inf included. Dense and fused kernels mask by adding
+``-inf`` to a score (``nan + -inf`` is NaN) and multiply probabilities by values
+(``0 * nan`` is NaN), so a NaN at a position a query does not attend can still reach its
+output, and through the backward its gradients. flex_attention's rule is flexmask's: only
+what a row attends reaches it, and there non-finite values propagate as in a softmax.
+
+Every CPU backend runs under :func:`attend_checked`:
+
+* without gradients, the backend runs on the tensors as given; an output with no
+  non-finite entry cannot have been touched by one (nothing maps NaN or +inf back to a
+  finite value but a mask), so only rows whose output is not finite are recomputed,
+  exactly, by :func:`exact_rows`;
+* with gradients, the backward could carry a masked NaN into other rows' gradients even
+  where the forward did not, so q, k and v are checked first (one pass each); where they
+  hold non-finite entries the backend runs on copies with those entries set to 0, and the
+  rows that read one (a query holding one, or attending a key or value that holds one) are
+  recomputed by :func:`exact_rows`.
+
+Finite inputs cost one ``isfinite`` pass over the output (no gradients) or over q, k and v.
+Devices other than the CPU run torch's kernels as they are (a check would sync the host).
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexmask.backends.mod_eval import broadcasts, call_mod
+from flexmask.backends.request import Request
+from flexmask.blocks.codes import FULL, PARTIAL
+from flexmask.blocks.read import kv_codes
+
+# Scores one step of exact_rows holds (B x Hq x rows x KV_LEN): 64 MiB in float32.
+MAX_EXACT_ELEMENTS = 1 << 24
+
+
+def attend_checked(backend: ModuleType, request: Request) -> Tensor | tuple[Tensor, Tensor]:
+    """``backend.attend(request)`` (a lowered request), with no masked-out non-finite value
+    reaching an output or a gradient (module docstring)."""
+    if not request.on_cpu:
+        return backend.attend(request)  # type: ignore[no-any-return]
+    if request.needs_grad:
+        q, k, v = request.query, request.key, request.value
+        bad_q = ~torch.isfinite(q).all(-1)  # (B, Hq, Q)
+        bad_kv = ~torch.isfinite(k).all(-1) | ~torch.isfinite(v).all(-1)  # (B, Hkv, KV)
+        if not (bool(bad_q.any()) or bool(bad_kv.any())):
+            return backend.attend(request)  # type: ignore[no-any-return]
+        clean = request._replace(query=_zeroed(q), key=_zeroed(k), value=_zeroed(v))
+        result = backend.attend(clean)
+        cols = bad_kv.flatten(0, 1).any(0).nonzero().flatten()
+        rows = bad_q.flatten(0, 1).any(0)
+        if cols.numel():
+            reads = attended(request, torch.arange(q.size(2)), cols).any(-1)
+            rows = rows | reads.flatten(0, 1).any(0)
+        picked = rows.nonzero().flatten()
+    else:
+        result = backend.attend(request)
+        out = result[0] if isinstance(result, tuple) else result
+        bad = ~torch.isfinite(out).all(-1)
+        if isinstance(result, tuple):
+            bad |= torch.isnan(result[1]) | (result[1] == float("inf"))
+        if not bool(bad.any()):
+            return result  # type: ignore[no-any-return]
+        picked = bad.flatten(0, 1).any(0).nonzero().flatten()
+    if not picked.numel():
+        return result  # type: ignore[no-any-return]
+    out_rows, lse_rows = exact_rows(request, picked)
+    if isinstance(result, tuple):
+        out, lse = result
+        return (
+            out.index_copy(2, picked, out_rows.to(out.dtype)),
+            lse.index_copy(2, picked, lse_rows.to(lse.dtype)),
+        )
+    return result.index_copy(2, picked, out_rows.to(result.dtype))  # type: ignore[union-attr]
+
+
+def _zeroed(x: Tensor) -> Tensor:
+    """``x`` with its non-finite entries 0 (their gradient 0); ``x`` itself where it has none."""
+    finite = torch.isfinite(x)
+    return x if bool(finite.all()) else torch.where(finite, x, 0)
+
+
+def attended(request: Request, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """Whether query ``q_idx[i]`` attends key ``kv_idx[j]``: ``(B | 1, Hq | 1, n, m)`` bool,
+    as the call's BlockMask says (full blocks, partial ones through ``mask_mod``, a block
+    listed both ways as full; no BlockMask: every key)."""
+    block_mask = request.built().block_mask
+    if block_mask is None:
+        return torch.ones(1, 1, q_idx.numel(), kv_idx.numel(), dtype=torch.bool)
+    assert isinstance(block_mask, BlockMask)
+    q_block, kv_block = (int(size) for size in block_mask.BLOCK_SIZE)
+    device = block_mask.kv_num_blocks.device
+    q_idx, kv_idx = q_idx.to(device), kv_idx.to(device)
+    codes = kv_codes(block_mask)[:, :, q_idx // q_block][:, :, :, kv_idx // kv_block]
+    seen = codes == FULL
+    partial = codes == PARTIAL
+    if bool(partial.any()):
+        batch, heads = request.query.shape[:2]
+        args = (
+            torch.arange(batch, device=device).view(-1, 1, 1, 1),
+            torch.arange(heads, device=device).view(1, -1, 1, 1),
+            q_idx.view(1, 1, -1, 1),
+            kv_idx.view(1, 1, 1, -1),
+        )
+        shape = (batch, heads, q_idx.numel(), kv_idx.numel())
+        how = "broadcast" if broadcasts(block_mask.mask_mod, args, shape) else "vmap"
+        seen = seen | (partial & call_mod(block_mask.mask_mod, args, shape, how, "mask_mod"))
+    return seen
+
+
+def exact_rows(request: Request, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """The output ``(B, Hq, n, Dv)`` and log-sum-exp ``(B, Hq, n)`` of query rows ``rows``,
+    computed so that only what a row attends reaches it: scores and values of masked-out
+    positions are selected away (``where``), never multiplied by 0. Differentiable; in the
+    working dtype (float32, float64 for float64)."""
+    q, k, v = request.query, request.key, request.value
+    batch, q_heads, _, head_dim = q.shape
+    group = q_heads // k.size(1)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    keys = k.to(acc).repeat_interleave(group, 1) if group > 1 else k.to(acc)
+    values = v.to(acc).repeat_interleave(group, 1) if group > 1 else v.to(acc)
+    finite_keys = torch.where(torch.isfinite(keys), keys, 0)
+    finite_values = torch.where(torch.isfinite(values), values, 0)
+    bad_keys = _bad_columns(keys)
+    bad_values = _bad_columns(values)
+    scale = request.scale if request.scale is not None else 1.0 / math.sqrt(head_dim)
+    kv_len = k.size(2)
+    kv_idx = torch.arange(kv_len)
+    per_row = batch * q_heads * (kv_len + (bad_keys.numel() + bad_values.numel()) * head_dim)
+    step = max(1, MAX_EXACT_ELEMENTS // max(1, per_row))
+    outs, lses = [], []
+    for start in range(0, rows.numel(), step):
+        picked = rows[start : start + step]
+        seen = attended(request, picked, kv_idx).expand(batch, q_heads, -1, -1)
+        # Every operand selected to 0 where it must not count, so that no 0 * nan appears
+        # forward or backward: a row that attends nothing reads no query, and keys holding
+        # NaN or inf are multiplied in only where the row attends them.
+        query = torch.where(seen.any(-1, keepdim=True), q[:, :, picked].to(acc), 0)
+        scores = query @ finite_keys.transpose(-1, -2)
+        if bad_keys.numel():
+            gated = torch.where(seen[..., bad_keys, None], keys[:, :, None, bad_keys], 0)
+            scores = scores.index_copy(3, bad_keys, (query.unsqueeze(-2) * gated).sum(-1))
+        scores = scores * scale
+        if request.score_mod is not None:
+            args = (
+                scores,
+                torch.arange(batch).view(-1, 1, 1, 1),
+                torch.arange(q_heads).view(1, -1, 1, 1),
+                picked.view(1, 1, -1, 1),
+                kv_idx.view(1, 1, 1, -1),
+            )
+            how = "broadcast" if broadcasts(request.score_mod, args, scores.shape) else "vmap"
+            scores = call_mod(request.score_mod, args, tuple(scores.shape), how, "score_mod")
+        scores = torch.where(seen, scores, float("-inf"))
+        top = scores.amax(-1, keepdim=True).detach()
+        top = torch.where(top == float("-inf"), 0, top)  # a row that attends nothing: 0
+        probs = torch.where(seen, (scores - top).exp(), 0)
+        total = probs.sum(-1, keepdim=True)
+        out = probs @ finite_values
+        if bad_values.numel():
+            # Values holding NaN or inf, only where the row attends them.
+            gated = torch.where(seen[..., bad_values, None], values[:, :, None, bad_values], 0)
+            finite = finite_values[:, :, None, bad_values]
+            out = out + (probs[..., bad_values, None] * (gated - finite)).sum(-2)
+        outs.append(out / torch.where(total == 0, 1, total))
+        lses.append((total.log() + top).squeeze(-1).detach())
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _bad_columns(x: Tensor) -> Tensor:
+    """The sequence positions where ``x`` (B, H, S, D) holds NaN or inf in some row or head."""
+    return (~torch.isfinite(x)).any(-1).flatten(0, 1).any(0).nonzero().flatten()
