@@ -274,8 +274,8 @@ def explain(
         >>> choice = flexmask.explain(q, k, v, flexmask.causal() & flexmask.document([100, 156]))
         >>> choice.backend
         'slices'
-        >>> choice.kernel
-        "torch's CPU flash kernel (aten._scaled_dot_product_flash_attention_for_cpu), 3 calls"
+        >>> choice.kernel.split(", ")[-1]  # torch's CPU flash kernel, once per document
+        '2 calls'
         >>> print(choice.refused["varlen"])
         varlen_attn and flash-attn run on CUDA only, and this call is on cpu
     """
