@@ -47,8 +47,8 @@ from common import busy_processes, fmt_bytes, fmt_time, markdown_table, ratio  #
 
 import flexmask  # noqa: E402
 from flexmask.backends.block_sparse.api import block_sparse_attention  # noqa: E402
+from flexmask.backends.dense import choose_backend, is_causal  # noqa: E402
 from flexmask.backends.plan import make_plan  # noqa: E402
-from flexmask.backends.sdpa import choose_backend, is_causal  # noqa: E402
 
 
 def document_causal(seq_len: int, num_docs: int, seed: int) -> tuple[Callable[..., Tensor], Tensor]:

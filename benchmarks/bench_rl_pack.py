@@ -47,8 +47,7 @@ sys.path[:0] = [str(_HERE), str(_HERE.parent)]
 from common import fmt_time, machine, markdown_table  # noqa: E402
 
 import flexmask  # noqa: E402
-from flexmask.backends import slices  # noqa: E402
-from flexmask.backends.block_sparse import threads  # noqa: E402
+from flexmask.backends import slices, threads  # noqa: E402
 from flexmask.packing import pack, pack_trees  # noqa: E402
 
 VOCAB, BUDGET, PROMPT, COMPLETIONS = 128, 8192, 512, 8

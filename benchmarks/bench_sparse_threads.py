@@ -39,7 +39,7 @@ import torch
 from common import busy_processes, documents, fmt_time, machine, markdown_table, save_json
 
 import flexmask
-from flexmask.backends.block_sparse import threads
+from flexmask.backends import threads
 from flexmask.backends.block_sparse.api import block_sparse_attention
 
 WAYS = ("workers", "one thread", "torch's threads", "choice")
@@ -155,7 +155,7 @@ DEMO_RUN = """
 import json, runpy, sys
 sys.path.insert(0, {examples!r})
 sys.path.insert(0, {benchmarks!r})
-from flexmask.backends.block_sparse import threads
+from flexmask.backends import threads
 import bench_sparse_threads
 if {way!r} != "choice":
     threads.CHOICE = bench_sparse_threads.Always({way!r})

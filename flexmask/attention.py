@@ -150,9 +150,9 @@ def flex_attention(
     request = _request(
         query, key, value, mask, score_mod, scale, enable_gqa, return_lse, compile, kwargs
     )
-    # The first backend of the table that takes the call: torch's kernel, else (on the CPU
-    # with gradients or compile off) the slices backend where the mask is a few big slices,
-    # else the block-sparse path, driven by the same BlockMask.
+    # The first backend of the device's order that takes the call, as attention("auto"):
+    # on accelerators torch's kernel; on the CPU the slices backend where the mask is a few
+    # big slices, else the block-sparse path, driven by the same BlockMask.
     return _run(backends.choose(request), request)
 
 
@@ -290,9 +290,7 @@ def _choice(request: Request, backend: str, with_kernel: bool = True) -> backend
     """The backend for the call; ``with_kernel``: and what it will call (explain's question,
     which may cost a build and a plan; a call that runs asks its backend nothing more)."""
     if backend == "auto":
-        order = backends.AUTO.get(request.query.device.type, tuple(backends.TABLE))
-        others = tuple(name for name in backends.TABLE if name not in order)
-        return backends.rank(request, order + others, with_kernel=with_kernel)
+        return backends.rank(request, with_kernel=with_kernel)
     if backend not in backends.TABLE:
         raise ValueError(
             f"backend must be 'auto' or one of {sorted(backends.TABLE)}, got {backend!r}"

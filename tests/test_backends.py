@@ -1,5 +1,6 @@
-"""The backend table: every backend is one module (can_take, lower, attend) and one TABLE
-line; flexmask.flex_attention runs the first one that takes the call."""
+"""The backend table: every backend is one module (can_take, lower, attend, kernel_name,
+OPTIONS) and one registration; flex_attention and attention("auto") run the first one of the
+device's one order that takes the call."""
 
 from __future__ import annotations
 
@@ -46,22 +47,39 @@ def test_every_backend_is_one_module_with_the_four_calls_and_its_options():
         assert all(isinstance(option, str) for option in module.OPTIONS), name
 
 
-def test_the_table_chooses_as_flex_attention_always_did():
-    """torch's kernel where it is compiled and needs no backward; on the CPU the slices
-    backend for masks in big slices, the block-sparse path for the rest and for any call
-    with its options."""
+def test_flex_attention_and_auto_ask_in_one_order_per_device():
+    """On the CPU, whatever compile says: the slices backend for masks in big slices, the
+    block-sparse path for the rest and for any call with its options; torch's kernel only
+    where no CPU backend takes the call (never here: block_sparse takes every CPU call)."""
+    assert backends.order("cpu")[: len(backends.AUTO["cpu"])] == backends.AUTO["cpu"]
+    assert set(backends.order("cpu")) == set(backends.TABLE)
+    assert backends.order("cuda")[0] == "flex"
     tiny = flexmask.causal() & flexmask.document([4] * 50)  # 50 calls of 4 queries
-    q, k, v = qkv()
-    with torch.no_grad():
-        assert backends.choose(request(q, k, v, compile=True)) is backends.flex
-        assert backends.choose(request(q, k, v, compile=False)) is backends.slices
-        assert backends.choose(request(q, k, v, tiny, compile=False)) is backends.block_sparse
+    for grad in (False, True):
+        q, k, v = qkv(requires_grad=grad)
+        for compile in (False, True):
+            assert backends.choose(request(q, k, v, compile=compile)) is backends.slices
+            assert backends.choose(request(q, k, v, tiny, compile=compile)) is backends.block_sparse
+            threads = request(q, k, v, compile=compile)._replace(options={"threads": 1})
+            assert backends.choose(threads) is backends.block_sparse
+            explained = flexmask.explain(q, k, v, tiny, compile=compile)
+            assert (
+                backends.choose(request(q, k, v, tiny, compile=compile)).NAME == explained.backend
+            )
     q, k, v = qkv(requires_grad=True)
-    assert backends.choose(request(q, k, v, compile=True)) is backends.slices
-    assert backends.choose(request(q, k, v, tiny, compile=True)) is backends.block_sparse
-    threads = request(q, k, v, compile=True)._replace(options={"threads": 1})
-    assert backends.choose(threads) is backends.block_sparse
     assert "no backward" in backends.flex.can_take(request(q, k, v, compile=True))
+
+
+def test_register_backend_checks_the_protocol():
+    bad = types.ModuleType("bad")
+    bad.NAME = "bad"
+    with pytest.raises(TypeError, match="lacks"):
+        backends.register_backend("bad", bad, ("cpu",))
+    with pytest.raises(ValueError, match="module's NAME"):
+        backends.register_backend("other", bad)
+    with pytest.raises(ValueError, match="registered already"):
+        backends.register_backend("slices", backends.slices)
+    assert "bad" not in backends.TABLE
 
 
 @pytest.mark.parametrize("name", ["slices", "block_sparse", "sdpa"])
@@ -87,7 +105,9 @@ def test_a_new_backend_is_one_module_and_one_table_line(monkeypatch):
     ones.attend = lambda call: seen.append(call.mask) or torch.ones_like(call.query)
     ones.kernel_name = lambda call: "torch.ones_like"
     ones.OPTIONS = ("ones",)
-    monkeypatch.setattr(backends, "TABLE", {"ones": ones, **backends.TABLE})
+    monkeypatch.setattr(backends, "TABLE", dict(backends.TABLE))
+    monkeypatch.setattr(backends, "AUTO", dict(backends.AUTO))
+    backends.register_backend("ones", ones, ("cpu",), before="slices")
     q, k, v = qkv()
     mask = flexmask.causal()
     out = flexmask.flex_attention(q, k, v, block_mask=mask, compile=False, ones=True)

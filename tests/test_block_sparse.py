@@ -32,11 +32,11 @@ from torch.nn.attention.flex_attention import (
 )
 
 import flexmask
+from flexmask.backends import threads as block_sparse_threads
 from flexmask.backends.block_sparse import kernel
-from flexmask.backends.block_sparse import threads as block_sparse_threads
 from flexmask.backends.block_sparse.api import block_sparse_attention
+from flexmask.backends.dense import choose_backend
 from flexmask.backends.plan import make_plan
-from flexmask.backends.sdpa import choose_backend
 from tests import oracle
 
 pytestmark = [
@@ -906,7 +906,7 @@ def test_threads_none_takes_both_ways_exactly(monkeypatch):
     single-threaded workers, as a fresh ThreadChoice picks: the oracle's output, lse and
     gradients every time, both ways taken for the forward and the backward, and torch's
     thread count left as it was."""
-    from flexmask.backends.block_sparse import threads as block_sparse_kernel
+    from flexmask.backends import threads as block_sparse_kernel
 
     choice = block_sparse_kernel.ThreadChoice(first=1, most=2)
     monkeypatch.setattr(block_sparse_kernel, "CHOICE", choice)
@@ -933,7 +933,7 @@ def test_threads_none_takes_both_ways_exactly(monkeypatch):
 def test_threads_are_a_cpu_matter():
     """On the CPU threads=None measures (AUTO) and an int is kept; on another device the
     groups run in the calling thread (helper threads would launch on their own stream)."""
-    from flexmask.backends.block_sparse.threads import kernel_workers
+    from flexmask.backends.threads import kernel_workers
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert kernel_workers(None, cpu) == block_sparse_threads.AUTO
@@ -945,7 +945,7 @@ def test_thread_choice_follows_the_faster_way():
     """Each way is measured once, the faster one runs, the other is tried again after
     ``first`` calls and then at doubling intervals up to ``most`` while it loses; a probe that
     wins takes over, and an incumbent that slows past the other's cost gives way unprobed."""
-    from flexmask.backends.block_sparse.threads import ThreadChoice
+    from flexmask.backends.threads import ThreadChoice
 
     choice, kind = ThreadChoice(first=2, most=8), ("forward", 20)
     cost = {"torch": 1.0, "workers": 3.0}
@@ -1017,7 +1017,7 @@ def test_a_forked_child_does_not_inherit_the_thread_choice_lock():
     import os
     import threading
 
-    from flexmask.backends.block_sparse import threads as block_sparse_kernel
+    from flexmask.backends import threads as block_sparse_kernel
 
     held, release = threading.Event(), threading.Event()
 

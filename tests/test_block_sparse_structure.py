@@ -19,8 +19,8 @@ from flexmask.backends import block_sparse as block_sparse_backend
 from flexmask.backends import flex as flex_backend
 from flexmask.backends.block_sparse.api import block_sparse_attention
 from flexmask.backends.block_sparse.grouped import interval_bounds
+from flexmask.backends.dense import is_causal
 from flexmask.backends.plan import make_plan
-from flexmask.backends.sdpa import is_causal
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -336,8 +336,10 @@ def test_flex_attention_passes_the_mask_behind_a_handle_or_expression(monkeypatc
 
 
 def test_no_grad_cpu_call_compiles_only_when_asked(monkeypatch):
-    """No 20-40 s compile for a one-off CPU call: compile=None runs the block-sparse path
-    unless set_compile(True) or FLEXMASK_COMPILE asked for the compiled kernel."""
+    """No 20-40 s compile for a CPU call that a CPU backend takes (every one: the order of
+    flex_attention and attention("auto") puts them first, measured faster), whatever
+    compile says; where flex runs (asked for by name), compile, set_compile and
+    FLEXMASK_COMPILE decide whether it is compiled."""
     compiled_calls = []
 
     def fake_compiled():
@@ -355,25 +357,29 @@ def test_no_grad_cpu_call_compiles_only_when_asked(monkeypatch):
     try:
         with torch.no_grad():
             flexmask.set_compile(None)
-            out = flexmask.flex_attention(q, k, v, block_mask=mask)
-            assert compiled_calls == []
-            torch.testing.assert_close(out, oracle(q, k, v, dense), atol=1e-10, rtol=0)
+            for compile in (None, True, False):
+                out = flexmask.flex_attention(q, k, v, block_mask=mask, compile=compile)
+                torch.testing.assert_close(out, oracle(q, k, v, dense), atol=1e-10, rtol=0)
             monkeypatch.setenv("FLEXMASK_COMPILE", "1")
             flexmask.flex_attention(q, k, v, block_mask=mask)
+            assert compiled_calls == []
+            flexmask.attention(q, k, v, mask, "flex")
             assert len(compiled_calls) == 1
             monkeypatch.delenv("FLEXMASK_COMPILE")
             flexmask.set_compile(True)
-            flexmask.flex_attention(q, k, v, block_mask=mask)
+            flexmask.attention(q, k, v, mask, "flex")
             flexmask.set_compile(None)
-            flexmask.flex_attention(q, k, v, block_mask=mask, compile=True)
+            flexmask.attention(q, k, v, mask, "flex", compile=True)
             assert len(compiled_calls) == 3
+            with pytest.raises(ValueError, match="compile is off"):
+                flexmask.attention(q, k, v, mask, "flex")
     finally:
         flexmask.set_compile(None)
 
 
 def test_dense_masks_go_to_sdpa_and_sparse_ones_stay():
     """Half the blocks listed is the line: ~36% stays sparse, ~59% goes to SDPA."""
-    from flexmask.backends.sdpa import SDPA_MIN_DENSITY, choose_backend
+    from flexmask.backends.dense import SDPA_MIN_DENSITY, choose_backend
 
     for mask, expected in (
         (flexmask.causal() & flexmask.sliding_window(700), "sparse"),
@@ -388,7 +394,7 @@ def test_dense_masks_go_to_sdpa_and_sparse_ones_stay():
 def test_a_small_forward_without_gradients_goes_to_sdpa():
     """Without gradients SDPA takes rows up to SDPA_MAX_PAIRS_NO_GRAD pairs; with them the
     same sparse mask stays on the sparse kernel, and past the bound both stay sparse."""
-    from flexmask.backends.sdpa import SDPA_MAX_PAIRS_NO_GRAD, choose_backend
+    from flexmask.backends.dense import SDPA_MAX_PAIRS_NO_GRAD, choose_backend
 
     mask = flexmask.causal() & flexmask.sliding_window(100)
     for n, no_grad in ((1024, "sdpa"), (2048, "sparse")):

@@ -11,8 +11,8 @@ import torch
 
 import flexmask
 from flexmask.algebra.dense import open_empty_rows, zero_empty_rows
+from flexmask.backends.dense import dense_mask, sdpa_attention
 from flexmask.backends.plan import make_plan
-from flexmask.backends.sdpa import dense_mask, sdpa_attention
 from tests import oracle
 
 # (mask, dense oracle per batch row (S, S)) — each has rows that attend nothing.

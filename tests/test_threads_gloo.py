@@ -27,7 +27,7 @@ def _dense_document_causal(lengths: list[int]) -> torch.Tensor:
 
 def _both_ways(rank: int, world: int, calls: int) -> None:
     import flexmask
-    from flexmask.backends.block_sparse import threads
+    from flexmask.backends import threads
     from flexmask.backends.block_sparse.api import block_sparse_attention
 
     torch.set_num_threads(2)  # the ways differ only with more than one thread

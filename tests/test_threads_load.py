@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from flexmask.backends.block_sparse import threads
-from flexmask.backends.block_sparse.threads import CoreLoad, ThreadChoice
+from flexmask.backends import threads
+from flexmask.backends.threads import CoreLoad, ThreadChoice
 
 STAT = """cpu  {t0} 0 0 {i0} 0 0 0 0 0 0
 cpu0 {a} 0 {b} {ia} 5 0 {c} 0 0 0

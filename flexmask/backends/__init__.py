@@ -14,10 +14,10 @@ Every call is checked once before any backend sees it (``request.make_request``:
 calls are valid whichever backend runs), and runs through ``finite.attend_checked`` on the
 CPU.
 
-``flexmask.flex_attention`` hands each call (a ``Request``: q, k, v and the lowered mask) to
-the first backend in table order that takes it (``choose``); ``flexmask.attention`` with
-``backend="auto"`` asks them in ``AUTO``'s order for the device instead, fastest first
-(``rank``), and says why each other backend was refused (``Choice``).
+``flexmask.flex_attention`` and ``flexmask.attention(backend="auto")`` hand each call (a
+``Request``: q, k, v and the mask) to the first backend of one order per device that takes
+it (``order``: ``AUTO``'s measured order, fastest first, then the rest), and ``explain``
+says why each other backend was refused (``Choice``). ``register_backend`` adds one.
 """
 
 from __future__ import annotations
@@ -30,15 +30,9 @@ from flexmask.backends import block_sparse, flex, sdpa, slices, varlen
 from flexmask.backends.request import Request
 
 TABLE: dict[str, ModuleType] = {
-    flex.NAME: flex,
-    # Before block_sparse: on the CPU it takes documents, trees and prefix masks in slices
-    # big enough for torch's fused kernel, and refuses the rest (and any block-sparse option).
-    slices.NAME: slices,
-    block_sparse.NAME: block_sparse,
-    sdpa.NAME: sdpa,
-    varlen.NAME: varlen,  # last: flex_attention's choice stays flex, slices or block_sparse
+    module.NAME: module for module in (flex, slices, block_sparse, sdpa, varlen)
 }
-"""Every backend, in the order ``choose`` asks them."""
+"""Every backend by name (``register_backend`` adds one)."""
 
 AUTO_BENCHMARK = "benchmarks/bench_backends.py"
 AUTO: dict[str, tuple[str, ...]] = {
@@ -57,8 +51,67 @@ AUTO: dict[str, tuple[str, ...]] = {
     # has always run; varlen where flex cannot take the call. Measure before reordering.
     "cuda": (flex.NAME, varlen.NAME, sdpa.NAME),
 }
-"""Per device type, the backends ``rank`` asks, fastest first; a device type not listed is
-asked in ``TABLE`` order."""
+"""Per device type, the backends asked first, fastest first (``order``)."""
+
+
+def order(device: str) -> tuple[str, ...]:
+    """The one order in which the backends are asked for a call on ``device``, by
+    ``flex_attention`` and ``attention(backend="auto")`` alike: ``AUTO``'s for the device,
+    then every other backend in ``TABLE``'s order."""
+    first = tuple(name for name in AUTO.get(device, ()) if name in TABLE)
+    return first + tuple(name for name in TABLE if name not in first)
+
+
+_PROTOCOL = ("can_take", "lower", "attend", "kernel_name")
+
+
+def register_backend(
+    name: str, module: ModuleType, devices: tuple[str, ...] = (), *, before: str | None = None
+) -> None:
+    """Adds a backend: ``module`` has ``NAME == name``, ``OPTIONS`` (a tuple of the keyword
+    options it takes) and the four calls (``can_take``, ``lower``, ``attend``,
+    ``kernel_name``). It is asked for calls on each device type of ``devices`` — ahead of
+    ``before`` in that device's order where given, else after the backends already there —
+    and after those on any other device.
+
+    Example:
+        >>> import types, torch, flexmask
+        >>> from flexmask import backends
+        >>> ones = types.ModuleType("ones")
+        >>> ones.NAME, ones.OPTIONS = "ones", ("ones",)
+        >>> ones.can_take = lambda request: None if request.options.get("ones") else "not asked"
+        >>> ones.lower = lambda request: request._replace(options={})
+        >>> ones.attend = lambda request: torch.ones_like(request.query)
+        >>> ones.kernel_name = lambda request: "torch.ones_like"
+        >>> backends.register_backend("ones", ones, ("cpu",), before="slices")
+        >>> q = torch.randn(1, 1, 4, 8)
+        >>> flexmask.explain(q, q, q, flexmask.causal(), ones=True).kernel
+        'torch.ones_like'
+        >>> backends.unregister_backend("ones")
+    """
+    if not isinstance(name, str) or getattr(module, "NAME", None) != name:
+        raise ValueError(f"name must be the module's NAME, got {name!r} for {module!r}")
+    if name in TABLE:
+        raise ValueError(f"a backend named {name!r} is registered already")
+    missing = [call for call in _PROTOCOL if not callable(getattr(module, call, None))]
+    options_ = getattr(module, "OPTIONS", None)
+    if missing or not (isinstance(options_, tuple) and all(isinstance(o, str) for o in options_)):
+        raise TypeError(
+            f"backend {name!r} must define {', '.join(_PROTOCOL)} and OPTIONS (a tuple of "
+            f"option names); it lacks {missing or ['OPTIONS']}"
+        )
+    for device in devices:
+        current = list(AUTO.get(device, ()))
+        at = current.index(before) if before in current else len(current)
+        AUTO[device] = (*current[:at], name, *current[at:])
+    TABLE[name] = module
+
+
+def unregister_backend(name: str) -> None:
+    """Removes a backend ``register_backend`` added (or a built-in one)."""
+    TABLE.pop(name)
+    for device, names in AUTO.items():
+        AUTO[device] = tuple(n for n in names if n != name)
 
 
 def options() -> tuple[str, ...]:
@@ -140,16 +193,17 @@ def kernel_name(name: str, request: Request) -> str:
 
 
 def rank(
-    request: Request, order: tuple[str, ...] | None = None, *, with_kernel: bool = True
+    request: Request, names: tuple[str, ...] | None = None, *, with_kernel: bool = True
 ) -> Choice:
-    """Every backend of ``order`` (default: ``AUTO`` for the device, else ``TABLE``'s order)
-    asked in turn; the first that takes the call is chosen, the rest still asked, so the
-    Choice says why each one that cannot run it was refused."""
+    """Every backend of ``names`` (default: ``order`` for the device) asked in turn; the
+    first that takes the call is chosen, the rest still asked, so the Choice says why each
+    one that cannot run it was refused. ``with_kernel``: also say what the chosen one calls
+    (explain's question; it may build the BlockMask and plan the call)."""
     device = request.query.device.type
-    if order is None:
-        order = AUTO.get(device, tuple(TABLE))
+    if names is None:
+        names = order(device)
     chosen, refused = "", {}
-    for name in order:
+    for name in names:
         reason = refusal(TABLE[name], request)
         if reason is not None:
             refused[name] = reason
@@ -157,7 +211,7 @@ def rank(
             chosen = name
     return Choice(
         chosen,
-        tuple(order),
+        tuple(names),
         refused,
         device,
         kernel_name(chosen, request) if chosen and with_kernel else "",
@@ -165,15 +219,13 @@ def rank(
 
 
 def choose(request: Request) -> ModuleType:
-    """The first backend of ``TABLE`` that takes the call."""
-    reasons = {}
-    for name, backend in TABLE.items():
-        reason = refusal(backend, request)
-        if reason is None:
-            return backend
-        reasons[name] = reason
-    refusals = "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
-    raise ValueError(f"no attention backend takes this call ({refusals})")
+    """The first backend of the device's ``order`` that takes the call; ValueError naming
+    every refusal where none does."""
+    choice = rank(request, with_kernel=False)
+    if not choice.backend:
+        refusals = "; ".join(f"{name}: {reason}" for name, reason in choice.refused.items())
+        raise ValueError(f"no attention backend takes this call ({refusals})")
+    return TABLE[choice.backend]
 
 
 __all__ = [
@@ -186,6 +238,9 @@ __all__ = [
     "choose",
     "kernel_name",
     "options",
+    "order",
     "rank",
     "refusal",
+    "register_backend",
+    "unregister_backend",
 ]

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
 
-from flexmask.backends.block_sparse import OPTIONS as BLOCK_SPARSE_OPTIONS
 from flexmask.backends.request import Request
 
 NAME = "flex"
@@ -39,13 +38,6 @@ def can_take(request: Request) -> str | None:
 
 def lower(request: Request) -> Request:
     """The BlockMask built: torch's kernel reads it (None: no mask) as it is."""
-    knobs = sorted(name for name in BLOCK_SPARSE_OPTIONS if name in request.options)
-    if knobs:
-        raise TypeError(
-            f"{knobs} tune flexmask's block-sparse CPU path, but torch's flex_attention "
-            f"kernel runs this call (device {request.query.device.type}, "
-            f"compile={request.compile}): drop them, or pass compile=False on the CPU"
-        )
     return request.built()
 
 

@@ -202,6 +202,9 @@ class Request(NamedTuple):
     """Whether torch's kernel is to be compiled (resolved from compile=, set_compile, env)."""
     options: dict[str, Any]
     """Backend options (``threads``, ``backend``, ...) and torch's extra kwargs, as given."""
+    lowered: Any = None
+    """What the backend's ``lower`` made of the mask for its ``attend`` (slices' kernel calls,
+    varlen's packed layout); None before ``lower``."""
 
     def built(self) -> Request:
         """This request with its BlockMask built, for a backend that reads it."""

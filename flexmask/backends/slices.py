@@ -31,11 +31,12 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.algebra.mask import Mask
-from flexmask.backends.block_sparse.threads import one_thread, others_busy
 from flexmask.backends.request import Request, positive_scale
+from flexmask.backends.threads import one_thread, others_busy
 from flexmask.builders.create import built_from
 from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL, to_magi
 from flexmask.pieces import Full
+from flexmask.runtime.cache import on_cache_clear
 
 NAME = "slices"
 OPTIONS: tuple[str, ...] = ()
@@ -57,10 +58,6 @@ BAND_ROWS = 256
 # (fwd+bwd; no-grad fwd): 16-token documents 1.14-2.84x; 0.34-2.07x, 32: 0.25-1.22x;
 # 0.26-1.08x, 64: 0.52-1.38x; 0.44-0.58x, 128: 0.61-0.91x; 0.33-0.57x.
 MIN_ROWS_PER_CALL = 64
-
-_LOWERED = "slices"
-"""The key under which ``lower`` hands the Slices to ``attend``."""
-
 
 _FORWARD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
 _BACKWARD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", *_FORWARD_ARGS[3:]]
@@ -189,17 +186,17 @@ def can_take(request: Request) -> str | None:
 
 
 def lower(request: Request) -> Request:
-    """The mask's kernel calls, handed to ``attend`` in the Request's options."""
+    """The mask's kernel calls, handed to ``attend`` as the Request's ``lowered``."""
     lowered = _shape_problem(request) or _lower(request)
     if not isinstance(lowered, str):
         lowered = too_many(lowered) or lowered
     if isinstance(lowered, str):
         raise ValueError(f"backend 'slices' cannot run this call: {lowered}")
-    return request._replace(options={_LOWERED: lowered})
+    return request._replace(lowered=lowered)
 
 
 def kernel_name(request: Request) -> str:
-    calls = len(request.options[_LOWERED])
+    calls = len(request.lowered)
     return (
         f"torch's CPU flash kernel (aten._scaled_dot_product_flash_attention_for_cpu), "
         f"{calls} call{'s' if calls != 1 else ''}"
@@ -207,7 +204,7 @@ def kernel_name(request: Request) -> str:
 
 
 def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:
-    lowered: Slices = request.options[_LOWERED]
+    lowered: Slices = request.lowered
     # The kernel's preconditions, which torch's public entry points meet before calling it:
     # a unit stride on the last dimension (else wrong outputs), and a positive scale (a
     # masked score is -inf before scaling: 0 or a negative scale makes it NaN or +inf).
@@ -278,6 +275,9 @@ def _lowered(mask: Mask, batch: int, q_len: int, kv_len: int) -> Slices | str:
         _gaps(rows, kv_len, [c for c, f in zip(keys, first_keys, strict=True) if f]),
         covered,
     )
+
+
+on_cache_clear(_lowered.cache_clear)
 
 
 def _first_calls(calls: list[Call]) -> tuple[list[Call], tuple[bool, ...]]:
@@ -482,6 +482,9 @@ def _band_mask(band: int, height: int, width: int, dtype: torch.dtype) -> Tensor
     if band:
         seen &= key <= query + band - 1
     return torch.zeros(height, width, dtype=dtype).masked_fill_(~seen, float("-inf"))
+
+
+on_cache_clear(_band_mask.cache_clear)
 
 
 __all__ = [

@@ -22,13 +22,12 @@ from flexmask.algebra.mask import Mask
 from flexmask.backends.request import Request
 from flexmask.formats.varlen import VarlenMask, to_varlen
 from flexmask.pieces import Full
+from flexmask.runtime.cache import on_cache_clear
 
 NAME = "varlen"
 OPTIONS: tuple[str, ...] = ()
 DTYPES = (torch.float16, torch.bfloat16)
 """What both kernels take."""
-_LOWERED = "varlen_mask"
-"""The key under which ``lower`` hands the VarlenMask to ``attend``."""
 
 
 def flash_attn_varlen_func() -> Callable[..., Any] | None:
@@ -73,11 +72,11 @@ def can_take(request: Request) -> str | None:
 
 
 def lower(request: Request) -> Request:
-    """The mask lowered by ``to_varlen``: handed to ``attend`` in the Request's options."""
+    """The mask lowered by ``to_varlen``: handed to ``attend`` as the Request's ``lowered``."""
     lowered = _lower(request)
     if isinstance(lowered, str):
         raise ValueError(f"backend 'varlen' cannot run this call: {lowered}")
-    return request._replace(options={_LOWERED: lowered})
+    return request._replace(lowered=lowered)
 
 
 def kernel_name(request: Request) -> str:
@@ -88,7 +87,7 @@ def kernel_name(request: Request) -> str:
 
 def attend(request: Request) -> Tensor:
     """Gather to packed tokens, run the kernel, scatter back (zeros where no sequence)."""
-    lowered: VarlenMask = request.options[_LOWERED]
+    lowered: VarlenMask = request.lowered
     q, k, v = (x.transpose(1, 2) for x in (request.query, request.key, request.value))
     packed_q, packed_k, packed_v = lowered.pack_q(q), lowered.pack_kv(k), lowered.pack_kv(v)
     flash = flash_attn_varlen_func()
@@ -127,3 +126,6 @@ def _lowered(
         return to_varlen(mask, batch, q_len, kv_len, device=device)
     except ValueError as err:
         return str(err)
+
+
+on_cache_clear(_lowered.cache_clear)

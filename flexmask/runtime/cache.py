@@ -332,6 +332,18 @@ def cache_info() -> CacheInfo:
     return default_cache().info()
 
 
+_CLEARS: list[Callable[[], object]] = []
+
+
+def on_cache_clear(clear: Callable[[], object]) -> None:
+    """Registers ``clear`` to run with every :func:`cache_clear`: a layer above that keeps its
+    own cache of lowered masks (a backend's) empties it with the BlockMask cache."""
+    _CLEARS.append(clear)
+
+
 def cache_clear() -> None:
-    """Empties the process-wide cache and resets its statistics."""
+    """Empties the process-wide cache and resets its statistics, and every cache of lowered
+    masks a backend keeps (``on_cache_clear``)."""
     default_cache().clear()
+    for clear in _CLEARS:
+        clear()

@@ -4,8 +4,10 @@ tiles, for CPUs and for devices without a compiled flex_attention.
 * ``api`` — ``block_sparse_attention``: its options checked, then SDPA, grouped or score_mod;
 * ``grouped`` — the driver of the grouped kernel (no ``score_mod``): slices, partial-block masks;
 * ``kernel`` — the grouped kernel over gathered kv tiles, with its own backward;
-* ``threads`` — how the kernel's groups share the CPU (``ThreadChoice``);
 * ``score_mod`` — the chunked, checkpointed kernel that evaluates a ``score_mod``.
+
+How its groups share the CPU (``ThreadChoice``) is ``flexmask.backends.threads``, shared with
+the slices backend.
 """
 
 from __future__ import annotations

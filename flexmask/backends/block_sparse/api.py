@@ -45,10 +45,10 @@ from flexmask.backends.block_sparse.grouped import (
     recovered_bounds,
 )
 from flexmask.backends.block_sparse.score_mod import chunked_attention
-from flexmask.backends.block_sparse.threads import kernel_workers
+from flexmask.backends.dense import KERNELS as SDPA_KERNELS
+from flexmask.backends.dense import choose_backend, is_causal, sdpa_attention
 from flexmask.backends.plan import Plan, make_plan
-from flexmask.backends.sdpa import KERNELS as SDPA_KERNELS
-from flexmask.backends.sdpa import choose_backend, is_causal, sdpa_attention
+from flexmask.backends.threads import kernel_workers
 from flexmask.builders.create import built_from
 from flexmask.runtime.lazy import BuiltOnRead
 

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.backends.block_sparse.threads import run_groups
+from flexmask.backends.threads import run_groups
 from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
 
 

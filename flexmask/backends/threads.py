@@ -1,5 +1,7 @@
-"""How the kernel's groups share the CPU: torch's intra-op threads, or groups dealt to
-single-threaded workers, measured per call kind (``ThreadChoice``)."""
+"""How a CPU backend's many small ops share the CPU: torch's intra-op threads, or groups
+dealt to single-threaded workers, measured per call kind (``ThreadChoice``); one intra-op
+thread while other processes keep cores busy (``others_busy``, ``one_thread``). Shared by the
+block-sparse and slices backends, below both."""
 
 from __future__ import annotations
 
