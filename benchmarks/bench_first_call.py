@@ -43,10 +43,10 @@ mask = flexmask.causal() & flexmask.document([300, 200, 12])
 q, k, v = (torch.randn(1, 4, 512, 64) for _ in range(3))
 with torch.no_grad():
     start = time.perf_counter()
-    flexmask.flex_attention(q, k, v, block_mask=mask, compile=True)
+    flexmask.attention(q, k, v, mask, "flex", compile=True)
     first = time.perf_counter() - start
     start = time.perf_counter()
-    flexmask.flex_attention(q, k, v, block_mask=mask, compile=True)
+    flexmask.attention(q, k, v, mask, "flex", compile=True)
 print(first, time.perf_counter() - start)
 """
 

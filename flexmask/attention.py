@@ -1,14 +1,15 @@
 """The kernel call: flex_attention with a handle, a BlockMask or a mask expression.
 
-On a device whose flex_attention kernel has a backward, torch's kernel runs — compiled once
-per process (static shapes: one graph per sequence length and mask kind) unless compilation
-is turned off. On the CPU, where torch has no backward, a call that needs gradients runs
-torch's fused CPU flash kernel once per slice of the mask (documents, trees, prefix masks:
-the ``slices`` backend) or else the differentiable block-sparse path driven by the same
-BlockMask. A no-grad CPU call runs them too (or SDPA, where that is faster) unless
-compilation was asked for — ``compile=True``,
-``set_compile(True)`` or ``FLEXMASK_COMPILE=1`` — because the first compiled CPU call costs
-20-40 s per sequence length and mask kind: worth it for many calls, not for one.
+Every call is checked once (``backends.request.make_request``) and handed to the first
+backend of one order per device (``backends.order``) that takes it, for ``flex_attention``
+and ``attention("auto")`` alike. On an accelerator torch's kernel runs — compiled once per
+process (static shapes: one graph per sequence length and mask kind) unless compilation is
+turned off. On the CPU, where torch has no backward and a first compiled call costs 20-40 s,
+flexmask's backends run: a few queries against a cache (``decode``), torch's fused CPU flash
+kernel once per slice of the mask (documents, trees, prefix masks: ``slices``), else the
+differentiable block-sparse path driven by the same BlockMask (or SDPA where that is
+faster). torch's compiled CPU kernel runs where asked by name (``attention(..., "flex",
+compile=True)``). ``explain`` says which backend and which kernel a call gets.
 """
 
 from __future__ import annotations
@@ -121,16 +122,16 @@ def flex_attention(
         return_lse: also return the log-sum-exp of the scores, ``(B, Hq, Q_LEN)``, as torch's
             flex_attention does: natural log, float32 (float64 for float64 inputs), ``-inf``
             for a query that attends nothing (its output is 0).
-        compile: compile torch's kernel (once per process); None follows ``set_compile`` /
-            FLEXMASK_COMPILE where either is set, and otherwise compiles on accelerators but
-            not on the CPU (whose first compiled call takes 20-40 s): a no-grad CPU call then
-            runs the slices backend or the block-sparse path, or SDPA where that is faster.
-        **kwargs: passed to torch's flex_attention (e.g. ``kernel_options``); where the
-            block-sparse path runs (the CPU with gradients or compile off) its options
-            instead (a call with them always runs that path) — ``threads``,
-            ``memory_budget``, ``recompute``, ``max_chunk_elements``, ``backend``,
-            ``mod_eval`` (see ``flexmask.block_sparse.block_sparse_attention``);
-            those raise TypeError where torch's kernel runs.
+        compile: where torch's kernel runs, compile it (once per process); None follows
+            ``set_compile`` / FLEXMASK_COMPILE where either is set, and otherwise compiles on
+            accelerators but not on the CPU (whose first compiled call takes 20-40 s). On
+            the CPU flexmask's backends take the call first, whatever ``compile`` says.
+        **kwargs: the options of the backend that runs: torch's ``kernel_options`` (the
+            ``flex`` backend); the block-sparse path's ``threads``, ``memory_budget``,
+            ``recompute``, ``max_chunk_elements``, ``backend``, ``mod_eval`` (see
+            ``flexmask.block_sparse.block_sparse_attention``; a call with them runs that
+            path). Only a backend that takes every option given is asked; a keyword no
+            backend takes is a TypeError naming the right one.
 
     Returns:
         The attention output, (B, Hq, Q_LEN, Dv); with ``return_lse`` the pair (output, lse).

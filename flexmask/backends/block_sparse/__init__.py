@@ -37,22 +37,15 @@ OPTIONS = (
 
 
 def can_take(request: Request) -> str | None:
-    # Any CPU call: the table asks torch's kernel first, which takes the compiled no-grad ones.
+    # Any CPU call (the order asks the cheaper CPU backends before it).
     if not request.on_cpu:
         return f"it serves the CPU, and this call is on {request.query.device.type}"
     return None
 
 
 def lower(request: Request) -> Request:
-    """The options checked, the BlockMask built, and no mask made the full one (from the
-    cache)."""
-    extra = sorted(name for name in request.options if name not in OPTIONS)
-    if extra:
-        raise TypeError(
-            f"on the CPU flexmask runs its block-sparse path here (gradients needed or "
-            f"compile off), which takes none of torch's extra flex_attention options; got "
-            f"{extra} (it takes {', '.join(OPTIONS)})"
-        )
+    """The BlockMask built, and no mask made the full one (from the cache). Its options were
+    checked before it was asked (``backends.refusal``)."""
     request = request.built()
     if request.block_mask is None:
         q_len, kv_len = request.query.shape[-2], request.key.shape[-2]
