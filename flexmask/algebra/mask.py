@@ -5,8 +5,9 @@ as ``Mask``'s methods (and ``Leaf.classify_tiles`` for leaves), public within th
 
 * ``check(extent)`` — is the node valid for this batch size and sequence extent? (The whole
   expression is checked through ``validate``, once per spec.)
-* ``lower_at(length, device)`` — its ``mask_mod`` with lookups padded to ``length``, plus an
-  evaluator the build may call with broadcasting index tensors to refine undecided blocks;
+* ``lower_at(length, device, window=None)`` — its ``mask_mod`` with lookups padded to
+  ``length`` (or, given a ``Window``, over the window's positions only), plus an evaluator
+  the build may call with broadcasting index tensors to refine undecided blocks;
 * ``intervals_at(q_idx, row, grid)`` and the shape flags ``has_intervals``,
   ``has_monotone_intervals``, ``attends_from_zero``, ``covers_diagonal``,
   ``attends_around_self``, ``attends_nowhere`` — each query's kv interval, where it has one;
@@ -44,6 +45,23 @@ class Lowered(NamedTuple):
     """What flex_attention and torch's create_block_mask call (scalar or vmapped indices)."""
     evaluate: MaskMod
     """The same predicate, callable with broadcasting index tensors of any shape."""
+
+
+class Window(NamedTuple):
+    """The positions a windowed build calls its mask_mod at: queries ``[q_start, q_start +
+    q_len)`` and keys ``[kv_start, kv_start + kv_len)`` of the whole mask, the starts ints
+    or, per batch row, ``(B,)`` int64 tensors.
+
+    Given to ``lower_at`` for a window far from position 0 (``BlockGrid.lookup_window``):
+    a piece whose lookups are indexed by position (document, spans, tree) then holds them
+    for these positions only — one lookup per side, O(q_len + kv_len) — instead of for
+    every position from 0, which for a window near 2**63 would not fit any memory. Its
+    mask_mod still takes whole-mask positions (under the window's ``ShiftedMod``)."""
+
+    q_start: int | Tensor
+    q_len: int
+    kv_start: int | Tensor
+    kv_len: int
 
 
 class MaskModFn:
@@ -274,8 +292,9 @@ class Mask(ABC):
         return extent
 
     @abstractmethod
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
-        """The mask_mod and evaluator with lookups padded to ``length``."""
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
+        """The mask_mod and evaluator with lookups padded to ``length``; with a ``window``,
+        valid only at the window's positions (lookups over those alone)."""
 
     def has_intervals(self) -> bool:
         """True if ``intervals_at`` describes this mask (every row one kv interval)."""
@@ -606,8 +625,8 @@ class And(_Nary):
     _name = "and"
     _symbol = "&"
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
-        return _combined(AndMod, [c.lower_at(length, device) for c in self.children])
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
+        return _combined(AndMod, [c.lower_at(length, device, window) for c in self.children])
 
     def has_intervals(self) -> bool:
         return all(c.has_intervals() for c in self.children)
@@ -640,8 +659,8 @@ class Or(_Nary):
     _name = "or"
     _symbol = "|"
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
-        return _combined(OrMod, [c.lower_at(length, device) for c in self.children])
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
+        return _combined(OrMod, [c.lower_at(length, device, window) for c in self.children])
 
     # A union of intervals that all start at 0 is the interval up to the largest end: a
     # prefix-LM, `causal() | prefix(n)`, is [0, max(q, n - 1)]. Its lo is 0 and its hi a max
@@ -727,8 +746,8 @@ class Not(Mask):
     def check(self, extent: Extent) -> None:
         self.child.check(extent)
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
-        inner = self.child.lower_at(length, device)
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
+        inner = self.child.lower_at(length, device, window)
         mask_mod = NotMod(inner.mask_mod)
         if inner.evaluate is inner.mask_mod:
             return Lowered(mask_mod, mask_mod)

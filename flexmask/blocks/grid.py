@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_device, check_int
-from flexmask.algebra.mask import Extent, Mask
+from flexmask.algebra.mask import Extent, Mask, Window
 from flexmask.blocks.codes import FULL, PARTIAL
 
 
@@ -148,6 +148,21 @@ class BlockGrid:
     def length(self) -> int:
         """Lookups are padded to this length: every position a kernel may reach is below it."""
         return self.reach
+
+    @property
+    def lookup_window(self) -> Window | None:
+        """What the build's lookups cover (``Mask.lower_at``'s ``window``). None: every
+        position below ``length`` — the usual build, and any window whose reach is at most
+        ``q_len + kv_len`` (a decode step moves its queries within the KV capacity and keeps
+        the lookups). A window farther from position 0: its own positions alone, so a
+        window anywhere up to 2**63 - 1 costs O(q_len + kv_len), not O(its reach)."""
+        if self.length <= self.q_len + self.kv_len:
+            return None
+
+        def start(offset: int | Tensor) -> int | Tensor:
+            return offset.view(-1) if isinstance(offset, Tensor) else offset
+
+        return Window(start(self.q_offset), self.q_len, start(self.kv_offset), self.kv_len)
 
     def kv_tile(self, position: Tensor) -> Tensor:
         """The kv tile (column) of whole-mask kv positions (floor; may be out of range)."""

@@ -142,7 +142,7 @@ def classify_blocks(mask: Mask, grid: BlockGrid) -> Classified:
         if mask.has_intervals():
             refined += refine_by_intervals(codes, undecided, mask, grid)
         else:
-            evaluate = mask.lower_at(grid.length, grid.device).evaluate
+            evaluate = mask.lower_at(grid.length, grid.device, grid.lookup_window).evaluate
             refined += refine_by_evaluation(codes, undecided, evaluate, grid)
     return Classified(grid.demote_incomplete(codes), refined)
 

@@ -226,7 +226,7 @@ def build_counted(
     """``build``, and how many tiles it refined (what benchmarks report)."""
     with cpu_threads(torch.device(grid.device)):
         # The lookups the mask_mod keeps are allocated before the build's temporaries.
-        lowered = mask.lower_at(grid.length, grid.device).mask_mod
+        lowered = mask.lower_at(grid.length, grid.device, grid.lookup_window).mask_mod
         mask_mod = window_mask_mod(lowered, grid)
         if grid.per_row_offsets and not in_closed_form(mask):
             kv, q, refined = _row_by_row(mask, grid)
@@ -462,7 +462,8 @@ def _traced_build(mask: Mask, grid: BlockGrid, flags: Flags) -> BlockMask:
     its (windowed) mask_mod. Classifying tiles reads tensor values (which tiles are
     undecided, how many runs a line has) that export cannot trace as shapes; torch's build
     evaluates every element instead, and writes the same tensors."""
-    mask_mod = window_mask_mod(mask.lower_at(grid.length, grid.device).mask_mod, grid)
+    lowered = mask.lower_at(grid.length, grid.device, grid.lookup_window)
+    mask_mod = window_mask_mod(lowered.mask_mod, grid)
     return torch_create_block_mask(
         mask_mod,
         grid.batch,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Extent, Leaf, MaskModFn
+from flexmask.algebra.mask import Extent, Leaf, MaskModFn, Window
 
 
 class Piece(Leaf):
@@ -119,6 +119,32 @@ def _device_key(device: torch.device) -> tuple[str, int]:
     return device.type, index or 0
 
 
+def window_positions(start: int | Tensor, length: int, device: torch.device) -> Tensor:
+    """Whole-mask positions of one side of a ``Window``: ``(1, length)`` int64 from an int
+    start, ``(B, length)`` from per-row starts."""
+    steps = torch.arange(length, dtype=torch.int64, device=device)
+    if isinstance(start, Tensor):
+        return start.to(device).view(-1, 1) + steps
+    return (steps + start).view(1, -1)
+
+
+def window_rows(window: Window, rows: int) -> int:
+    """Rows of a piece's window lookups: its own (1 when shared), or B where the window's
+    starts differ by row."""
+    for start in (window.q_start, window.kv_start):
+        if isinstance(start, Tensor):
+            rows = max(rows, start.numel())
+    return rows
+
+
+def held_start(start: int | Tensor, device: torch.device) -> Tensor:
+    """A window side's start as its mask_mod holds it: a 0-d int64 tensor, or ``(B,)`` per
+    row — never a Python int, so a new window of the same shape does not recompile."""
+    if isinstance(start, Tensor):
+        return start.to(device=device, dtype=torch.int64).view(-1)
+    return torch.tensor(start, dtype=torch.int64, device=device)
+
+
 def per_row_view(values: Tensor, per_row: bool) -> Tensor:
     """(R, 1, 1, 1) view of per-row values for block classification."""
     return values.view(-1, 1, 1, 1) if per_row else values.view(1, 1, 1, 1)
@@ -144,3 +170,23 @@ class PieceMod(MaskModFn):
     def _lookup(self, table: Tensor, b: Tensor, idx: Tensor) -> Tensor:
         """Row b's table entry at idx: ``table`` is (R, n) per row, (n,) when shared."""
         return table[b, idx] if self.per_row else table[idx]
+
+
+class WindowMod(PieceMod):
+    """A piece's mask_mod on a ``Window`` (``Mask.lower_at``): its lookups hold one side's
+    positions each, from ``q_start`` and ``kv_start`` (0-d, or ``(B,)`` read at ``b``, when
+    the lookups are per row too), plus a last entry that attends nowhere. It takes
+    whole-mask positions, as the piece's own mask_mod does, but only those of the window."""
+
+    __slots__ = ("q_start", "kv_start")
+
+    def __init__(self, q_start: Tensor, kv_start: Tensor, per_row: bool) -> None:
+        super().__init__(per_row)
+        self.q_start = q_start
+        self.kv_start = kv_start
+
+    def _at(self, table: Tensor, start: Tensor, b: Tensor, idx: Tensor) -> Tensor:
+        """Row b's entry of one side's ``table`` at whole-mask position ``idx``: ``idx -
+        start``, clamped into the table (past the window, onto its last entry)."""
+        local = idx - (start[b] if start.dim() else start)
+        return self._lookup(table, b, local.clamp(0, table.shape[-1] - 1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Intervals, Lowered
+from flexmask.algebra.mask import Intervals, Lowered, Window
 from flexmask.blocks.codes import codes_from
 from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import Piece, PieceMod
@@ -31,7 +31,7 @@ class Causal(Piece):
     def classify_tiles(self, grid: BlockGrid) -> Tensor:
         return codes_from(grid.kv_first <= grid.q_last, grid.kv_last <= grid.q_first)
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         mod = CausalMod()
         return Lowered(mod, mod)
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Intervals, Lowered
+from flexmask.algebra.mask import Intervals, Lowered, Window
 from flexmask.blocks.codes import codes_from
 from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import PieceMod
@@ -45,7 +45,7 @@ class Chunked(RowValuePiece):
         nonempty = (q0 <= k1) & (k0 <= q1)
         return codes_from(nonempty, (q0 == q1) & (k0 == k1) & (q0 == k0))
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         mod = ChunkedMod(self._captured(device), self.per_row)
         return Lowered(mod, mod)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Intervals, Lowered
+from flexmask.algebra.mask import Intervals, Lowered, Window
 from flexmask.blocks.codes import EMPTY, FULL, constant_codes
 from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import Piece, PieceMod
@@ -30,7 +30,7 @@ class Full(Piece):
     def classify_tiles(self, grid: BlockGrid) -> Tensor:
         return constant_codes(FULL, grid.device)
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         mod = FullMod()
         return Lowered(mod, mod)
 
@@ -61,7 +61,7 @@ class Empty(Piece):
     def classify_tiles(self, grid: BlockGrid) -> Tensor:
         return constant_codes(EMPTY, grid.device)
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         mod = EmptyMod()
         return Lowered(mod, mod)
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from flexmask.algebra.evaluate import vmap_broadcast
-from flexmask.algebra.mask import Lowered, MaskMod, MaskModFn
+from flexmask.algebra.mask import Lowered, MaskMod, MaskModFn, Window
 from flexmask.blocks.codes import UNDECIDED, constant_codes
 from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import Piece
@@ -44,7 +44,7 @@ class FromMaskMod(Piece):
     def classify_tiles(self, grid: BlockGrid) -> Tensor:
         return constant_codes(UNDECIDED, grid.device)
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         return Lowered(self.fn, VmappedMod(self.fn))
 
     def __repr__(self) -> str:

@@ -9,12 +9,24 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import INT64_MAX, checked_sum, digest, int_vector, is_nested, source_device
-from flexmask.algebra.mask import Intervals, Lowered
+from flexmask.algebra.mask import Intervals, Lowered, Window
 from flexmask.blocks.codes import codes_from
 from flexmask.blocks.grid import BlockGrid
-from flexmask.pieces._base import Piece, PieceMod, tracing
+from flexmask.pieces._base import (
+    Piece,
+    PieceMod,
+    WindowMod,
+    held_start,
+    tracing,
+    window_positions,
+    window_rows,
+)
 
-_PAST = 1 << 62  # pads document starts and ends: past every position
+# Pads document starts and ends: past every position. Positions are below 2**63 - 1 (a
+# window ends there at most) and lengths sum to at most 2**63 - 1, so every real bound is a
+# position of its own and the padding never is (a bound of 2**62 lost documents that a
+# window past it holds).
+_PAST = INT64_MAX
 
 
 class Document(Piece):
@@ -99,20 +111,12 @@ class Document(Piece):
     def _tables(self) -> tuple[Tensor, Tensor, Tensor]:
         """Each row's document starts and ends (R, max documents), padded past every
         position (never a match), and document counts (R,): what every lookup needs.
-        Documents may run past the sequence (docs/algebra.md: clipped to it); bounds past
-        _PAST are no position either, and clamping them keeps each row sorted for search."""
+        Documents may run past the sequence (docs/algebra.md: clipped to it); the sums fit
+        in int64 (checked), so each row is sorted for search as it is."""
         if self._bounds is None or tracing():
             rows = self.seq_lens
-            ends = torch.nn.utils.rnn.pad_sequence(
-                [r.cumsum(0).clamp(max=_PAST) for r in rows],
-                batch_first=True,
-                padding_value=_PAST,
-            )
-            starts = torch.nn.utils.rnn.pad_sequence(
-                [(r.cumsum(0) - r).clamp(max=_PAST) for r in rows],
-                batch_first=True,
-                padding_value=_PAST,
-            )
+            ends = _padded([r.cumsum(0) for r in rows])
+            starts = _padded([r.cumsum(0) - r for r in rows])
             bounds = (starts, ends, torch.tensor(self._counts))
             if tracing():  # a trace's tensors are never kept
                 return bounds
@@ -164,12 +168,37 @@ class Document(Piece):
         k_single = torch.where(k0 == k1, k0, -2)
         return codes_from(nonempty, q_single == k_single)
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
+        if window is not None:
+            # Each side's ids at its own positions: a window near 2**63 holds O(Q + KV).
+            rows = window_rows(window, self._ends.shape[0])
+            q_ids = self._window_ids(window.q_start, window.q_len, rows, device)
+            kv_ids = self._window_ids(window.kv_start, window.kv_len, rows, device)
+            per_row = self.per_row or rows > 1
+            if not per_row:
+                q_ids, kv_ids = q_ids[0], kv_ids[0]
+            starts = held_start(window.q_start, device), held_start(window.kv_start, device)
+            window_mod = DocumentWindowMod(q_ids, kv_ids, *starts, per_row)
+            return Lowered(window_mod, window_mod)
         # int32 ids, -1 past the documents; sized by the sequence length, never by the number
         # of documents, so a compiled kernel sees one shape for every batch of this length.
         doc_id = self._doc_ids(length, device)
         mod = DocumentMod(doc_id if self.per_row else doc_id[0], self.per_row)
         return Lowered(mod, mod)
+
+    def _window_ids(
+        self, start: int | Tensor, length: int, rows: int, device: torch.device
+    ) -> Tensor:
+        """Document index of one window side's positions, -1 past the documents and in a
+        last (sentinel) column: (rows, length + 1) int32, one search per position."""
+        positions = window_positions(start, length, device)
+        ends = self._on("_ends", device)
+        doc = torch.searchsorted(
+            ends.expand(rows, -1).contiguous(), positions.expand(rows, -1).contiguous(), right=True
+        )
+        num_docs = self._on("_num_docs", device).view(-1, 1)
+        doc = torch.where(doc < num_docs, doc, -1).to(torch.int32)
+        return torch.nn.functional.pad(doc, (0, 1), value=-1)
 
     def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         # Only the queried positions: the document of each is one search among its row's
@@ -223,6 +252,36 @@ class DocumentMod(PieceMod):
         last = self.doc_id.shape[-1] - 1
         q_doc = self._lookup(self.doc_id, b, q_idx.clamp(max=last))
         return (q_doc == self._lookup(self.doc_id, b, kv_idx.clamp(max=last))) & (q_doc >= 0)
+
+
+class DocumentWindowMod(WindowMod):
+    """document's mask_mod on a window: q and kv have the same document id, and q has one.
+
+    ``q_doc_id`` and ``kv_doc_id`` are int32 ids of the window's query and key positions
+    (``(R, n + 1)`` per row, ``(n + 1,)`` shared), each with a last -1 entry.
+    """
+
+    __slots__ = ("q_doc_id", "kv_doc_id")
+    _name = "document"
+
+    def __init__(
+        self, q_doc_id: Tensor, kv_doc_id: Tensor, q_start: Tensor, kv_start: Tensor, per_row: bool
+    ) -> None:
+        super().__init__(q_start, kv_start, per_row)
+        self.q_doc_id = q_doc_id
+        self.kv_doc_id = kv_doc_id
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        q_doc = self._at(self.q_doc_id, self.q_start, b, q_idx)
+        kv_doc = self._at(self.kv_doc_id, self.kv_start, b, kv_idx)
+        return (q_doc == kv_doc) & (q_doc >= 0)
+
+
+def _padded(rows: list[Tensor]) -> Tensor:
+    """(R, longest) int64 of bounds >= 0, padded with _PAST: marked -1 first, since
+    pad_sequence's padding value is a float (2**63 - 1 would round to 2**63 and wrap)."""
+    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1)
+    return out.masked_fill_(out < 0, _PAST)
 
 
 def _plain_rows(rows: list[Any]) -> list[list[int]] | None:

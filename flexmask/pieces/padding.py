@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Intervals, Lowered
+from flexmask.algebra.mask import Intervals, Lowered, Window
 from flexmask.blocks.codes import codes_from
 from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import PieceMod
@@ -43,7 +43,7 @@ class Padding(RowValuePiece):
         full = (grid.q_last < length) & (grid.kv_last < length)
         return codes_from(nonempty, full)
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         mod = PaddingMod(self._captured(device), self.per_row)
         return Lowered(mod, mod)
 

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_int
-from flexmask.algebra.mask import Composite, Extent, Lowered, Mask, MaskMod, MaskModFn
+from flexmask.algebra.mask import Composite, Extent, Lowered, Mask, MaskMod, MaskModFn, Window
 
 
 class PerHead(Composite):
@@ -71,8 +71,8 @@ class PerHead(Composite):
         which = self.head_table[(h // self.group_size) % len(self.masks)]
         return [(which == d).nonzero().view(-1) for d in range(len(self.distinct))]
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
-        parts = [m.lower_at(length, device) for m in self.distinct]
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
+        parts = [m.lower_at(length, device, window) for m in self.distinct]
         table = self.head_table.to(device)
         mask_mod = PerHeadMod(tuple(p.mask_mod for p in parts), table, self.group_size)
         if all(p.evaluate is p.mask_mod for p in parts):

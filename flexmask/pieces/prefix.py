@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Intervals, Lowered
+from flexmask.algebra.mask import Intervals, Lowered, Window
 from flexmask.blocks.codes import codes_from
 from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import PieceMod
@@ -34,7 +34,7 @@ class Prefix(RowValuePiece):
         length = self._row_values(grid)
         return codes_from(grid.kv_first < length, grid.kv_last < length)
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         mod = PrefixMod(self._captured(device), self.per_row)
         return Lowered(mod, mod)
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Intervals, Lowered
+from flexmask.algebra.mask import Intervals, Lowered, Window
 from flexmask.blocks.codes import codes_from
 from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import PieceMod
@@ -39,7 +39,7 @@ class SlidingWindow(RowValuePiece):
         farthest = torch.maximum(grid.q_last - grid.kv_first, grid.kv_last - grid.q_first)
         return codes_from(nearest < size, farthest < size)
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         mod = SlidingWindowMod(self._captured(device), self.per_row)
         return Lowered(mod, mod)
 

@@ -8,10 +8,17 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import digest, int_vector, is_nested, source_device
-from flexmask.algebra.mask import Intervals, Lowered
+from flexmask.algebra.mask import Intervals, Lowered, Window
 from flexmask.blocks.codes import codes_from
 from flexmask.blocks.grid import BlockGrid
-from flexmask.pieces._base import Piece, PieceMod
+from flexmask.pieces._base import (
+    Piece,
+    PieceMod,
+    WindowMod,
+    held_start,
+    window_positions,
+    window_rows,
+)
 
 _PAST = 1 << 62  # pads span starts and ends: past every position
 
@@ -95,7 +102,18 @@ class Spans(Piece):
         nonempty = torch.maximum(q_lo, kv_lo) <= torch.minimum(q_hi, kv_hi)
         return codes_from(nonempty, (q_whole == kv_whole) & (q_whole >= 0))
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
+        if window is not None:
+            # Each side's ids at its own positions: a window near 2**63 holds O(Q + KV).
+            rows = window_rows(window, self._span_ids.shape[0])
+            q_ids = self._window_ids(window.q_start, window.q_len, rows, device)
+            kv_ids = self._window_ids(window.kv_start, window.kv_len, rows, device)
+            per_row = self.per_row or rows > 1
+            if not per_row:
+                q_ids, kv_ids = q_ids[0], kv_ids[0]
+            starts = held_start(window.q_start, device), held_start(window.kv_start, device)
+            window_mod = SpansWindowMod(q_ids, kv_ids, *starts, per_row)
+            return Lowered(window_mod, window_mod)
         # int32 span ids padded with -1 to length + 1 (the last entry is the sentinel indices
         # past the lookup are clamped onto): one shape for every batch of this length.
         # Ids past the sequence are clipped off (docs/algebra.md): no index reaches them.
@@ -104,6 +122,18 @@ class Spans(Piece):
         ids[:, : span_ids.shape[1]] = span_ids
         mod = SpansMod(ids if self.per_row else ids[0], self.per_row)
         return Lowered(mod, mod)
+
+    def _window_ids(
+        self, start: int | Tensor, length: int, rows: int, device: torch.device
+    ) -> Tensor:
+        """Span ids of one window side's positions, -1 outside every span and in a last
+        (sentinel) column: (rows, length + 1) int32."""
+        positions = window_positions(start, length, device).expand(rows, -1)
+        # One -1 column past the ids: every position at or past them reads it.
+        ids = torch.nn.functional.pad(self._on("_span_ids", device), (0, 1), value=-1)
+        at = positions.clamp(max=ids.shape[1] - 1)
+        found = ids.expand(rows, -1).gather(1, at)
+        return torch.nn.functional.pad(found, (0, 1), value=-1)
 
     def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
         device = grid.device
@@ -143,6 +173,34 @@ class SpansMod(PieceMod):
         last = self.span_id.shape[-1] - 1
         q_span = self._lookup(self.span_id, b, q_idx.clamp(max=last))
         return (q_span == self._lookup(self.span_id, b, kv_idx.clamp(max=last))) & (q_span >= 0)
+
+
+class SpansWindowMod(WindowMod):
+    """spans' mask_mod on a window: q and kv have the same span id, and q has one.
+
+    ``q_span_id`` and ``kv_span_id`` are int32 ids of the window's query and key positions
+    (``(R, n + 1)`` per row, ``(n + 1,)`` shared), -1 outside every span and at the end.
+    """
+
+    __slots__ = ("q_span_id", "kv_span_id")
+    _name = "spans"
+
+    def __init__(
+        self,
+        q_span_id: Tensor,
+        kv_span_id: Tensor,
+        q_start: Tensor,
+        kv_start: Tensor,
+        per_row: bool,
+    ) -> None:
+        super().__init__(q_start, kv_start, per_row)
+        self.q_span_id = q_span_id
+        self.kv_span_id = kv_span_id
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        q_span = self._at(self.q_span_id, self.q_start, b, q_idx)
+        kv_span = self._at(self.kv_span_id, self.kv_start, b, kv_idx)
+        return (q_span == kv_span) & (q_span >= 0)
 
 
 def _span_bounds(ids: Tensor, name: str) -> tuple[Tensor, Tensor, Tensor]:

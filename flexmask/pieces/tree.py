@@ -8,10 +8,18 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_parents, digest, is_nested, source_device
-from flexmask.algebra.mask import Extent, Lowered
-from flexmask.blocks.codes import CODE_DTYPE, EMPTY
+from flexmask.algebra.mask import Extent, Lowered, Window
+from flexmask.blocks.codes import CODE_DTYPE, EMPTY, constant_codes
 from flexmask.blocks.grid import BlockGrid
-from flexmask.pieces._base import Piece, PieceMod, tracing
+from flexmask.pieces._base import (
+    Piece,
+    PieceMod,
+    WindowMod,
+    held_start,
+    tracing,
+    window_positions,
+    window_rows,
+)
 
 
 class Tree(Piece):
@@ -119,6 +127,12 @@ class Tree(Piece):
         return rank.to(device), end.to(device)
 
     def classify_tiles(self, grid: BlockGrid) -> Tensor:
+        longest = max(p.numel() for p in self.parents)
+        if _least(grid.q_offset) >= longest or _least(grid.kv_offset) >= longest:
+            # A side wholly past the tree: its queries attend nothing, or its keys are
+            # nobody's ancestor. Every tile is EMPTY, with no lookups over the window's
+            # reach (which may be near 2**63).
+            return constant_codes(EMPTY, grid.device)
         if not all(self.preorder):
             # Rank space is exact for any layout; rows already in preorder lose nothing to it
             # but a few passes, so mixed batches take it for every row.
@@ -126,13 +140,14 @@ class Tree(Piece):
         device = grid.device
         rows = len(self.parents)
         nq, nkv, kv_block = grid.num_q_blocks, grid.num_kv_blocks, grid.kv_block
-        _, end = self._lookups(grid.length, device)  # int32
+        length = self._tile_length(grid)
+        _, end = self._lookups(length, device)  # int32
         end = end[:, grid.kv_offset : grid.kv_end]
         pad = nkv * kv_block - grid.kv_len
         # Per kv block: the largest and smallest subtree end over its in-range tokens.
         max_end = torch.nn.functional.pad(end, (0, pad), value=0) if pad else end
         max_end = max_end.reshape(rows, nkv, kv_block).amax(-1).view(rows, 1, nkv)
-        min_end = torch.nn.functional.pad(end, (0, pad), value=grid.length + 1) if pad else end
+        min_end = torch.nn.functional.pad(end, (0, pad), value=length + 1) if pad else end
         min_end = min_end.reshape(rows, nkv, kv_block).amin(-1).view(rows, 1, nkv)
         # In preorder, kv attends q iff kv <= q < end[kv]: for a kv block not after the q
         # block, some q attends iff some end reaches past the block's first query (a token
@@ -184,14 +199,15 @@ class Tree(Piece):
         ancestors meet a kv block iff ``rank[p]`` is in ``U``.
         """
         device = grid.device
-        rows, big = len(self.parents), grid.length + 2
+        length = self._tile_length(grid)
+        rows, big = len(self.parents), length + 2
         nq, nkv, q_block, kv_block = (
             grid.num_q_blocks,
             grid.num_kv_blocks,
             grid.q_block,
             grid.kv_block,
         )
-        rank, end = self._lookups(grid.length, device)  # int32: every pass below is half
+        rank, end = self._lookups(length, device)  # int32: every pass below is half
         sizes = torch.tensor([p.numel() for p in self.parents], device=device, dtype=torch.int32)
 
         def blocks(values: Tensor, first: int, last: int, n: int, size: int, fill: int) -> Tensor:
@@ -227,7 +243,7 @@ class Tree(Piece):
         # The subtree end of the block's least-ranked token, read by its rank (ranks are a
         # permutation of the positions): no argmin, which costs ~9x the amin (1.26 against
         # 0.14 ms over (8, 1024, 128), one run).
-        end_by_rank = self._end_by_rank(grid.length, device)
+        end_by_rank = self._end_by_rank(length, device)
         u_run = end_by_rank.gather(1, u_lo.to(torch.int64)) >= u_hi
         # Per q block: extremes of its ranks, and of those in the tree — the kv blocks'
         # where both sides' blocks are the same tokens (a square build): two reductions
@@ -342,12 +358,23 @@ class Tree(Piece):
         codes[:, band[:, 0], band[:, 1]] = torch.maximum(on_band, diagonal.to(CODE_DTYPE))
         return codes.view(rows, 1, nq, nkv)
 
+    def _tile_length(self, grid: BlockGrid) -> int:
+        """Positions the tile lookups cover: the grid's length, shared with its mask_mod's
+        and every row's window (one lookup kept); for a window far from position 0
+        (``lookup_window``) the tree and the window's own positions only. Both its sides
+        then start inside the tree (``classify_tiles`` settles the others at once), so
+        that is O(tree + Q + KV)."""
+        if grid.lookup_window is None:
+            return grid.length
+        longest = max(p.numel() for p in self.parents)
+        return max(_most(grid.q_end), _most(grid.kv_end), longest)
+
     def _external_parents(self, grid: BlockGrid, rank: Tensor) -> Tensor:
         """(R, nq, c) ranks of each q block's external parents (-1 pads), c the most any
         block has: the parents outside the block of its tokens in the tree."""
         rows, nq, q_block = len(self.parents), grid.num_q_blocks, grid.q_block
         q_first, q_end = grid.q_offset, grid.q_end
-        parent = torch.full((rows, grid.length), -1, dtype=torch.int64)
+        parent = torch.full((rows, self._tile_length(grid)), -1, dtype=torch.int64)
         for row, p in enumerate(self.parents):
             parent[row, : p.numel()] = p
         parent = parent.to(grid.device)[:, q_first:q_end]
@@ -363,13 +390,42 @@ class Tree(Piece):
             -1,
         )
 
-    def lower_at(self, length: int, device: torch.device) -> Lowered:
+    def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
+        if window is not None:
+            # Each side's lookups at its own positions: a window near 2**63 holds O(Q + KV).
+            rows = window_rows(window, len(self.parents))
+            q_rank, _ = self._window_lookups(window.q_start, window.q_len, rows, device)
+            kv_rank, kv_end = self._window_lookups(window.kv_start, window.kv_len, rows, device)
+            per_row = self.per_row or rows > 1
+            if not per_row:
+                q_rank, kv_rank, kv_end = q_rank[0], kv_rank[0], kv_end[0]
+            starts = held_start(window.q_start, device), held_start(window.kv_start, device)
+            window_mod = TreeWindowMod(q_rank, kv_rank, kv_end, *starts, per_row)
+            return Lowered(window_mod, window_mod)
         rank, end = self._lookups(length, device)
         if self.per_row:
             mod = TreeMod(rank, end, per_row=True)
         else:
             mod = TreeMod(rank[0], end[0], per_row=False)
         return Lowered(mod, mod)
+
+    def _window_lookups(
+        self, start: int | Tensor, length: int, rows: int, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """Rank and subtree end of one window side's positions, (rows, length + 1) int32
+        with a last (sentinel) column. Past the tree, and there, rank is the tree's size
+        (at least every subtree end: such a q attends nothing) and end is 0 (such a kv is
+        nobody's ancestor)."""
+        longest = max(p.numel() for p in self.parents)
+        rank = torch.full((len(self.parents), longest + 1), longest, dtype=torch.int32)
+        end = torch.zeros(len(self.parents), longest + 1, dtype=torch.int32)
+        for row, parents in enumerate(self.parents):
+            rank[row, : parents.numel()] = self.ranks[row]
+            end[row, : parents.numel()] = self.ends[row]
+        positions = window_positions(start, length, device).expand(rows, -1)
+        at = torch.nn.functional.pad(positions.clamp(max=longest), (0, 1), value=longest)
+        rank, end = rank.to(device).expand(rows, -1), end.to(device).expand(rows, -1)
+        return rank.gather(1, at), end.gather(1, at)
 
     def __repr__(self) -> str:
         if self.per_row:
@@ -398,6 +454,47 @@ class TreeMod(PieceMod):
         q_rank = self._lookup(self.rank, b, q_idx.clamp(max=last))
         kv = kv_idx.clamp(max=last)
         return (self._lookup(self.rank, b, kv) <= q_rank) & (q_rank < self._lookup(self.end, b, kv))
+
+
+class TreeWindowMod(WindowMod):
+    """tree's mask_mod on a window: ``kv_rank[kv] <= q_rank[q] < kv_end[kv]``.
+
+    ``q_rank`` holds the ranks of the window's query positions, ``kv_rank`` and ``kv_end``
+    those of its key positions (int32, ``(R, n + 1)`` per row, ``(n + 1,)`` shared); the
+    last entries attend nowhere.
+    """
+
+    __slots__ = ("q_rank", "kv_rank", "kv_end")
+    _name = "tree"
+
+    def __init__(
+        self,
+        q_rank: Tensor,
+        kv_rank: Tensor,
+        kv_end: Tensor,
+        q_start: Tensor,
+        kv_start: Tensor,
+        per_row: bool,
+    ) -> None:
+        super().__init__(q_start, kv_start, per_row)
+        self.q_rank = q_rank
+        self.kv_rank = kv_rank
+        self.kv_end = kv_end
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        q_rank = self._at(self.q_rank, self.q_start, b, q_idx)
+        kv_rank = self._at(self.kv_rank, self.kv_start, b, kv_idx)
+        return (kv_rank <= q_rank) & (q_rank < self._at(self.kv_end, self.kv_start, b, kv_idx))
+
+
+def _most(end: int | Tensor) -> int:
+    """The largest of a grid's window ends (an int, or one per row)."""
+    return int(end.max()) if isinstance(end, Tensor) else end
+
+
+def _least(offset: int | Tensor) -> int:
+    """The smallest of a grid's offsets (an int, or one per row)."""
+    return int(offset.min()) if isinstance(offset, Tensor) else offset
 
 
 _CHUNK_TILES = 1 << 19
