@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
 import numpy as np
 import torch
 from hypothesis import strategies as st
@@ -370,3 +373,384 @@ def preorder_tree(n: int, seed: int) -> list[int]:
         parents.append(path[-1] if path else -1)
         path.append(i)
     return parents
+
+
+# ------------------------------------------------------------------- attention call cases
+# One attention call, drawn widely, for the backends' differential fuzz
+# (tests/test_attention_fuzz.py) and any test that runs a call through a backend: a
+# ``CaseSpec`` (every choice, hashable, printed by hypothesis) made into an ``AttentionCase``
+# (the tensors, the mask as passed, the dense bool mask) by ``build_case``.
+
+LAYOUTS = (
+    "contiguous",
+    "transposed",  # (B, S, H, D) storage, .transpose(1, 2)
+    "expanded",  # a size-1 batch (else head) dim expanded: stride 0
+    "last_dim_strided",  # x[..., ::2] of a twice-as-wide tensor
+    "wide_slice",  # x[..., :D] of a wider projection
+    "seq_strided",  # x[:, :, ::2] of a twice-as-long tensor
+)
+CONTIGUOUS = ("contiguous", "contiguous", "contiguous")
+SPECIAL_SCALES = (None, 0.0, -1.0, -0.125, 1e-4, 30.0)
+NON_FINITE = (float("nan"), float("inf"), float("-inf"))
+PLACES = ("unattended", "partial", "attended")
+"""Where a non-finite value goes: a key/value no query attends (a query that attends
+nothing), one some queries attend and others not, or one that is attended."""
+FORMS = ("mask", "lazy", "block_mask")
+MAX_PAIRS = 160_000
+"""Bound on B x Hq x Q_LEN x KV_LEN of a case (the reference forms every pair's product
+where an input is non-finite)."""
+
+
+class Placement(NamedTuple):
+    """A non-finite ``value`` put in ``tensor`` ("q", "k" or "v") at a position of kind
+    ``place`` (``PLACES``): the ``pick``-th such position (modulo their count), head dim
+    ``dim`` (modulo D). No position of that kind: nothing is placed."""
+
+    tensor: str
+    value: float
+    place: str
+    pick: int = 0
+    dim: int = 0
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """Every choice of one attention call; ``build_case`` makes it."""
+
+    mask: flexmask.Mask
+    q_len: int
+    kv_len: int
+    batch: int = 1
+    kv_heads: int = 1
+    group: int = 1
+    """Query heads per kv head (Hq = kv_heads * group)."""
+    head_dim: int = 8
+    value_dim: int | None = None
+    """None: head_dim."""
+    dtype: torch.dtype = torch.float32
+    form: str = "mask"
+    """How the mask is passed: "mask", "lazy" (a handle), "block_mask" (built), "none"."""
+    block_size: int | tuple[int, int] = 128
+    mask_batch: int | None = None
+    """B of a built BlockMask or handle (None: the batch); 1 broadcasts."""
+    mask_heads: int | None = None
+    """H of a built BlockMask or handle (None: the query heads); 1 broadcasts."""
+    layouts: tuple[str, str, str] = CONTIGUOUS
+    """Per q, k, v: one of LAYOUTS."""
+    scale: float | None = None
+    enable_gqa: Any = False
+    return_lse: bool = False
+    requires_grad: bool = False
+    placements: tuple[Placement, ...] = ()
+    seed: int = 0
+
+    @property
+    def q_heads(self) -> int:
+        return self.kv_heads * self.group
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCase:
+    """One attention call: ``query``/``key``/``value`` (leaves, in their layouts), the mask as
+    passed (a Mask, a handle, a BlockMask or None), the dense bool mask ``(B, Hq, Q, KV)`` it
+    means (``Mask.to_dense``), the call's keyword arguments, and the gradient of the output
+    the backward is run with."""
+
+    spec: CaseSpec
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: Any
+    dense: torch.Tensor
+    kwargs: dict
+    grad_out: torch.Tensor | None
+    placed: tuple[str, ...]
+    """The non-finite values placed: ``"k[b, h, s, d]=nan"``."""
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.query, self.key, self.value
+
+    def explain(self, backend: str = "auto"):
+        """``flexmask.explain`` of this call for ``backend``."""
+        return flexmask.explain(*self.tensors, self.mask, backend=backend, **self.kwargs)
+
+    def call(self, backend: str = "auto"):
+        """The call's output, lse and gradients (``attention_reference.Outcome``), run by
+        ``flexmask.attention(..., backend=backend)``, or by ``flexmask.flex_attention(...,
+        compile=False)`` for ``backend="flex_attention"``."""
+        from tests.attention_reference import Outcome
+
+        with torch.set_grad_enabled(self.spec.requires_grad):
+            if backend == "flex_attention":
+                result = flexmask.flex_attention(
+                    *self.tensors, block_mask=self.mask, compile=False, **self.kwargs
+                )
+            else:
+                result = flexmask.attention(
+                    *self.tensors, self.mask, backend=backend, **self.kwargs
+                )
+            out, lse = result if self.spec.return_lse else (result, None)
+            grads = None
+            if self.grad_out is not None:
+                grads = torch.autograd.grad(out, self.tensors, self.grad_out, allow_unused=True)
+        return Outcome(out.detach(), None if lse is None else lse.detach(), grads)
+
+    def reference(self):
+        """The float64 reference's Outcome for this call (``tests.attention_reference``)."""
+        from tests.attention_reference import reference_outcome
+
+        return reference_outcome(
+            *self.tensors,
+            self.dense,
+            self.spec.scale,
+            self.spec.enable_gqa,
+            self.grad_out,
+        )
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(
+            f"{name}{tuple(t.shape)}:{t.stride()}"
+            for name, t in zip("qkv", self.tensors, strict=True)
+        )
+        return f"AttentionCase({self.spec!r}, {shapes}, placed={list(self.placed)})"
+
+
+def _positions(dense: torch.Tensor, tensor: str, place: str, group: int) -> torch.Tensor:
+    """(n, 3) indices (b, h, s) of ``tensor``'s positions of kind ``place``."""
+    batch, q_heads, q_len, kv_len = dense.shape
+    if tensor == "q":
+        attends = dense.any(-1)
+        chosen = ~attends if place == "unattended" else attends
+        return chosen.nonzero()
+    count = dense.view(batch, q_heads // group, group, q_len, kv_len).sum((2, 3))
+    if place == "unattended":
+        chosen = count == 0
+    elif place == "partial":
+        chosen = (count > 0) & (count < group * q_len)
+    else:
+        chosen = count > 0
+    return chosen.nonzero()
+
+
+def _source_and_view(
+    values: torch.Tensor, layout: str, gen: torch.Generator
+) -> tuple[torch.Tensor, Any]:
+    """(the tensor to write the values into, a function making the layout's view of it)."""
+    batch, heads, length, dim = values.shape
+    if layout == "transposed":
+        store = values.transpose(1, 2).contiguous()
+        return store.transpose(1, 2), lambda: store.transpose(1, 2)
+    if layout == "expanded":
+        dim_1 = 0 if batch > 1 else 1
+        small = values.narrow(dim_1, 0, 1).clone()
+        return small, lambda: small.expand(batch, heads, length, dim)
+    if layout in ("last_dim_strided", "wide_slice", "seq_strided"):
+        shape = {
+            "last_dim_strided": (batch, heads, length, 2 * dim),
+            "wide_slice": (batch, heads, length, dim + 5),
+            "seq_strided": (batch, heads, 2 * length, dim),
+        }[layout]
+        # The gaps hold other (finite) numbers: a kernel that reads them gives another result.
+        wide = torch.randn(shape, generator=gen, dtype=torch.float64).to(values.dtype)
+        index = {
+            "last_dim_strided": (..., slice(None, None, 2)),
+            "wide_slice": (..., slice(0, dim)),
+            "seq_strided": (slice(None), slice(None), slice(None, None, 2)),
+        }[layout]
+        wide[index] = values
+        return wide[index], lambda: wide[index]
+    if layout != "contiguous":
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return values, lambda: values
+
+
+def build_case(spec: CaseSpec) -> AttentionCase:
+    """The tensors, the mask as passed and the dense mask of ``spec``."""
+    batch, q_heads, kv_heads = spec.batch, spec.q_heads, spec.kv_heads
+    value_dim = spec.head_dim if spec.value_dim is None else spec.value_dim
+    dense = spec.mask.to_dense(batch, q_heads, spec.q_len, spec.kv_len)
+    gen = torch.Generator().manual_seed(spec.seed)
+    shapes = {
+        "q": (batch, q_heads, spec.q_len, spec.head_dim),
+        "k": (batch, kv_heads, spec.kv_len, spec.head_dim),
+        "v": (batch, kv_heads, spec.kv_len, value_dim),
+    }
+    views, sources = {}, {}
+    for name, layout in zip("qkv", spec.layouts, strict=True):
+        values = torch.randn(shapes[name], generator=gen, dtype=torch.float64).to(spec.dtype)
+        sources[name], views[name] = _source_and_view(values, layout, gen)
+    placed = []
+    for p in spec.placements:
+        found = _positions(dense, p.tensor, p.place, spec.group)
+        if not len(found):
+            continue
+        b, h, s = found[p.pick % len(found)].tolist()
+        d = p.dim % shapes[p.tensor][-1]
+        source = sources[p.tensor]
+        b, h = min(b, source.size(0) - 1), min(h, source.size(1) - 1)  # an expanded dim
+        source[b, h, s, d] = p.value
+        placed.append(f"{p.tensor}[{b}, {h}, {s}, {d}]={p.value}")
+    q, k, v = (views[name]().detach().requires_grad_(spec.requires_grad) for name in "qkv")
+
+    mask_batch = batch if spec.mask_batch is None else spec.mask_batch
+    mask_heads = q_heads if spec.mask_heads is None else spec.mask_heads
+    build = (spec.mask, mask_batch, mask_heads, spec.q_len, spec.kv_len)
+    if spec.form == "mask":
+        mask = spec.mask
+    elif spec.form == "lazy":
+        mask = flexmask.lazy(*build, device="cpu", BLOCK_SIZE=spec.block_size)
+    elif spec.form == "block_mask":
+        mask = flexmask.create_block_mask(*build, device="cpu", BLOCK_SIZE=spec.block_size)
+    elif spec.form == "none":
+        if spec.mask != flexmask.full():
+            raise ValueError(f"form='none' means full(), got {spec.mask!r}")
+        mask = None
+    else:
+        raise ValueError(f"form must be one of {FORMS} or 'none', got {spec.form!r}")
+    kwargs = {"scale": spec.scale, "enable_gqa": spec.enable_gqa, "return_lse": spec.return_lse}
+    grad_out = None
+    if spec.requires_grad:
+        grad_out = torch.randn(
+            batch, q_heads, spec.q_len, value_dim, generator=gen, dtype=torch.float64
+        ).to(spec.dtype)
+    return AttentionCase(spec, q, k, v, mask, dense, kwargs, grad_out, tuple(placed))
+
+
+MASK_KINDS = (
+    "causal",
+    "causal_document",
+    "causal_padding",
+    "causal_window",
+    "leaf",
+    "prefix_lm",
+    "span_union",
+    "per_head",
+    "expression",
+    "ending",
+    "negated",
+)
+"""What ``attention_masks`` draws: plain causal, causal & document / padding / window, any
+one piece, the prefix-LM and text-with-images unions, per_head, random compounds, ones
+ending in documents or padding, negated compounds."""
+COMMON_MASKS = st.sampled_from((*MASK_KINDS, "causal", "causal", "causal_document", "leaf"))
+"""Every kind; plain causal, document-causal and single pieces more often."""
+
+
+@st.composite
+def attention_masks(draw, batch: int, heads: int, group: int, length: int, kinds=COMMON_MASKS):
+    """A mask for an attention call of ``batch`` rows and ``heads`` query heads (``group``
+    per kv head), of a kind drawn from ``kinds`` (names of ``MASK_KINDS``)."""
+    kind = draw(kinds, label="mask kind")
+    if kind == "causal":
+        return flexmask.causal()
+    if kind in ("causal_document", "causal_padding", "causal_window"):
+        leaf_kind = {"causal_document": "document", "causal_padding": "padding"}.get(kind, "window")
+        return flexmask.causal() & draw(leaves(batch, length, (leaf_kind,)))[0]
+    if kind == "leaf":
+        return draw(leaves(batch, length, tuple(k for k in ALL_KINDS if k != "custom")))[0]
+    if kind == "prefix_lm":
+        return draw(from_zero_unions(batch, length))[0]
+    if kind == "span_union":
+        return draw(span_unions(batch, length))[0]
+    if kind == "per_head":
+        # One mask per kv head's group of query heads, or alternating heads.
+        per_kv = group > 1 and heads // group > 1 and draw(st.booleans())
+        count = heads // group if per_kv else (2 if heads % 2 == 0 else 1)
+        parts = [draw(leaves(batch, length, INTERVAL_KINDS))[0] for _ in range(count)]
+        return flexmask.per_head(*parts, group_size=group if per_kv else 1)
+    if kind == "expression":
+        return draw(expressions(batch, heads, length, max_leaves=3))[0]
+    if kind == "ending":
+        return draw(ending_intersections(batch, length))[0]
+    return draw(negated_compounds(batch, heads, length))[0]
+
+
+LENGTHS = st.one_of(st.integers(1, 8), st.integers(9, 127), st.integers(129, 260))
+DTYPES = st.sampled_from((torch.float32, torch.float32, torch.float64, torch.bfloat16))
+ANY_LAYOUTS = st.tuples(*[st.sampled_from(LAYOUTS)] * 3)
+SCALES = st.one_of(st.sampled_from(SPECIAL_SCALES), st.floats(-4, 4, allow_nan=False, width=32))
+PLACEMENT = st.builds(
+    Placement,
+    st.sampled_from("qkv"),
+    st.sampled_from(NON_FINITE),
+    st.sampled_from(PLACES),
+    st.integers(0, 1 << 20),
+    st.integers(0, 64),
+)
+PLACEMENTS = st.lists(PLACEMENT, max_size=2).map(tuple)
+"""None, one or two non-finite values (none about half the time)."""
+
+
+@st.composite
+def case_specs(
+    draw,
+    *,
+    dtypes=DTYPES,
+    layouts=ANY_LAYOUTS,
+    scales=SCALES,
+    placements=PLACEMENTS,
+    requires_grad=st.booleans(),  # noqa: B008 - a strategy, immutable
+    return_lse=st.booleans(),  # noqa: B008
+    forms=st.sampled_from(FORMS),  # noqa: B008
+    gqa_flags=st.sampled_from((False, True, "truthy")),  # noqa: B008
+    mask_kinds=COMMON_MASKS,
+):
+    """A ``CaseSpec`` drawn from every axis; each keyword narrows one axis (a strategy).
+    ``gqa_flags``: ``enable_gqa`` as a bool (True wherever heads differ) or, for "truthy",
+    any truthy (falsy where the heads match) value of another type. ``mask_kinds``: names of
+    ``MASK_KINDS``."""
+    q_len = draw(LENGTHS, label="q_len")
+    kv_len = q_len if draw(st.booleans(), label="same length") else draw(LENGTHS, label="kv_len")
+    batch = draw(st.integers(1, 3), label="batch")
+    kv_heads = draw(st.integers(1, 2), label="kv_heads")
+    group = draw(st.sampled_from((1, 1, 2, 3)), label="group")
+    while batch * kv_heads * group * q_len * kv_len > MAX_PAIRS:
+        if batch > 1:
+            batch -= 1
+        elif group > 1:
+            group -= 1
+        else:
+            kv_heads -= 1
+    heads = kv_heads * group
+    flag = draw(gqa_flags, label="enable_gqa")
+    if flag == "truthy":  # any truthy value, as torch takes it (a falsy one where heads match)
+        others = (1, np.True_) if group > 1 else (0, np.False_, None)
+        enable_gqa = draw(st.sampled_from(others), label="truthy enable_gqa")
+    else:
+        enable_gqa = True if group > 1 else flag
+    longest = max(q_len, kv_len)
+    length = longest if draw(st.booleans()) else draw(st.integers(1, longest))
+    mask = draw(attention_masks(batch, heads, group, length, mask_kinds), label="mask")
+    form = draw(forms, label="form")
+    if mask == flexmask.full() and draw(st.booleans()):
+        form = "none"
+    head_dim = draw(st.sampled_from((8, 16, 4, 1, 3, 24)), label="head_dim")
+    value_dim = None if draw(st.integers(0, 3)) else draw(st.sampled_from((1, 5, 16)))
+    return CaseSpec(
+        mask=mask,
+        q_len=q_len,
+        kv_len=kv_len,
+        batch=batch,
+        kv_heads=kv_heads,
+        group=group,
+        head_dim=head_dim,
+        value_dim=value_dim,
+        dtype=draw(dtypes, label="dtype"),
+        form=form,
+        block_size=draw(st.sampled_from((128, 128, 64, (32, 64), 16)), label="block_size"),
+        mask_batch=None if mask.batch_dependent or draw(st.booleans()) else 1,
+        mask_heads=None if mask.head_dependent or draw(st.booleans()) else 1,
+        layouts=draw(layouts, label="layouts"),
+        scale=draw(scales, label="scale"),
+        enable_gqa=enable_gqa,
+        return_lse=draw(return_lse, label="return_lse"),
+        requires_grad=draw(requires_grad, label="requires_grad"),
+        placements=draw(placements, label="placements"),
+        seed=draw(st.integers(0, 1 << 16), label="seed"),
+    )
+
+
+def attention_cases(**axes):
+    """``AttentionCase``s: ``case_specs(**axes)`` built."""
+    return case_specs(**axes).map(build_case)
