@@ -209,3 +209,41 @@ def test_the_layer_and_privacy_checks_can_fail():
 def test_no_package_named_build():
     assert not (ROOT / "build").exists()
     assert not (ROOT / "build.py").exists()
+
+
+SHARED_BACKEND_MODULES = {"request", "finite", "plan", "dense", "threads", "mod_eval"}
+"""flexmask/backends' modules below the backends: what they share (the call, the non-finite
+rule, reading a BlockMask, the dense SDPA kernel, threads, calling a mod)."""
+
+
+def backend_cross_imports(graph: dict[str, set[str]], backends: set[str]) -> list[str]:
+    """Edges from one backend (a module or package of flexmask.backends) to another."""
+
+    def backend_of(module: str) -> str | None:
+        parts = module.split(".")
+        if parts[:2] != ["flexmask", "backends"] or len(parts) < 3:
+            return None
+        return parts[2] if parts[2] in backends else None
+
+    return sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        for target in targets
+        if backend_of(name) and backend_of(target) and backend_of(name) != backend_of(target)
+    )
+
+
+def test_no_imports_between_backends():
+    """A backend imports the shared modules below the backends, never another backend: each
+    can be read, replaced or registered alone (``flexmask.backends.register_backend``)."""
+    from flexmask import backends
+
+    names = {module.__name__.split(".")[2] for module in backends.TABLE.values()}
+    files = {p.stem for p in (ROOT / "backends").iterdir() if p.suffix == ".py" or p.is_dir()}
+    files -= {"__init__", "__pycache__"}
+    assert files - names == SHARED_BACKEND_MODULES, files - names
+    crossing = backend_cross_imports(import_graph(), names)
+    assert not crossing, "imports between backends:\n" + "\n".join(crossing)
+    assert backend_cross_imports(
+        {"flexmask.backends.flex": {"flexmask.backends.block_sparse"}}, {"flex", "block_sparse"}
+    ) == ["flexmask.backends.flex -> flexmask.backends.block_sparse"]
