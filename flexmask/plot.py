@@ -40,7 +40,8 @@ DEFAULT_MAX_ELEMENTS = 1 << 22
 """Most (q, kv) elements evaluated for the left panel; longer masks are sampled on a stride."""
 
 MAX_PIXELS = 512
-"""The element picture is max-pooled down to at most this many cells per side."""
+"""Both pictures are pooled down to at most this many cells per side (the panels are about
+480 pixels wide): the elements by max, the blocks to a class per cell."""
 
 
 def block_classes(block_mask: BlockMask, batch: int = 0, head: int = 0) -> np.ndarray:
@@ -72,7 +73,9 @@ def block_classes(block_mask: BlockMask, batch: int = 0, head: int = 0) -> np.nd
         )
     b = _broadcast_index(batch, block_mask.kv_num_blocks.shape[0], "batch")
     h = _broadcast_index(head, block_mask.kv_num_blocks.shape[1], "head")
-    classes = kv_codes(block_mask)[b, h].to("cpu")
+    # Only this row's and head's lists: reading every one at B = H = 2 and 131k tokens in
+    # blocks of 16 copied 2 GiB of indices to draw one.
+    classes = kv_codes(block_mask, at=(b, h))[0, 0].to("cpu").contiguous()
     return classes.numpy()
 
 
@@ -98,8 +101,10 @@ def plot(
     sparsity (the share of tiles flex_attention skips).
 
     Long sequences stay cheap: at most ``max_elements`` elements are evaluated (on a stride
-    beyond that) and the picture is max-pooled to at most 512 cells per side, so a cell is
-    dark if any element it stands for attends. The PNG is always 1000 x 480 pixels.
+    beyond that), only the drawn row's and head's blocks are read, and both pictures are
+    pooled to at most 512 cells per side: an element cell is dark if any element it stands
+    for attends, a block cell is empty or full where every tile it stands for is, else
+    partial. The PNG is always 1000 x 480 pixels.
 
     Args:
         mask_or_block_mask: a flexmask ``Mask`` (``Q_LEN`` and ``KV_LEN`` required; built on
@@ -132,6 +137,8 @@ def plot(
         True
     """
     try:
+        import numpy as np
+
         # The Figure API, not pyplot: no global state, no backend switch in the caller's
         # session, and no window; savefig picks the Agg canvas for a .png path.
         from matplotlib.colors import ListedColormap
@@ -162,7 +169,7 @@ def plot(
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     left, right = fig.subplots(1, 2)
     left.imshow(
-        elements,
+        np.ascontiguousarray(elements),
         cmap="Greys",
         vmin=0,
         vmax=1,
@@ -172,7 +179,7 @@ def plot(
     )
     left.set_title("elements (dark: q attends kv)")
     right.imshow(
-        classes,
+        _class_picture(classes, MAX_PIXELS),
         cmap=ListedColormap(CLASS_COLORS),
         vmin=0,
         vmax=2,
@@ -280,6 +287,20 @@ def _element_picture(
     ]
     attends = (attends.to("cpu") & (code == PARTIAL)) | (code == FULL)
     return _max_pool(attends.float(), MAX_PIXELS).numpy()
+
+
+def _class_picture(classes: np.ndarray, max_cells: int) -> np.ndarray:
+    """The block classes as drawn: at most ``max_cells`` cells per side, C-contiguous. A cell
+    that stands for several tiles is empty or full where all of them are, else partial.
+
+    Drawn whole, a BlockMask of 8192 x 8192 tiles (131k tokens in blocks of 16, or 1M in
+    blocks of 128) had matplotlib make 2 GiB RGBA copies for a panel of 480 pixels, and fail
+    with "Input array could not be made C-contiguous" where that memory was not there."""
+    tiles = torch.from_numpy(classes).float()
+    most = _max_pool(tiles, max_cells)
+    least = -_max_pool(-tiles, max_cells)
+    picture = torch.where(most == least, most, float(PARTIAL)).to(torch.int8)
+    return picture.contiguous().numpy()
 
 
 def _max_pool(picture: Tensor, max_cells: int) -> Tensor:

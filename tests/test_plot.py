@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import pickle
+import sys
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.nn.attention.flex_attention import create_mask
 
 import flexmask
-from flexmask.plot import DPI, FIGSIZE, block_classes
+from flexmask.plot import DPI, FIGSIZE, MAX_PIXELS, block_classes
 
 pytest.importorskip("matplotlib")
 import matplotlib.image  # noqa: E402
@@ -132,3 +133,66 @@ def test_missing_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(ImportError, match=r"pip install flexmask\[plot\]"):
         flexmask.plot(flexmask.causal(), tmp_path / "x.png", Q_LEN=8)
+
+
+def _drawn(monkeypatch):
+    """Every array handed to imshow, in order (elements, then block classes)."""
+    from matplotlib.axes import Axes
+
+    drawn = []
+    imshow = Axes.imshow
+
+    def spy(self, X, *args, **kwargs):
+        drawn.append(X)
+        return imshow(self, X, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "imshow", spy)
+    return drawn
+
+
+def test_plot_of_a_long_mask_draws_small_contiguous_pictures(tmp_path, monkeypatch):
+    # Issue #29: 131k tokens in blocks of 16 (8192^2 tiles) failed in matplotlib with
+    # "Input array could not be made C-contiguous": the tiles were drawn whole (2 GiB of
+    # RGBA for a 480-pixel panel), from a strided view. 32k in blocks of 16 at B = H = 2
+    # draws the same way: 2048^2 tiles.
+    drawn = _drawn(monkeypatch)
+    n = 32768
+    mask = flexmask.causal() & flexmask.document([[n // 3, n - n // 3], [n]])
+    bm = flexmask.create_block_mask(mask, 2, 2, n, n, "cpu", BLOCK_SIZE=16)
+    path = flexmask.plot(bm, tmp_path / "long.png", batch=1, head=1)
+    assert matplotlib.image.imread(path).shape[:2] == PNG_SHAPE
+    assert len(drawn) == 2
+    for picture in drawn:
+        assert max(picture.shape) <= MAX_PIXELS, picture.shape
+        assert picture.flags["C_CONTIGUOUS"]
+
+
+def test_block_picture_is_one_class_per_cell(tmp_path, monkeypatch):
+    # A cell standing for several tiles is empty or full where all of them are, else
+    # partial: 9 x 7 tiles pooled to cells of 3 x 2 tiles (at most 4 per side).
+    monkeypatch.setattr(sys.modules["flexmask.plot"], "MAX_PIXELS", 4)
+    drawn = _drawn(monkeypatch)
+    mask = flexmask.causal() & flexmask.document([40, 20, 52])
+    bm = flexmask.create_block_mask(mask, 1, 1, 9 * 16, 7 * 16, "cpu", BLOCK_SIZE=16)
+    flexmask.plot(bm, tmp_path / "cells.png")
+    tiles = block_classes(bm)
+    assert tiles.shape == (9, 7) and len(set(tiles.flat)) == 3
+    expected = np.zeros((3, 4), dtype=np.int8)
+    for i in range(3):
+        for j in range(4):
+            kinds = set(tiles[3 * i : 3 * i + 3, 2 * j : 2 * j + 2].flat)
+            expected[i, j] = kinds.pop() if len(kinds) == 1 else 1
+    np.testing.assert_array_equal(drawn[1], expected)
+
+
+def test_block_classes_of_each_row_and_head_match_the_oracle():
+    mask = flexmask.per_head(flexmask.causal(), flexmask.sliding_window(20)) & flexmask.padding(
+        [90, 130]
+    )
+    bm = flexmask.create_block_mask(mask, 2, 4, 150, 150, "cpu", BLOCK_SIZE=32)
+    for b in range(2):
+        for h in range(4):
+            expected = reference_classes(mask.mask_mod, 2, 4, 150, 150, 32, b, h)
+            classes = block_classes(bm, b, h)
+            assert classes.flags["C_CONTIGUOUS"]
+            np.testing.assert_array_equal(classes, expected, f"batch {b} head {h}")

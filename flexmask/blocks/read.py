@@ -48,7 +48,9 @@ def kv_lists(block_mask: BlockMask) -> list[tuple[Tensor, Tensor, str, int]]:
     return lists
 
 
-def kv_codes(block_mask: BlockMask, *, checked: bool = False) -> Tensor:
+def kv_codes(
+    block_mask: BlockMask, *, checked: bool = False, at: tuple[int, int] | None = None
+) -> Tensor:
     """Every tile's code (EMPTY / PARTIAL / FULL, int8) as the BlockMask lists it, from its kv
     side: ``(B, H, num_q_blocks, num_kv_blocks)`` for its own B and H (1 where it broadcasts).
     Only each row's first ``count`` indices are read, as the kernels read them; a block
@@ -56,11 +58,17 @@ def kv_codes(block_mask: BlockMask, *, checked: bool = False) -> Tensor:
 
     ``checked``: a BlockMask from anywhere (a kernel about to read it): its lists' shapes,
     counts and listed indices are checked first, a ValueError naming the field otherwise.
+    ``at``: a (row, head) index into the BlockMask's own B and H: only that one's lists are
+    read, ``(1, 1, num_q_blocks, num_kv_blocks)`` (a picture of one head of a long mask
+    needs no int64 copy of every head's indices).
     """
     q_len, kv_len = block_mask.seq_lengths
     q_block, kv_block = (int(size) for size in block_mask.BLOCK_SIZE)
     num_q, num_kv = -(-q_len // q_block), -(-kv_len // kv_block)
     lists = kv_lists(block_mask)
+    if at is not None:
+        b, h = at
+        lists = [(n[b : b + 1, h : h + 1], i[b : b + 1, h : h + 1], x, c) for n, i, x, c in lists]
     if checked:
         _check_shapes(lists, q_len, q_block, num_q)
     batch, heads = lists[0][1].shape[:2]
