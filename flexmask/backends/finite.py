@@ -62,9 +62,20 @@ def attend_checked(backend: ModuleType, request: Request) -> Tensor | tuple[Tens
     else:
         result = backend.attend(request)
         out = result[0] if isinstance(result, tuple) else result
-        bad = ~torch.isfinite(out).all(-1)
+        bad = ~torch.isfinite(out).all(-1) | ~torch.isfinite(request.query).all(-1)
         if isinstance(result, tuple):
             bad |= torch.isnan(result[1]) | (result[1] == float("inf"))
+        # A fused kernel whose running max skips NaN gives 0 to a row whose every attended
+        # score is NaN (a NaN key it alone attends): a row of zeros that attends something
+        # is read again. Rows that attend nothing (padding) are the usual zeros: their block
+        # rows list no block, and they cost no element of the mask.
+        zero = (out == 0).all(-1).flatten(0, 1).any(0)
+        if bool(zero.any()):
+            rows = zero.nonzero().flatten()
+            reads = _listed_rows(request, rows)
+            if reads.numel():
+                some = attended(request, reads, torch.arange(request.key.size(2))).any(-1)
+                bad[..., reads] |= some.flatten(0, 1).any(0)
         if not bool(bad.any()):
             return result  # type: ignore[no-any-return]
         picked = bad.flatten(0, 1).any(0).nonzero().flatten()
@@ -78,6 +89,17 @@ def attend_checked(backend: ModuleType, request: Request) -> Tensor | tuple[Tens
             lse.index_copy(2, picked, lse_rows.to(lse.dtype)),
         )
     return result.index_copy(2, picked, out_rows.to(result.dtype))  # type: ignore[union-attr]
+
+
+def _listed_rows(request: Request, rows: Tensor) -> Tensor:
+    """The rows among ``rows`` whose block row lists some block (the others attend nothing)."""
+    block_mask = request.built().block_mask
+    if block_mask is None:
+        return rows
+    assert isinstance(block_mask, BlockMask)
+    q_block = int(block_mask.BLOCK_SIZE[0])
+    listed = (kv_codes(block_mask) != 0).flatten(0, 1).any(0).any(-1).cpu()
+    return rows[listed[rows // q_block]]
 
 
 def _zeroed(x: Tensor) -> Tensor:
@@ -127,25 +149,45 @@ def exact_rows(request: Request, rows: Tensor) -> tuple[Tensor, Tensor]:
     values = v.to(acc).repeat_interleave(group, 1) if group > 1 else v.to(acc)
     finite_keys = torch.where(torch.isfinite(keys), keys, 0)
     finite_values = torch.where(torch.isfinite(values), values, 0)
-    bad_keys = _bad_columns(keys)
-    bad_values = _bad_columns(values)
+    bad_key = _bad_positions(keys)
+    bad_value = _bad_positions(values)
     scale = request.scale if request.scale is not None else 1.0 / math.sqrt(head_dim)
     kv_len = k.size(2)
     kv_idx = torch.arange(kv_len)
-    per_row = batch * q_heads * (kv_len + (bad_keys.numel() + bad_values.numel()) * head_dim)
-    step = max(1, MAX_EXACT_ELEMENTS // max(1, per_row))
+    heavy = int(bad_key.sum()) + int(bad_value.sum())
+    step = max(1, MAX_EXACT_ELEMENTS // max(1, batch * q_heads * (kv_len + heavy * head_dim)))
     outs, lses = [], []
     for start in range(0, rows.numel(), step):
         picked = rows[start : start + step]
         seen = attended(request, picked, kv_idx).expand(batch, q_heads, -1, -1)
+        # Only the keys these rows attend take part: a key no row of theirs reads gets no
+        # gradient from them, even where their own output is NaN.
+        cols = seen.flatten(0, 2).any(0).nonzero().flatten()
+        if not cols.numel():  # none of these rows attends a key: 0, lse -inf
+            link = q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum()
+            outs.append(q.new_zeros(batch, q_heads, picked.numel(), v.size(-1), dtype=acc) + link)
+            lses.append(torch.full((batch, q_heads, picked.numel()), float("-inf"), dtype=acc))
+            continue
+        seen = seen[..., cols]
         # Every operand selected to 0 where it must not count, so that no 0 * nan appears
-        # forward or backward: a row that attends nothing reads no query, and keys holding
-        # NaN or inf are multiplied in only where the row attends them.
-        query = torch.where(seen.any(-1, keepdim=True), q[:, :, picked].to(acc), 0)
-        scores = query @ finite_keys.transpose(-1, -2)
-        if bad_keys.numel():
-            gated = torch.where(seen[..., bad_keys, None], keys[:, :, None, bad_keys], 0)
-            scores = scores.index_copy(3, bad_keys, (query.unsqueeze(-2) * gated).sum(-1))
+        # forward or backward: a row that attends nothing reads no query; a key or value no
+        # row of its batch row and head reads here is 0 (and gets no gradient); keys and
+        # values holding NaN or inf are multiplied in only where the row attends them.
+        raw_query = torch.where(seen.any(-1, keepdim=True), q[:, :, picked].to(acc), 0)
+        finite_query = torch.isfinite(raw_query)
+        query = torch.where(finite_query, raw_query, 0)
+        read = seen.any(-2).unsqueeze(-1)  # (B, Hq, keys, 1)
+        raw_keys = keys[:, :, cols]
+        scores = query @ torch.where(read, finite_keys[:, :, cols], 0).transpose(-1, -2)
+        bad = bad_key[cols].nonzero().flatten()
+        if bad.numel():
+            gated = torch.where(seen[..., bad, None], raw_keys[:, :, None, bad], 0)
+            scores = scores.index_copy(3, bad, (query.unsqueeze(-2) * gated).sum(-1))
+        bad = (~finite_query).any(-1).flatten(0, 1).any(0).nonzero().flatten()
+        if bad.numel():  # queries holding NaN or inf: every product gated, pair by pair
+            gated = torch.where(seen[:, :, bad, :, None], raw_keys[:, :, None], 0)
+            products = raw_query[:, :, bad, None, :] * gated
+            scores = scores.index_copy(2, bad, products.sum(-1))
         scores = scores * scale
         if request.score_mod is not None:
             args = (
@@ -153,7 +195,7 @@ def exact_rows(request: Request, rows: Tensor) -> tuple[Tensor, Tensor]:
                 torch.arange(batch).view(-1, 1, 1, 1),
                 torch.arange(q_heads).view(1, -1, 1, 1),
                 picked.view(1, 1, -1, 1),
-                kv_idx.view(1, 1, 1, -1),
+                cols.view(1, 1, 1, -1),
             )
             how = "broadcast" if broadcasts(request.score_mod, args, scores.shape) else "vmap"
             scores = call_mod(request.score_mod, args, tuple(scores.shape), how, "score_mod")
@@ -162,17 +204,41 @@ def exact_rows(request: Request, rows: Tensor) -> tuple[Tensor, Tensor]:
         top = torch.where(top == float("-inf"), 0, top)  # a row that attends nothing: 0
         probs = torch.where(seen, (scores - top).exp(), 0)
         total = probs.sum(-1, keepdim=True)
-        out = probs @ finite_values
-        if bad_values.numel():
-            # Values holding NaN or inf, only where the row attends them.
-            gated = torch.where(seen[..., bad_values, None], values[:, :, None, bad_values], 0)
-            finite = finite_values[:, :, None, bad_values]
-            out = out + (probs[..., bad_values, None] * (gated - finite)).sum(-2)
+        out = _Weighted.apply(probs, torch.where(read, finite_values[:, :, cols], 0), seen)
+        bad = bad_value[cols].nonzero().flatten()
+        if bad.numel():
+            gated = torch.where(seen[..., bad, None], values[:, :, None, cols[bad]], 0)
+            finite = finite_values[:, :, None, cols[bad]]
+            out = out + (probs[..., bad, None] * (gated - finite)).sum(-2)
         outs.append(out / torch.where(total == 0, 1, total))
         lses.append((total.log() + top).squeeze(-1).detach())
     return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
-def _bad_columns(x: Tensor) -> Tensor:
-    """The sequence positions where ``x`` (B, H, S, D) holds NaN or inf in some row or head."""
-    return (~torch.isfinite(x)).any(-1).flatten(0, 1).any(0).nonzero().flatten()
+class _Weighted(torch.autograd.Function):
+    """``probs @ values`` whose backward sends a value only what the rows attending it send:
+    a row whose output gradient holds NaN (its output does) sends nothing to the values it
+    does not attend (``0 * nan`` in a plain matmul's backward would)."""
+
+    @staticmethod
+    def forward(ctx, probs, values, seen):  # type: ignore[override]
+        ctx.save_for_backward(probs, values, seen)
+        return probs @ values
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        probs, values, seen = ctx.saved_tensors
+        finite = torch.isfinite(grad)
+        clean = torch.where(finite, grad, 0)
+        grad_values = probs.transpose(-1, -2) @ clean
+        for row in (~finite).any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist():
+            sent = probs[:, :, row, :, None] * (grad - clean)[:, :, row, None, :]
+            grad_values = grad_values + torch.where(seen[:, :, row, :, None], sent, 0)
+        return grad @ values.transpose(-1, -2), grad_values, None
+
+
+def _bad_positions(x: Tensor) -> Tensor:
+    """Per sequence position of ``x`` (B, H, S, D): whether it holds NaN or inf in some batch
+    row or head (a bool ``(S,)``)."""
+    return (~torch.isfinite(x)).any(-1).flatten(0, 1).any(0)
