@@ -8,12 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 import flexmask
 from flexmask import backends
 from flexmask.backends import slices
 from flexmask.backends.block_sparse import api as block_sparse_api
 from tests.attention_reference import reference_attention
+from tests.strategies import build_case, case_specs
 
 S = 200
 CPU_BACKENDS = [name for name in backends.TABLE if name not in ("flex", "varlen")]
@@ -375,9 +377,7 @@ class Spy:
 
             monkeypatch.setattr(block_sparse_api, name, spy)
         if "decode" in backends.TABLE:
-            decode = backends.TABLE["decode"]
-            if hasattr(decode, "_flash_ops"):
-                monkeypatch.setattr(decode, "_flash_ops", lambda: (flash_forward, backward))
+            monkeypatch.setattr(backends.TABLE["decode"], "_flash_op", lambda: flash_forward)
 
 
 KERNEL_WORDS = {
@@ -420,3 +420,28 @@ def test_explain_names_the_kernel_that_runs(monkeypatch, mask_name, backend, gra
     flexmask.attention(q, k, v, mask, backend, **kwargs)
     assert spy.ran, choice
     assert set(spy.ran) == {expected_kernel(choice.kernel)}, (choice, spy.ran)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(case_specs())
+def test_explain_names_the_kernel_that_runs_on_every_fuzz_case(monkeypatch, spec):
+    """For the differential fuzz's cases (tests/test_attention_fuzz.py): every backend that
+    takes the call runs the kernel ``explain`` names for it, and nothing else."""
+    case = build_case(spec)
+    for name in ["auto", *CPU_BACKENDS]:
+        choice = case.explain(name)
+        if not choice.backend:
+            continue
+        with monkeypatch.context() as patched:
+            spy = Spy(patched)
+            case.call(name)
+        if choice.kernel.startswith("none"):
+            assert not spy.ran, (name, choice, spy.ran)
+        else:
+            assert set(spy.ran) == {expected_kernel(choice.kernel)}, (name, choice, spy.ran)

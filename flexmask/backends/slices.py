@@ -197,6 +197,8 @@ def lower(request: Request) -> Request:
 
 def kernel_name(request: Request) -> str:
     calls = len(request.lowered)
+    if not calls:
+        return "none: no query attends any key (the output is 0)"
     return (
         f"torch's CPU flash kernel (aten._scaled_dot_product_flash_attention_for_cpu), "
         f"{calls} call{'s' if calls != 1 else ''}"
