@@ -186,10 +186,63 @@ def test_a_non_bool_dq_kv_order_raises_torchs_value_error(mask):
         flexmask.create_block_mask(mask, 1, 1, 64, 64, "cpu", dq_kv_order=torch.arange(1))
 
 
+FLAG_VALUES = [True, False, 0, 1, "no", "", None]
+
+
+def _build_warned(build, flags):
+    """``build(**flags)``'s BlockMask (or the exception it raised) and whether it warned
+    that ``_compile`` is deprecated."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = build(**flags)
+        except (TypeError, ValueError) as err:
+            out = err
+    return out, any("_compile" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("value", FLAG_VALUES, ids=repr)
+@pytest.mark.parametrize(
+    "flags",
+    [{name: None} for name in create.TORCH_FLAGS]
+    + ([{"compute_dq_write_order": True, "dq_kv_order": None}] if HAS_213_FLAGS else []),
+    ids=lambda flags: "+".join(flags),
+)
+@pytest.mark.parametrize("form", ["Mask", "mask_mod"])
+def test_every_flag_takes_what_torch_takes(form, flags, value, monkeypatch):
+    # Issue #29: compute_dq_write_order=1 was taken but separate_full_blocks="no" refused,
+    # while torch tests both with `if flag:`. Every keyword at every value: torch's build
+    # (or its refusal) and the same deprecation warning. _compile=True makes torch compile
+    # its own create_block_mask: torch.compile is the identity here, so torch builds as it
+    # would compiled, without the compile.
+    monkeypatch.setattr(torch, "compile", lambda fn, *args, **kwargs: fn)
+    flags = {name: value if given is None else given for name, given in flags.items()}
+    mask = flexmask.causal() & flexmask.document([[90, 100, 60], [250]])
+    ours_mask = mask if form == "Mask" else mask.mask_mod
+
+    def ours_build(**kw):
+        return flexmask.create_block_mask(ours_mask, 2, 2, 250, 250, "cpu", 64, **kw)
+
+    def theirs_build(**kw):
+        return torch_create_block_mask(mask.mask_mod, 2, 2, 250, 250, "cpu", 64, **kw)
+
+    theirs, theirs_warned = _build_warned(theirs_build, flags)
+    ours, ours_warned = _build_warned(ours_build, flags)
+    assert ours_warned == theirs_warned, flags
+    if isinstance(theirs, Exception):
+        assert type(ours) is type(theirs), f"{flags}: torch raised {theirs!r}, ours {ours!r}"
+        assert all(name in str(ours) for name in flags if name != "compute_dq_write_order")
+        return
+    assert isinstance(ours, BlockMask), f"{flags}: torch built, ours raised {ours!r}"
+    assert_same(ours, theirs, repr(flags))
+
+
 @needs_213
-def test_a_flag_that_is_not_a_bool_names_itself():
-    with pytest.raises(TypeError, match="separate_full_blocks must be True or False, got 'no'"):
-        flexmask.create_block_mask(flexmask.causal(), 1, 1, 64, 64, separate_full_blocks="no")
+@pytest.mark.parametrize("name", ["separate_full_blocks", "compute_dq_write_order", "_compile"])
+def test_a_flag_with_no_truth_value_names_itself(name):
+    # torch's `if flag:` fails on a tensor of several values; ours says which flag.
+    with pytest.raises(TypeError, match=rf"{name}=tensor\(\[0, 1\]\) has no truth value"):
+        flexmask.create_block_mask(flexmask.causal(), 1, 1, 64, 64, **{name: torch.arange(2)})
 
 
 def test_a_torch_keyword_flexmask_does_not_build_is_refused_off_its_default(monkeypatch):

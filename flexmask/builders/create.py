@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import numbers
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -63,9 +62,11 @@ with their defaults — read from its signature, so each torch keeps its own set
 
 
 def build_flags(flags: dict[str, Any]) -> Flags:
-    """The build flags of a ``create_block_mask(..., **flags)`` call, checked as the installed
-    torch checks them: a keyword it does not take raises its ``TypeError``; a non-bool
-    ``dq_kv_order`` its ``ValueError``."""
+    """The build flags of a ``create_block_mask(..., **flags)`` call, read as the installed
+    torch reads them: a keyword it does not take raises its ``TypeError``; a non-bool
+    ``dq_kv_order`` its ``ValueError``; ``_compile``, ``separate_full_blocks`` and
+    ``compute_dq_write_order`` by their truth value, as torch's ``if flag:`` does (``"no"``
+    is true, ``None`` and ``""`` false), a value with none a ``TypeError`` naming it."""
     for name, value in flags.items():
         if name not in TORCH_FLAGS:
             raise TypeError(f"create_block_mask() got an unexpected keyword argument '{name}'")
@@ -76,7 +77,7 @@ def build_flags(flags: dict[str, Any]) -> Flags:
             f"leave it at its default {TORCH_FLAGS[name]!r}, or build with torch: "
             f"torch.nn.attention.flex_attention.create_block_mask(mask.mask_mod, ...)"
         )
-    if flags.get("_compile"):
+    if _flag(flags, "_compile", False):
         warnings.warn(
             "create_block_mask(_compile=True) is deprecated in torch and ignored by flexmask, "
             "which builds from structure without compiling: drop _compile",
@@ -98,12 +99,16 @@ def build_flags(flags: dict[str, Any]) -> Flags:
 
 
 def _flag(flags: dict[str, Any], name: str, default: bool) -> bool:
+    """The flag's truth value: torch tests these flags with ``if flag:``, so any value it
+    builds with (``1``, ``"no"``, ``None``) builds the same here."""
     value = flags.get(name, default)
-    if isinstance(value, bool | numbers.Integral) and value in (0, 1):
+    try:
         return bool(value)
-    if type(value).__name__ == "bool_":  # a numpy bool
-        return bool(value)
-    raise TypeError(f"{name} must be True or False, got {value!r}")
+    except Exception as err:  # a tensor of many values, a Mask: no truth value
+        raise TypeError(
+            f"{name}={value!r} has no truth value, which torch's create_block_mask tests "
+            f"(`if {name}:`): pass True or False"
+        ) from err
 
 
 def _is_default(value: Any, default: Any) -> bool:
@@ -401,7 +406,9 @@ def create_block_mask(
             (the full tensors are None); ``compute_dq_write_order=True`` adds
             ``dq_write_order`` and ``dq_write_order_full``, ranked by ``dq_kv_order`` (True:
             descending, False: ascending); ``_compile`` is ignored (with torch's
-            deprecation warning). A keyword the installed torch does not take raises the
+            deprecation warning). Each is read as torch reads it: ``dq_kv_order`` must be a
+            bool (torch's ``ValueError``), the others by truth value (``"no"`` is true,
+            ``None`` false). A keyword the installed torch does not take raises the
             ``TypeError`` torch raises.
 
     Returns:
