@@ -20,6 +20,8 @@ from flexmask.builders.create import create_block_mask
 from flexmask.formats import FlashMask, MagiMask, VarlenMask, to_flashmask, to_magi, to_varlen
 from flexmask.inference import DecodeMasks, DecodeStep, decode_mask, speculative_tree
 from flexmask.packing import (
+    BatchReport,
+    check_batch,
     PackedBatch,
     PackedDataset,
     PackingCollator,
@@ -147,6 +149,8 @@ __all__ = [
     "decode_mask",
     "speculative_tree",
     "LazyBlockMask",
+    "BatchReport",
+    "check_batch",
     "PackedBatch",
     "PackedDataset",
     "PackingCollator",

@@ -14,19 +14,23 @@ Only small metadata (``seq_lens`` / ``parents``) is stored; the BlockMask is bui
 the process that uses it (see :class:`PackingCollator`).
 """
 
+from flexmask.packing.check import BatchReport, Disagreement, check_batch
 from flexmask.packing.documents import Chunk, PackedBatch, pack
 from flexmask.packing.loader import PackedDataset, PackingCollator
 from flexmask.packing.rl import SequenceLogProbs, TreeBatch, pack_trees
 from flexmask.packing.trie import TreePack, pack_tree
 
 __all__ = [
+    "BatchReport",
     "Chunk",
+    "Disagreement",
     "PackedBatch",
     "PackedDataset",
     "PackingCollator",
     "SequenceLogProbs",
     "TreeBatch",
     "TreePack",
+    "check_batch",
     "pack",
     "pack_tree",
     "pack_trees",
