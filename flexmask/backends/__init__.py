@@ -26,11 +26,11 @@ import difflib
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from flexmask.backends import block_sparse, flex, sdpa, slices, varlen
+from flexmask.backends import block_sparse, decode, flex, sdpa, slices, varlen
 from flexmask.backends.request import Request
 
 TABLE: dict[str, ModuleType] = {
-    module.NAME: module for module in (flex, slices, block_sparse, sdpa, varlen)
+    module.NAME: module for module in (flex, decode, slices, block_sparse, sdpa, varlen)
 }
 """Every backend by name (``register_backend`` adds one)."""
 
@@ -46,7 +46,7 @@ AUTO: dict[str, tuple[str, ...]] = {
     # documents of ~20 tokens) block_sparse was fastest fwd+bwd (31.5 ms against SDPA's 71.5)
     # and, running the sdpa backend's own ops, 1.02x SDPA without gradients. torch's
     # uncompiled flex forward materialises every score: 14-109x slower, so last.
-    "cpu": (slices.NAME, block_sparse.NAME, sdpa.NAME, flex.NAME),
+    "cpu": (decode.NAME, slices.NAME, block_sparse.NAME, sdpa.NAME, flex.NAME),
     # Not measured here (no GPU was lent): torch's compiled kernel first, as flex_attention
     # has always run; varlen where flex cannot take the call. Measure before reordering.
     "cuda": (flex.NAME, varlen.NAME, sdpa.NAME),
