@@ -129,9 +129,9 @@ def test_rank_major_order_of_torch_2_14(world, closed_form_only, monkeypatch):
     """torch 2.14 lists each document's pairs rank by rank (rank r keeps pair r of every
     document): the same closed form, against the dense rows under that permutation."""
     balance = __import__("sys").modules["flexmask.context_parallel.balance"]
-    core = __import__("sys").modules["flexmask.context_parallel.core"]
+    build = __import__("sys").modules["flexmask.context_parallel.build"]
     monkeypatch.setattr(balance, "_RANK_MAJOR", True)
-    monkeypatch.setattr(core, "_PERMUTATIONS", type(core._PERMUTATIONS)(maxsize=8))
+    monkeypatch.setattr(build, "_PERMUTATIONS", type(build._PERMUTATIONS)(maxsize=8))
     # The example in PerDocumentBalancer's docstring, written out by hand.
     two = PerDocumentBalancer([[4, 8]], 2)._generate_indices()[0].tolist()
     assert two == [0, 3, 4, 5, 10, 11, 1, 2, 6, 7, 8, 9]

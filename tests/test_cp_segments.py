@@ -32,7 +32,7 @@ SHARD = sys.modules["flexmask.builders.cp_shard"]
 
 
 SEGMENTS = sys.modules["flexmask.builders.segments"]
-CORE = sys.modules["flexmask.context_parallel.core"]
+BUILD = sys.modules["flexmask.context_parallel.build"]
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def segments_only(monkeypatch):
     per-document balancer's closed form for its own mask turned off), never a dense compare
     or the tile path; returns the list of written sides."""
     calls = []
-    monkeypatch.setattr(CORE, "_own_documents", lambda *args: None)
+    monkeypatch.setattr(BUILD, "_own_documents", lambda *args: None)
     real = SEGMENTS.side
     monkeypatch.setattr(SHARD, "PIECES_PER_BLOCK", 0.0)
     monkeypatch.setattr(SHARD, "DENSE_PAIRS_PER_BLOCK", 1e9)

@@ -103,7 +103,7 @@ def _tile(block: int, total: int, local_end: int, q: tuple | None, kv: tuple | N
 @dataclass(frozen=True)
 class KeyOrder:
     """The gathered keys of one permutation row: the same on every rank, so built once per
-    balancer (``flexmask.context_parallel.core`` caches it with the permutation).
+    balancer (``flexmask.context_parallel.build`` caches it with the permutation).
 
     Attributes:
         perm: the permutation row (int64, CPU); runs: its runs (``runs``).

@@ -14,16 +14,11 @@ from flexmask.context_parallel.balance import (
     PerDocumentBalancer,
     PTRRBalancer,
 )
-from flexmask.context_parallel.core import (
-    CPShard,
-    LazyShard,
-    ShardCache,
-    default_shard_cache,
-    imbalance,
-    lazy_shard,
-    shard,
-)
+from flexmask.context_parallel.core import imbalance, shard
 from flexmask.context_parallel.distributed import cp_flex_attention, shard_buffers, unshard
+from flexmask.context_parallel.lazy import LazyShard, lazy_shard
+from flexmask.context_parallel.rank_shard import CPShard
+from flexmask.context_parallel.shard_cache import ShardCache, default_shard_cache
 
 __all__ = [
     "CPShard",

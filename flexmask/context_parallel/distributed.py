@@ -24,7 +24,8 @@ from flexmask.algebra.mask import Mask
 from flexmask.attention import flex_attention
 
 if TYPE_CHECKING:
-    from flexmask.context_parallel.core import CPShard, LazyShard
+    from flexmask.context_parallel.lazy import LazyShard
+    from flexmask.context_parallel.rank_shard import CPShard
 
 
 def _process_group(group: Any) -> c10d.ProcessGroup:
@@ -50,7 +51,8 @@ def _check_before_gather(
     aborts the process (gloo: "Received data size doesn't match expected size") or leaves
     the other ranks waiting. Returns the BlockMask, ``seq_dim`` as a dim of ``key`` and the
     process group."""
-    from flexmask.context_parallel.core import CPShard, LazyShard
+    from flexmask.context_parallel.lazy import LazyShard
+    from flexmask.context_parallel.rank_shard import CPShard
 
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor):
@@ -185,7 +187,8 @@ def shard_buffers(
     BlockMask / Mask / lazy-shard entries become this rank's prebuilt BlockMask (torch does
     not rebuild it). The drop-in for torchtitan-style ``cp_shard``.
     """
-    from flexmask.context_parallel.core import CPShard, LazyShard
+    from flexmask.context_parallel.lazy import LazyShard
+    from flexmask.context_parallel.rank_shard import CPShard
 
     if not isinstance(shard, CPShard):
         raise TypeError(f"shard must be a CPShard (flexmask.shard), got {type(shard).__name__}")
@@ -237,7 +240,7 @@ def unshard(shard: CPShard, mesh: Any, buffers: Sequence[Tensor], seq_dims: Sequ
     """torch's ``context_parallel_unshard`` with the shard's balancer, padding dropped."""
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
-    from flexmask.context_parallel.core import CPShard
+    from flexmask.context_parallel.rank_shard import CPShard
 
     if not isinstance(shard, CPShard):
         raise TypeError(f"shard must be a CPShard (flexmask.shard), got {type(shard).__name__}")
