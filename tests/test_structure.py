@@ -211,7 +211,7 @@ def test_no_package_named_build():
     assert not (ROOT / "build.py").exists()
 
 
-SHARED_BACKEND_MODULES = {"request", "finite", "plan", "dense", "threads", "mod_eval"}
+SHARED_BACKEND_MODULES = {"request", "finite", "plan", "dense", "flash", "threads", "mod_eval"}
 """flexmask/backends' modules below the backends: what they share (the call, the non-finite
 rule, reading a BlockMask, the dense SDPA kernel, threads, calling a mod)."""
 

@@ -198,7 +198,8 @@ def rank(
     """Every backend of ``names`` (default: ``order`` for the device) asked in turn; the
     first that takes the call is chosen, the rest still asked, so the Choice says why each
     one that cannot run it was refused. ``with_kernel``: also say what the chosen one calls
-    (explain's question; it may build the BlockMask and plan the call)."""
+    (explain's question; it may build the BlockMask and plan the call); without it the
+    backends after the chosen one are not asked (a call about to run)."""
     device = request.query.device.type
     if names is None:
         names = order(device)
@@ -209,6 +210,8 @@ def rank(
             refused[name] = reason
         elif not chosen:
             chosen = name
+            if not with_kernel:  # a call to run: the backends after it need not answer
+                break
     return Choice(
         chosen,
         tuple(names),

@@ -28,7 +28,6 @@ options, and tensors the kernel does not take.
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections import OrderedDict
 from typing import Any, NamedTuple
@@ -37,6 +36,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask.backends.flash import DTYPES, flash_ops
+from flexmask.backends.flash import shape_problem as _shape_problem
 from flexmask.backends.mod_eval import call_mod
 from flexmask.backends.request import Request
 from flexmask.backends.threads import one_thread, others_busy
@@ -56,23 +57,11 @@ OPTIONS: tuple[str, ...] = ()
 # 1.9-2.4x block_sparse's time there.
 MAX_QUERY_ROWS = 64
 
-DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-"""What torch's CPU flash kernel takes."""
 
-
-@functools.lru_cache(maxsize=1)
 def _flash_op() -> Any | None:
-    """torch's CPU flash kernel (a private aten op, in every torch this package supports: it
-    takes an additive mask and returns the log-sum-exp, which SDPA does not), or None where
-    a torch lacks it or calls it otherwise than this module does."""
-    try:
-        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    except (AttributeError, RuntimeError):
-        return None
-    names = [a.name for a in op._schema.arguments]
-    if names != ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]:
-        return None
-    return op
+    """torch's CPU flash kernel's forward, or None where this torch lacks it."""
+    ops = flash_ops()
+    return None if ops is None else ops[0]
 
 
 class Lowered(NamedTuple):
@@ -178,27 +167,6 @@ def kernel_name(request: Request) -> str:
         f"call with {what} from the BlockMask's blocks, on keys [{lowered.start}, "
         f"{lowered.stop}) of {kv_len}"
     )
-
-
-def _shape_problem(request: Request) -> str | None:
-    """Why torch's CPU flash kernel cannot take these tensors, or None. The kernel aborts the
-    process on some bad shapes (no heads: a division by zero), so anything but the plain case
-    is refused here, and the path that takes the call instead names what is wrong."""
-    q, k, v = request.query, request.key, request.value
-    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
-        return "query, key and value must be 4-D tensors (B, H, seq_len, head_dim)"
-    if q.dtype not in DTYPES or not q.dtype == k.dtype == v.dtype:
-        return f"torch's CPU flash kernel takes one dtype of {[str(d) for d in DTYPES]}"
-    if min(*q.shape, *k.shape, *v.shape) < 1:
-        return "a dimension of query, key or value is 0"
-    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3]:
-        return "query, key and value must share B; key and value their heads and length"
-    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
-        return "torch's CPU flash kernel needs one head_dim for query, key and value"
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq != hkv and not (request.enable_gqa and hq % hkv == 0):
-        return "query heads must equal key heads, or be a multiple of them with enable_gqa"
-    return None
 
 
 def _dims_problem(block_mask: BlockMask, query: Tensor) -> str | None:

@@ -31,17 +31,18 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.algebra.mask import Mask
+from flexmask.backends.flash import DTYPES  # noqa: F401 - the dtypes this backend takes
+from flexmask.backends.flash import flash_ops as _flash_ops
+from flexmask.backends.flash import shape_problem as _shape_problem
 from flexmask.backends.request import Request, positive_scale
 from flexmask.backends.threads import one_thread, others_busy
-from flexmask.builders.create import built_from
+from flexmask.builders.provenance import built_from
 from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL, to_magi
 from flexmask.pieces import Full
 from flexmask.runtime.cache import on_cache_clear
 
 NAME = "slices"
 OPTIONS: tuple[str, ...] = ()
-DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-"""What torch's CPU flash kernel takes."""
 
 # A banded slice (a sliding window's body, inverse causal) runs in calls of this many
 # queries, each onto the keys its queries see, with a (rows, keys) additive mask: the band's
@@ -58,30 +59,6 @@ BAND_ROWS = 256
 # (fwd+bwd; no-grad fwd): 16-token documents 1.14-2.84x; 0.34-2.07x, 32: 0.25-1.22x;
 # 0.26-1.08x, 64: 0.52-1.38x; 0.44-0.58x, 128: 0.61-0.91x; 0.33-0.57x.
 MIN_ROWS_PER_CALL = 64
-
-_FORWARD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
-_BACKWARD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", *_FORWARD_ARGS[3:]]
-
-
-@functools.lru_cache(maxsize=1)
-def _flash_ops() -> tuple[Any, Any] | None:
-    """torch's CPU flash kernel and its backward (private aten ops, present in every torch
-    this package supports), or None where a torch lacks them or calls them otherwise than
-    this module does (then the backend refuses every call, and the block-sparse path runs)."""
-    ops = torch.ops.aten
-    try:
-        forward = ops._scaled_dot_product_flash_attention_for_cpu.default
-        backward = ops._scaled_dot_product_flash_attention_for_cpu_backward.default
-    except (AttributeError, RuntimeError):
-        return None
-    signatures = [
-        ([a.name for a in op._schema.arguments], len(op._schema.returns))
-        for op in (forward, backward)
-    ]
-    if signatures != [(_FORWARD_ARGS, 2), (_BACKWARD_ARGS, 3)]:
-        return None
-    return forward, backward
-
 
 Call = tuple[int | None, int, int, int, int, bool, int | None]
 """``(row, q_start, q_end, k_start, k_end, causal, band)``: batch row ``row`` (None: every
@@ -215,27 +192,6 @@ def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:
     with _threads():
         out, lse = _SliceAttention.apply(q, k, v, lowered, scale)
     return (out, lse) if request.return_lse else out
-
-
-def _shape_problem(request: Request) -> str | None:
-    """Why torch's CPU flash kernel cannot take these tensors, or None. The kernel aborts the
-    process on some bad shapes (no heads: a division by zero), so anything but the plain
-    case is refused here, and the path that takes the call instead names what is wrong."""
-    q, k, v = request.query, request.key, request.value
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
-        return "query, key and value must be 4-D tensors (B, H, seq_len, head_dim)"
-    if q.dtype not in DTYPES or not q.dtype == k.dtype == v.dtype:
-        return f"torch's CPU flash kernel takes one dtype of {[str(d) for d in DTYPES]}"
-    if min(*q.shape, *k.shape, *v.shape) < 1:
-        return "a dimension of query, key or value is 0"
-    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3]:
-        return "query, key and value must share B; key and value their heads and length"
-    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
-        return "torch's CPU flash kernel needs one head_dim for query, key and value"
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq != hkv and not (request.enable_gqa and hq % hkv == 0):
-        return "query heads must equal key heads, or be a multiple of them with enable_gqa"
-    return None
 
 
 def _lower(request: Request) -> Slices | str:
