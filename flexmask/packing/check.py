@@ -46,12 +46,15 @@ class BatchReport:
             a mask's documents, ``cu_seqlens``, ``attention_mask``, ``seq_idx``,
             ``position_ids``).
         documents: how many documents the reference holds.
+        mask: the mask kernel arguments were checked against: the one given, else causal
+            attention inside the documents read.
     """
 
     disagreements: tuple[Disagreement, ...]
     checked: tuple[str, ...]
     reference: str | None
     documents: int
+    mask: Mask | None = None
 
     @property
     def ok(self) -> bool:
@@ -198,13 +201,13 @@ def check_batch(
 
     Example:
         >>> import torch, flexmask
-        >>> batch = flexmask.pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], max_len=5)
+        >>> batch = flexmask.pack([[1, 2, 3], [4, 5]], max_len=5)
         >>> flexmask.check_batch(batch=batch).ok
         True
         >>> ones = torch.ones_like(batch.tokens)          # an all-ones mask on a packed batch
         >>> report = flexmask.check_batch(batch=batch, attention_mask=ones)
         >>> print(report.first.inputs, report.first.row, report.first.token)
-        ('attention_mask', 'batch.seq_lens') 0 4
+        ('attention_mask', "batch.mask's documents") 0 3
     """
     checks = _Inputs.gather(locals())
     report = checks.run()
@@ -249,18 +252,31 @@ class _Inputs:
         if mask is None:
             mask = causal() & document(segments.runs(start, real))
             mask_name = f"causal documents of {start_from or real_from or 'the batch'}"
-        kernel_args.check_mask(mask, mask_name, start, real, shape, self.issues, self.claims)
+        try:
+            kernel_args.check_mask(mask, mask_name, start, real, shape, self.issues, self.claims)
+        except ValueError as error:  # made for another batch: nothing to compare with
+            self.issues.append(
+                Issue(
+                    0,
+                    0,
+                    (mask_name, "the batch"),
+                    f"{mask_name} cannot apply to a {shape[0]} x {shape[1]} batch: {error}",
+                )
+            )
+            mask = None
         for name in ("attention_mask", "block_mask", "varlen", "flashmask", "magi"):
             value = g.get(name)
-            if value is None or (name == "attention_mask" and _is_2d(value)):
+            if value is None or mask is None or (name == "attention_mask" and _is_2d(value)):
                 continue
             self.checked.append(name)
             kernel_args.check(name, value, mask, mask_name, real, shape, g, self.issues)
-        if g["cu_seqlens"] is not None and g["causal_kernel"] is not None:
+        if g["cu_seqlens"] is not None and g["causal_kernel"] is not None and mask is not None:
             kernel_args.check_cu_seqlens(mask, mask_name, real, shape, g, self.issues)
         issues = sorted(self.issues, key=lambda d: (d.row, d.token))
         documents = int((start & real).sum()) if start is not None else shape[0]
-        return BatchReport(tuple(issues), tuple(self.checked), start_from or real_from, documents)
+        return BatchReport(
+            tuple(issues), tuple(self.checked), start_from or real_from, documents, mask
+        )
 
     def _read_claims(self, shape: tuple[int, int]) -> None:
         g = self.given
@@ -273,23 +289,32 @@ class _Inputs:
                 g["cu_seqlens"], g["cu_seqlens_padded"], shape, g["max_seqlen"]
             )
             self._add(claim, issues)
-        am = g["attention_mask"]
-        if am is not None and _is_2d(am):
-            claim, self.segment_ids = segments.from_attention_mask(
-                segments.as_rows(am, "attention_mask", shape)
-            )
-            self._add(claim, [])
         if g["seq_idx"] is not None:
             seq_idx = segments.integer(segments.as_rows(g["seq_idx"], "seq_idx", shape), "seq_idx")
             self._add(segments.from_seq_idx(seq_idx), [])
-        if g["position_ids"] is not None:
+        tree = g["mask"] is not None and segments.has_tree(g["mask"])
+        if g["position_ids"] is not None and not tree:  # a tree's positions are depths
             positions = _positions(g["position_ids"], shape)
             self._add(segments.from_positions(positions), [])
+        elif g["position_ids"] is not None:
+            self.checked.append("position_ids")
+        am = g["attention_mask"]
+        if am is not None and _is_2d(am):
+            claim, segment_ids = segments.from_attention_mask(
+                segments.as_rows(am, "attention_mask", shape)
+            )
+            # Segment ids place documents; a 0/1 mask only padding (one sequence per row):
+            # positions, seq_idx and lengths say better where documents start.
+            if segment_ids:
+                self.claims.insert(0, claim)
+                self.checked.append("attention_mask")
+            else:
+                self._add(claim, [])
 
     def _add(self, claim: Claim, issues: list[Issue]) -> None:
         self.claims.append(claim)
         self.issues += issues
-        self.checked.append(claim.name.split(" (")[0])
+        self.checked.append(claim.name.split(" (")[0].split("'s ")[0])
 
     def _reference(self, shape: tuple[int, int]) -> tuple[Tensor, str | None, Tensor, str | None]:
         start = next((c for c in self.claims if c.start is not None), None)
@@ -361,7 +386,7 @@ class _Inputs:
                     Issue(
                         b,
                         p,
-                        ("position_ids", "mask (its tree)"),
+                        ("position_ids", f"{self.given.get('mask_name', 'mask')}'s tree"),
                         f"position_ids[{b}, {p}] = {int(positions[b, p])}, but the token's "
                         f"depth in the tree is {int(depth[b, p])}",
                     )
@@ -493,9 +518,6 @@ def _from_batch(batch: Any, given: dict[str, Any]) -> None:
         given["labels_shifted"] = (
             True if given["labels_shifted"] is None else given["labels_shifted"]
         )
-    if given["seq_lens"] is None and getattr(batch, "seq_lens", None) is not None:
-        given["seq_lens"] = batch.seq_lens
-        given["seq_lens_name"] = "batch.seq_lens"
     if given["mask"] is None:
         given["mask"] = batch.mask
         given["mask_name"] = "batch.mask"

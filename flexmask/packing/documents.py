@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from flexmask._validate import check_int
+from flexmask.packing.check import check_batch, check_enabled
 from flexmask.packing.tokens import (
     _POLICIES,
     _STRATEGIES,
@@ -250,6 +251,7 @@ def pack(
     labels: Iterable[Sequence[int] | torch.Tensor] | None = None,
     loss_mask: Iterable[Sequence[bool] | torch.Tensor] | None = None,
     split_across_pack: bool = False,
+    check: bool | None = None,
 ) -> PackedBatch:
     """Packs token sequences into rows of at most ``max_len`` tokens.
 
@@ -300,6 +302,8 @@ def pack(
             alone would be; torchtune instead keeps counting, giving positions whose context
             the mask hides), and the token before the cut has no label. ``unpack`` joins the
             parts again. ``policy`` must stay ``"split"``.
+        check: run :func:`~flexmask.check_batch` on the result and raise ValueError at a
+            disagreement (a debug mode; None: the environment variable FLEXMASK_CHECK=1).
 
     Returns:
         A :class:`PackedBatch`.
@@ -437,7 +441,7 @@ def pack(
     tokens[dest] = flat
     packed_labels[dest] = labels_flat
     position_ids[dest] = positions_flat
-    return PackedBatch(
+    batch = PackedBatch(
         tokens=tokens.view(num_rows, max_len),
         labels=packed_labels.view(num_rows, max_len),
         position_ids=position_ids.view(num_rows, max_len),
@@ -445,6 +449,9 @@ def pack(
         placement=placement,
         max_len=max_len,
     )
+    if check_enabled(check):
+        check_batch(batch=batch, raise_on_error=True)
+    return batch
 
 
 def _cut_across_rows(

@@ -52,7 +52,7 @@ def check_mask(
     no ``document`` of its own) and gives every real token something to attend."""
     batch, seq_len = shape
     device = mask.device or torch.device("cpu")
-    own_documents = any(c.name.startswith(f"{name} (its document") for c in claims)
+    own_documents = any(c.name == f"{name}'s documents" for c in claims)
     several = bool((start.sum(1) > 1).any()) or not bool(real.all())
     side = compare.mask_side(mask, batch, seq_len, (128, 128), device)
     if not own_documents and several and any(c.start is not None for c in claims):

@@ -42,6 +42,8 @@ class PackingCollator:
         labels_key, loss_mask_key: with ``key``, the item keys holding per-token ``labels``
             or a ``loss_mask`` (see :func:`pack`; at most one), e.g. for SFT items
             ``{"input_ids": [...], "labels": [...]}``.
+        check: run :func:`~flexmask.check_batch` on every batch (in the worker) and raise
+            ValueError at a disagreement; None: the environment variable FLEXMASK_CHECK=1.
 
     Example:
         >>> from flexmask.packing import PackingCollator
@@ -68,6 +70,7 @@ class PackingCollator:
         labels_key: str | None = None,
         loss_mask_key: str | None = None,
         split_across_pack: bool = False,
+        check: bool | None = None,
     ) -> None:
         # Validated here so a bad setting fails at construction, not later inside a worker.
         self.max_len = check_int(max_len, "max_len", minimum=1)
@@ -99,6 +102,7 @@ class PackingCollator:
         self.labels_key = labels_key
         self.loss_mask_key = loss_mask_key
         self.split_across_pack = split_across_pack
+        self.check = check
 
     def __call__(self, items: Sequence[Any]) -> PackedBatch:
         targets: dict[str, Any] = {}
@@ -118,6 +122,7 @@ class PackingCollator:
             ignore_index=self.ignore_index,
             strategy=self.strategy,  # type: ignore[arg-type]
             split_across_pack=self.split_across_pack,
+            check=self.check,
             **targets,
         )
         handle = batch.lazy(self.num_heads, self.device, self.block_size)
@@ -156,7 +161,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         buffer_size: sequences packed together; more gives tighter packing and bigger batches.
         num_heads: as in :class:`PackingCollator`; so are ``device``, ``block_size``,
             ``key``, ``policy``, ``pad_id``, ``ignore_index``, ``strategy``, ``labels_key``,
-            ``loss_mask_key`` and ``split_across_pack``.
+            ``loss_mask_key``, ``split_across_pack`` and ``check``.
 
     Example:
         >>> from flexmask.packing import PackedDataset
@@ -183,6 +188,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         labels_key: str | None = None,
         loss_mask_key: str | None = None,
         split_across_pack: bool = False,
+        check: bool | None = None,
     ) -> None:
         super().__init__()
         if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):
@@ -204,6 +210,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
             labels_key=labels_key,
             loss_mask_key=loss_mask_key,
             split_across_pack=split_across_pack,
+            check=check,
         )
 
     def __iter__(self) -> Iterator[PackedBatch]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from flexmask._validate import check_int
+from flexmask.packing.check import check_batch, check_enabled
 from flexmask.packing.tokens import Device, _check_memory, _loss_masks, _token_lists
 from flexmask.packing.trie import _Edge, _insert, _lay_out, _shared
 from flexmask.pieces import tree
@@ -303,6 +304,7 @@ def pack_trees(
     loss_mask: Iterable[Sequence[bool] | torch.Tensor] | None = None,
     num_rows: int | None = None,
     pad_id: int = 0,
+    check: bool | None = None,
 ) -> TreeBatch:
     """Packs sequences into prefix trees of at most ``max_tokens`` nodes, one tree per row.
 
@@ -329,6 +331,9 @@ def pack_trees(
         num_rows: pad the batch to at least this many rows with dummy trees, e.g. the largest
             row count over data-parallel ranks, so every rank runs the same steps.
         pad_id: token id (>= 0) written into padding.
+        check: run :func:`~flexmask.check_batch` on the result (positions against the
+            trees' depths) and raise ValueError at a disagreement (a debug mode; None: the
+            environment variable FLEXMASK_CHECK=1).
 
     Returns:
         A :class:`TreeBatch`.
@@ -439,7 +444,7 @@ def pack_trees(
     first = torch.cumsum(per_sequence, 0) - per_sequence
     column = torch.arange(len(owner)) - first[owner]
     unique, inverse = torch.unique(predictor, return_inverse=True)
-    return TreeBatch(
+    batch = TreeBatch(
         tokens=tokens,
         position_ids=position_ids,
         parents=parents,
@@ -459,6 +464,9 @@ def pack_trees(
         _max_token=max(map(max, filter(None, token_lists)), default=-1),
         _pad_id=pad_id,
     )
+    if check_enabled(check):
+        check_batch(batch=batch, raise_on_error=True)
+    return batch
 
 
 def _prompt_lens(value: Any, token_lists: list[list[int]]) -> list[int]:

@@ -243,20 +243,25 @@ def mask_claims(mask: Mask, name: str, shape: tuple[int, int]) -> tuple[list[Cla
     issues: list[Issue] = []
     for part in conjuncts(mask):
         if isinstance(part, Document):
-            claim, found = from_lengths(f"{name} (its document seq_lens)", part.seq_lens, shape)
+            claim, found = from_lengths(f"{name}'s documents", part.seq_lens, shape)
             claims.append(claim)
             issues += found
         elif isinstance(part, Tree):
             sizes = torch.tensor([p.numel() for p in part.parents])
             rows = sizes if sizes.numel() == shape[0] else sizes[:1].expand(shape[0])
             real = torch.arange(shape[1]).view(1, -1) < rows.view(-1, 1)
-            claims.append(Claim(f"{name} (its tree)", None, real))
+            claims.append(Claim(f"{name}'s tree", None, real))
     return claims, issues
 
 
 def conjuncts(mask: Mask) -> tuple[Mask, ...]:
     """The parts a mask ANDs together (itself when it is not an ``&``)."""
     return tuple(mask.children) if isinstance(mask, And) else (mask,)
+
+
+def has_tree(mask: Mask) -> bool:
+    """Whether the mask ANDs a ``tree`` piece in (its positions are then depths)."""
+    return any(isinstance(part, Tree) for part in conjuncts(mask))
 
 
 def tree_depths(mask: Mask, shape: tuple[int, int]) -> Tensor | None:

@@ -179,9 +179,9 @@ def leak_test(
         >>> def model(ids):                                        # ignores the documents
         ...     return mixer(embed(ids).transpose(1, 2))[..., :-1].transpose(1, 2)
         >>> report = leak_test(model, batch.tokens, batch.mask, embedding=embed)
-        >>> report.ok, sorted(report.pairs)
-        (False, [(1, 0)])
-        >>> print(report.leaks[0].output, report.leaks[0].input)  # row 1: documents [3, 2]
+        >>> report.ok, sorted(report.pairs)     # documents: 0 in row 0; 1 and 2 in row 1
+        (False, [(2, 1)])
+        >>> print(report.leaks[0].output, report.leaks[0].input)   # output 3 reads input 2
         3 2
     """
     started = time.perf_counter()
