@@ -59,7 +59,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexmask
 from flexmask.blocks.grid import make_grid
-from flexmask.builders.create import build_counted, cpu_threads, in_closed_form
+from flexmask.builders.create import build_counted
+from flexmask.builders.sides import in_closed_form
+from flexmask.builders.threads import cpu_threads
 
 FIRST_CALL = """
 import time

@@ -116,7 +116,7 @@ def safe_globals() -> list[type]:
     from torch.nn.attention.flex_attention import BlockMask
 
     from flexmask.algebra.mask import MaskModFn
-    from flexmask.builders.create import BUILT_RECORD
+    from flexmask.builders.provenance import BUILT_RECORD
 
     found: set[type] = {LazyBlockMask, BlockMask, BUILT_RECORD}
     pending: list[type] = [Mask, MaskModFn]

@@ -27,7 +27,7 @@ from flexmask.algebra.mask import Mask
 from flexmask.backends.finite import attend_checked
 from flexmask.backends.flex import ENV_COMPILE, compiled_flex_attention  # noqa: F401 - re-exported
 from flexmask.backends.request import Deferred, Request, check_fits, make_request
-from flexmask.builders.create import built_from
+from flexmask.builders.provenance import built_from
 from flexmask.runtime.cache import default_cache
 from flexmask.runtime.lazy import LazyBlockMask
 

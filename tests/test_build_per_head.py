@@ -1,4 +1,4 @@
-"""``per_head`` builds (``create._by_head``): each distinct mask built once and copied into
+"""``per_head`` builds (``sides._by_head``): each distinct mask built once and copied into
 its heads' slices of torch's ``(B, H, ...)`` layout, a closed-form part with one row (or
 one head) written straight into its first head's slice. Against torch's own
 ``create_block_mask`` as whole tensors, each with a storage of its own."""

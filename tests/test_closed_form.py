@@ -204,7 +204,7 @@ def test_closed_form_asks_only_for_block_edges(monkeypatch):
 
     monkeypatch.setattr(type(mask), "intervals_at", spy)
     monkeypatch.setattr(
-        "flexmask.builders.create.classify_blocks",
+        "flexmask.builders.sides.classify_blocks",
         lambda *a: pytest.fail("the closed form must not classify tiles"),
     )
     flexmask.create_block_mask(mask, rows, 1, S, S, "cpu", block)

@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import flexmask
 from flexmask.blocks.grid import make_grid
 from flexmask.builders import unions
-from flexmask.builders.create import build, in_closed_form
+from flexmask.builders.create import build
+from flexmask.builders.sides import in_closed_form
 
 # Ops that wait for a device's values: a scalar read, or an output whose shape depends on
 # the data.

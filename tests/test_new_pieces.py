@@ -42,7 +42,7 @@ def _window(dense, q_off, kv_off, q_len, kv_len):
 
 def _no_tiles(monkeypatch):
     monkeypatch.setattr(
-        "flexmask.builders.create.classify_blocks",
+        "flexmask.builders.sides.classify_blocks",
         lambda *a: pytest.fail("the closed form must not classify tiles"),
     )
 

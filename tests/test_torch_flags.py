@@ -20,7 +20,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
-from flexmask.builders import create
+from flexmask.builders import torch_flags
 from tests import oracle
 from tests.strategies import expressions, interval_intersections
 
@@ -204,7 +204,7 @@ def _build_warned(build, flags):
 @pytest.mark.parametrize("value", FLAG_VALUES, ids=repr)
 @pytest.mark.parametrize(
     "flags",
-    [{name: None} for name in create.TORCH_FLAGS]
+    [{name: None} for name in torch_flags.TORCH_FLAGS]
     + ([{"compute_dq_write_order": True, "dq_kv_order": None}] if HAS_213_FLAGS else []),
     ids=lambda flags: "+".join(flags),
 )
@@ -248,7 +248,7 @@ def test_a_flag_with_no_truth_value_names_itself(name):
 def test_a_torch_keyword_flexmask_does_not_build_is_refused_off_its_default(monkeypatch):
     # A later torch may add a keyword flexmask does not know: at its default it is torch's
     # usual build; any other value raises rather than being silently ignored.
-    monkeypatch.setitem(create.TORCH_FLAGS, "future_flag", None)
+    monkeypatch.setitem(torch_flags.TORCH_FLAGS, "future_flag", None)
     mask = flexmask.causal()
     ours = flexmask.create_block_mask(mask, 1, 1, 128, 128, "cpu", future_flag=None)
     assert_same(ours, torch_create_block_mask(_causal, 1, 1, 128, 128, "cpu"))

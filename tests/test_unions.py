@@ -16,7 +16,8 @@ import flexmask
 from flexmask.blocks.codes import FULL, PARTIAL
 from flexmask.blocks.grid import make_grid
 from flexmask.builders.classify import classify
-from flexmask.builders.create import build, build_counted, in_closed_form
+from flexmask.builders.create import build, build_counted
+from flexmask.builders.sides import in_closed_form
 from flexmask.builders.unions import _reduce, union_operands
 from tests import oracle
 from tests.strategies import interval_intersections, small_windows

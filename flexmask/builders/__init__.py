@@ -6,7 +6,11 @@ order data flows (docs/blocks.md describes the same pipeline). They stand on
   undecided tiles refined;
 * ``closed_form`` — masks whose rows are monotone intervals, written with no tile grid;
 * ``unions`` — an ``|`` of two such masks: two runs per row and per column, no tile grid;
-* ``create`` — the entry point, ``create_block_mask``, running the stages in that order;
+* ``sides`` — which of those paths writes a build's two sides;
+* ``create`` — the entry point, ``create_block_mask``, running the stages in that order, with
+  ``size_check`` (refusing what cannot fit), ``torch_flags`` (torch's build flags),
+  ``zero_sizes`` (B=0 or H=0), ``threads`` (one thread per CPU build) and ``provenance``
+  (the Mask recorded on the BlockMask it built);
 * ``segments``, ``cp_shard`` — a context-parallel rank's rows of the BlockMask, per segment.
 """
 

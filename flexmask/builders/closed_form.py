@@ -221,7 +221,7 @@ def ordered_sides(
 
     ``out``: the four index tensors to write instead of new ones (kv partial, q partial,
     kv full, q full), each int32 ``(R, n, m)`` with every row contiguous: one head's slice
-    of a larger ``(R, H, n, m)`` layout (``create._by_head``), written in place, row by row
+    of a larger ``(R, H, n, m)`` layout (``sides._by_head``), written in place, row by row
     where the rows are not laid end to end (H > 1).
     """
     rows, _ = grid.reduced(mask)

@@ -26,7 +26,7 @@ from flexmask.blocks.grid import make_grid
 from flexmask.blocks.write import expand_runs
 from flexmask.builders.classify import classify_blocks
 from flexmask.builders.closed_form import row_runs
-from flexmask.builders.create import cpu_threads
+from flexmask.builders.threads import cpu_threads
 from flexmask.pieces import padding
 
 # torch >= 2.14's per-document head-tail balancer lays its chunks out rank by rank.

@@ -16,7 +16,7 @@ from flexmask.algebra.mask import Mask
 from flexmask.blocks.grid import BlockGrid
 from flexmask.builders.cp_shard import KeyOrder, build_shard
 from flexmask.builders.create import build as build_window
-from flexmask.builders.create import cpu_threads
+from flexmask.builders.threads import cpu_threads
 from flexmask.context_parallel import per_document
 from flexmask.context_parallel.balance import PerDocumentBalancer, balancer_indices
 from flexmask.context_parallel.plan import ShardPlan

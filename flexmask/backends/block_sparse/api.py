@@ -49,7 +49,7 @@ from flexmask.backends.dense import KERNELS as SDPA_KERNELS
 from flexmask.backends.dense import choose_backend, is_causal, sdpa_attention
 from flexmask.backends.plan import Plan, make_plan
 from flexmask.backends.threads import kernel_workers
-from flexmask.builders.create import built_from
+from flexmask.builders.provenance import built_from
 from flexmask.runtime.lazy import BuiltOnRead
 
 Backend = Literal["auto", "sparse", "sdpa"]
