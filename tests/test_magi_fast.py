@@ -7,6 +7,7 @@ The slices' meaning is checked against a dense oracle in tests/test_formats.py."
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import pytest
 import torch
@@ -14,13 +15,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flexmask
-from flexmask.formats import _structure, magi, to_magi
+from flexmask.formats import magi, to_magi
 from flexmask.formats._structure import _normalize, lines, one_mask_for_all_heads, window
 from flexmask.formats.magi import _slices
 from flexmask.packing import pack_trees
 from tests.strategies import expressions, random_parents
 
 BIG = 1 << 62  # lines' empty slot: (BIG, -BIG)
+tree_module = importlib.import_module("flexmask.pieces.tree")  # not the function tree
 
 
 # ----------------------------------------------------------------- the old lowering, as it was
@@ -141,7 +143,7 @@ def cut(way: str):
     with pytest.MonkeyPatch.context() as patch:
         if way == "tensors":
             patch.setattr(magi, "_FEW_SEGMENTS", -1)
-            patch.setattr(_structure, "_FEW_RUNS", 0)
+            patch.setattr(tree_module, "_FEW_RUNS", 0)
         yield
 
 

@@ -1,21 +1,14 @@
 """Masks are values: an expression tree of pieces joined by ``&``, ``|`` and ``~``.
 
-The piece protocol — what the builders (``flexmask.builders``) ask of a node, declared here
-as ``Mask``'s methods (and ``Leaf.classify_tiles`` for leaves), public within the package:
+``Mask`` is the base of every node: its content key, validation, operators and pictures
+(``to_dense``, ``show``). ``And``, ``Or`` and ``Not`` are the operators' nodes; ``Leaf``
+(every piece) and ``Composite`` (a node made of other masks) the two kinds of the rest.
+What the builders and the lowerings ask of a node — the piece protocol — is declared in
+``flexmask.algebra.protocol`` (``Node``, which ``Mask`` subclasses); the mask_mods a node
+lowers to are in ``flexmask.algebra.mods``. Both are re-exported here.
 
-* ``check(extent)`` — is the node valid for this batch size and sequence extent? (The whole
-  expression is checked through ``validate``, once per spec.)
-* ``lower_at(length, device, window=None)`` — its ``mask_mod`` with lookups padded to
-  ``length`` (or, given a ``Window``, over the window's positions only), plus an evaluator
-  the build may call with broadcasting index tensors to refine undecided blocks;
-* ``intervals_at(q_idx, row, grid)`` and the shape flags ``has_intervals``,
-  ``has_monotone_intervals``, ``attends_from_zero``, ``covers_diagonal``,
-  ``attends_around_self``, ``attends_nowhere`` — each query's kv interval, where it has one;
-* ``head_parts(heads)`` — for ``per_head``, its distinct masks and their heads;
-* for leaves, ``classify_tiles(grid)`` — block codes from structure (``Leaf``).
-
-This module imports nothing from the blocks or builders: ``&``, ``|`` and ``~`` combine block
-codes in ``flexmask.builders.classify``.
+This package imports nothing from the blocks or builders: ``&``, ``|`` and ``~`` combine
+block codes in ``flexmask.builders.classify``.
 
 Equality and hashing come from ``key``: the piece kinds and their data (small data as tuples,
 large data as a strong digest of dtype, shape and bytes), never tensor or closure identity.
@@ -23,195 +16,47 @@ large data as a strong digest of dtype, shape and bytes), never tensor or closur
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from flexmask._validate import check_device, check_int
+from flexmask.algebra.lines import VarlenPart, cannot_lower
+from flexmask.algebra.mods import (
+    AndMod,
+    Lowered,
+    MaskMod,
+    MaskModFn,
+    NotMod,
+    OrMod,
+    ShiftedMod,
+    combined,
+)
+from flexmask.algebra.protocol import Extent, Intervals, Node, TileGrid, Window
 
-if TYPE_CHECKING:  # only for annotations: the build imports this module, not the reverse
-    from flexmask.blocks.grid import BlockGrid
-
-MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-
-
-class Lowered(NamedTuple):
-    """A node made concrete for one padded length on one device."""
-
-    mask_mod: MaskMod
-    """What flex_attention and torch's create_block_mask call (scalar or vmapped indices)."""
-    evaluate: MaskMod
-    """The same predicate, callable with broadcasting index tensors of any shape."""
-
-
-class Window(NamedTuple):
-    """The positions a windowed build calls its mask_mod at: queries ``[q_start, q_start +
-    q_len)`` and keys ``[kv_start, kv_start + kv_len)`` of the whole mask, the starts ints
-    or, per batch row, ``(B,)`` int64 tensors.
-
-    Given to ``lower_at`` for a window far from position 0 (``BlockGrid.lookup_window``):
-    a piece whose lookups are indexed by position (document, spans, tree) then holds them
-    for these positions only — one lookup per side, O(q_len + kv_len) — instead of for
-    every position from 0, which for a window near 2**63 would not fit any memory. Its
-    mask_mod still takes whole-mask positions (under the window's ``ShiftedMod``)."""
-
-    q_start: int | Tensor
-    q_len: int
-    kv_start: int | Tensor
-    kv_len: int
-
-
-class MaskModFn:
-    """Base of flexmask's mask_mods: a module-level callable object holding its tensors.
-
-    Unlike a closure, it pickles (``pickle``, ``torch.save``, ``copy.deepcopy`` of a BlockMask
-    work) and unpickles to a mask_mod that evaluates identically. Compiled ``flex_attention``
-    traces ``__call__`` like a function: dynamo guards the class and the held tensors'
-    dtypes and shapes, so a new object holding new same-shape tensors does not recompile.
-    Equality stays identity: two mask_mods are the same mask only by their Mask's key.
-    Subclasses define ``__call__(b, h, q_idx, kv_idx)``, index arithmetic only.
-    """
-
-    __slots__ = ()
-    _name = "mask_mod"
-
-    @property
-    def __name__(self) -> str:  # what torch's BlockMask repr prints
-        return self._name
-
-    def _fields(self) -> list[str]:
-        classes = reversed(type(self).__mro__)
-        names = [n for cls in classes for n in cls.__dict__.get("__slots__", ())]
-        return [f"{n}={_describe(getattr(self, n))}" for n in names]
-
-    def __repr__(self) -> str:
-        return f"{self._name}({', '.join(self._fields())})"
+__all__ = [
+    "And",
+    "Composite",
+    "Extent",
+    "Intervals",
+    "Leaf",
+    "Lowered",
+    "Mask",
+    "MaskMod",
+    "MaskModFn",
+    "Not",
+    "Or",
+    "ShiftedMod",
+    "Window",
+    "common_device",
+    "common_rows",
+]
 
 
-def _describe(value: object) -> str:
-    if isinstance(value, Tensor):
-        shape = ", ".join(map(str, value.shape))
-        return f"{str(value.dtype).removeprefix('torch.')}[{shape}]"
-    if isinstance(value, tuple):
-        return "(" + ", ".join(map(_describe, value)) + ")"
-    return repr(value)
-
-
-class _NaryMod(MaskModFn):
-    __slots__ = ("mods",)
-
-    def __init__(self, mods: tuple[MaskMod, ...]) -> None:
-        self.mods = tuple(mods)
-
-    def __repr__(self) -> str:
-        return f"{self._name}({', '.join(map(repr, self.mods))})"
-
-
-class AndMod(_NaryMod):
-    """``mods[0] & mods[1] & ...``: the mask_mod of an ``&`` node."""
-
-    __slots__ = ()
-    _name = "and_masks"
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        result = self.mods[0](b, h, q_idx, kv_idx)
-        for mod in self.mods[1:]:
-            result = result & mod(b, h, q_idx, kv_idx)
-        return result
-
-
-class OrMod(_NaryMod):
-    """``mods[0] | mods[1] | ...``: the mask_mod of an ``|`` node."""
-
-    __slots__ = ()
-    _name = "or_masks"
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        result = self.mods[0](b, h, q_idx, kv_idx)
-        for mod in self.mods[1:]:
-            result = result | mod(b, h, q_idx, kv_idx)
-        return result
-
-
-def _combined(make: Callable[[tuple[MaskMod, ...]], MaskMod], parts: list[Lowered]) -> Lowered:
-    """A node's Lowered from its children's; one object when each child's evaluator is its
-    mask_mod (every piece but from_mask_mod)."""
-    mask_mod = make(tuple(part.mask_mod for part in parts))
-    if all(part.evaluate is part.mask_mod for part in parts):
-        return Lowered(mask_mod, mask_mod)
-    return Lowered(mask_mod, make(tuple(part.evaluate for part in parts)))
-
-
-class NotMod(MaskModFn):
-    """``~mod``: the mask_mod of a ``~`` node."""
-
-    __slots__ = ("mod",)
-    _name = "not_mask"
-
-    def __init__(self, mod: MaskMod) -> None:
-        self.mod = mod
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return ~self.mod(b, h, q_idx, kv_idx)
-
-    def __repr__(self) -> str:
-        return f"{self._name}({self.mod!r})"
-
-
-class ShiftedMod(MaskModFn):
-    """``mod(b, h, q_idx + q_offset, kv_idx + kv_offset)``: the mask_mod of a window of a
-    mask (``create_block_mask(..., q_offset=, kv_offset=)``). The offsets are int64 tensors —
-    0-d, or ``(B,)`` read at ``b`` when they differ by row — never Python ints, so new
-    offsets of the same shape do not recompile a compiled kernel."""
-
-    __slots__ = ("mod", "q_offset", "kv_offset", "per_row")
-    _name = "shifted_mask"
-
-    def __init__(self, mod: MaskMod, q_offset: Tensor, kv_offset: Tensor) -> None:
-        self.mod = mod
-        self.q_offset = q_offset
-        self.kv_offset = kv_offset
-        self.per_row = q_offset.dim() == 1
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        if self.per_row:
-            return self.mod(b, h, q_idx + self.q_offset[b], kv_idx + self.kv_offset[b])
-        return self.mod(b, h, q_idx + self.q_offset, kv_idx + self.kv_offset)
-
-
-class Extent(NamedTuple):
-    """What a mask validates itself against: the batch size, heads, the furthest position
-    any index may take (lookups are padded to it) and the device."""
-
-    batch: int
-    heads: int | None
-    """None where no head count is given (``mask_mod_for``, ``show``): any head index."""
-    length: int
-    device: torch.device
-    length_name: str = "max(Q_LEN, KV_LEN)"
-    """How errors name ``length``: with a window, ``max(q_offset + Q_LEN, kv_offset + KV_LEN)``."""
-
-
-class Intervals(NamedTuple):
-    """For given query positions, the one kv interval ``[lo, hi]`` each attends (empty when
-    lo > hi).
-
-    Pieces whose rows are single intervals (causal, document, sliding window, prefix,
-    padding) expose them; an ``&`` of such pieces is their intersection. The builder asks for
-    them only at the queries of undecided tiles, and refines those tiles in O(q_block) per
-    tile instead of O(q_block * kv_block).
-    """
-
-    lo: Tensor
-    """First kv attended by each queried position (broadcasts against the query tensor)."""
-    hi: Tensor
-    """Last kv attended by each queried position."""
-
-
-class Mask(ABC):
+class Mask(Node, ABC):
     """Base of every mask expression. Build masks with the piece functions and operators.
 
     Example:
@@ -296,53 +141,17 @@ class Mask(ABC):
         """The mask_mod and evaluator with lookups padded to ``length``; with a ``window``,
         valid only at the window's positions (lookups over those alone)."""
 
-    def has_intervals(self) -> bool:
-        """True if ``intervals_at`` describes this mask (every row one kv interval)."""
-        return False
-
-    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals | None:
-        """Each query's attended kv as one interval, if the mask has that shape (else None).
-
-        Args:
-            q_idx: (k, n) int64 query positions, each below ``grid.q_len``.
-            row: (k, 1) int64 batch row of each line of ``q_idx`` (0 when not per row).
-        """
-        return None
-
-    def has_monotone_intervals(self) -> bool:
-        """True if ``intervals_at`` are monotone in the sense of ``flexmask.builders.closed_form``:
-        on a prefix of the positions ``lo`` never decreases and ``lo(q) <= q``, ``hi`` never
-        decreases and is ``>= q`` or constant; past the prefix, empty. The builder then
-        writes the BlockMask in closed form from the intervals of the block edges."""
-        return False
-
-    def attends_nowhere(self) -> bool:
-        """True if no query attends any key (``empty()``): a union drops it."""
-        return False
-
-    def attends_from_zero(self) -> bool:
-        """True if every query attends one non-empty kv interval starting at 0 (causal,
-        prefix, full): a union of such intervals is again one, ``[0, max hi]``."""
-        return False
-
-    def covers_diagonal(self) -> bool:
-        """True if, besides ``attends_from_zero``, every query ``q`` attends at least up to
-        itself (``hi >= q``: causal, full): a union with ``attends_around_self`` intervals is
-        then one interval too."""
-        return False
-
-    def attends_around_self(self) -> bool:
-        """True if each query's interval is empty or holds the query itself, ``lo <= q <=
-        hi``, and the intervals are disjoint runs: an interval holding a later query ``p``
-        is ``p``'s own too (spans). Not monotone alone; see ``Or`` for the union with
-        ``covers_diagonal`` masks."""
-        return False
-
+    # ----------------------------------------------------------------- heads
     def head_parts(self, heads: int) -> tuple[tuple[Mask, ...], list[Tensor]] | None:
         """For a mask that is one of several masks on each head (``per_head``): the distinct
         masks and, for each, the heads (of ``heads``) that use it; the build then builds each
         once. None for every other mask."""
         return None
+
+    def at_head(self, head: int) -> Mask:
+        """The mask head ``head`` attends with: itself, but for ``per_head`` (its mask of
+        that head) and the nodes that hold one (``head_cycle`` > 1)."""
+        return self
 
     def __and__(self, other: object) -> Mask:
         return And.of(self, _as_mask(other, "&"))
@@ -538,7 +347,7 @@ class Leaf(Mask):
     structure), so the builder need not look for undecided tiles."""
 
     @abstractmethod
-    def classify_tiles(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: TileGrid) -> Tensor:
         """(R, H, nq, nkv) block codes of ``grid``'s tiles, EMPTY / PARTIAL / FULL (UNDECIDED
         where the piece cannot tell), broadcastable: R and H 1 where it ignores them."""
 
@@ -612,6 +421,13 @@ class _Nary(Composite):
             flat.extend(m.children if type(m) is cls else (m,))
         return cls(tuple(flat))
 
+    @property
+    def head_cycle(self) -> int:
+        return math.lcm(*(c.head_cycle for c in self.children))
+
+    def at_head(self, head: int) -> Mask:
+        return type(self).of(*(c.at_head(head) for c in self.children))
+
     def __repr__(self) -> str:
         return "(" + f" {self._symbol} ".join(repr(c) for c in self.children) + ")"
 
@@ -626,12 +442,12 @@ class And(_Nary):
     _symbol = "&"
 
     def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
-        return _combined(AndMod, [c.lower_at(length, device, window) for c in self.children])
+        return combined(AndMod, [c.lower_at(length, device, window) for c in self.children])
 
     def has_intervals(self) -> bool:
         return all(c.has_intervals() for c in self.children)
 
-    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals | None:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: TileGrid) -> Intervals | None:
         parts = []
         for child in self.children:
             part = child.intervals_at(q_idx, row, grid)
@@ -660,7 +476,7 @@ class Or(_Nary):
     _symbol = "|"
 
     def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
-        return _combined(OrMod, [c.lower_at(length, device, window) for c in self.children])
+        return combined(OrMod, [c.lower_at(length, device, window) for c in self.children])
 
     # A union of intervals that all start at 0 is the interval up to the largest end: a
     # prefix-LM, `causal() | prefix(n)`, is [0, max(q, n - 1)]. Its lo is 0 and its hi a max
@@ -697,7 +513,10 @@ class Or(_Nary):
     def has_monotone_intervals(self) -> bool:
         return self.attends_from_zero()
 
-    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals | None:
+    def varlen_part(self, length: int) -> VarlenPart:
+        raise cannot_lower(self, "varlen", "a union (|) " + _NOT_VARLEN)
+
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: TileGrid) -> Intervals | None:
         if not self.attends_from_zero():
             return None
         parts = [child.intervals_at(q_idx, row, grid) for child in self.children]
@@ -753,5 +572,22 @@ class Not(Mask):
             return Lowered(mask_mod, mask_mod)
         return Lowered(mask_mod, NotMod(inner.evaluate))
 
+    @property
+    def head_cycle(self) -> int:
+        return self.child.head_cycle
+
+    def at_head(self, head: int) -> Mask:
+        return ~self.child.at_head(head)
+
+    def varlen_part(self, length: int) -> VarlenPart:
+        raise cannot_lower(self, "varlen", "a complement (~) " + _NOT_VARLEN)
+
     def __repr__(self) -> str:
         return f"~{self.child!r}"
+
+
+_NOT_VARLEN = (
+    "is not one causal or bidirectional block per sequence; varlen takes an & of causal(), "
+    "sliding_window(), document(), chunked() and padding() (use to_magi or to_flashmask for "
+    "other masks)"
+)

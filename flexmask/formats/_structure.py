@@ -1,18 +1,19 @@
-"""What the foreign formats read of a mask: the one module that looks inside the expression
-tree (``And``/``Or``/``Not`` nodes and each piece's data).
+"""What the foreign formats read of a mask: interval algebra over the expression tree.
 
 Two views, both exact and neither evaluating the mask on every (query, key) pair:
 
 * ``lines`` — for every batch row and every query (or, transposed, every key) of a window,
-  the keys (queries) it attends as a short sorted list of disjoint intervals. Each piece
-  gives its own intervals from its data; ``&``, ``|`` and ``~`` intersect, join and
-  complement the lists. Magi's slices and FlashMask's column bounds are read from it.
-* ``varlen_plan`` — an ``&`` of causal/window rules and of partitions (documents, chunks,
-  padding): what a varlen kernel can run. Anything else is refused with a ValueError naming
-  the piece.
+  the keys (queries) it attends as a short sorted list of disjoint intervals. Each leaf
+  gives its own intervals from its data (``Mask.lines_at``); ``&``, ``|`` and ``~``
+  intersect, join and complement the lists. Magi's slices and FlashMask's column bounds
+  are read from it.
+* ``varlen_plan`` — an ``&`` of rules (causal, a window) and partitions (documents,
+  chunks, padding), each factor saying which it is (``Mask.varlen_part``): what a varlen
+  kernel can run. Anything else refuses with a ValueError naming it.
 
-The restructuring of the algebra into new modules is a one-file follow-up here: nothing else
-in ``flexmask.formats`` imports the algebra's internals.
+The heads' masks come from each node too (``head_cycle``, ``at_head``). This module knows
+the operators (``And``, ``Or``, ``Not``) and no piece: a new piece lowers through it
+unchanged (docs/contributing.md).
 """
 
 from __future__ import annotations
@@ -24,25 +25,10 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_int
+from flexmask.algebra.lines import UNUSED, pick
 from flexmask.algebra.mask import And, Extent, Mask, Not, Or
-from flexmask.pieces import (
-    Causal,
-    Chunked,
-    Document,
-    Empty,
-    FromMaskMod,
-    Full,
-    Padding,
-    PerHead,
-    Prefix,
-    SlidingWindow,
-    Spans,
-    Tree,
-)
 
-INF = 1 << 61
-"""Stands for an unbounded interval end; every real position and length is below it."""
-_BIG = 1 << 62  # marks an empty slot of an interval list: lo = _BIG, hi = -_BIG
+_BIG = UNUSED  # marks an empty slot of an interval list: lo = _BIG, hi = -_BIG
 
 
 class Lines(NamedTuple):
@@ -109,87 +95,47 @@ def _offsets(value: Any, name: str, batch: int) -> Tensor:
 
 # ---------------------------------------------------------------------------- heads
 def head_masks(mask: Mask, heads: int) -> tuple[list[Mask], list[int]]:
-    """The distinct masks of the heads and, per head, which one it uses: ``per_head`` nodes
-    replaced by the mask of that head. A mask without ``per_head`` is one mask."""
-    if not _has_per_head(mask):
+    """The distinct masks of the heads and, per head, which one it uses (each node's
+    ``at_head``: ``per_head`` nodes replaced by the mask of that head). A mask whose heads
+    attend alike (``head_cycle`` 1) is one mask."""
+    if mask.head_cycle == 1:
         return [mask], [0] * heads
     distinct: list[Mask] = []
     which = []
     for h in range(heads):
-        m = _at_head(mask, h)
+        m = mask.at_head(h)
         if m not in distinct:
             distinct.append(m)
         which.append(distinct.index(m))
     return distinct, which
 
 
-def _has_per_head(mask: Mask) -> bool:
-    if isinstance(mask, PerHead):
-        return True
-    if isinstance(mask, And | Or):
-        return any(_has_per_head(c) for c in mask.children)
-    if isinstance(mask, Not):
-        return _has_per_head(mask.child)
-    return False
-
-
-def _at_head(mask: Mask, h: int) -> Mask:
-    if isinstance(mask, PerHead):
-        return _at_head(mask.masks[(h // mask.group_size) % len(mask.masks)], h)
-    if isinstance(mask, And):
-        return And.of(*(_at_head(c, h) for c in mask.children))
-    if isinstance(mask, Or):
-        return Or.of(*(_at_head(c, h) for c in mask.children))
-    if isinstance(mask, Not):
-        return ~_at_head(mask.child, h)
-    return mask
-
-
 def one_mask_for_all_heads(mask: Mask, fmt: str) -> Mask:
-    """The mask every head uses, or a ValueError naming the ``per_head`` that differs."""
-    if not _has_per_head(mask):
+    """The mask every head uses, or a ValueError naming the node whose heads differ."""
+    if mask.head_cycle == 1:
         return mask
-    cycle = _head_cycle(mask)
-    distinct, _ = head_masks(mask, cycle)
+    distinct, _ = head_masks(mask, mask.head_cycle)
     if len(distinct) == 1:
         return distinct[0]
     raise ValueError(
-        f"{_first(mask, PerHead)!r} cannot be lowered to {fmt}: its heads attend differently, "
+        f"{_first_by_head(mask)!r} cannot be lowered to {fmt}: its heads attend differently, "
         f"and {fmt} takes one mask for every head. Lower each head group separately, or use "
         f"flexmask.create_block_mask (flex_attention) or to_flashmask (per-head columns)"
     )
 
 
-def _head_cycle(mask: Mask) -> int:
-    """Heads after which every ``per_head`` in the mask repeats."""
-    import math
-
-    cycle = 1
-    stack = [mask]
-    while stack:
-        m = stack.pop()
-        if isinstance(m, PerHead):
-            cycle = math.lcm(cycle, m.cycle)
-            stack.extend(m.masks)
-        elif isinstance(m, And | Or):
-            stack.extend(m.children)
-        elif isinstance(m, Not):
-            stack.append(m.child)
-    return cycle
-
-
-def _first(mask: Mask, kind: type) -> Mask:
-    stack = [mask]
-    while stack:
-        m = stack.pop(0)
-        if isinstance(m, kind):
-            return m
+def _first_by_head(mask: Mask) -> Mask:
+    """The first node, breadth-first through ``&``, ``|`` and ``~``, whose heads differ:
+    the ``per_head`` an error names."""
+    queue = [mask]
+    while queue:
+        m = queue.pop(0)
         if isinstance(m, And | Or):
-            stack.extend(m.children)
+            queue.extend(m.children)
         elif isinstance(m, Not):
-            stack.append(m.child)
-        elif isinstance(m, PerHead):
-            stack.extend(m.masks)
+            queue.append(m.child)
+        elif m.head_cycle > 1:
+            return m
     return mask
 
 
@@ -198,7 +144,7 @@ def _normalize(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
     """Sorted, disjoint, non-adjacent intervals (joined where they overlap or touch), empty
     slots last, as few slots as the fullest line needs (at least one)."""
     valid = lo <= hi
-    lo, hi = _pick(valid, lo, _BIG), _pick(valid, hi, -_BIG)
+    lo, hi = pick(valid, lo, _BIG), pick(valid, hi, -_BIG)
     # Most lists hold one or two intervals (a piece, an & of pieces, a tree's prompt and
     # own run): merged elementwise, as the general path below would, without its sort, cummax
     # and scatters along a last dimension of 1-2 (each several times an elementwise pass).
@@ -235,24 +181,16 @@ def _normalize_two(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
     lo0, lo1, hi0, hi1 = lo[..., 0], lo[..., 1], hi[..., 0], hi[..., 1]
     swap = lo1 < lo0  # the stable sort's order: by lo, the first slot first on a tie
     a_lo, b_lo = torch.minimum(lo0, lo1), torch.maximum(lo0, lo1)
-    a_hi, b_hi = _pick(swap, hi1, hi0), _pick(swap, hi0, hi1)
+    a_hi, b_hi = pick(swap, hi1, hi0), pick(swap, hi0, hi1)
     # The second joins the first when it overlaps or touches it (an empty second never does:
     # its lo is _BIG; an empty first means both are empty).
     join = (b_lo <= b_hi) & (b_lo <= a_hi + 1)
-    a_hi = torch.maximum(a_hi, _pick(join, b_hi, -_BIG))
+    a_hi = torch.maximum(a_hi, pick(join, b_hi, -_BIG))
     apart = ~join
-    b_lo, b_hi = _pick(apart, b_lo, _BIG), _pick(apart, b_hi, -_BIG)
+    b_lo, b_hi = pick(apart, b_lo, _BIG), pick(apart, b_hi, -_BIG)
     if not bool((b_lo <= b_hi).any()):
         return a_lo.unsqueeze(-1), a_hi.unsqueeze(-1)
     return torch.stack([a_lo, b_lo], -1), torch.stack([a_hi, b_hi], -1)
-
-
-def _pick(keep: Tensor, x: Tensor, other: Tensor | int) -> Tensor:
-    """``torch.where(keep, x, other)`` as int64 arithmetic, for values within +-_BIG (no
-    difference overflows). Same result; torch.where's CPU kernel costs several adds (150
-    against 22 us for an int64 add of 24k elements, torch 2.13, load 4.4 on 2 cores), and the
-    lowerings pick per line at every query."""
-    return ((x.to(torch.int64) - other) * keep).add_(other)
 
 
 def _broadcast(*tensors: Tensor) -> list[Tensor]:
@@ -290,11 +228,13 @@ def _complement(lists: tuple[Tensor, Tensor], first: Tensor, last: Tensor) -> tu
     return _clip((gap_lo, gap_hi), first, last)
 
 
-def lines(mask: Mask, win: Window, *, transpose: bool = False) -> Lines:
+def lines(mask: Mask, win: Window, *, transpose: bool = False, fmt: str = "this format") -> Lines:
     """Each query's attended keys (each key's attending queries with ``transpose``), local.
 
-    The mask must be the same on every head (see ``head_masks``). Raises ValueError for a
-    ``from_mask_mod`` leaf (no structure to read).
+    The mask must be the same on every head (see ``head_masks``). Each leaf answers with
+    its own intervals (``Mask.lines_at``); ``&``, ``|`` and ``~`` intersect, join and
+    complement them. Raises ValueError, naming the leaf and ``fmt``, for a leaf that cannot
+    say (``from_mask_mod``).
     """
     if transpose:
         pos = win.kv_offset + torch.arange(win.kv_len).view(1, -1)
@@ -303,7 +243,7 @@ def lines(mask: Mask, win: Window, *, transpose: bool = False) -> Lines:
         pos = win.q_offset + torch.arange(win.q_len).view(1, -1)
         first, length = win.kv_offset, win.kv_len
     last = first + length - 1
-    lo, hi = _lines(mask, pos, first, last, transpose)
+    lo, hi = _lines(mask, pos, first, last, transpose, fmt)
     # _lines' lists are normalized (sorted, empty slots last at (_BIG, -_BIG)): the clip
     # changes nothing when none sticks out of the window (a tree's, a document's).
     if bool((lo[..., 0] < first).any() | (hi > last.unsqueeze(-1)).any()):
@@ -312,233 +252,27 @@ def lines(mask: Mask, win: Window, *, transpose: bool = False) -> Lines:
     if not bool(first.any()):  # local indices are the absolute ones
         return Lines(lo, hi)
     empty = lo > hi
-    return Lines(_pick(~empty, lo - first, _BIG), _pick(~empty, hi - first, -_BIG))
+    return Lines(pick(~empty, lo - first, _BIG), pick(~empty, hi - first, -_BIG))
 
 
 def _lines(
-    mask: Mask, pos: Tensor, first: Tensor, last: Tensor, transpose: bool
+    mask: Mask, pos: Tensor, first: Tensor, last: Tensor, transpose: bool, fmt: str
 ) -> tuple[Tensor, Tensor]:
-    if isinstance(mask, And):
-        parts = [_lines(c, pos, first, last, transpose) for c in mask.children]
+    if isinstance(mask, And | Or):
+        parts = [_lines(c, pos, first, last, transpose, fmt) for c in mask.children]
+        combine = _intersect if isinstance(mask, And) else _union
         out = parts[0]
         for part in parts[1:]:
-            out = _intersect(out, part)
-        return out
-    if isinstance(mask, Or):
-        parts = [_lines(c, pos, first, last, transpose) for c in mask.children]
-        out = parts[0]
-        for part in parts[1:]:
-            out = _union(out, part)
+            out = combine(out, part)
         return out
     if isinstance(mask, Not):
-        return _complement(_lines(mask.child, pos, first, last, transpose), first, last)
-    if isinstance(mask, PerHead):
-        return _lines(one_mask_for_all_heads(mask, "this format"), pos, first, last, transpose)
-    lo, hi = _piece(mask, pos, transpose)
-    if isinstance(mask, Tree) and not transpose and bool(lo[..., -1].ne(_BIG).any()):
-        return lo, hi  # already normalized: root first, its last slot used (_ancestor_runs)
-    return _normalize(lo, hi)
-
-
-def _row_values(piece: Any) -> Tensor:
-    """(R, 1) values of a one-int-per-row piece, clamped far below int64's edge."""
-    return piece.values.clamp(max=INF).view(-1, 1)
-
-
-def _one(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
-    lo, hi = torch.broadcast_tensors(lo, hi)
-    return lo.unsqueeze(-1), hi.unsqueeze(-1)
-
-
-def _piece(piece: Mask, pos: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
-    """(R, N, k) intervals of one piece at absolute line positions ``pos`` ((R, N))."""
-    if isinstance(piece, Full):
-        return _one(torch.full_like(pos, -INF), torch.full_like(pos, INF))
-    if isinstance(piece, Empty):
-        return _one(torch.full_like(pos, INF), torch.full_like(pos, -INF))
-    if isinstance(piece, Causal):
-        if transpose:  # key kv is attended by queries q >= kv
-            return _one(pos, torch.full_like(pos, INF))
-        return _one(torch.full_like(pos, -INF), pos)
-    if isinstance(piece, Padding):
-        size = _row_values(piece)
-        inside = pos < size
-        return _one(torch.where(inside, -INF, INF), torch.where(inside, size - 1, -INF))
-    if isinstance(piece, SlidingWindow):
-        size = _row_values(piece)
-        some = size > 0
-        return _one(torch.where(some, pos - size + 1, INF), torch.where(some, pos + size - 1, -INF))
-    if isinstance(piece, Prefix):
-        size = _row_values(piece)
-        if transpose:
-            inside = pos < size
-            return _one(torch.where(inside, -INF, INF), torch.where(inside, INF, -INF))
-        return _one(torch.full_like(pos, -INF), size - 1)
-    if isinstance(piece, Chunked):
-        size = _row_values(piece).clamp(min=1)
-        start = pos.div(size, rounding_mode="floor") * size
-        return _one(start, start + size - 1)
-    if isinstance(piece, Document):
-        starts, ends = _document_bounds(piece)
-        return _one(*_runs_at(starts, ends, pos))
-    if isinstance(piece, Spans):
-        return _one(*_runs_at(piece._starts, piece._ends, pos))
-    if isinstance(piece, Tree):
-        return _tree(piece, pos, transpose)
-    if isinstance(piece, FromMaskMod):
-        raise ValueError(
-            f"{piece!r} cannot be lowered to this format: a from_mask_mod leaf is a function "
-            f"flexmask cannot read intervals from. Write the mask with flexmask's pieces, or "
-            f"use flexmask.create_block_mask (flex_attention)"
-        )
-    raise ValueError(f"{piece!r} cannot be lowered to this format: unknown mask kind")
-
-
-def _document_bounds(piece: Document) -> tuple[Tensor, Tensor]:
-    """(R, D) document starts and exclusive ends, padded with empty documents at INF."""
-    ends = [lens.cumsum(0).clamp(max=INF) for lens in piece.seq_lens]
-    starts = [(e - lens).clamp(max=INF) for e, lens in zip(ends, piece.seq_lens, strict=True)]
-    pad = torch.nn.utils.rnn.pad_sequence
-    return (
-        pad(starts, batch_first=True, padding_value=INF),
-        pad(ends, batch_first=True, padding_value=INF),
-    )
-
-
-def _runs_at(starts: Tensor, ends: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-    """The run ``[start, end)`` (sorted, disjoint runs) holding each position, or empty."""
-    starts, ends, pos = (t.to(torch.int64) for t in _broadcast(starts, ends, pos))
-    k = torch.searchsorted(ends.contiguous(), pos.contiguous(), right=True)
-    k = k.clamp(max=ends.shape[1] - 1)
-    start, end = starts.gather(1, k), ends.gather(1, k)
-    inside = (start <= pos) & (pos < end)
-    return _pick(inside, start, INF), _pick(inside, end - 1, -INF)
-
-
-def _tree(piece: Tree, pos: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
-    rows = []
-    for r in range(max(len(piece.parents), pos.shape[0])):
-        parents = piece.parents[min(r, len(piece.parents) - 1)]
-        tree_row = min(r, len(piece.parents) - 1)
-        p = pos[min(r, pos.shape[0] - 1)]
-        n = parents.numel()
-        if transpose:
-            inside = (p >= 0) & (p < n)
-            at = p.clamp(0, n - 1)
-            if not piece.preorder[tree_row]:
-                raise ValueError(
-                    f"{piece!r} cannot be lowered to this format in this token order: the "
-                    f"queries attending a key are its subtree, which is one run of positions "
-                    f"only when the tokens are laid out in preorder (as flexmask.pack_tree "
-                    f"lays them out). Reorder the tokens, or use to_magi / create_block_mask"
-                )
-            end = piece.ends[tree_row][at]
-            rows.append((torch.where(inside, p, INF), torch.where(inside, end - 1, -INF)))
-            continue
-        rows.append(_ancestor_runs(parents, p))
-    if transpose:
-        lo = torch.stack([r[0] for r in rows])
-        hi = torch.stack([r[1] for r in rows])
-        return lo.unsqueeze(-1), hi.unsqueeze(-1)
-    if len(rows) == 1:
-        return rows[0][0].unsqueeze(0), rows[0][1].unsqueeze(0)
-    # Slot-major like each row's (see _ancestor_runs), viewed as (R, N, width).
-    width = max(r[0].shape[-1] for r in rows)
-    lo = torch.full((len(rows), width, pos.shape[-1]), _BIG, dtype=torch.int64)
-    hi = torch.full((len(rows), width, pos.shape[-1]), -_BIG, dtype=torch.int64)
-    for r, (row_lo, row_hi) in enumerate(rows):
-        lo[r, : row_lo.shape[-1]] = row_lo.t()
-        hi[r, : row_hi.shape[-1]] = row_hi.t()
-    return lo.transpose(1, 2), hi.transpose(1, 2)
-
-
-def _ancestor_runs(parents: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-    """(N, D) the ancestors of the nodes at positions ``pos`` (>= 0; itself included) as runs
-    of consecutive positions, root first, (_BIG, -_BIG) after them and for positions past
-    the tree.
-
-    A run continues while a token's parent is the token before it (so runs are disjoint and
-    non-adjacent, and root first is sorted: what _normalize keeps without sorting). Every node
-    of a run has the same ancestors outside it, so the chains are followed once per run (a
-    shared-prefix tree has a few runs per group), then read per line.
-    """
-    n = parents.numel()
-    breaks = parents != torch.arange(-1, n - 1)
-    breaks[0] = True
-    start = breaks.nonzero().view(-1)
-    runs = start.numel()
-    # The run of each node, and a last, empty one for positions past the tree.
-    run = torch.cat([breaks.cumsum(0) - 1, start.new_full((1,), runs)])
-    up = parents[start].to(torch.int64)  # the last ancestor before each run, -1 at a root
-    if runs <= _FEW_RUNS:
-        table_lo, table_hi = _run_tables_listed(start, up, run, n)
-    else:
-        table_lo, table_hi = _run_tables(start, up, run, n)
-    width = table_lo.shape[1]
-    # Read per line slot-major ((width, N), then viewed as (N, width)): a lowering walks each
-    # slot along the lines, and flat 1-d reads are the cheapest gathers here. A line's own
-    # run ends at the line (the table holds the run's last node): every other slot ends
-    # before it, so one minimum writes it.
-    at = pos.clamp(max=n)
-    flat = run.index_select(0, at) + (runs + 1) * torch.arange(width).view(-1, 1)
-    lo = table_lo.t().reshape(-1).index_select(0, flat.view(-1)).view(width, -1)
-    hi = table_hi.t().reshape(-1).index_select(0, flat.view(-1)).view(width, -1)
-    return lo.t(), torch.minimum(hi, at).t()
-
-
-_FEW_RUNS = 256
-"""Trees of at most this many runs have their run tables built from Python lists: a few
-list operations per run cost less than the ~60 torch calls of the vectorized build (one
-shared-prefix group at 8k has 8 runs, a row of several groups 12-15)."""
-
-
-def _run_tables(start: Tensor, up: Tensor, run: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """Per run (and a last, empty one for positions past the tree): its ancestor runs root
-    first, then itself up to its last node, as ``(runs + 1, width)`` lo and hi."""
-    chain_lo, chain_hi = [], []
-    depth = torch.zeros_like(start)
-    node = up
-    while bool((node >= 0).any()):  # nearest ancestor run first
-        alive = node >= 0
-        above = run[node.clamp(min=0)]
-        chain_lo.append(torch.where(alive, start[above], _BIG))
-        chain_hi.append(torch.where(alive, node, -_BIG))
-        depth += alive
-        node = torch.where(alive, up[above], -1)
-    width = len(chain_lo) + 1
-    end = torch.cat([start[1:], start.new_full((1,), n)]) - 1
-    table_lo = torch.stack([*chain_lo, torch.full_like(start, _BIG)], -1)
-    table_hi = torch.stack([*chain_hi, torch.full_like(start, -_BIG)], -1)
-    slot = torch.arange(width)
-    own = depth.view(-1, 1)
-    index = torch.where(slot < own, own - 1 - slot, width - 1)
-    table_lo = torch.where(slot == own, start.view(-1, 1), table_lo.gather(1, index))
-    table_hi = torch.where(slot == own, end.view(-1, 1), table_hi.gather(1, index))
-    return (
-        torch.cat([table_lo, torch.full((1, width), _BIG)]),
-        torch.cat([table_hi, torch.full((1, width), -_BIG)]),
-    )
-
-
-def _run_tables_listed(start: Tensor, up: Tensor, run: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """``_run_tables`` from Python lists: a run's ancestors are those of the run holding its
-    parent, then that run up to the parent (runs are numbered in position order, so that
-    run's chain is already made)."""
-    starts, ups = start.tolist(), up.tolist()
-    ends = [s - 1 for s in starts[1:]] + [n - 1]
-    holder = run.index_select(0, up.clamp(min=0)).tolist()
-    chains: list[list[tuple[int, int]]] = []
-    for parent, r in zip(ups, holder, strict=True):
-        chains.append([] if parent < 0 else [*chains[r], (starts[r], parent)])
-    width = max(len(c) for c in chains) + 1
-    lo_rows, hi_rows = [], []
-    for chain, first, last in zip(chains, starts, ends, strict=True):
-        pad = width - 1 - len(chain)
-        lo_rows.append([a for a, _ in chain] + [first] + [_BIG] * pad)
-        hi_rows.append([b for _, b in chain] + [last] + [-_BIG] * pad)
-    lo_rows.append([_BIG] * width)
-    hi_rows.append([-_BIG] * width)
-    return torch.tensor(lo_rows), torch.tensor(hi_rows)
+        return _complement(_lines(mask.child, pos, first, last, transpose, fmt), first, last)
+    if mask.head_cycle > 1:  # per_head: its heads' one mask, if they agree
+        return _lines(one_mask_for_all_heads(mask, fmt), pos, first, last, transpose, fmt)
+    answer = mask.lines_at(pos, transpose=transpose, fmt=fmt)
+    if answer.normalized:
+        return answer.lo, answer.hi
+    return _normalize(answer.lo, answer.hi)
 
 
 # ---------------------------------------------------------------------------- varlen
@@ -555,21 +289,11 @@ class VarlenPlan(NamedTuple):
     """The piece that sets the alignment-sensitive rule (causal, else the window), for errors."""
 
 
-_VARLEN_REFUSALS = {
-    Tree: "a tree's queries attend their ancestors, which are not one block per document "
-    "(use to_magi, or flexmask.create_block_mask)",
-    Prefix: "a prefix is visible to queries outside its block, which a varlen kernel's "
-    "one-block-per-sequence layout cannot express (use to_flashmask or to_magi)",
-    Spans: "bidirectional spans inside causal text need two rules in one sequence "
-    "(use to_flashmask or to_magi)",
-    FromMaskMod: "a from_mask_mod leaf has no structure flexmask can read",
-}
-
-
 def varlen_plan(mask: Mask, length: int) -> VarlenPlan:
-    """The segments and the rule of an ``&`` of causal, full, sliding_window, document,
-    chunked and padding pieces (a ``per_head`` whose heads agree counts as its mask);
-    a ValueError naming the first other piece."""
+    """The segments and the rule of an ``&`` of factors each a varlen kernel takes: a rule
+    (causal, a sliding window), a partition (documents, chunks, padding), nothing or no
+    constraint (each factor's ``varlen_part``); a per_head whose heads agree counts as its
+    mask. A ValueError naming the first other factor."""
     mask = one_mask_for_all_heads(mask, "varlen")
     leaves = list(mask.children) if isinstance(mask, And) else [mask]
     causal = False
@@ -579,53 +303,19 @@ def varlen_plan(mask: Mask, length: int) -> VarlenPlan:
     ids: list[Tensor] | None = None
     nothing = False
     for leaf in leaves:
-        if isinstance(leaf, PerHead):
-            leaf = one_mask_for_all_heads(leaf, "varlen")
-        if isinstance(leaf, Full):
-            continue
-        if isinstance(leaf, Empty):
-            nothing = True
-        elif isinstance(leaf, Causal):
+        part = leaf.varlen_part(length)
+        nothing |= part.attends_nowhere
+        if part.causal:
             causal, causal_piece = True, leaf
-        elif isinstance(leaf, SlidingWindow):
-            windows.append(leaf.values.clamp(max=INF))
+        if part.window is not None:
+            windows.append(part.window)
             window_piece = leaf
-        elif isinstance(leaf, Document | Chunked | Padding):
-            ids = _combine_ids(ids, _partition_ids(leaf, length))
-        elif isinstance(leaf, Or | Not | And):
-            kind = "a union (|)" if isinstance(leaf, Or) else "a complement (~)"
-            raise ValueError(
-                f"{leaf!r} cannot be lowered to varlen: {kind} is not one causal or "
-                f"bidirectional block per sequence; varlen takes an & of causal(), "
-                f"sliding_window(), document(), chunked() and padding() (use to_magi or "
-                f"to_flashmask for other masks)"
-            )
-        else:
-            reason = next(
-                (r for kind, r in _VARLEN_REFUSALS.items() if isinstance(leaf, kind)),
-                "varlen takes an & of causal(), sliding_window(), document(), chunked() and "
-                "padding()",
-            )
-            raise ValueError(f"{leaf!r} cannot be lowered to varlen: {reason}")
-    size: int | None = None
-    if windows:
-        values = torch.cat([w.view(-1) for w in windows])
-        if len(windows) > 1 or values.numel() > 1:
-            per_row = torch.stack(
-                [w.view(-1).expand(max(v.numel() for v in windows)) for w in windows]
-            ).amin(0)
-            if not bool((per_row == per_row[0]).all()):
-                raise ValueError(
-                    f"{window_piece!r} cannot be lowered to varlen: its window differs between "
-                    f"rows ({per_row.tolist()}), and a varlen call takes one window_size for "
-                    f"every sequence (lower each row separately)"
-                )
-            size = int(per_row[0])
-        else:
-            size = int(values[0])
-        if size == 0:
-            nothing = True
-            size = None
+        if part.segment_ids is not None:
+            ids = _combine_ids(ids, part.segment_ids)
+    size = _window_size(windows, window_piece)
+    if size == 0:
+        nothing = True
+        size = None
     if ids is None:
         ids = [torch.zeros(length + 1, dtype=torch.int64)]
         ids[0][length] = -1
@@ -635,21 +325,24 @@ def varlen_plan(mask: Mask, length: int) -> VarlenPlan:
     return VarlenPlan(ids, causal, size, piece)
 
 
-def _partition_ids(piece: Mask, length: int) -> list[Tensor]:
-    """Per row, the part of each absolute position ``0..length`` (-1 outside every part)."""
-    pos = torch.arange(length + 1)
-    if isinstance(piece, Document):
-        starts, ends = _document_bounds(piece)
-        out = []
-        for r in range(starts.shape[0]):
-            doc = torch.searchsorted(ends[r].contiguous(), pos, right=True)
-            inside = doc < len(piece.seq_lens[r])
-            out.append(torch.where(inside, doc, -1))
-        return out
-    size = _row_values(piece)  # Chunked or Padding
-    if isinstance(piece, Chunked):
-        return [pos.div(s, rounding_mode="floor") for s in size.view(-1)]
-    return [torch.where(pos < s, 0, -1) for s in size.view(-1)]
+def _window_size(windows: list[Tensor], window_piece: Mask | None) -> int | None:
+    """The one window every row and window factor agrees on (their least), None for none;
+    a ValueError where it differs between rows (a varlen call takes one)."""
+    if not windows:
+        return None
+    values = torch.cat([w.view(-1) for w in windows])
+    if len(windows) == 1 and values.numel() == 1:
+        return int(values[0])
+    per_row = torch.stack(
+        [w.view(-1).expand(max(v.numel() for v in windows)) for w in windows]
+    ).amin(0)
+    if not bool((per_row == per_row[0]).all()):
+        raise ValueError(
+            f"{window_piece!r} cannot be lowered to varlen: its window differs between "
+            f"rows ({per_row.tolist()}), and a varlen call takes one window_size for "
+            f"every sequence (lower each row separately)"
+        )
+    return int(per_row[0])
 
 
 def _combine_ids(ids: list[Tensor] | None, new: list[Tensor]) -> list[Tensor]:

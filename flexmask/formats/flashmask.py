@@ -117,7 +117,7 @@ def to_flashmask(
 
 
 def _attending(mask: Mask, win: Window) -> tuple[Tensor, Tensor]:
-    lo, hi = lines(mask, win, transpose=True)
+    lo, hi = lines(mask, win, transpose=True, fmt="FlashMask")
     return lo.expand(win.batch, *lo.shape[1:]), hi.expand(win.batch, *hi.shape[1:])
 
 

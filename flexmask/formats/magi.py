@@ -107,7 +107,7 @@ def to_magi(
     """
     win = window(mask, B, None, Q_LEN, KV_LEN, q_offset, kv_offset)
     dev = check_device(device, mask.device)
-    lo, hi = lines(one_mask_for_all_heads(mask, "MagiAttention"), win)
+    lo, hi = lines(one_mask_for_all_heads(mask, "MagiAttention"), win, fmt="MagiAttention")
     row, q, k, t = _slices(lo, hi)
     rows = lo.shape[0]
     if rows < win.batch:

@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_device
+from flexmask.algebra.lines import INF
 from flexmask.algebra.mask import Mask
-from flexmask.formats._structure import INF, lines, one_mask_for_all_heads, varlen_plan, window
+from flexmask.formats._structure import lines, one_mask_for_all_heads, varlen_plan, window
 
 
 @dataclass(frozen=True, eq=False)
@@ -246,7 +247,7 @@ def _kernel_intervals(lowered: VarlenMask) -> tuple[Tensor, Tensor]:
 
 def _check_exact(mask: Mask, win: Any, lowered: VarlenMask, rule_piece: Mask | None) -> None:
     """Raise unless the kernel's documented rule attends what the mask attends."""
-    want = lines(mask, win)
+    want = lines(mask, win, fmt="varlen")
     lo, hi = (t.expand(win.batch, *t.shape[1:]) for t in want)
     offsets = (torch.arange(win.batch) * win.kv_len).view(-1, 1)
     first_lo = torch.where(lo[..., 0] <= hi[..., 0], lo[..., 0] + offsets, INF).reshape(-1)

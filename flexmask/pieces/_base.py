@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Extent, Leaf, MaskModFn, Window
+from flexmask.algebra.mask import Leaf
+from flexmask.algebra.mods import MaskModFn
+from flexmask.algebra.protocol import Extent, Window
 
 
 class Piece(Leaf):

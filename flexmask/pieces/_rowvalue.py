@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import scalar_or_rows, source_device
-from flexmask.blocks.grid import BlockGrid
+from flexmask.algebra.lines import INF
+from flexmask.algebra.protocol import TileGrid
 from flexmask.pieces._base import Piece, per_row_view
 
 
@@ -40,11 +41,11 @@ class RowValuePiece(Piece):
     def carries_batch_data(self) -> bool:
         return self.per_row  # one value per row describes this batch; one for all is static
 
-    def _row_values(self, grid: BlockGrid) -> Tensor:
+    def _row_values(self, grid: TileGrid) -> Tensor:
         """(R, 1, 1, 1) values on the grid's device, for block classification."""
         return per_row_view(self._on("values", grid.device), self.per_row)
 
-    def _at_rows(self, row: Tensor, grid: BlockGrid) -> Tensor:
+    def _at_rows(self, row: Tensor, grid: TileGrid) -> Tensor:
         """(k, 1) values for the given (k, 1) batch rows, clamped to the sequence length.
 
         A value >= ``grid.length`` already covers every position (no distance or index in
@@ -53,6 +54,11 @@ class RowValuePiece(Piece):
         """
         values = self._on("values", grid.device).clamp(max=grid.length)
         return values[row] if self.per_row else values[0].expand_as(row)
+
+    def _line_values(self) -> Tensor:
+        """(R, 1) values for a lowering's lines (``lines_at``), clamped to ``INF``: far below
+        int64's edge, past every position a lowering reads."""
+        return self.values.clamp(max=INF).view(-1, 1)
 
     def _captured(self, device: torch.device) -> Tensor:
         """What the mask_mod captures: 0-d (shared) or (R,) (per row); never a Python int,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Intervals, Lowered, Window
+from flexmask.algebra.lines import INF, LineIntervals, VarlenPart, one_interval
+from flexmask.algebra.mods import Lowered
+from flexmask.algebra.protocol import Intervals, TileGrid, Window
 from flexmask.blocks.codes import codes_from
-from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import Piece, PieceMod
 
 
@@ -28,15 +29,23 @@ class Causal(Piece):
     def __init__(self) -> None:
         super().__init__(("causal",))
 
-    def classify_tiles(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: TileGrid) -> Tensor:
         return codes_from(grid.kv_first <= grid.q_last, grid.kv_last <= grid.q_first)
 
     def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         mod = CausalMod()
         return Lowered(mod, mod)
 
-    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: TileGrid) -> Intervals:
         return Intervals(torch.zeros_like(q_idx), q_idx)
+
+    def lines_at(self, pos: Tensor, *, transpose: bool, fmt: str) -> LineIntervals:
+        if transpose:  # key kv is attended by queries q >= kv
+            return one_interval(pos, torch.full_like(pos, INF))
+        return one_interval(torch.full_like(pos, -INF), pos)
+
+    def varlen_part(self, length: int) -> VarlenPart:
+        return VarlenPart(causal=True)
 
     def __repr__(self) -> str:
         return "causal()"

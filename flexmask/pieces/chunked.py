@@ -7,9 +7,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Intervals, Lowered, Window
+from flexmask.algebra.lines import LineIntervals, VarlenPart, one_interval
+from flexmask.algebra.mods import Lowered
+from flexmask.algebra.protocol import Intervals, TileGrid, Window
 from flexmask.blocks.codes import codes_from
-from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
 
@@ -35,7 +36,7 @@ class Chunked(RowValuePiece):
     def __init__(self, size: Any) -> None:
         super().__init__(size, "size", minimum=1)
 
-    def classify_tiles(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: TileGrid) -> Tensor:
         # Chunk ids grow along the sequence, so a tile's chunks are a range on each side:
         # the tile attends somewhere iff the two ranges overlap, everywhere iff both sides
         # lie in one and the same chunk. Only tile edges are divided, never every token.
@@ -49,10 +50,21 @@ class Chunked(RowValuePiece):
         mod = ChunkedMod(self._captured(device), self.per_row)
         return Lowered(mod, mod)
 
-    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: TileGrid) -> Intervals:
         size = self._at_rows(row, grid).clamp(min=1)  # clamped to the sequence: no overflow
         lo = q_idx.div(size, rounding_mode="floor") * size
         return Intervals(lo, lo + size - 1)
+
+    def lines_at(self, pos: Tensor, *, transpose: bool, fmt: str) -> LineIntervals:
+        size = self._line_values().clamp(min=1)  # symmetric: the same both ways
+        start = pos.div(size, rounding_mode="floor") * size
+        return one_interval(start, start + size - 1)
+
+    def varlen_part(self, length: int) -> VarlenPart:
+        # One sequence per chunk.
+        pos = torch.arange(length + 1)
+        size = self._line_values()
+        return VarlenPart(segment_ids=[pos.div(s, rounding_mode="floor") for s in size.view(-1)])
 
 
 class ChunkedMod(PieceMod):

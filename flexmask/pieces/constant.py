@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Intervals, Lowered, Window
+from flexmask.algebra.lines import INF, LineIntervals, VarlenPart, one_interval
+from flexmask.algebra.mods import Lowered
+from flexmask.algebra.protocol import Intervals, TileGrid, Window
 from flexmask.blocks.codes import EMPTY, FULL, constant_codes
-from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import Piece, PieceMod
 
 
@@ -27,16 +28,22 @@ class Full(Piece):
     def __init__(self) -> None:
         super().__init__(("full",))
 
-    def classify_tiles(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: TileGrid) -> Tensor:
         return constant_codes(FULL, grid.device)
 
     def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         mod = FullMod()
         return Lowered(mod, mod)
 
-    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: TileGrid) -> Intervals:
         lo = torch.zeros_like(q_idx)
         return Intervals(lo, lo + grid.kv_end)
+
+    def lines_at(self, pos: Tensor, *, transpose: bool, fmt: str) -> LineIntervals:
+        return one_interval(torch.full_like(pos, -INF), torch.full_like(pos, INF))
+
+    def varlen_part(self, length: int) -> VarlenPart:
+        return VarlenPart()  # no constraint
 
     def __repr__(self) -> str:
         return "full()"
@@ -58,7 +65,7 @@ class Empty(Piece):
     def __init__(self) -> None:
         super().__init__(("empty",))
 
-    def classify_tiles(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: TileGrid) -> Tensor:
         return constant_codes(EMPTY, grid.device)
 
     def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
@@ -68,9 +75,15 @@ class Empty(Piece):
     def attends_nowhere(self) -> bool:
         return True
 
-    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: TileGrid) -> Intervals:
         hi = torch.zeros_like(q_idx)
         return Intervals(hi + 1, hi)
+
+    def lines_at(self, pos: Tensor, *, transpose: bool, fmt: str) -> LineIntervals:
+        return one_interval(torch.full_like(pos, INF), torch.full_like(pos, -INF))
+
+    def varlen_part(self, length: int) -> VarlenPart:
+        return VarlenPart(attends_nowhere=True)
 
     def __repr__(self) -> str:
         return "empty()"

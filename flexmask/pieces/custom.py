@@ -12,9 +12,10 @@ import torch
 from torch import Tensor
 
 from flexmask.algebra.evaluate import vmap_broadcast
-from flexmask.algebra.mask import Lowered, MaskMod, MaskModFn, Window
+from flexmask.algebra.lines import LineIntervals, VarlenPart, cannot_lower
+from flexmask.algebra.mods import Lowered, MaskMod, MaskModFn
+from flexmask.algebra.protocol import TileGrid, Window
 from flexmask.blocks.codes import UNDECIDED, constant_codes
-from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import Piece
 
 
@@ -41,11 +42,24 @@ class FromMaskMod(Piece):
     def head_dependent(self) -> bool:
         return self._head_dependent
 
-    def classify_tiles(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: TileGrid) -> Tensor:
         return constant_codes(UNDECIDED, grid.device)
 
     def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         return Lowered(self.fn, VmappedMod(self.fn))
+
+    def lines_at(self, pos: Tensor, *, transpose: bool, fmt: str) -> LineIntervals:
+        raise cannot_lower(
+            self,
+            fmt,
+            "a from_mask_mod leaf is a function flexmask cannot read intervals from. Write the "
+            "mask with flexmask's pieces, or use flexmask.create_block_mask (flex_attention)",
+        )
+
+    def varlen_part(self, length: int) -> VarlenPart:
+        raise cannot_lower(
+            self, "varlen", "a from_mask_mod leaf has no structure flexmask can read"
+        )
 
     def __repr__(self) -> str:
         return f"from_mask_mod({getattr(self.fn, '__name__', 'fn')}, key={self._key[1]!r})"

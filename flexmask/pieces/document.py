@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import INT64_MAX, checked_sum, digest, int_vector, is_nested, source_device
-from flexmask.algebra.mask import Intervals, Lowered, Window
+from flexmask.algebra.lines import INF, LineIntervals, VarlenPart, one_interval, run_at
+from flexmask.algebra.mods import Lowered
+from flexmask.algebra.protocol import Intervals, TileGrid, Window
 from flexmask.blocks.codes import codes_from
-from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import (
     Piece,
     PieceMod,
@@ -135,7 +136,7 @@ class Document(Piece):
     def _num_docs(self) -> Tensor:
         return self._tables()[2]
 
-    def classify_tiles(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: TileGrid) -> Tensor:
         device = grid.device
         num_docs = self._on("_num_docs", device)
         ends = self._on("_ends", device)
@@ -200,7 +201,7 @@ class Document(Piece):
         doc = torch.where(doc < num_docs, doc, -1).to(torch.int32)
         return torch.nn.functional.pad(doc, (0, 1), value=-1)
 
-    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: TileGrid) -> Intervals:
         # Only the queried positions: the document of each is one search among its row's
         # document ends; past the documents, the empty interval [1, 0].
         starts, ends = self._on("_starts", grid.device), self._on("_ends", grid.device)
@@ -214,6 +215,31 @@ class Document(Piece):
         # A document running past the sequence ends with it: no bound near int64's edge.
         hi = torch.where(inside, row_ends.gather(1, doc).clamp(max=grid.length) - 1, 0)
         return Intervals(lo, hi)
+
+    def lines_at(self, pos: Tensor, *, transpose: bool, fmt: str) -> LineIntervals:
+        # Symmetric: a token's document, both ways; past the documents, nothing.
+        return one_interval(*run_at(*self._lowering_bounds(), pos))
+
+    def varlen_part(self, length: int) -> VarlenPart:
+        # One sequence per document: each position's document, -1 past them.
+        starts, ends = self._lowering_bounds()
+        pos = torch.arange(length + 1)
+        ids = []
+        for r in range(starts.shape[0]):
+            doc = torch.searchsorted(ends[r].contiguous(), pos, right=True)
+            ids.append(torch.where(doc < len(self.seq_lens[r]), doc, -1))
+        return VarlenPart(segment_ids=ids)
+
+    def _lowering_bounds(self) -> tuple[Tensor, Tensor]:
+        """(R, D) document starts and exclusive ends for the lowerings, clamped to and
+        padded with ``INF``."""
+        ends = [lens.cumsum(0).clamp(max=INF) for lens in self.seq_lens]
+        starts = [(e - lens).clamp(max=INF) for e, lens in zip(ends, self.seq_lens, strict=True)]
+        pad = torch.nn.utils.rnn.pad_sequence
+        return (
+            pad(starts, batch_first=True, padding_value=INF),
+            pad(ends, batch_first=True, padding_value=INF),
+        )
 
     def _doc_ids(self, length: int, device: torch.device) -> Tensor:
         """Document index of positions 0..length, -1 past the documents: (R, length + 1)

@@ -7,9 +7,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Intervals, Lowered, Window
+from flexmask.algebra.lines import INF, LineIntervals, VarlenPart, one_interval
+from flexmask.algebra.mods import Lowered
+from flexmask.algebra.protocol import Intervals, TileGrid, Window
 from flexmask.blocks.codes import codes_from
-from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
 
@@ -37,7 +38,7 @@ class Padding(RowValuePiece):
     # docs/algebra.md "Lengths past the sequence": a length at or past the sequence is no
     # padding at all, as the mask_mod says (every q_idx and kv_idx is below it).
 
-    def classify_tiles(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: TileGrid) -> Tensor:
         length = self._row_values(grid)
         nonempty = (grid.q_first < length) & (grid.kv_first < length)
         full = (grid.q_last < length) & (grid.kv_last < length)
@@ -47,13 +48,23 @@ class Padding(RowValuePiece):
         mod = PaddingMod(self._captured(device), self.per_row)
         return Lowered(mod, mod)
 
-    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: TileGrid) -> Intervals:
         row_len = self._at_rows(row, grid)
         inside = q_idx < row_len
         # Padding queries attend nothing: the empty interval [1, 0].
         lo = torch.where(inside, 0, 1)
         hi = torch.where(inside, row_len - 1, 0)
         return Intervals(lo, hi)
+
+    def lines_at(self, pos: Tensor, *, transpose: bool, fmt: str) -> LineIntervals:
+        size = self._line_values()
+        inside = pos < size  # the same both ways: real tokens attend real tokens
+        return one_interval(torch.where(inside, -INF, INF), torch.where(inside, size - 1, -INF))
+
+    def varlen_part(self, length: int) -> VarlenPart:
+        # One sequence per row: its real tokens (part 0), padding in none.
+        pos = torch.arange(length + 1)
+        return VarlenPart(segment_ids=[torch.where(pos < s, 0, -1) for s in self._line_values()])
 
 
 class PaddingMod(PieceMod):

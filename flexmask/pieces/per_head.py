@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from flexmask._validate import check_int
-from flexmask.algebra.mask import Composite, Extent, Lowered, Mask, MaskMod, MaskModFn, Window
+from flexmask.algebra.mask import Composite, Mask
+from flexmask.algebra.mods import Lowered, MaskMod, MaskModFn
+from flexmask.algebra.protocol import Extent, Window
 
 
 class PerHead(Composite):
@@ -64,6 +67,13 @@ class PerHead(Composite):
 
     def head_parts(self, heads: int) -> tuple[tuple[Mask, ...], list[Tensor]]:
         return self.distinct, self._heads_of(heads)
+
+    @property
+    def head_cycle(self) -> int:
+        return math.lcm(self.cycle, *(m.head_cycle for m in self.masks))
+
+    def at_head(self, head: int) -> Mask:
+        return self.masks[(head // self.group_size) % len(self.masks)].at_head(head)
 
     def _heads_of(self, heads: int) -> list[Tensor]:
         """For each distinct mask, the heads (of H) that use it."""

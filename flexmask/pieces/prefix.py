@@ -7,9 +7,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Intervals, Lowered, Window
+from flexmask.algebra.lines import INF, LineIntervals, VarlenPart, cannot_lower, one_interval
+from flexmask.algebra.mods import Lowered
+from flexmask.algebra.protocol import Intervals, TileGrid, Window
 from flexmask.blocks.codes import codes_from
-from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
 
@@ -30,7 +31,7 @@ class Prefix(RowValuePiece):
     _arg = "length"
     _kind = "prefix"
 
-    def classify_tiles(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: TileGrid) -> Tensor:
         length = self._row_values(grid)
         return codes_from(grid.kv_first < length, grid.kv_last < length)
 
@@ -38,11 +39,26 @@ class Prefix(RowValuePiece):
         mod = PrefixMod(self._captured(device), self.per_row)
         return Lowered(mod, mod)
 
-    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: TileGrid) -> Intervals:
         # [0, length - 1]: for length 0 the empty [0, -1], still starting at key 0, so a
         # union with causal or full stays exact (causal() | prefix(0) is causal).
         hi = (self._at_rows(row, grid) - 1).expand_as(q_idx)
         return Intervals(torch.zeros_like(q_idx), hi)
+
+    def lines_at(self, pos: Tensor, *, transpose: bool, fmt: str) -> LineIntervals:
+        size = self._line_values()
+        if transpose:  # a key in the prefix is attended by every query, the others by none
+            inside = pos < size
+            return one_interval(torch.where(inside, -INF, INF), torch.where(inside, INF, -INF))
+        return one_interval(torch.full_like(pos, -INF), size - 1)
+
+    def varlen_part(self, length: int) -> VarlenPart:
+        raise cannot_lower(
+            self,
+            "varlen",
+            "a prefix is visible to queries outside its block, which a varlen kernel's "
+            "one-block-per-sequence layout cannot express (use to_flashmask or to_magi)",
+        )
 
 
 class PrefixMod(PieceMod):

@@ -7,9 +7,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Intervals, Lowered, Window
+from flexmask.algebra.lines import INF, LineIntervals, VarlenPart, one_interval
+from flexmask.algebra.mods import Lowered
+from flexmask.algebra.protocol import Intervals, TileGrid, Window
 from flexmask.blocks.codes import codes_from
-from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
 
@@ -30,7 +31,7 @@ class SlidingWindow(RowValuePiece):
     _arg = "size"
     _kind = "sliding_window"
 
-    def classify_tiles(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: TileGrid) -> Tensor:
         size = self._row_values(grid)
         zero = torch.zeros((), dtype=torch.int64, device=grid.device)
         nearest = torch.maximum(
@@ -43,7 +44,7 @@ class SlidingWindow(RowValuePiece):
         mod = SlidingWindowMod(self._captured(device), self.per_row)
         return Lowered(mod, mod)
 
-    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: TileGrid) -> Intervals:
         size = self._at_rows(row, grid)  # clamped to the sequence: no overflow below
         # A window of 0 attends nothing: the explicit empty interval [1, 0], not
         # [q + 1, q - 1], whose lo > q would break the closed form's lo(q) <= q.
@@ -51,6 +52,16 @@ class SlidingWindow(RowValuePiece):
         lo = torch.where(some, q_idx - size + 1, 1)
         hi = torch.where(some, q_idx + size - 1, 0)
         return Intervals(lo, hi)
+
+    def lines_at(self, pos: Tensor, *, transpose: bool, fmt: str) -> LineIntervals:
+        size = self._line_values()  # symmetric: the same both ways
+        some = size > 0
+        return one_interval(
+            torch.where(some, pos - size + 1, INF), torch.where(some, pos + size - 1, -INF)
+        )
+
+    def varlen_part(self, length: int) -> VarlenPart:
+        return VarlenPart(window=self.values.clamp(max=INF))
 
 
 class SlidingWindowMod(PieceMod):

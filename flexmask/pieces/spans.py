@@ -8,9 +8,10 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import digest, int_vector, is_nested, source_device
-from flexmask.algebra.mask import Intervals, Lowered, Window
+from flexmask.algebra.lines import LineIntervals, VarlenPart, cannot_lower, one_interval, run_at
+from flexmask.algebra.mods import Lowered
+from flexmask.algebra.protocol import Intervals, TileGrid, Window
 from flexmask.blocks.codes import codes_from
-from flexmask.blocks.grid import BlockGrid
 from flexmask.pieces._base import (
     Piece,
     PieceMod,
@@ -77,7 +78,7 @@ class Spans(Piece):
     def carries_batch_data(self) -> bool:
         return True
 
-    def classify_tiles(self, grid: BlockGrid) -> Tensor:
+    def classify_tiles(self, grid: TileGrid) -> Tensor:
         nq, nkv = grid.num_q_blocks, grid.num_kv_blocks
         firsts = torch.cat([grid.q_first.reshape(-1, nq), grid.kv_first.reshape(-1, nkv)], 1)
         lasts = torch.cat([grid.q_last.reshape(-1, nq), grid.kv_last.reshape(-1, nkv)], 1)
@@ -135,7 +136,7 @@ class Spans(Piece):
         found = ids.expand(rows, -1).gather(1, at)
         return torch.nn.functional.pad(found, (0, 1), value=-1)
 
-    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: BlockGrid) -> Intervals:
+    def intervals_at(self, q_idx: Tensor, row: Tensor, grid: TileGrid) -> Intervals:
         device = grid.device
         lookup_row = row.view(-1) if self.per_row else torch.zeros_like(row.view(-1))
         starts = self._on("_starts", device)[lookup_row]
@@ -148,6 +149,18 @@ class Spans(Piece):
         lo = torch.where(inside, start, 1)
         hi = torch.where(inside, ends.gather(1, k) - 1, 0)
         return Intervals(lo, hi)
+
+    def lines_at(self, pos: Tensor, *, transpose: bool, fmt: str) -> LineIntervals:
+        # Symmetric: a token's span, both ways; outside every span, nothing.
+        return one_interval(*run_at(self._starts, self._ends, pos))
+
+    def varlen_part(self, length: int) -> VarlenPart:
+        raise cannot_lower(
+            self,
+            "varlen",
+            "bidirectional spans inside causal text need two rules in one sequence "
+            "(use to_flashmask or to_magi)",
+        )
 
     def __repr__(self) -> str:
         if self.per_row:

@@ -1,0 +1,86 @@
+"""What a node answers a lowering to another kernel's format (``flexmask.formats``) with:
+the intervals each line attends (``Node.lines_at``), what it is to a varlen kernel
+(``Node.varlen_part``), or a refusal that names it and the format (``cannot_lower``).
+
+A piece writes its answers with the helpers here; ``flexmask.formats`` intersects, joins
+and complements them for ``&``, ``|`` and ``~`` and reads each format from the result.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+INF = 1 << 61
+"""Stands for an unbounded interval end; every real position and length is below it."""
+UNUSED = 1 << 62
+"""Marks an unused slot of an interval list: ``lo = UNUSED``, ``hi = -UNUSED``."""
+
+
+class LineIntervals(NamedTuple):
+    """A node's answer to ``lines_at``: per row and per line, the positions of the other
+    side it attends as intervals ``[lo, hi]`` (inclusive, absolute positions).
+
+    ``lo`` and ``hi`` are ``(R, N, k)`` int64: R rows (1 where no row differs), N lines (the
+    positions asked about), k slots. A slot with ``lo > hi`` is empty; an end may be
+    ``+-INF`` (unbounded: the lowering clips it to its window). Slots may overlap and come
+    in any order unless ``normalized``.
+    """
+
+    lo: Tensor
+    hi: Tensor
+    normalized: bool = False
+    """True when the lists are already sorted, disjoint and non-adjacent, empty slots last
+    as ``(UNUSED, -UNUSED)``, and the last slot used on some line: the lowering keeps them
+    as they are."""
+
+
+class VarlenPart(NamedTuple):
+    """What one factor of an ``&`` is to a varlen kernel (``Node.varlen_part``): a kernel's
+    rule (causal, a sliding window), a partition of the positions into sequences, or
+    nothing at all. The defaults constrain nothing (``full()``)."""
+
+    segment_ids: list[Tensor] | None = None
+    """A partition (documents, chunks, padding): per row (one, or one per batch row), the
+    part of each absolute position ``0..length`` as int64, -1 outside every part; ids never
+    decrease along a row, so equal ids are one contiguous run."""
+    causal: bool = False
+    """The kernel's causal rule: ``kv <= q``."""
+    window: Tensor | None = None
+    """Sliding window sizes (``|q - kv| < size``), one or one per row, at most ``INF``."""
+    attends_nowhere: bool = False
+    """No query attends any key (``empty()``, a window of 0)."""
+
+
+def cannot_lower(node: object, fmt: str, reason: str) -> ValueError:
+    """The error a node raises for a format it cannot be written in exactly: it names the
+    node (its repr), the format and why, and says what to use instead."""
+    return ValueError(f"{node!r} cannot be lowered to {fmt}: {reason}")
+
+
+def one_interval(lo: Tensor, hi: Tensor) -> LineIntervals:
+    """One interval per line: ``lo`` and ``hi`` broadcast to ``(R, N)``, as one slot."""
+    lo, hi = torch.broadcast_tensors(lo, hi)
+    return LineIntervals(lo.unsqueeze(-1), hi.unsqueeze(-1))
+
+
+def run_at(starts: Tensor, ends: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """The run ``[start, end)`` of sorted, disjoint runs (``(R, D)`` starts and exclusive
+    ends, padded past every position) holding each position of ``pos`` (``(R, N)``), as an
+    inclusive ``(lo, hi)``, or empty ``(INF, -INF)``: a document's or a span's line."""
+    rows = max(starts.shape[0], ends.shape[0], pos.shape[0])
+    starts, ends, pos = (t.expand(rows, *t.shape[1:]).to(torch.int64) for t in (starts, ends, pos))
+    k = torch.searchsorted(ends.contiguous(), pos.contiguous(), right=True)
+    k = k.clamp(max=ends.shape[1] - 1)
+    start, end = starts.gather(1, k), ends.gather(1, k)
+    inside = (start <= pos) & (pos < end)
+    return pick(inside, start, INF), pick(inside, end - 1, -INF)
+
+
+def pick(keep: Tensor, x: Tensor, other: Tensor | int) -> Tensor:
+    """``torch.where(keep, x, other)`` as int64 arithmetic, for values within ``+-UNUSED``
+    (no difference overflows). Same result, cheaper: torch.where's CPU kernel costs several
+    int64 adds, and the lowerings pick per line at every query."""
+    return ((x.to(torch.int64) - other) * keep).add_(other)
