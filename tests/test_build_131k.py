@@ -1,7 +1,7 @@
 """The paths bench_build's 131k rows take, forced at sizes torch can check: tiles classified
 a chunk of q blocks at a time from int8 flags (``tree._tested_codes``), and index tensors
 written a chunk of entries at a time, the chunks a run begins inside rewritten whole from a
-table and the last partial chunk entry by entry (``write._expand_runs_chunked``) — for trees
+table and the last partial chunk entry by entry (``runs._expand_runs_chunked``) — for trees
 in insertion order and in preorder, the composed union and ``per_head``, with rows that
 differ, two heads and lengths off the block size; whole tensors against torch's own
 ``create_block_mask``."""
@@ -14,7 +14,7 @@ import pytest
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
-from flexmask.blocks import write
+from flexmask.blocks import runs
 from flexmask.builders import unions
 from tests import oracle
 from tests.strategies import insertion_tree, preorder_tree
@@ -29,8 +29,8 @@ def small_chunks(request, monkeypatch):
     """Every output written in chunks of ``request.param`` entries (most runs begin inside
     one, and a partial chunk is left over), every tile grid classified in chunks of a few
     hundred tiles (many chunks, some reaching no kv block)."""
-    monkeypatch.setattr(write, "_CHUNKED_FROM", 0)
-    monkeypatch.setattr(write, "_CHUNK", request.param)
+    monkeypatch.setattr(runs, "_CHUNKED_FROM", 0)
+    monkeypatch.setattr(runs, "_CHUNK", request.param)
     monkeypatch.setattr(tree_module, "_CHUNKED_FROM", 0)
     monkeypatch.setattr(tree_module, "_CHUNK_TILES", 300)
     monkeypatch.setattr(unions, "_FROM_RUNS_FROM", 0)  # a union's q side from its rows' runs

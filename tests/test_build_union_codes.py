@@ -39,16 +39,16 @@ def _cases(n: int, rows: int, longest: int) -> list[flexmask.Mask]:
 @pytest.mark.parametrize(("q_len", "kv_len", "block"), [(4100, 4100, 16), (4100, 3001, (16, 32))])
 def test_long_unions_read_the_codes_by_runs_and_match_torch(monkeypatch, q_len, kv_len, block):
     """Grids of 257 x 257 tiles or so whose columns are few runs: the q side is listed from
-    the runs down the codes' columns (``_q_runs`` answers), three rows that differ, two heads."""
+    the runs down the codes' columns (``q_runs`` answers), three rows that differ, two heads."""
     found = []
-    real = write._q_runs
+    real = write.q_runs
 
     def spy(grid):
         runs = real(grid)
         found.append(runs is not None)
         return runs
 
-    monkeypatch.setattr(write, "_q_runs", spy)
+    monkeypatch.setattr(write, "q_runs", spy)
     for mask in _cases(max(q_len, kv_len), 3, 1500):
         assert unions.union_operands(mask) is not None, repr(mask)
         ours = flexmask.create_block_mask(mask, 3, 2, q_len, kv_len, "cpu", block)
@@ -96,7 +96,7 @@ def test_short_unions_with_many_runs_from_the_rows_runs_fall_back_and_match_torc
 
 def test_short_unions_with_many_runs_match_torch():
     """Short documents on a small grid: columns of many short runs, ranked column by column
-    (``_q_runs`` gives up); queries past the data and a per-row window."""
+    (``q_runs`` gives up); queries past the data and a per-row window."""
     for mask in _cases(700, 2, 40):
         for q_len, kv_len, block in ((700, 700, 16), (333, 700, 8), (700, 129, (8, 16))):
             ours = flexmask.create_block_mask(mask, 2, 1, q_len, kv_len, "cpu", block)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
-from flexmask.blocks import write
+from flexmask.blocks import runs, write
 from tests import oracle
 from tests.test_tree_speed_exact import insertion_tree
 
@@ -59,7 +59,7 @@ def test_codes_written_as_runs_match_torch_order(shape, bands, seed, chunk):
     gen = torch.Generator().manual_seed(seed)
     codes = _banded(shape, gen, bands)
     # Small chunks: most runs begin inside one, and a tail is left over.
-    with mock.patch.object(write, "_CHUNK", chunk), mock.patch.object(write, "_CHUNKED_FROM", 0):
+    with mock.patch.object(runs, "_CHUNK", chunk), mock.patch.object(runs, "_CHUNKED_FROM", 0):
         kv, q = write.ordered_from_codes(codes)
     got = [*kv, *q]
     names = ("kv_p_num", "kv_p", "kv_f_num", "kv_f", "q_p_num", "q_p", "q_f_num", "q_f")
@@ -126,8 +126,8 @@ def test_expand_runs_in_chunks_match_concatenated_ranges(lens, seed, chunk, dtyp
     starts = torch.randint(0, 1000, (len(lens),), generator=gen)
     want = [s + e for s, n in zip(starts.tolist(), lens, strict=True) for e in range(n)]
     out = torch.full((len(want),), -7, dtype=dtype)
-    with mock.patch.object(write, "_CHUNK", chunk), mock.patch.object(write, "_CHUNKED_FROM", 0):
-        write.expand_runs(out, starts, torch.tensor(lens))
+    with mock.patch.object(runs, "_CHUNK", chunk), mock.patch.object(runs, "_CHUNKED_FROM", 0):
+        runs.expand_runs(out, starts, torch.tensor(lens))
     assert out.tolist() == want
 
 
@@ -152,8 +152,8 @@ def test_expand_runs_that_carry_on_their_predecessor_match_concatenated_ranges(
             starts.append(int(torch.randint(0, 1000, (1,), generator=gen)))
     want = [s + e for s, n in zip(starts, lens, strict=True) for e in range(n)]
     out = torch.full((len(want),), -7, dtype=torch.int32)
-    with mock.patch.object(write, "_CHUNK", chunk), mock.patch.object(write, "_CHUNKED_FROM", 0):
-        write.expand_runs(out, torch.tensor(starts), torch.tensor(lens), nonempty=True)
+    with mock.patch.object(runs, "_CHUNK", chunk), mock.patch.object(runs, "_CHUNKED_FROM", 0):
+        runs.expand_runs(out, torch.tensor(starts), torch.tensor(lens), nonempty=True)
     assert out.tolist() == want
 
 
@@ -198,18 +198,18 @@ def test_large_closed_forms_expanded_in_chunks_match_torch(monkeypatch):
     through the chunked expand too (a 257 x 257 grid, lengths off the block; the threshold
     lowered so a test-sized build crosses it)."""
     n, block = 4100, 16
-    monkeypatch.setattr(write, "_CHUNKED_FROM", 1 << 16)  # the size, not the build's default
+    monkeypatch.setattr(runs, "_CHUNKED_FROM", 1 << 16)  # the size, not the build's default
     docs = [[1000, 2000, 1100], [n]]
     doc_causal = flexmask.causal() & flexmask.document(docs)
     composed = (doc_causal & flexmask.sliding_window(700)) | flexmask.prefix(64)
     chunked = [0]
-    real = write._expand_runs_chunked
+    real = runs._expand_runs_chunked
 
     def counted(*args):
         chunked[0] += 1
         return real(*args)
 
-    monkeypatch.setattr(write, "_expand_runs_chunked", counted)
+    monkeypatch.setattr(runs, "_expand_runs_chunked", counted)
     for mask in (doc_causal, composed):
         ours = flexmask.create_block_mask(mask, 2, 1, n, n, "cpu", block)
         theirs = torch_create_block_mask(mask.mask_mod, 2, 1, n, n, "cpu", block)

@@ -42,7 +42,8 @@ from torch import Tensor
 
 from flexmask.algebra.mask import Mask
 from flexmask.blocks.grid import BlockGrid
-from flexmask.blocks.write import Ordered, expand_runs
+from flexmask.blocks.runs import expand_runs
+from flexmask.blocks.write import Ordered
 
 
 class Runs(NamedTuple):

@@ -62,13 +62,8 @@ from torch import Tensor
 from flexmask.algebra.mask import Mask, Or
 from flexmask.blocks.codes import CODE_DTYPE, codes_from
 from flexmask.blocks.grid import BlockGrid
-from flexmask.blocks.write import (
-    Ordered,
-    expand_runs,
-    exporting,
-    q_side_from_codes,
-    q_side_from_line_runs,
-)
+from flexmask.blocks.runs import expand_runs, exporting
+from flexmask.blocks.write import Ordered, q_side_from_codes, q_side_from_line_runs
 from flexmask.builders.closed_form import clipped, special_blocks
 
 # Larger than any position: the neutral value of a min over non-attending queries; the sum
@@ -373,7 +368,7 @@ def ordered_runs(
     laid end to end, are the N lines (both sides of a BlockMask at once). The runs' ends cut
     each line into at most nine segments, each wholly in or out of every run; a stable sort
     of the segments by "listed first" is torch's order, and each tensor's segments are
-    expanded in one pass (``write.expand_runs``).
+    expanded in one pass (``runs.expand_runs``).
     """
     return _write_segments(_segments(starts, stops, ends), out)
 

@@ -23,7 +23,7 @@ from flexmask._validate import check_device, check_int, checked_sum, digest
 from flexmask.algebra.mask import Mask
 from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
 from flexmask.blocks.grid import make_grid
-from flexmask.blocks.write import expand_runs
+from flexmask.blocks.runs import expand_runs
 from flexmask.builders.classify import classify_blocks
 from flexmask.builders.closed_form import row_runs
 from flexmask.builders.threads import cpu_threads
