@@ -44,8 +44,8 @@ class VarlenPart(NamedTuple):
 
     segment_ids: list[Tensor] | None = None
     """A partition (documents, chunks, padding): per row (one, or one per batch row), the
-    part of each absolute position ``0..length`` as int64, -1 outside every part; ids never
-    decrease along a row, so equal ids are one contiguous run."""
+    part of each absolute position ``0..length`` as int64, -1 outside every part; each id
+    ``>= 0`` is one contiguous run of positions."""
     causal: bool = False
     """The kernel's causal rule: ``kv <= q``."""
     window: Tensor | None = None

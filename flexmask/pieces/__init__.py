@@ -1,5 +1,10 @@
-"""The pieces of the mask algebra, one per module."""
+"""The pieces of the mask algebra, one per module (the tree's split by job: ``tree_*``).
 
+``Piece`` and ``PieceMod`` are the bases a piece is written on, inside flexmask or outside
+it (docs/contributing.md, "A new piece").
+"""
+
+from flexmask.pieces._base import Piece, PieceMod
 from flexmask.pieces.causal import Causal, causal
 from flexmask.pieces.chunked import Chunked, chunked
 from flexmask.pieces.constant import Empty, Full, empty, full
@@ -21,6 +26,8 @@ __all__ = [
     "Full",
     "Padding",
     "PerHead",
+    "Piece",
+    "PieceMod",
     "Prefix",
     "SlidingWindow",
     "Spans",
