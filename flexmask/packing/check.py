@@ -111,6 +111,7 @@ def check_batch(
     input_ids: Tensor | None = None,
     position_ids: Tensor | None = None,
     attention_mask: Tensor | BlockMask | LazyBlockMask | None = None,
+    padding_mask: Tensor | None = None,
     labels: Tensor | None = None,
     loss_mask: Tensor | None = None,
     labels_shifted: bool | None = None,
@@ -169,6 +170,9 @@ def check_batch(
         attention_mask: a 2-D ``(B, S)`` mask (0 at padding; values above 1 are segment ids,
             one per document), or what a model's attention reads: a 4-D ``(B, 1 or H, S, S)``
             bool (True attends) or additive float mask, or a BlockMask.
+            A 0/1 one is read as transformers reads it: one sequence per row.
+        padding_mask: ``(B, S)``, True (or 1) at real tokens, False at padding, and nothing
+            about documents (TransformerEngine's THD slots, padded rows).
         labels: ``(B, S)`` targets, ``ignore_index`` where nothing is trained.
         loss_mask: ``(B, S)`` bool, True where the label at that position is trained.
         labels_shifted: True when ``labels[b, p]`` is the target of the logits at ``p``
@@ -284,6 +288,9 @@ class _Inputs:
             rows = _length_rows(g["seq_lens"])
             claim, issues = segments.from_lengths(g.get("seq_lens_name", "seq_lens"), rows, shape)
             self._add(claim, issues)
+        if g["padding_mask"] is not None:
+            pad = segments.as_rows(g["padding_mask"], "padding_mask", shape)
+            self._add(segments.Claim("padding_mask", None, pad.bool()), [])
         if g["cu_seqlens"] is not None or g["cu_seqlens_padded"] is not None:
             claim, issues = segments.from_cu_seqlens(
                 g["cu_seqlens"], g["cu_seqlens_padded"], shape, g["max_seqlen"]
@@ -546,7 +553,15 @@ def _positions(value: Tensor, shape: tuple[int, int]) -> Tensor:
 
 
 def _shape(given: dict[str, Any]) -> tuple[int, int]:
-    for name in ("input_ids", "labels", "position_ids", "attention_mask", "loss_mask", "seq_idx"):
+    for name in (
+        "input_ids",
+        "labels",
+        "position_ids",
+        "attention_mask",
+        "padding_mask",
+        "loss_mask",
+        "seq_idx",
+    ):
         value = given.get(name)
         if isinstance(value, Tensor) and value.dim() == 2:
             return int(value.shape[0]), int(value.shape[1])

@@ -125,7 +125,7 @@ def check_cu_seqlens(
     )
     assert claim.start is not None and claim.real is not None
     kernel = _documents_mask(
-        claim.start, claim.real, bool(given["causal_kernel"]), given["window_size"]
+        claim.start, claim.real, bool(given["causal_kernel"]), given["window_size"], real
     )
     if kernel is None:
         raise ValueError(
@@ -278,7 +278,7 @@ def _varlen(
         within_row = bool((starts // seq_len == (ends - 1) // seq_len).all())
         if within_row:
             start, covered = _ranges(starts, ends, shape)
-            kernel = _documents_mask(start, covered, value.causal, value.window_size)
+            kernel = _documents_mask(start, covered, value.causal, value.window_size, real)
             if kernel is not None:
                 _compare_masks(name, kernel, mask, mask_name, real, shape, issues)
                 return
@@ -445,6 +445,8 @@ def _magi(
             ids[int(starts[k]) : int(ends[k])] = k
         rule_mask = causal() | spans(ids.view(batch, seq_len)) if full.numel() else causal()
         kernel = rule_mask & document(segments.runs(start, covered))
+        if bool((real & ~covered).any()):  # real tokens in no slice attend nothing
+            kernel = kernel & spans(torch.where(covered, 0, -1))
         _compare_masks(name, kernel, mask, mask_name, real, shape, issues)
         return
 
@@ -485,11 +487,17 @@ def _ranges(starts: Tensor, ends: Tensor, shape: tuple[int, int]) -> tuple[Tenso
     return start.view(shape), (cover.cumsum(0)[:total] > 0).view(shape)
 
 
-def _documents_mask(start: Tensor, real: Tensor, is_causal: bool, window_size: Any) -> Mask | None:
-    """The mask a varlen kernel attends over these documents: causal or not, with its window
-    (None where flexmask's pieces do not say it)."""
+def _documents_mask(
+    start: Tensor, covered: Tensor, is_causal: bool, window_size: Any, real: Tensor
+) -> Mask | None:
+    """The mask a varlen kernel attends over these sequences (``covered``: the tokens in
+    one): causal or not, with its window (None where flexmask's pieces do not say it).
+    Stretches outside every sequence become documents of their own, which no real query
+    reads — unless a real token is outside every sequence: then those attend nothing."""
     left, right = (int(w) for w in window_size)
-    base: Mask = document(segments.runs(start, real))
+    base: Mask = document(segments.runs(start, covered))
+    if bool((real & ~covered).any()):
+        base = base & spans(torch.where(covered, 0, -1))
     if is_causal:
         base = causal() & base
         return base if left < 0 else base & sliding_window(left + 1)
