@@ -253,11 +253,14 @@ class _Inputs:
         self._compare_claims(start, start_from, real, real_from)
         self._positions(start, start_from, real, mask, shape)
         self._labels(start, start_from, real, real_from, shape)
+        derived = mask is None
         if mask is None:
             mask = causal() & document(segments.runs(start, real))
             mask_name = f"causal documents of {start_from or real_from or 'the batch'}"
         try:
-            kernel_args.check_mask(mask, mask_name, start, real, shape, self.issues, self.claims)
+            kernel_args.check_mask(
+                mask, mask_name, start, real, shape, self.issues, self.claims, derived
+            )
         except ValueError as error:  # made for another batch: nothing to compare with
             self.issues.append(
                 Issue(

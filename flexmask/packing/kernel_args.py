@@ -47,12 +47,14 @@ def check_mask(
     shape: tuple[int, int],
     issues: list[Issue],
     claims: list[Claim],
+    derived: bool = False,
 ) -> None:
     """The batch's own mask: it keeps the documents apart (checked against them when it has
-    no ``document`` of its own) and gives every real token something to attend."""
+    no ``document`` of its own, unless ``derived`` from them) and gives every real token
+    something to attend."""
     batch, seq_len = shape
     device = mask.device or torch.device("cpu")
-    own_documents = any(c.name == f"{name}'s documents" for c in claims)
+    own_documents = derived or any(c.name == f"{name}'s documents" for c in claims)
     several = bool((start.sum(1) > 1).any()) or not bool(real.all())
     side = compare.mask_side(mask, batch, seq_len, (128, 128), device)
     if not own_documents and several and any(c.start is not None for c in claims):
