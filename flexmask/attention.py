@@ -26,10 +26,17 @@ from flexmask import backends
 from flexmask.algebra.mask import Mask
 from flexmask.backends.finite import attend_checked
 from flexmask.backends.flex import ENV_COMPILE, compiled_flex_attention  # noqa: F401 - re-exported
-from flexmask.backends.request import Deferred, Request, check_fits, make_request
+from flexmask.backends.request import (
+    Deferred,
+    Request,
+    check_fits,
+    check_tensors,
+    make_request,
+)
 from flexmask.builders.provenance import built_from
 from flexmask.runtime.cache import default_cache
 from flexmask.runtime.lazy import LazyBlockMask
+from flexmask.runtime.spec import Spec, make_spec
 
 _compile_default: bool | None = None
 
@@ -193,7 +200,14 @@ def _request(
     resolved: BlockMask | Deferred | None
     if isinstance(mask, LazyBlockMask) and _edited(mask):
         mask = mask.block_mask  # its tensors edited in place: its blocks say what is attended
-    if isinstance(mask, (Mask, LazyBlockMask)):
+    if isinstance(mask, Mask):
+        # Validated here, once, whichever backend runs: its spec builds the BlockMask where
+        # a backend reads one, and a backend lowering the Mask itself (slices, varlen)
+        # trusts it (``formats.validated_window``).
+        check_tensors(query, key, value, bool(enable_gqa))
+        spec = _spec(mask, query, key)
+        resolved = Deferred(lambda: default_cache().get_spec(spec)[1]) if spec else None
+    elif isinstance(mask, LazyBlockMask):
         # A handle checked against the tensors by its recipe, so that a backend lowering its
         # Mask (slices, varlen) never builds it: a handle builds where a backend reads it.
         _check_fits(mask, query, key)
@@ -223,6 +237,16 @@ def _request(
         use_compile,
         options,
     )
+
+
+def _spec(mask: Mask, query: Tensor, key: Tensor) -> Spec | None:
+    """The spec of a Mask for this call's sizes (the mask validated against them), or None
+    for an empty call (no BlockMask is read)."""
+    batch, heads, q_len = query.shape[:3]
+    kv_len = key.shape[-2]
+    if min(batch, heads, q_len, kv_len) == 0:
+        return None
+    return make_spec(mask, batch, heads, q_len, kv_len, query.device)
 
 
 def _edited(handle: LazyBlockMask) -> bool:

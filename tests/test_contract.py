@@ -445,3 +445,47 @@ def test_explain_names_the_kernel_that_runs_on_every_fuzz_case(monkeypatch, spec
             assert not spy.ran, (name, choice, spy.ran)
         else:
             assert set(spy.ran) == {expected_kernel(choice.kernel)}, (name, choice, spy.ran)
+
+
+# --- one validation: a call's mask is checked once, whichever backend runs -------------------
+
+
+def count_checks(monkeypatch, mask):
+    """The number of times ``mask`` itself is checked (``check``, which ``validate`` calls and
+    any lowering that validates calls): the top-level node, whatever reaches it."""
+    calls = []
+    original = type(mask).check
+
+    def counted(self, extent):
+        if self is mask:
+            calls.append(extent)
+        return original(self, extent)
+
+    monkeypatch.setattr(type(mask), "check", counted)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["slices", "block_sparse", "sdpa", "decode", "auto"])
+@pytest.mark.parametrize("given", ["handle", "mask"])
+def test_a_call_checks_its_mask_once_on_every_backend(monkeypatch, backend, given):
+    """A handle is validated when made and never again by a forward and backward through any
+    CPU backend; a Mask given to the call is validated once by the call (the slices backend's
+    lowering used to check it a second time)."""
+    mask = flexmask.causal() & flexmask.document([70, 50, 80])
+    q_len = 4 if backend == "decode" else S
+    grad = backend != "decode"
+    q, k, v = qkv(q_len=q_len, grad=grad)
+    flexmask.cache_clear()  # no lowering kept from another test hides a check
+    calls = count_checks(monkeypatch, mask)
+    passed = flexmask.lazy(mask, 2, 2, q_len, S, "cpu") if given == "handle" else mask
+    assert len(calls) == (1 if given == "handle" else 0)
+    calls.clear()
+    if backend != "auto":
+        assert flexmask.explain(q, k, v, passed, backend=backend).backend == backend
+    for _ in range(2):
+        out = flexmask.attention(q, k, v, passed, backend)
+        if grad:
+            out.sum().backward()
+    # A handle: none; a Mask: one per call (explain's included), none by any backend.
+    calls_made = 2 + (backend != "auto")
+    assert len(calls) == (0 if given == "handle" else calls_made), calls

@@ -37,7 +37,8 @@ from flexmask.backends.flash import shape_problem as _shape_problem
 from flexmask.backends.request import Request, positive_scale
 from flexmask.backends.threads import one_thread, others_busy
 from flexmask.builders.provenance import built_from
-from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL, to_magi
+from flexmask.formats import magi_of, validated_window
+from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL
 from flexmask.pieces import Full
 from flexmask.runtime.cache import on_cache_clear
 
@@ -216,7 +217,8 @@ def _lowered(mask: Mask, batch: int, q_len: int, kv_len: int) -> Slices | str:
     then lower; every layer of a model) — a Mask hashes by its content."""
     per_row = mask.rows is not None and mask.rows > 1
     try:
-        magi = to_magi(mask, batch if per_row else 1, q_len, kv_len)
+        # The Mask of a checked call: validated once (its spec or handle), not again here.
+        magi = magi_of(mask, validated_window(batch if per_row else 1, q_len, kv_len))
     except ValueError as err:
         return str(err)
     calls = kernel_calls(magi, q_len, kv_len, per_row)

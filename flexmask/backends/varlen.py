@@ -20,7 +20,7 @@ from torch import Tensor
 
 from flexmask.algebra.mask import Mask
 from flexmask.backends.request import Request
-from flexmask.formats.varlen import VarlenMask, to_varlen
+from flexmask.formats import VarlenMask, validated_window, varlen_of
 from flexmask.pieces import Full
 from flexmask.runtime.cache import on_cache_clear
 
@@ -123,7 +123,7 @@ def _lowered(
     """``to_varlen``'s result, or its refusal; kept for the few calls of one step (can_take,
     then lower; every layer of a model) — a Mask hashes by its content."""
     try:
-        return to_varlen(mask, batch, q_len, kv_len, device=device)
+        return varlen_of(mask, validated_window(batch, q_len, kv_len), device)
     except ValueError as err:
         return str(err)
 

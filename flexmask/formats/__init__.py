@@ -9,10 +9,26 @@
 Each returns the most compact form that masks exactly what the mask masks, or raises a
 ValueError naming the piece (or column) the format cannot express. docs/formats.md has the
 support matrix.
+
+Backends lowering the Mask of a checked call (validated once, by its spec or its handle) use
+``magi_of`` / ``varlen_of`` with ``validated_window``: the same lowering without validating
+the mask again.
 """
 
+from flexmask.formats._structure import Window, validated_window
 from flexmask.formats.flashmask import FlashMask, to_flashmask
-from flexmask.formats.magi import MagiMask, to_magi
-from flexmask.formats.varlen import VarlenMask, to_varlen
+from flexmask.formats.magi import MagiMask, magi_of, to_magi
+from flexmask.formats.varlen import VarlenMask, to_varlen, varlen_of
 
-__all__ = ["FlashMask", "MagiMask", "VarlenMask", "to_flashmask", "to_magi", "to_varlen"]
+__all__ = [
+    "FlashMask",
+    "MagiMask",
+    "VarlenMask",
+    "Window",
+    "magi_of",
+    "to_flashmask",
+    "to_magi",
+    "to_varlen",
+    "validated_window",
+    "varlen_of",
+]

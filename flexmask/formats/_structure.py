@@ -80,6 +80,13 @@ def window(
     return Window(batch, q_len, kv_len, q_off, kv_off)
 
 
+def validated_window(batch: int, q_len: int, kv_len: int) -> Window:
+    """The window of a call whose mask was validated for these sizes already (a backend
+    lowering the Mask of a checked call: the spec or the handle validated it, once)."""
+    zero = torch.zeros(1, 1, dtype=torch.int64)
+    return Window(batch, q_len, kv_len, zero, zero)
+
+
 def _offsets(value: Any, name: str, batch: int) -> Tensor:
     if isinstance(value, Tensor) and value.dim() == 1 or isinstance(value, Sequence):
         items = value.tolist() if isinstance(value, Tensor) else list(value)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from flexmask._validate import check_device
 from flexmask.algebra.mask import Mask
-from flexmask.formats._structure import lines, one_mask_for_all_heads, window
+from flexmask.formats._structure import Window, lines, one_mask_for_all_heads, window
 
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3
 """MagiAttention's ``attn_type_map`` values (``AttnMaskType.to_int_type``)."""
@@ -106,6 +106,12 @@ def to_magi(
         ([[0, 3], [3, 5], [5, 8], [8, 10]], [[0, 3], [3, 5], [5, 8], [8, 10]], [1, 1, 1, 1])
     """
     win = window(mask, B, None, Q_LEN, KV_LEN, q_offset, kv_offset)
+    return magi_of(mask, win, device)
+
+
+def magi_of(mask: Mask, win: Window, device: torch.device | str | None = None) -> MagiMask:
+    """``to_magi`` of a window already checked against the mask (``window``, or
+    ``validated_window`` for a call whose mask was validated once for its sizes)."""
     dev = check_device(device, mask.device)
     lo, hi = lines(one_mask_for_all_heads(mask, "MagiAttention"), win, fmt="MagiAttention")
     row, q, k, t = _slices(lo, hi)

@@ -11,7 +11,7 @@ from torch import Tensor
 from flexmask._validate import check_device
 from flexmask.algebra.lines import INF
 from flexmask.algebra.mask import Mask
-from flexmask.formats._structure import lines, one_mask_for_all_heads, varlen_plan, window
+from flexmask.formats._structure import Window, lines, one_mask_for_all_heads, varlen_plan, window
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,6 +153,12 @@ def to_varlen(
         [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
     """
     win = window(mask, B, None, Q_LEN, KV_LEN, q_offset, kv_offset)
+    return varlen_of(mask, win, device)
+
+
+def varlen_of(mask: Mask, win: Window, device: torch.device | str | None = None) -> VarlenMask:
+    """``to_varlen`` of a window already checked against the mask (``window``, or
+    ``validated_window`` for a call whose mask was validated once for its sizes)."""
     dev = check_device(device, mask.device)
     length = max(int(win.q_offset.max()) + win.q_len, int(win.kv_offset.max()) + win.kv_len)
     plan = varlen_plan(mask, length)
