@@ -21,13 +21,13 @@ from flexmask.formats import FlashMask, MagiMask, VarlenMask, to_flashmask, to_m
 from flexmask.inference import DecodeMasks, DecodeStep, decode_mask, speculative_tree
 from flexmask.packing import (
     BatchReport,
-    check_batch,
     PackedBatch,
     PackedDataset,
     PackingCollator,
     SequenceLogProbs,
     TreeBatch,
     TreePack,
+    check_batch,
     pack,
     pack_tree,
     pack_trees,
