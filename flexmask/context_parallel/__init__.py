@@ -16,6 +16,11 @@ from flexmask.context_parallel.balance import (
 )
 from flexmask.context_parallel.core import imbalance, shard
 from flexmask.context_parallel.distributed import cp_flex_attention, shard_buffers, unshard
+from flexmask.context_parallel.exchange_plan import (
+    KVExchange,
+    exchange_from_block_masks,
+    plan_exchange,
+)
 from flexmask.context_parallel.lazy import LazyShard, lazy_shard
 from flexmask.context_parallel.rank_shard import CPShard
 from flexmask.context_parallel.shard_cache import ShardCache, default_shard_cache
@@ -23,6 +28,7 @@ from flexmask.context_parallel.shard_cache import ShardCache, default_shard_cach
 __all__ = [
     "CPShard",
     "HeadTailBalancer",
+    "KVExchange",
     "LazyShard",
     "MaskAwareBalancer",
     "PTRRBalancer",
@@ -30,8 +36,10 @@ __all__ = [
     "ShardCache",
     "cp_flex_attention",
     "default_shard_cache",
+    "exchange_from_block_masks",
     "imbalance",
     "lazy_shard",
+    "plan_exchange",
     "shard",
     "shard_buffers",
     "unshard",

@@ -22,6 +22,8 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmask._validate import check_int
 from flexmask.algebra.mask import Mask
 from flexmask.attention import flex_attention
+from flexmask.context_parallel.exchange import check_exchange_group, exchange_kv, resolve_exchange
+from flexmask.context_parallel.exchange_plan import KVExchange
 
 if TYPE_CHECKING:
     from flexmask.context_parallel.lazy import LazyShard
@@ -106,10 +108,11 @@ def cp_flex_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    shard: CPShard | LazyShard | BlockMask,
+    shard: CPShard | LazyShard | BlockMask | KVExchange,
     group: Any = None,
     *,
     seq_dim: int = 2,
+    exchange: str = "auto",
     return_lse: Literal[False] = False,
     **kwargs: Any,
 ) -> Tensor: ...
@@ -120,10 +123,11 @@ def cp_flex_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    shard: CPShard | LazyShard | BlockMask,
+    shard: CPShard | LazyShard | BlockMask | KVExchange,
     group: Any = None,
     *,
     seq_dim: int = 2,
+    exchange: str = "auto",
     return_lse: Literal[True],
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor]: ...
@@ -133,10 +137,11 @@ def cp_flex_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    shard: CPShard | LazyShard | BlockMask,
+    shard: CPShard | LazyShard | BlockMask | KVExchange,
     group: Any = None,
     *,
     seq_dim: int = 2,
+    exchange: str = "auto",
     return_lse: bool = False,
     **kwargs: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -145,10 +150,16 @@ def cp_flex_attention(
     Args:
         query, key, value: this rank's shards, (B, H, S / W, D), e.g. from
             ``CPShard.shard_tensor``.
-        shard: this rank's ``CPShard`` (or a lazy one, or its BlockMask).
+        shard: this rank's ``CPShard`` (or a lazy one, or its BlockMask), or its
+            ``KVExchange`` (``flexmask.context_parallel.plan_exchange``: the shard and the
+            plan to receive only the keys and values its queries read).
         group: the context-parallel ``DeviceMesh`` or process group (None: the default).
         seq_dim: the sequence dimension of key and value: 2 (or -2), where flex_attention
             reads it.
+        exchange: ``"auto"`` — a ``KVExchange`` exchanges only the needed keys unless that
+            would move more than half of the all-gather to some rank (its ``needed``), any
+            other shard all-gathers; ``"needed"`` — only the needed keys (a ``KVExchange``,
+            or a lazy shard planned from its recipe); ``"all_gather"`` — every key.
         return_lse: also return the log-sum-exp of the scores, as ``flexmask.flex_attention``.
         **kwargs: passed to ``flexmask.flex_attention`` (score_mod, scale, compile, ...).
 
@@ -164,9 +175,24 @@ def cp_flex_attention(
             minutes; ``init_process_group(timeout=...)`` sets it). See
             docs/context-parallel.md.
     """
+    plan = resolve_exchange(shard, exchange)
+    own = shard.shard if isinstance(shard, KVExchange) else shard
     block_mask, seq_dim, process_group = _check_before_gather(
-        query, key, value, shard, seq_dim, group
+        query, key, value, own, seq_dim, group
     )
+    if plan is not None:
+        check_exchange_group(plan, c10d.get_world_size(process_group), c10d.get_rank(process_group))
+        needed_key, needed_value = exchange_kv(
+            key.contiguous(), value.contiguous(), plan, seq_dim, process_group
+        )
+        return flex_attention(
+            query,
+            needed_key,
+            needed_value,
+            block_mask=plan.block_mask,
+            return_lse=return_lse,
+            **kwargs,
+        )
     full_key, full_value = flex_cp_allgather(
         key.contiguous(), value.contiguous(), seq_dim, c10d._get_process_group_name(process_group)
     )

@@ -1,0 +1,132 @@
+"""Keys and values moved by a ``KVExchange``: one all-to-all with split sizes forward (each rank
+receives what its queries read), the reverse backward (each key's gradient summed back to
+the rank that owns it), as one autograd Function.
+
+Keys and values of one dtype travel in one message (concatenated on the last dim); the
+received buffer holds the shard's listed key blocks end to end, zero where a partial block's
+key is attended by no query of this rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexmask.context_parallel.exchange_plan import (
+    EXCHANGES,
+    KVExchange,
+    exchange_for_plan,
+)
+from flexmask.context_parallel.lazy import LazyShard
+from flexmask.context_parallel.rank_shard import CPShard
+
+
+def resolve_exchange(shard: Any, exchange: Any) -> KVExchange | None:
+    """The plan ``cp_flex_attention`` exchanges with, or None for the all-gather. Local: no
+    collective, and the same answer on every rank given the same arguments.
+
+    ``"auto"``: a ``KVExchange``'s own choice (its ``needed``); a shard without a plan
+    all-gathers. ``"needed"``: a ``KVExchange``, or a lazy shard's plan made from its recipe;
+    a ``CPShard`` or BlockMask has no recipe to plan from (a ValueError says what to pass).
+    ``"all_gather"``: always the all-gather.
+    """
+    if not isinstance(exchange, str) or exchange not in EXCHANGES:
+        raise ValueError(
+            f"exchange must be 'auto' (the plan's choice), 'needed' (only the keys each rank "
+            f"reads) or 'all_gather', got {exchange!r}"
+        )
+    if exchange == "all_gather":
+        return None
+    if isinstance(shard, KVExchange):
+        return shard if exchange == "needed" or shard.needed else None
+    if exchange == "auto":
+        return None
+    if isinstance(shard, LazyShard):
+        return exchange_for_plan(shard._plan, shard.shard)
+    if not isinstance(shard, (CPShard, BlockMask)):
+        return None  # not a shard: cp_flex_attention's checks name what it must be
+    raise ValueError(
+        f"exchange='needed' plans from every rank's shard, which a {type(shard).__name__} "
+        "cannot rebuild: pass flexmask.context_parallel.plan_exchange(mask, ...) (a "
+        "KVExchange; it holds the shard) or a lazy shard (flexmask.lazy_shard)"
+    )
+
+
+def check_exchange_group(plan: KVExchange, world: int, rank: int) -> None:
+    """A plan made for another group or rank would send other split sizes than its peers
+    expect (gloo aborts the process on a size mismatch): refused before any collective."""
+    if (plan.world_size, plan.rank) != (world, rank):
+        raise ValueError(
+            f"the exchange plan was made for rank {plan.rank} of {plan.world_size}, but this "
+            f"process is rank {rank} of {world} in group: plan for this rank and group"
+        )
+
+
+class _ExchangeKeys(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, plan: KVExchange, dim: int, group: Any) -> Tensor:
+        ctx.plan, ctx.dim, ctx.group, ctx.length = plan, dim, group, tensor.shape[dim]
+        return _move(tensor, plan, dim, group)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+        return _move_back(grad, ctx.plan, ctx.dim, ctx.group, ctx.length), None, None, None
+
+
+def _move(tensor: Tensor, plan: KVExchange, dim: int, group: Any) -> Tensor:
+    """This rank's slice → the received buffer (``plan.block_mask``'s keys on ``dim``)."""
+    index = plan.send_index.to(tensor.device)
+    outgoing = tensor.index_select(dim, index).movedim(dim, 0).contiguous()
+    shape = list(outgoing.shape)
+    shape[0] = sum(plan.recv_counts)
+    incoming = outgoing.new_empty(shape)
+    dist.all_to_all_single(
+        incoming, outgoing, list(plan.recv_counts), list(plan.send_counts), group=group
+    )
+    incoming = incoming.movedim(0, dim)
+    if plan.recv_slots is None:
+        return incoming.contiguous()
+    shape = list(incoming.shape)
+    shape[dim] = int(plan.block_mask.seq_lengths[1])
+    buffer = incoming.new_zeros(shape)
+    return buffer.index_copy_(dim, plan.recv_slots.to(tensor.device), incoming)
+
+
+def _move_back(grad: Tensor, plan: KVExchange, dim: int, group: Any, length: int) -> Tensor:
+    """The received buffer's gradient → this rank's slice, summed over the ranks that read
+    each key."""
+    if plan.recv_slots is not None:
+        grad = grad.index_select(dim, plan.recv_slots.to(grad.device))
+    outgoing = grad.movedim(dim, 0).contiguous()
+    shape = list(outgoing.shape)
+    shape[0] = sum(plan.send_counts)
+    incoming = outgoing.new_empty(shape)
+    dist.all_to_all_single(
+        incoming, outgoing, list(plan.send_counts), list(plan.recv_counts), group=group
+    )
+    shape = list(grad.shape)
+    shape[dim] = length
+    local = grad.new_zeros(shape)
+    return local.index_add_(dim, plan.send_index.to(grad.device), incoming.movedim(0, dim))
+
+
+def exchange_kv(
+    key: Tensor, value: Tensor, plan: KVExchange, dim: int, group: Any
+) -> tuple[Tensor, Tensor]:
+    """``key`` and ``value`` (this rank's slices on ``dim``) → the keys and values
+    ``plan.block_mask`` attends; differentiable. One all-to-all each way where both have
+    one dtype (their last dims concatenated), else one per tensor."""
+    if key.dtype != value.dtype:
+        return (
+            _ExchangeKeys.apply(key, plan, dim, group),
+            _ExchangeKeys.apply(value, plan, dim, group),
+        )
+    width = key.shape[-1]
+    both = _ExchangeKeys.apply(torch.cat([key, value], dim=-1), plan, dim, group)
+    return both[..., :width], both[..., width:]

@@ -1,0 +1,274 @@
+"""Context parallel that moves only what each rank reads (``plan_exchange``, the exchange in
+``cp_flex_attention``): every rank receives exactly the keys its queries attend (against a
+dense oracle), attention on them is exact (outputs and gradients, in one process and on 2
+and 4 gloo ranks), ``"auto"`` falls back to the all-gather on a dense causal mask, and a
+rank with bad input raises before any collective."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import flexmask
+from flexmask.context_parallel import (
+    KVExchange,
+    PerDocumentBalancer,
+    exchange_from_block_masks,
+    plan_exchange,
+)
+from tests import oracle
+from tests.ranks import run_ranks, spawn_ranks
+
+LENGTHS = [232, 40, 504, 128, 120]  # mixed, each a multiple of 2W for W = 2, 4 (S = 1024)
+
+
+def _lengths(S: int) -> list[int]:
+    lengths = [n * S // 1024 for n in LENGTHS]
+    lengths[-1] += S - sum(lengths)
+    return lengths
+
+
+def _tree_parents(rng: random.Random, n: int) -> list[int]:
+    """A prefix tree: a few roots, each token's parent among the 40 before it."""
+    return [-1] + [
+        rng.randrange(max(0, i - 40), i) if rng.random() > 0.03 else -1 for i in range(1, n)
+    ]
+
+
+def _case(name: str, S: int) -> tuple[flexmask.Mask, np.ndarray]:
+    """(mask, its dense (S, S) reference)."""
+    if name == "documents":
+        lengths = _lengths(S)
+        return (
+            flexmask.causal() & flexmask.document(lengths),
+            oracle.causal(S, S) & oracle.document(lengths, S, S),
+        )
+    if name == "window":
+        return (
+            flexmask.causal() & flexmask.sliding_window(48),
+            oracle.causal(S, S) & oracle.sliding_window(48, S, S),
+        )
+    if name == "tree":
+        parents = _tree_parents(random.Random(3), S)
+        return flexmask.tree(parents), oracle.tree(parents, S, S)
+    if name == "causal":
+        return flexmask.causal(), oracle.causal(S, S)
+    raise AssertionError(name)
+
+
+def _balancer(name: str, S: int, world: int):
+    if name == "per_document":
+        return PerDocumentBalancer([_lengths(S)], world)
+    return name
+
+
+def _plans(mask, S, world, balancer, block=32, H=2):
+    shards = [
+        flexmask.shard(mask, 1, H, S, world_size=world, rank=r, balancer=balancer, BLOCK_SIZE=block)
+        for r in range(world)
+    ]
+    masks = [s.block_mask for s in shards]
+    return shards, [exchange_from_block_masks(masks, r, shards[r]) for r in range(world)]
+
+
+def _received_positions(plans: list[KVExchange], rank: int) -> torch.Tensor:
+    """The permuted key positions ``rank`` receives, from what every owner sends it."""
+    parts = []
+    for owner, plan in enumerate(plans):
+        start = sum(plan.send_counts[:rank])
+        sent = plan.send_index[start : start + plan.send_counts[rank]]
+        parts.append(sent + owner * plan.slice_length)
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("balancer", [None, "head_tail", "per_document", "mask_aware"])
+@pytest.mark.parametrize("name", ["documents", "window", "tree", "causal"])
+def test_each_rank_receives_exactly_the_keys_it_attends(name, balancer, world):
+    """A full tile is attended whole, and a partial one's attended keys are found: so the
+    keys a rank receives are exactly those its queries attend (padding never), and what
+    each owner sends it is what it expects from that owner."""
+    S = 1000 if balancer in (None, "head_tail") else 1024  # padded where the balancer needs
+    mask, dense = _case(name, S)
+    shards, plans = _plans(mask, S, world, _balancer(balancer, S, world))
+    padded = shards[0].padded_length
+    perm = shards[0].indices[0].numpy()
+    whole = np.zeros((padded, padded), dtype=bool)
+    whole[:S, :S] = dense
+    for rank, plan in enumerate(plans):
+        rows = perm[shards[rank].local]
+        attended = np.flatnonzero(whole[rows][:, perm].any(0))
+        got = _received_positions(plans, rank)
+        assert got.tolist() == attended.tolist(), (name, balancer, world, rank)
+        own = (attended >= rank * plan.slice_length) & (attended < (rank + 1) * plan.slice_length)
+        assert plan.received[rank] == int((~own).sum())
+        assert plan.recv_counts == tuple(p.send_counts[rank] for p in plans)
+        assert all(p.received == plan.received for p in plans)  # every rank's plan agrees
+        assert plan.gathered == (world - 1) * padded // world
+
+
+@pytest.mark.parametrize("balancer", ["head_tail", "per_document"])
+@pytest.mark.parametrize("name", ["documents", "window", "tree", "causal"])
+def test_attention_on_the_received_keys_is_exact(name, balancer):
+    """Each rank's attention over its received buffer (zeros where a partial block's key is
+    not attended) with the remapped BlockMask, restored, equals the plain dense attention:
+    outputs and q/k/v gradients, in float64 (the exchange simulated by indexing)."""
+    S, world, H = 1024, 4, 2
+    mask, dense = _case(name, S)
+    shards, plans = _plans(mask, S, world, _balancer(balancer, S, world), H=H)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, H, S, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        for _ in range(3)
+    )
+    perm = shards[0].indices[0]
+    k_perm, v_perm = k[:, :, perm], v[:, :, perm]
+    outs = []
+    for rank, plan in enumerate(plans):
+        keys = int(plan.block_mask.seq_lengths[1])
+        slots = torch.arange(keys) if plan.recv_slots is None else plan.recv_slots
+        got = _received_positions(plans, rank)
+        k_in = k_perm.new_zeros(1, H, keys, 8).index_copy(2, slots, k_perm[:, :, got])
+        v_in = v_perm.new_zeros(1, H, keys, 8).index_copy(2, slots, v_perm[:, :, got])
+        local_q = shards[rank].shard_tensor(q, 2)
+        outs.append(
+            flexmask.flex_attention(local_q, k_in, v_in, block_mask=plan.block_mask, compile=False)
+        )
+    out = shards[0].restore(torch.cat(outs, 2), 2)
+    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    q2, k2, v2 = (t.detach().requires_grad_(True) for t in (q, k, v))
+    want, _ = oracle.attention(q2, k2, v2, torch.from_numpy(dense))
+    want_grads = torch.autograd.grad(want, (q2, k2, v2), grad_out)
+    torch.testing.assert_close(out, want)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_auto_exchanges_packed_documents_and_all_gathers_dense_causal():
+    """The choice is the same on every rank (from every rank's needs): documents sharded
+    contiguously move little; a dense causal mask's last rank reads every key, so the
+    all-gather stays."""
+    S, world = 4096, 4
+    lengths = [256] * 16
+    docs = flexmask.causal() & flexmask.document(lengths)
+    plans = [
+        plan_exchange(docs, 1, 1, S, world_size=world, rank=r, balancer=None, BLOCK_SIZE=64)
+        for r in range(world)
+    ]
+    assert all(p.needed for p in plans) and plans[0].received == (0, 0, 0, 0)
+    causal = [
+        plan_exchange(flexmask.causal(), 1, 1, S, world_size=world, rank=r, BLOCK_SIZE=64)
+        for r in range(world)
+    ]
+    assert not any(p.needed for p in causal)
+    assert max(causal[0].received) == causal[0].gathered  # rank 0's tail reads everything
+    again = plan_exchange(docs, 1, 1, S, world_size=world, rank=1, balancer=None, BLOCK_SIZE=64)
+    assert again is plans[1]  # kept by shard key: a step's layers share one
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group (an in-memory store, no spawn), destroyed after the test."""
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_the_exchange_on_one_rank_and_its_errors(one_rank_group):
+    """On a one-rank group the exchange runs its collective both ways (gradients equal the
+    all-gather's); a bad ``exchange``, a shard that cannot be planned from and a plan made
+    for another group are refused by name before any collective."""
+    S, lengths = 256, [100, 60, 96]
+    mask = flexmask.causal() & flexmask.document(lengths)
+    plan = plan_exchange(mask, 1, 2, S, world_size=1, rank=0, BLOCK_SIZE=32)
+    q, k, v = (torch.randn(1, 2, S, 8, requires_grad=True) for _ in range(3))
+    results = []
+    for exchange in ("needed", "all_gather"):
+        out = flexmask.cp_flex_attention(q, k, v, plan, exchange=exchange, compile=False)
+        results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    handle = flexmask.lazy_shard(mask, 1, 2, S, world_size=1, rank=0, BLOCK_SIZE=32)
+    out = flexmask.cp_flex_attention(q, k, v, handle, exchange="needed", compile=False)
+    results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    for got, want, lazy in zip(*results, strict=True):
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(lazy, want)
+    with pytest.raises(ValueError, match="exchange must be 'auto'"):
+        flexmask.cp_flex_attention(q, k, v, plan, exchange="halo")
+    with pytest.raises(ValueError, match="plan_exchange"):
+        flexmask.cp_flex_attention(q, k, v, plan.shard, exchange="needed")
+    other = plan_exchange(mask, 1, 2, 2 * S, world_size=2, rank=1, BLOCK_SIZE=32)
+    with pytest.raises(ValueError, match="shard was made for world_size=2"):
+        flexmask.cp_flex_attention(q, k, v, other, exchange="needed")
+    with pytest.raises(TypeError, match="shard must be"):
+        flexmask.cp_flex_attention(q, k, v, "shard", exchange="needed")
+
+
+def _exchange_checks(rank: int, world: int, S: int, names: list[str]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flexmask.context_parallel import shard_buffers, unshard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for name in names:
+        for balancer in ("head_tail", "per_document"):
+            mask, _ = _case(name, S)
+            torch.manual_seed(0)  # every rank draws the same global tensors
+            q, k, v = (torch.randn(1, 2, S, 16, requires_grad=True) for _ in range(3))
+            ref = flexmask.flex_attention(q, k, v, block_mask=mask, compile=False)
+            grad_out = torch.randn_like(ref)
+            ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
+            plan = plan_exchange(
+                mask, 1, 2, S, mesh=mesh, balancer=_balancer(balancer, S, world), BLOCK_SIZE=32
+            )
+            shard = plan.shard
+            assert name != "causal" or not plan.needed  # the fallback case
+            for exchange in ("auto", "needed"):
+                local = shard_buffers(shard, mesh, [q.detach(), k.detach(), v.detach()], [2] * 3)
+                for t in local:
+                    t.requires_grad_(True)
+                out = flexmask.cp_flex_attention(
+                    *local, plan, mesh, exchange=exchange, compile=False
+                )
+                out.backward(shard.shard_tensor(grad_out, 2))
+                got = unshard(shard, mesh, [out.detach(), *(t.grad for t in local)], [2] * 4)
+                for g, w in zip(got, (ref, *ref_grads), strict=True):
+                    torch.testing.assert_close(g, w.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_two_gloo_ranks_exchange_exactly():
+    spawn_ranks(_exchange_checks, 2, 512, ["documents", "tree", "causal"])
+
+
+@pytest.mark.slow  # four spawned ranks on 2 busy cores: 30-60 s
+def test_four_gloo_ranks_exchange_exactly():
+    spawn_ranks(_exchange_checks, 4, 1024, ["documents", "window", "tree", "causal"])
+
+
+def _bad_key_length(rank: int, world: int) -> None:
+    """Rank 1 passes keys 8 positions too long with its plan; rank 0 the right ones."""
+    mask = flexmask.causal() & flexmask.document([64, 64])
+    plan = plan_exchange(mask, 1, 1, 128, world_size=world, rank=rank, balancer=None, BLOCK_SIZE=16)
+    local = 128 // world + (8 if rank == 1 else 0)
+    q = torch.randn(1, 1, 128 // world, 8)
+    k, v = torch.randn(1, 1, local, 8), torch.randn(1, 1, local, 8)
+    flexmask.cp_flex_attention(q, k, v, plan, exchange="needed", compile=False)
+
+
+@pytest.mark.slow  # two spawned ranks, one waiting for its peer to leave: ~15-30 s
+def test_a_rank_with_bad_keys_raises_before_the_exchange():
+    """The bad rank raises a ValueError naming key before any collective; its peer, left
+    in the all-to-all, gets a Python error when that rank leaves (or the group's timeout
+    passes): no rank dies of a signal and nothing hangs."""
+    reports = run_ranks(_bad_key_length, 2, group_timeout_s=10, deadline_s=90)
+    bad = reports[1]
+    assert bad is not None and "ValueError" in bad and "key" in bad, reports
+    assert "all_to_all" not in bad, bad  # raised before the collective was entered
+    assert reports[0] is not None and "RuntimeError" in reports[0], reports[0]
