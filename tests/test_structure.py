@@ -269,8 +269,8 @@ def long_modules(root: pathlib.Path = ROOT, limit: int = MAX_MODULE_LINES) -> li
 
 @pytest.mark.xfail(
     strict=False,
-    reason="being split (issue #30): flexmask/inference.py (851 lines), "
-    "flexmask/integrations/transformers.py (716), flexmask/testing/leaks.py (630)",
+    reason="being split (issue #30): flexmask/integrations/transformers.py (716 lines), "
+    "flexmask/testing/leaks.py (630)",
 )
 def test_no_module_over_600_lines():
     long = long_modules()
