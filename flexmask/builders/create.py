@@ -8,8 +8,9 @@ The one data path, one module per stage (``flexmask.blocks``, ``flexmask.builder
    pieces (both sides' runs from the intervals at block edges, no tile grid), ``unions``
    for an ``|`` of two such (two runs per row); otherwise
 3. ``classify`` — every tile's code from structure (``codes``), refining undecided tiles;
-4. ``write`` — torch's tensors, byte-identical to its ``create_block_mask``, under each of
-   the build flags the installed torch's ``create_block_mask`` takes (``torch_flags``);
+4. ``runs``, ``write`` — each line's runs of codes ranked into torch's tensors,
+   byte-identical to its ``create_block_mask``, under each of the build flags the installed
+   torch's ``create_block_mask`` takes (``torch_flags``);
 5. ``provenance`` — the Mask recorded on the BlockMask it built.
 
 This module is the entry: ``create_block_mask`` runs those stages, or hands a plain
@@ -149,9 +150,9 @@ def create_block_mask(
         ([[[1, 1, 3, 2]]], [[[0, 1, 0, 0]]])
     """
     if not isinstance(mask, Mask):
-        return _torch_build(
-            mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset, flags
-        )
+        _check_mask_mod(mask, q_offset, kv_offset)
+        build_flags(flags)  # torch's errors for unknown keywords, before any work
+        return _torch_build(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, flags)
     checked = build_flags(flags)
     # B=0 or H=0: one row or head is built, then emptied, as torch's tensors are.
     empty = no_rows_or_heads(mask, B, H)
@@ -184,23 +185,11 @@ def _traced_build(mask: Mask, grid: BlockGrid, flags: Flags) -> BlockMask:
     )
 
 
-def _torch_build(
-    mask_mod: Any,
-    B: Any,
-    H: Any,
-    Q_LEN: Any,
-    KV_LEN: Any,
-    device: Any,
-    BLOCK_SIZE: Any,
-    q_offset: Any,
-    kv_offset: Any,
-    flags: dict[str, Any],
-) -> BlockMask:
-    """torch's create_block_mask of a plain mask_mod, its arguments checked first: torch
-    evaluates the mask on the whole ``(B, H, Q_LEN, KV_LEN)`` grid, padded to whole blocks."""
-    if not callable(mask_mod):
+def _check_mask_mod(mask: Any, q_offset: Any, kv_offset: Any) -> None:
+    """A ``mask`` that is no Mask must be a mask_mod callable, built without offsets."""
+    if not callable(mask):
         raise TypeError(
-            f"mask must be a flexmask Mask or a mask_mod callable, got {type(mask_mod).__name__}"
+            f"mask must be a flexmask Mask or a mask_mod callable, got {type(mask).__name__}"
         )
     if not (isinstance(q_offset, int) and q_offset == 0) or not (
         isinstance(kv_offset, int) and kv_offset == 0
@@ -209,7 +198,20 @@ def _torch_build(
             "q_offset/kv_offset need a flexmask Mask (a plain mask_mod has no structure "
             "to window): wrap it with flexmask.from_mask_mod(fn, key=...)"
         )
-    build_flags(flags)  # torch's errors for unknown keywords, before any work
+
+
+def _torch_build(
+    mask_mod: MaskMod,
+    B: Any,
+    H: Any,
+    Q_LEN: Any,
+    KV_LEN: Any,
+    device: Any,
+    BLOCK_SIZE: Any,
+    flags: dict[str, Any],
+) -> BlockMask:
+    """torch's create_block_mask of a plain mask_mod, its arguments checked first: torch
+    evaluates the mask on the whole ``(B, H, Q_LEN, KV_LEN)`` grid, padded to whole blocks."""
     batch = None if B is None else check_int(B, "B", minimum=0)
     heads = None if H is None else check_int(H, "H", minimum=0)
     q_len = check_int(Q_LEN, "Q_LEN", minimum=0)
