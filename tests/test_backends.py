@@ -64,7 +64,7 @@ def test_flex_attention_and_auto_ask_in_one_order_per_device():
             assert backends.choose(threads) is backends.block_sparse
             explained = flexmask.explain(q, k, v, tiny, compile=compile)
             assert (
-                backends.choose(request(q, k, v, tiny, compile=compile)).NAME == explained.backend
+                explained.backend == backends.choose(request(q, k, v, tiny, compile=compile)).NAME
             )
     q, k, v = qkv(requires_grad=True)
     assert "no backward" in backends.flex.can_take(request(q, k, v, compile=True))
