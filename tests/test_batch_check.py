@@ -447,7 +447,7 @@ def _flattened(lengths, **options):
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 def test_transformers_flattened_batches(implementation):
-    from flexmask.integrations.transformers import check_inputs
+    from flexmask.integrations.transformers_check import check_inputs
 
     model = _llama(implementation)
     lengths = [5, 4, 6]
@@ -487,7 +487,7 @@ def test_transformers_flash_sequences():
     """flash_attention_2 reads cu_seq_lens: checked against the documents (no GPU needed:
     only the config is read)."""
     transformers = pytest.importorskip("transformers")
-    from flexmask.integrations.transformers import check_inputs
+    from flexmask.integrations.transformers_check import check_inputs
 
     config = transformers.LlamaConfig(num_hidden_layers=1)
     config._attn_implementation = "flash_attention_2"
@@ -501,7 +501,8 @@ def test_transformers_flash_sequences():
 
 def test_model_inputs_check():
     pytest.importorskip("transformers")
-    from flexmask.integrations.transformers import check_inputs, model_inputs
+    from flexmask.integrations.transformers import model_inputs
+    from flexmask.integrations.transformers_check import check_inputs
 
     model = _llama("sdpa")
     batch = packed_batch([5, 4, 6], max_len=16, vocab=64)
@@ -559,3 +560,36 @@ def test_inputs_it_cannot_read_are_refused():
             input_ids=torch.zeros(2, 4, dtype=torch.long),
             position_ids=torch.zeros(3, 4, dtype=torch.long),
         )
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_model_inputs_check_every_layer_type(implementation):
+    """A model with sliding layers: each layer type's mask against the batch's, windowed."""
+    transformers = pytest.importorskip("transformers")
+    from flexmask.integrations.transformers import model_inputs
+    from flexmask.integrations.transformers_check import check_inputs
+
+    config = transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=1,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=implementation
+    )
+    batch = packed_batch([5, 4, 6], max_len=16, vocab=64)
+    inputs = model_inputs(model, batch, check=True)
+    assert set(inputs["attention_mask"]) == {"full_attention", "sliding_attention"}
+    assert check_inputs(model, inputs, batch=batch).ok
+    # The full mask given to the sliding layers too: their window is gone.
+    full = inputs["attention_mask"]["full_attention"]
+    dropped = {**inputs, "attention_mask": {"full_attention": full, "sliding_attention": full}}
+    report = check_inputs(model, dropped, batch=batch)
+    assert "sliding_attention" in report.first.inputs[0]
+    assert (report.first.row, report.first.token) == (0, 3)  # token 3 reads token 0

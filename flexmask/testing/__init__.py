@@ -8,6 +8,7 @@ its mask says?
 The input check (:func:`flexmask.check_batch`) needs no model; this one runs it.
 """
 
-from flexmask.testing.leaks import Leak, LeakReport, Missing, leak_test
+from flexmask.testing.leaks import leak_test
+from flexmask.testing.report import Leak, LeakReport, Missing
 
 __all__ = ["Leak", "LeakReport", "Missing", "leak_test"]
