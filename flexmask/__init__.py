@@ -11,6 +11,7 @@ Example:
     [[[1]]]
 """
 
+import sys
 from typing import Any
 
 from flexmask.algebra.mask import And, Mask, Not, Or
@@ -90,7 +91,20 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def safe_globals() -> list[type]:
+_MOVED = {
+    # class (its module now) -> where 0.1.0 pickled it from: files saved by 0.1.0 name these.
+    "flexmask.algebra.mods.AndMod": "flexmask.algebra.mask.AndMod",
+    "flexmask.algebra.mods.OrMod": "flexmask.algebra.mask.OrMod",
+    "flexmask.algebra.mods.NotMod": "flexmask.algebra.mask.NotMod",
+    "flexmask.algebra.mods.ShiftedMod": "flexmask.algebra.mask.ShiftedMod",
+    "flexmask.algebra.mods._NaryMod": "flexmask.algebra.mask._NaryMod",
+    "flexmask.builders.provenance._Built": "flexmask.builders.create._Built",
+    "flexmask.pieces.tree_lookups.TreeMod": "flexmask.pieces.tree.TreeMod",
+    "flexmask.context_parallel.lazy.LazyShard": "flexmask.context_parallel.core.LazyShard",
+}
+
+
+def safe_globals() -> list[type | tuple[type, str]]:
     """The classes a saved flexmask object may hold, for ``torch.load(weights_only=True)``.
 
     torch's default loader refuses any class it was not told of — its own ``BlockMask``
@@ -98,7 +112,9 @@ def safe_globals() -> list[type]:
     mask_mod class a built BlockMask holds, the record of what it was built from,
     ``LazyBlockMask``, and torch's ``BlockMask``. Only
     classes are listed (no function is called on load beyond building these objects from
-    their saved state). A ``from_mask_mod`` leaf holds your function: add it to the list too.
+    their saved state), and for a class that moved since 0.1.0 also ``(class, "its old
+    path")``, so files saved by 0.1.0 load. A ``from_mask_mod`` leaf holds your function: add
+    it to the list too.
     Classes of modules imported later (``flexmask.context_parallel``) join the list once
     imported.
 
@@ -127,7 +143,16 @@ def safe_globals() -> list[type]:
                 pending.append(sub)
                 if sub.__module__.split(".")[0] == "flexmask":
                     found.add(sub)
-    return sorted(found, key=lambda cls: f"{cls.__module__}.{cls.__qualname__}")
+    lazy_shard = sys.modules.get("flexmask.context_parallel.lazy")
+    if lazy_shard is not None:
+        found.add(lazy_shard.LazyShard)
+    ordered = sorted(found, key=lambda cls: f"{cls.__module__}.{cls.__qualname__}")
+    listed: list[type | tuple[type, str]] = list(ordered)
+    for cls in ordered:
+        old = _MOVED.get(f"{cls.__module__}.{cls.__qualname__}")
+        if old is not None:
+            listed.append((cls, old))
+    return listed
 
 
 def __dir__() -> list[str]:

@@ -365,3 +365,36 @@ def test_compiled_flex_attention_runs_a_restored_block_mask_without_recompiling(
             torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["recompiles"].values()) == 0
+
+
+def test_files_saved_before_classes_moved_still_load_with_weights_only(monkeypatch):
+    """Classes that moved to other modules in the second pass (issue #30) are listed by
+    safe_globals under their 0.1.0 paths too: a BlockMask of a composed and a tree mask saved
+    with the old paths (each moved class given back its old module while saving) loads."""
+    from flexmask import _MOVED
+
+    classes = {
+        f"{cls.__module__}.{cls.__qualname__}": cls
+        for cls in flexmask.safe_globals()
+        if isinstance(cls, type)
+    }
+    assert set(_MOVED) <= set(classes) | {"flexmask.context_parallel.lazy.LazyShard"}
+    mask = (flexmask.causal() & flexmask.document([40, 24])) | flexmask.tree(
+        [-1, 0, 1, 1, 0] + list(range(4, 63))
+    )
+    built = flexmask.create_block_mask(mask, 1, 1, 64, 64, "cpu")
+    buffer = io.BytesIO()
+    with monkeypatch.context() as old:
+        for new_path, old_path in _MOVED.items():
+            if new_path in classes:
+                old.setattr(classes[new_path], "__module__", old_path.rsplit(".", 1)[0])
+        torch.save(built, buffer)
+    assert b"flexmask.algebra.mask" in buffer.getvalue()
+    buffer.seek(0)
+    with torch.serialization.safe_globals(flexmask.safe_globals()):
+        restored = torch.load(buffer)
+    assert flexmask.same_blocks(restored, built)
+    q = torch.arange(64).view(-1, 1)
+    kv = torch.arange(64).view(1, -1)
+    zero = torch.zeros((), dtype=torch.int64)
+    assert torch.equal(restored.mask_mod(zero, zero, q, kv), built.mask_mod(zero, zero, q, kv))

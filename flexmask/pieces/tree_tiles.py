@@ -227,7 +227,7 @@ def classify_ranked(
     pass below is half an int64's).
     """
     if not isinstance(grid.kv_offset, int) or not isinstance(grid.q_offset, int):
-        # Trees are not monotone: build._row_by_row gives each row a grid of int offsets.
+        # Trees are not monotone: sides._row_by_row gives each row a grid of int offsets.
         raise RuntimeError("tree classifies one window at a time: per-row offsets reached it")
     sizes = torch.tensor([p.numel() for p in parents], device=grid.device, dtype=torch.int32)
     kv = _kv_blocks(grid, rank, end, end_by_rank)
