@@ -23,16 +23,12 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmask.algebra import Mask
 from flexmask.formats import FlashMask, MagiMask, VarlenMask
 from flexmask.packing import kernel_args, segments
-from flexmask.packing.segments import Claim, Issue, previous
+from flexmask.packing.segments import Claim, Disagreement, previous
 from flexmask.pieces import causal, document
 from flexmask.runtime.lazy import LazyBlockMask
 
 ENV_CHECK = "FLEXMASK_CHECK"
 """Set to 1 to run :func:`check_batch` in ``pack``, ``pack_trees`` and the collators."""
-
-Disagreement = Issue
-"""One disagreement: ``row``, ``token``, the ``inputs`` that disagree, and a ``message``
-saying what each says there."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,14 +152,14 @@ def check_batch(
     The batch's mask is ``mask`` (or ``batch.mask``); without one, causal attention inside
     the documents the inputs describe.
 
-    Cost: a few tensor ops per input over the ``B * S`` tokens. A BlockMask made by
-    flexmask for the batch's mask (its lazy handle, or the cached BlockMask itself) is
-    recognised without reading it; any other is read on its partial blocks (element by
-    element: the diagonal and document edges) and a dense mask on every element.
+    Cost: a few tensor ops per input over the ``B * S`` tokens. A lazy handle of the
+    batch's mask is recognised without building it; a BlockMask is read on its partial
+    blocks (element by element: the diagonal and document edges), a dense mask on every
+    element.
 
     Args:
         batch: a :class:`~flexmask.PackedBatch` (its tokens, shifted labels, positions,
-            documents, and built handle), a :class:`~flexmask.TreeBatch` or
+            documents, and lazy handle), a :class:`~flexmask.TreeBatch` or
             :class:`~flexmask.TreePack`.
         input_ids: ``(B, S)`` token ids: the batch's shape, and how ``labels`` are aligned.
         position_ids: ``(B, S)`` (or ``(1, S)``) positions given to the model.
@@ -225,7 +221,7 @@ class _Inputs:
 
     def __init__(self, given: dict[str, Any]) -> None:
         self.given = given
-        self.issues: list[Issue] = []
+        self.issues: list[Disagreement] = []
         self.claims: list[Claim] = []
         self.checked: list[str] = []
 
@@ -263,7 +259,7 @@ class _Inputs:
             )
         except ValueError as error:  # made for another batch: nothing to compare with
             self.issues.append(
-                Issue(
+                Disagreement(
                     0,
                     0,
                     (mask_name, "the batch"),
@@ -321,7 +317,7 @@ class _Inputs:
             else:
                 self._add(claim, [])
 
-    def _add(self, claim: Claim, issues: list[Issue]) -> None:
+    def _add(self, claim: Claim, issues: list[Disagreement]) -> None:
         self.claims.append(claim)
         self.issues += issues
         self.checked.append(claim.name.split(" (")[0].split("'s ")[0])
@@ -361,7 +357,7 @@ class _Inputs:
                     said = "padding" if bool(claim.real[b, p]) is False else "in a document"
                     other = "in a document" if said == "padding" else "padding"
                     self.issues.append(
-                        Issue(
+                        Disagreement(
                             b,
                             p,
                             (claim.name, real_from),
@@ -393,7 +389,7 @@ class _Inputs:
             if bool(wrong.any()):
                 b, p = _first(wrong)
                 self.issues.append(
-                    Issue(
+                    Disagreement(
                         b,
                         p,
                         ("position_ids", f"{self.given.get('mask_name', 'mask')}'s tree"),
@@ -407,7 +403,7 @@ class _Inputs:
             b, p = _first(wrong)
             was = int(positions[b, p - 1]) if p > 0 else None
             self.issues.append(
-                Issue(
+                Disagreement(
                     b,
                     p,
                     ("position_ids", start_from or "position_ids"),
@@ -453,7 +449,7 @@ class _Inputs:
                     else what.format(q=q if 0 <= q < shape[1] else "none")
                 )
                 self.issues.append(
-                    Issue(
+                    Disagreement(
                         b,
                         p,
                         (name, start_from or real_from or "the batch"),
@@ -465,7 +461,7 @@ class _Inputs:
 
 def _start_issue(
     claim: Claim, start_from: str, start: Tensor, b: int, p: int, inputs: _Inputs
-) -> Issue:
+) -> Disagreement:
     claim_starts = bool(claim.start[b, p]) if claim.start is not None else False
     says, other = (claim.name, start_from) if claim_starts else (start_from, claim.name)
     message = f"{says} starts a document at token {p}, {other} does not"
@@ -477,7 +473,7 @@ def _start_issue(
         )
     if claim.name == "position_ids" and not claim_starts:
         message += " (position_ids go on across the boundary)"
-    return Issue(b, p, (claim.name, start_from), message)
+    return Disagreement(b, p, (claim.name, start_from), message)
 
 
 def _holds_real(start: Tensor, real: Tensor) -> Tensor:

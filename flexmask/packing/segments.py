@@ -29,9 +29,9 @@ class Claim(NamedTuple):
     real: Tensor | None
 
 
-class Issue(NamedTuple):
-    """A problem found inside one input, before any comparison (``token`` may be ``S`` for
-    "past the row")."""
+class Disagreement(NamedTuple):
+    """Where inputs disagree: ``row``, ``token`` (``S`` for "past the row"), the ``inputs``
+    that disagree, and a ``message`` saying what each says there."""
 
     row: int
     token: int
@@ -101,15 +101,15 @@ def from_attention_mask(mask: Tensor) -> tuple[Claim, bool]:
 
 def from_lengths(
     name: str, lengths: Sequence[Tensor], shape: tuple[int, int]
-) -> tuple[Claim, list[Issue]]:
+) -> tuple[Claim, list[Disagreement]]:
     """Documents back to back from token 0 in each row (``seq_lens``, a ``document``): one
     tensor of lengths per row, or one for every row."""
     batch, seq_len = shape
-    issues: list[Issue] = []
+    issues: list[Disagreement] = []
     rows = list(lengths) if len(lengths) == batch else [lengths[0]] * batch
     if len(lengths) not in (1, batch):
         issues.append(
-            Issue(0, 0, (name,), f"{name} has {len(lengths)} rows but the batch has {batch}")
+            Disagreement(0, 0, (name,), f"{name} has {len(lengths)} rows but the batch has {batch}")
         )
         rows = [rows[0]] * batch
     counts = torch.tensor([r.numel() for r in rows])
@@ -122,7 +122,7 @@ def from_lengths(
     if over.numel():
         b = int(over[0])
         issues.append(
-            Issue(
+            Disagreement(
                 b,
                 seq_len,
                 (name,),
@@ -149,14 +149,14 @@ def from_cu_seqlens(
     cu_seqlens_padded: Tensor | None,
     shape: tuple[int, int],
     max_seqlen: int | None,
-) -> tuple[Claim, list[Issue]]:
+) -> tuple[Claim, list[Disagreement]]:
     """Cumulative lengths over the ``B * S`` tokens laid end to end (flash-attn's varlen,
     transformers' flash path, TransformerEngine's THD). With ``cu_seqlens_padded`` each
     sequence sits at its padded offset and ``cu_seqlens`` gives its real length: the
     tokens past it, up to the next padded offset, are padding."""
     batch, seq_len = shape
     total = batch * seq_len
-    issues: list[Issue] = []
+    issues: list[Disagreement] = []
     name = "cu_seqlens" if cu_seqlens is not None else "cu_seqlens_padded"
     cu = _cumulative(cu_seqlens if cu_seqlens is not None else cu_seqlens_padded, name)
     lengths = cu.diff()
@@ -187,7 +187,7 @@ def from_cu_seqlens(
     ends = starts + lengths
     if ends.numel() and int(ends.max()) > total:
         issues.append(
-            Issue(
+            Disagreement(
                 batch - 1,
                 seq_len,
                 (name,),
@@ -232,15 +232,17 @@ def _cumulative(value: Any, name: str) -> Tensor:
     return value
 
 
-def _flat_issue(flat: int, seq_len: int, inputs: tuple[str, ...], message: str) -> Issue:
-    return Issue(flat // seq_len, flat % seq_len, inputs, message)
+def _flat_issue(flat: int, seq_len: int, inputs: tuple[str, ...], message: str) -> Disagreement:
+    return Disagreement(flat // seq_len, flat % seq_len, inputs, message)
 
 
-def mask_claims(mask: Mask, name: str, shape: tuple[int, int]) -> tuple[list[Claim], list[Issue]]:
+def mask_claims(
+    mask: Mask, name: str, shape: tuple[int, int]
+) -> tuple[list[Claim], list[Disagreement]]:
     """The documents a mask's ``document`` pieces say (an ``&`` of them with anything else
     keeps their boundaries), and the tokens a ``tree`` piece holds."""
     claims: list[Claim] = []
-    issues: list[Issue] = []
+    issues: list[Disagreement] = []
     for part in conjuncts(mask):
         if isinstance(part, Document):
             claim, found = from_lengths(f"{name}'s documents", part.seq_lens, shape)
