@@ -22,7 +22,12 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmask._validate import check_int
 from flexmask.algebra.mask import Mask
 from flexmask.attention import flex_attention
-from flexmask.context_parallel.exchange import check_exchange_group, exchange_kv, resolve_exchange
+from flexmask.context_parallel.exchange import (
+    agree_before_exchange,
+    check_exchange_group,
+    exchange_kv,
+    resolve_exchange,
+)
 from flexmask.context_parallel.exchange_plan import KVExchange
 
 if TYPE_CHECKING:
@@ -61,8 +66,8 @@ def _check_before_gather(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if not isinstance(shard, (CPShard, LazyShard, BlockMask)):
         raise TypeError(
-            f"shard must be this rank's CPShard (flexmask.shard), a LazyShard or its "
-            f"BlockMask, got {type(shard).__name__}"
+            f"shard must be this rank's CPShard (flexmask.shard), a LazyShard, its "
+            f"BlockMask or its KVExchange (plan_exchange), got {type(shard).__name__}"
         )
     dim = check_int(seq_dim, "seq_dim")
     if key.dim() < 2 or not -key.dim() <= dim < key.dim() or dim % key.dim() != key.dim() - 2:
@@ -170,34 +175,54 @@ def cp_flex_attention(
     Raises:
         ValueError / TypeError: before any collective, where this rank's inputs do not fit
             its shard (keys or values of another length, a wrong ``seq_dim``, a group of
-            another size). Only this rank raises; the others wait in the all-gather until
-            this process leaves the group or the group's timeout passes (gloo's default: 30
-            minutes; ``init_process_group(timeout=...)`` sets it). See
-            docs/context-parallel.md.
+            another size). With the all-gather only this rank raises; the others wait in it
+            until this process leaves the group or the group's timeout passes (gloo's
+            default: 30 minutes; ``init_process_group(timeout=...)`` sets it). With the
+            exchange every rank raises: the ranks share their checks' outcome (and their
+            split sizes) in one small all-gather first. See docs/context-parallel.md.
     """
     plan = resolve_exchange(shard, exchange)
-    own = shard.shard if isinstance(shard, KVExchange) else shard
+    if plan is not None:
+        return _attend_exchanged(query, key, value, plan, group, seq_dim, return_lse, kwargs)
+    own = shard.shard if isinstance(shard, KVExchange) else shard  # its all-gather fallback
     block_mask, seq_dim, process_group = _check_before_gather(
         query, key, value, own, seq_dim, group
     )
-    if plan is not None:
-        check_exchange_group(plan, c10d.get_world_size(process_group), c10d.get_rank(process_group))
-        needed_key, needed_value = exchange_kv(
-            key.contiguous(), value.contiguous(), plan, seq_dim, process_group
-        )
-        return flex_attention(
-            query,
-            needed_key,
-            needed_value,
-            block_mask=plan.block_mask,
-            return_lse=return_lse,
-            **kwargs,
-        )
     full_key, full_value = flex_cp_allgather(
         key.contiguous(), value.contiguous(), seq_dim, c10d._get_process_group_name(process_group)
     )
     return flex_attention(
         query, full_key, full_value, block_mask=block_mask, return_lse=return_lse, **kwargs
+    )
+
+
+def _attend_exchanged(
+    query: Any,
+    key: Any,
+    value: Any,
+    plan: KVExchange,
+    group: Any,
+    seq_dim: Any,
+    return_lse: bool,
+    kwargs: dict[str, Any],
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``cp_flex_attention`` on the keys ``plan`` moves. This rank's checks run first, then
+    every rank learns every other's outcome (``agree_before_exchange``): a refusal anywhere
+    raises on every rank before the all-to-all."""
+    process_group = _process_group(group)
+    world = c10d.get_world_size(process_group)
+    try:
+        _, seq_dim, _ = _check_before_gather(query, key, value, plan.shard, seq_dim, group)
+        check_exchange_group(plan, world, c10d.get_rank(process_group))
+    except (TypeError, ValueError):
+        agree_before_exchange(plan, key, value, True, process_group, world)
+        raise
+    agree_before_exchange(plan, key, value, False, process_group, world)
+    needed_key, needed_value = exchange_kv(
+        key.contiguous(), value.contiguous(), plan, seq_dim, process_group
+    )
+    return flex_attention(
+        query, needed_key, needed_value, block_mask=plan.block_mask, return_lse=return_lse, **kwargs
     )
 
 
