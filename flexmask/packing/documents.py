@@ -345,6 +345,70 @@ def pack(
         >>> pack([[1, 2, 3], [4, 5, 6]], max_len=4, split_across_pack=True).tokens.tolist()
         [[1, 2, 3, 4], [5, 6, 0, 0]]
     """
+    max_len, pad_id, ignore_index = _check_options(
+        max_len, pad_id, ignore_index, policy, strategy, split_across_pack, labels, loss_mask
+    )
+    token_lists = _token_lists(sequences)
+    target_lists = _target_lists(token_lists, labels, loss_mask, ignore_index)
+    if split_across_pack:
+        assignment = _assign_across_rows(token_lists, max_len)
+    else:
+        assignment = _assign_to_rows(_cut(token_lists, max_len, policy), max_len, strategy)
+    layout = _lay_out_pieces(assignment, len(token_lists), max_len)
+    _check_pack_memory(layout.num_rows, max_len, token_lists)
+    tokens, packed_labels, position_ids = _scatter(
+        token_lists, target_lists, assignment.pieces, layout, max_len, pad_id, ignore_index
+    )
+    batch = PackedBatch(
+        tokens=tokens,
+        labels=packed_labels,
+        position_ids=position_ids,
+        seq_lens=layout.seq_lens,
+        placement=layout.placement,
+        max_len=max_len,
+    )
+    if check_enabled(check):
+        check_batch(batch=batch, raise_on_error=True)
+    return batch
+
+
+class _Assignment(NamedTuple):
+    """The pieces the sequences are cut into, and the row each piece goes to.
+
+    ``pieces`` are ``(sequence index, chunk start inside the sequence, length)``, in input order
+    and, within a sequence, in chunk order. ``order`` lists the piece indices in the order they
+    were assigned; ``rows[j]`` is the row of piece ``order[j]``.
+    """
+
+    pieces: list[tuple[int, int, int]]
+    order: list[int]
+    rows: list[int]
+
+
+class _Layout(NamedTuple):
+    """Where the assigned pieces sit.
+
+    ``seq_lens`` and ``placement`` are :class:`PackedBatch`'s; ``dest_start`` is, per piece, the
+    index of its first token in the flattened ``(num_rows * max_len,)`` batch.
+    """
+
+    num_rows: int
+    seq_lens: list[list[int]]
+    placement: list[list[Chunk]]
+    dest_start: list[int]
+
+
+def _check_options(
+    max_len: int,
+    pad_id: int,
+    ignore_index: int,
+    policy: Policy,
+    strategy: Strategy,
+    split_across_pack: bool,
+    labels: object,
+    loss_mask: object,
+) -> tuple[int, int, int]:
+    """:func:`pack`'s checks on everything but the sequences; ``max_len, pad_id, ignore_index``."""
     max_len = check_int(max_len, "max_len", minimum=1)
     pad_id = check_int(pad_id, "pad_id", minimum=0)
     ignore_index = check_int(ignore_index, "ignore_index")
@@ -362,40 +426,62 @@ def pack(
             "pass labels or loss_mask, not both (a loss mask is labels equal to the tokens where "
             "True and ignore_index where False)"
         )
-    token_lists = _token_lists(sequences)
-    target_lists = None
+    return max_len, pad_id, ignore_index
+
+
+def _target_lists(
+    token_lists: list[list[int]],
+    labels: Iterable[Sequence[int] | torch.Tensor] | None,
+    loss_mask: Iterable[Sequence[bool] | torch.Tensor] | None,
+    ignore_index: int,
+) -> list[list[int]] | None:
+    """Per sequence, the unshifted target of every token; ``None`` for the tokens themselves."""
     if labels is not None:
-        target_lists = _labels("labels", labels, token_lists, ignore_index)
-    elif loss_mask is not None:
+        return _labels("labels", labels, token_lists, ignore_index)
+    if loss_mask is not None:
         masks = _loss_masks("loss_mask", loss_mask, token_lists)
-        target_lists = [
+        return [
             [t if keep else ignore_index for t, keep in zip(seq, mask, strict=True)]
             for seq, mask in zip(token_lists, masks, strict=True)
         ]
+    return None
 
-    # Pieces: (sequence index, chunk start inside the sequence, length), in input order.
-    if split_across_pack:
-        pieces, rows = _cut_across_rows(token_lists, max_len)
+
+def _cut(token_lists: list[list[int]], max_len: int, policy: Policy) -> list[tuple[int, int, int]]:
+    """Every sequence cut into ``max_len``-token pieces, in input order; raises under reject."""
+    pieces: list[tuple[int, int, int]] = []
+    for i, seq in enumerate(token_lists):
+        if len(seq) > max_len and policy == "reject":
+            raise ValueError(
+                f"sequences[{i}] has {len(seq)} tokens, more than max_len={max_len}; raise "
+                'max_len, shorten the sequence, or pass policy="split" to cut it into chunks'
+            )
+        pieces.extend((i, s, min(max_len, len(seq) - s)) for s in range(0, len(seq), max_len))
+    return pieces
+
+
+def _assign_to_rows(
+    pieces: list[tuple[int, int, int]], max_len: int, strategy: Strategy
+) -> _Assignment:
+    """Bin-packs the pieces into rows of ``max_len`` with ``strategy``."""
+    if strategy == "next_fit":
         order = list(range(len(pieces)))
-    else:
-        pieces = []
-        for i, seq in enumerate(token_lists):
-            if len(seq) > max_len and policy == "reject":
-                raise ValueError(
-                    f"sequences[{i}] has {len(seq)} tokens, more than max_len={max_len}; raise "
-                    'max_len, shorten the sequence, or pass policy="split" to cut it into chunks'
-                )
-            pieces.extend((i, s, min(max_len, len(seq) - s)) for s in range(0, len(seq), max_len))
-        if strategy == "next_fit":
-            order = list(range(len(pieces)))
-            rows = _next_fit([p[2] for p in pieces], max_len)
-        else:
-            # sorted() is stable: equal lengths keep input order.
-            order = sorted(range(len(pieces)), key=lambda k: -pieces[k][2])
-            fit = _first_fit if strategy == "first_fit_decreasing" else _best_fit
-            rows = fit([pieces[k][2] for k in order], max_len)
+        return _Assignment(pieces, order, _next_fit([p[2] for p in pieces], max_len))
+    # sorted() is stable: equal lengths keep input order.
+    order = sorted(range(len(pieces)), key=lambda k: -pieces[k][2])
+    fit = _first_fit if strategy == "first_fit_decreasing" else _best_fit
+    return _Assignment(pieces, order, fit([pieces[k][2] for k in order], max_len))
 
-    # Lay pieces out in the order they were assigned, so each row's documents sit in that order.
+
+def _assign_across_rows(token_lists: list[list[int]], max_len: int) -> _Assignment:
+    """``split_across_pack``: sequences end to end, cut at every row end, kept in input order."""
+    pieces, rows = _cut_across_rows(token_lists, max_len)
+    return _Assignment(pieces, list(range(len(pieces))), rows)
+
+
+def _lay_out_pieces(assignment: _Assignment, num_sequences: int, max_len: int) -> _Layout:
+    """Lays pieces out in the order they were assigned, so each row's documents sit in it."""
+    pieces, order, rows = assignment
     num_rows = max(rows) + 1
     seq_lens: list[list[int]] = [[] for _ in range(num_rows)]
     fill = [0] * num_rows
@@ -405,11 +491,16 @@ def pack(
         chunk_of_piece[k] = Chunk(row, fill[row], length)
         seq_lens[row].append(length)
         fill[row] += length
-    placement: list[list[Chunk]] = [[] for _ in token_lists]
+    placement: list[list[Chunk]] = [[] for _ in range(num_sequences)]
     # pieces are in input order and, within a sequence, in chunk order.
     for (i, _, _), chunk in zip(pieces, chunk_of_piece, strict=True):
         placement[i].append(chunk)
     dest_start = [c.row * max_len + c.start for c in chunk_of_piece]
+    return _Layout(num_rows, seq_lens, placement, dest_start)
+
+
+def _check_pack_memory(num_rows: int, max_len: int, token_lists: list[list[int]]) -> None:
+    """Refuses, before allocating, packed tensors that would not fit in memory."""
     _check_memory(
         24 * num_rows * max_len,
         f"tokens, labels and position_ids (3 int64 tensors of {num_rows} x {max_len})",
@@ -419,6 +510,17 @@ def pack(
         "and fewer sequences per call make fewer rows",
     )
 
+
+def _scatter(
+    token_lists: list[list[int]],
+    target_lists: list[list[int]] | None,
+    pieces: list[tuple[int, int, int]],
+    layout: _Layout,
+    max_len: int,
+    pad_id: int,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed ``(tokens, labels, position_ids)``, each ``(num_rows, max_len)``."""
     # Pieces in input order are `flat` split by `piece_lens`: label = next token in the piece,
     # position = offset in the piece; then one scatter puts them all in place.
     flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
@@ -433,25 +535,17 @@ def pack(
     positions_flat = torch.arange(len(flat)) - torch.repeat_interleave(
         piece_ends - piece_lens, piece_lens, output_size=len(flat)
     )
-    dest = _ranges(torch.tensor(dest_start, dtype=torch.int64), piece_lens)
+    dest = _ranges(torch.tensor(layout.dest_start, dtype=torch.int64), piece_lens)
 
+    num_rows = layout.num_rows
     tokens = torch.full((num_rows * max_len,), pad_id, dtype=torch.int64)
     packed_labels = torch.full((num_rows * max_len,), ignore_index, dtype=torch.int64)
     position_ids = torch.zeros(num_rows * max_len, dtype=torch.int64)
     tokens[dest] = flat
     packed_labels[dest] = labels_flat
     position_ids[dest] = positions_flat
-    batch = PackedBatch(
-        tokens=tokens.view(num_rows, max_len),
-        labels=packed_labels.view(num_rows, max_len),
-        position_ids=position_ids.view(num_rows, max_len),
-        seq_lens=seq_lens,
-        placement=placement,
-        max_len=max_len,
-    )
-    if check_enabled(check):
-        check_batch(batch=batch, raise_on_error=True)
-    return batch
+    shape = (num_rows, max_len)
+    return tokens.view(shape), packed_labels.view(shape), position_ids.view(shape)
 
 
 def _cut_across_rows(

@@ -366,8 +366,76 @@ def pack_trees(
     count = len(token_lists)
     prompts = [0] * count if prompt_lens is None else _prompt_lens(prompt_lens, token_lists)
     masks = None if loss_mask is None else _loss_masks("loss_mask", loss_mask, token_lists)
+    forest = _grow_trees(token_lists, max_tokens)
+    rows = max(len(forest.roots), num_rows or 0, 1)  # at least one row, even if all are empty
+    _check_trees_memory(rows, num_rows, max_tokens, forest)
+    laid = _lay_out_trees(forest, token_lists, rows, max_tokens, pad_id)
+    plan = _gather_plan(token_lists, laid.path_of, prompts, masks, laid.tokens)
+    batch = TreeBatch(
+        tokens=laid.tokens,
+        position_ids=laid.position_ids,
+        parents=laid.parents,
+        num_tokens=forest.sizes + [0] * (rows - len(forest.roots)),
+        row_of=forest.row_of,
+        unpacked_tokens=plan.total,
+        max_tokens=max_tokens,
+        _paths=plan.paths,
+        _path_offsets=plan.path_offsets,
+        _predictor=plan.predictor,
+        _predictor_inverse=plan.predictor_inverse,
+        _target=plan.target,
+        _target_row=plan.target_row,
+        _target_col=plan.target_col,
+        _width=plan.width,
+        _max_target=int(plan.target.max()) if plan.target.numel() else -1,
+        _max_token=max(map(max, filter(None, token_lists)), default=-1),
+        _pad_id=pad_id,
+    )
+    if check_enabled(check):
+        check_batch(batch=batch, raise_on_error=True)
+    return batch
 
-    # First fit over open trees, charging each sequence only the nodes it adds.
+
+class _Forest(NamedTuple):
+    """The prefix trees the sequences were merged into: per tree its root and node count, per
+    sequence its tree (``-1`` for an empty one)."""
+
+    roots: list[_Edge]
+    sizes: list[int]
+    row_of: list[int]
+
+
+class _LaidOut(NamedTuple):
+    """The trees written into rows: the packed tensors, and per sequence its flat path."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    parents: list[torch.Tensor]
+    path_of: list[torch.Tensor]
+
+
+class _GatherPlan(NamedTuple):
+    """What :meth:`TreeBatch.log_probs` and :meth:`TreeBatch.unpack` index with.
+
+    ``paths`` are every sequence's flat packed positions, end to end (``path_offsets`` cut
+    them); per target, in sequence order: ``predictor_inverse`` into the unique predicting
+    positions ``predictor``, the token ``target``, and its place ``(target_row, target_col)``
+    in the ``(num_sequences, width)`` output.
+    """
+
+    total: int
+    paths: torch.Tensor
+    path_offsets: list[int]
+    predictor: torch.Tensor
+    predictor_inverse: torch.Tensor
+    target: torch.Tensor
+    target_row: torch.Tensor
+    target_col: torch.Tensor
+    width: int
+
+
+def _grow_trees(token_lists: list[list[int]], max_tokens: int) -> _Forest:
+    """First fit over open trees, charging each sequence only the nodes it adds."""
     roots: list[_Edge] = []
     sizes: list[int] = []
     row_of: list[int] = []
@@ -391,9 +459,12 @@ def pack_trees(
         _insert(roots[row], seq)
         sizes[row] += added
         row_of.append(row)
+    return _Forest(roots, sizes, row_of)
 
-    rows = max(len(roots), num_rows or 0, 1)  # at least one row, even if every sequence is empty
-    if num_rows is not None and num_rows > max(len(roots), 1):
+
+def _check_trees_memory(rows: int, num_rows: int | None, max_tokens: int, forest: _Forest) -> None:
+    """Refuses, before allocating, a batch that would not fit in memory, naming what sets it."""
+    if num_rows is not None and num_rows > max(len(forest.roots), 1):
         culprit = f"num_rows={num_rows} with max_tokens={max_tokens}"
     else:
         culprit = f"max_tokens={max_tokens}"
@@ -402,19 +473,25 @@ def pack_trees(
         f"tokens and position_ids (2 int64 tensors of {rows} x {max_tokens}) and a parent "
         "tensor and a node count per row",
         culprit,
-        f"the sequences make {len(roots)} tree(s) of at most {max(sizes, default=0)} tokens; "
-        "max_tokens needs only the longest sequence's length, and num_rows only the most "
-        "trees any rank has",
+        f"the sequences make {len(forest.roots)} tree(s) of at most "
+        f"{max(forest.sizes, default=0)} tokens; max_tokens needs only the longest sequence's "
+        "length, and num_rows only the most trees any rank has",
     )
+
+
+def _lay_out_trees(
+    forest: _Forest, token_lists: list[list[int]], rows: int, max_tokens: int, pad_id: int
+) -> _LaidOut:
+    """Writes each tree into its row in preorder; rows past the last tree are dummy trees."""
     tokens = torch.full((rows, max_tokens), pad_id, dtype=torch.int64)
     position_ids = torch.zeros((rows, max_tokens), dtype=torch.int64)
     parents = [torch.tensor([-1], dtype=torch.int64)] * rows  # dummy rows: one lone node
-    members: list[list[int]] = [[] for _ in roots]
-    for i, row in enumerate(row_of):
+    members: list[list[int]] = [[] for _ in forest.roots]
+    for i, row in enumerate(forest.row_of):
         if row >= 0:
             members[row].append(i)
-    path_of: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64)] * count
-    for row, root in enumerate(roots):
+    path_of: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64)] * len(token_lists)
+    for row, root in enumerate(forest.roots):
         nodes, row_parents, depths, paths = _lay_out(root, [token_lists[i] for i in members[row]])
         tokens[row, : len(nodes)] = nodes
         position_ids[row, : len(nodes)] = depths
@@ -422,10 +499,19 @@ def pack_trees(
         pieces = paths.split([len(token_lists[i]) for i in members[row]])
         for i, piece in zip(members[row], pieces, strict=True):
             path_of[i] = piece + row * max_tokens
-    num_tokens = sizes + [0] * (rows - len(roots))
+    return _LaidOut(tokens, position_ids, parents, path_of)
 
-    # The gather plan, all at once: flat paths, flat trained flags, and for each target the
-    # packed position of the token before it.
+
+def _gather_plan(
+    token_lists: list[list[int]],
+    path_of: list[torch.Tensor],
+    prompts: list[int],
+    masks: list[list[bool]] | None,
+    tokens: torch.Tensor,
+) -> _GatherPlan:
+    """The gather plan, all at once: flat paths, flat trained flags, and for each target the
+    packed position of the token before it."""
+    count = len(token_lists)
     lengths = torch.tensor([len(seq) for seq in token_lists], dtype=torch.int64)
     total = int(lengths.sum())
     paths = torch.cat(path_of)
@@ -444,29 +530,17 @@ def pack_trees(
     first = torch.cumsum(per_sequence, 0) - per_sequence
     column = torch.arange(len(owner)) - first[owner]
     unique, inverse = torch.unique(predictor, return_inverse=True)
-    batch = TreeBatch(
-        tokens=tokens,
-        position_ids=position_ids,
-        parents=parents,
-        num_tokens=num_tokens,
-        row_of=row_of,
-        unpacked_tokens=total,
-        max_tokens=max_tokens,
-        _paths=paths,
-        _path_offsets=[0, *itertools.accumulate(lengths.tolist())],
-        _predictor=unique,
-        _predictor_inverse=inverse,
-        _target=target,
-        _target_row=owner,
-        _target_col=column,
-        _width=int(per_sequence.max()),
-        _max_target=int(target.max()) if target.numel() else -1,
-        _max_token=max(map(max, filter(None, token_lists)), default=-1),
-        _pad_id=pad_id,
+    return _GatherPlan(
+        total=total,
+        paths=paths,
+        path_offsets=[0, *itertools.accumulate(lengths.tolist())],
+        predictor=unique,
+        predictor_inverse=inverse,
+        target=target,
+        target_row=owner,
+        target_col=column,
+        width=int(per_sequence.max()),
     )
-    if check_enabled(check):
-        check_batch(batch=batch, raise_on_error=True)
-    return batch
 
 
 def _prompt_lens(value: Any, token_lists: list[list[int]]) -> list[int]:
