@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 import pathlib
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "flexmask"
 
 
@@ -267,11 +265,6 @@ def long_modules(root: pathlib.Path = ROOT, limit: int = MAX_MODULE_LINES) -> li
     ]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="being split (issue #30): flexmask/integrations/transformers.py (716 lines), "
-    "flexmask/testing/leaks.py (630)",
-)
 def test_no_module_over_600_lines():
     long = long_modules()
     assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
@@ -283,3 +276,34 @@ def test_the_length_check_can_fail(tmp_path):
     (package / "short.py").write_text("x = 1\n" * 3)
     (package / "sub" / "long.py").write_text("x = 1\n" * 5)
     assert long_modules(package, limit=4) == [f"{pathlib.Path('flexmask', 'sub', 'long.py')} (5)"]
+
+
+def long_functions(sources: dict[str, str], limit: int = 80) -> list[str]:
+    """``module.function (lines)`` for every function whose code (its docstring aside) runs
+    over ``limit`` lines."""
+    found = []
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body
+            first = body[0]
+            documented = isinstance(first, ast.Expr) and isinstance(
+                getattr(first, "value", None), ast.Constant
+            )
+            start = (
+                (body[1].lineno if len(body) > 1 else first.end_lineno)
+                if documented
+                else first.lineno
+            )
+            length = (node.end_lineno or start) - start + 1
+            if length > limit:
+                found.append(f"{name}.{node.name} ({length})")
+    return sorted(found)
+
+
+def test_no_function_over_80_lines_of_code():
+    """Docstrings aside: a function longer than a screen does several jobs."""
+    long = long_functions(_sources())
+    assert not long, "functions over 80 lines of code:\n" + "\n".join(long)
+    assert long_functions({"m": "def f():\n    '''doc'''\n" + "    x = 1\n" * 81}) == ["m.f (81)"]
