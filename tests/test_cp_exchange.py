@@ -110,6 +110,37 @@ def test_each_rank_receives_exactly_the_keys_it_attends(name, balancer, world):
         assert plan.gathered == (world - 1) * padded // world
 
 
+def test_other_key_length_and_a_rank_that_attends_nothing():
+    """Keys longer than the queries (no balancer: contiguous rows and key slices) are planned
+    the same way; a rank whose queries are all padding receives nothing, and its attention
+    over no keys gives zeros."""
+    world, q_len, kv_len = 4, 512, 1024
+    mask = flexmask.causal() & flexmask.sliding_window(64)
+    dense = oracle.causal(q_len, kv_len) & oracle.sliding_window(64, q_len, kv_len)
+    shards = [
+        flexmask.shard(
+            mask, 1, 1, q_len, kv_len, world_size=world, rank=r, balancer=None, BLOCK_SIZE=32
+        )
+        for r in range(world)
+    ]
+    plans = [exchange_from_block_masks([s.block_mask for s in shards], r) for r in range(world)]
+    for rank in range(world):
+        rows = slice(rank * q_len // world, (rank + 1) * q_len // world)
+        attended = np.flatnonzero(dense[rows].any(0)).tolist()
+        assert _received_positions(plans, rank).tolist() == attended
+    padded = flexmask.causal() & flexmask.padding(100)
+    shards = [
+        flexmask.shard(padded, 1, 1, 1024, world_size=world, rank=r, balancer=None, BLOCK_SIZE=64)
+        for r in range(world)
+    ]
+    plan = exchange_from_block_masks([s.block_mask for s in shards], 2)
+    assert plan.received == (0, 0, 0, 0) and plan.block_mask.seq_lengths == (256, 0)
+    q = torch.randn(1, 1, 256, 8)
+    none = torch.zeros(1, 1, 0, 8)
+    out = flexmask.flex_attention(q, none, none, block_mask=plan.block_mask, compile=False)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 @pytest.mark.parametrize("balancer", ["head_tail", "per_document"])
 @pytest.mark.parametrize("name", ["documents", "window", "tree", "causal"])
 def test_attention_on_the_received_keys_is_exact(name, balancer):
