@@ -18,7 +18,16 @@ from flexmask.algebra.mask import And, Mask, Not, Or
 from flexmask.attention import attention, compile_enabled, explain, flex_attention, set_compile
 from flexmask.blocks.read import same_blocks
 from flexmask.builders.create import create_block_mask
-from flexmask.formats import FlashMask, MagiMask, VarlenMask, to_flashmask, to_magi, to_varlen
+from flexmask.formats import (
+    FA4Mask,
+    FlashMask,
+    MagiMask,
+    VarlenMask,
+    to_fa4,
+    to_flashmask,
+    to_magi,
+    to_varlen,
+)
 from flexmask.inference import DecodeMasks, DecodeStep, decode_mask, speculative_tree
 from flexmask.packing import (
     BatchReport,
@@ -165,9 +174,11 @@ __all__ = [
     "CacheInfo",
     "DecodeMasks",
     "DecodeStep",
+    "FA4Mask",
     "FlashMask",
     "MagiMask",
     "VarlenMask",
+    "to_fa4",
     "to_flashmask",
     "to_magi",
     "to_varlen",
