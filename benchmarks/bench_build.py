@@ -27,6 +27,17 @@ given of the minimums and of the medians.
 "ops" counts the torch operator calls of one build (views included) and "ops x small op" is
 that count times one call on a one-element tensor measured in the same run: a lower bound
 on any build made of that many eager torch calls, whatever their size.
+
+``--device cuda`` (or any ``--device``) measures another table instead (``run_device``): at
+S = 32k, 131k, 524k and 1M (B = 1, H = 1), flexmask's build on that device against torch's compiled
+``create_block_mask`` there (first call, then the best of 3), whether the two BlockMasks
+agree block for block, and the host syncs of one flexmask build: the warnings of
+``torch.cuda.set_sync_debug_mode("warn")`` (CUDA only) and, on any device, the ops that wait
+for the device or copy between host and device (``.item()``, ``nonzero``, cross-device
+copies), counted at dispatch::
+
+    python benchmarks/bench_build.py --device cuda --json out/gpu/bench_build.json
+    python benchmarks/bench_build.py --device cpu --sizes 1024 --quick   # the same path, CPU
 """
 
 from __future__ import annotations
@@ -324,9 +335,216 @@ def piece_cases(S: int, B: int) -> dict[str, flexmask.Mask]:
     }
 
 
+DEVICE_SIZES = [32768, 131072, 524288, 1048576]
+DEVICE_MASKS = ["causal", "document-causal", "tree"]
+
+
+def synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_time(fn: Callable[[], Any], device: str, repeat: int) -> float:
+    """Best wall time of ``repeat`` calls, each waited for on the device (after one warm-up)."""
+
+    def waited() -> None:
+        fn()
+        synchronize(device)
+
+    return best_time(waited, repeat=repeat, warmup=1)
+
+
+_SYNCING = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item", "aten::equal")
+
+
+class _CountSyncs(TorchDispatchMode):
+    """Ops that make the host wait for the device or move data between them: ``.item()``,
+    ``nonzero``, ``equal``, and copies whose source and result sit on different devices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name
+        label = None
+        if name in _SYNCING:
+            label = name.removeprefix("aten::")
+        elif name in ("aten::_to_copy", "aten::copy_", "aten::to", "aten::_copy_from"):
+            sources = [a for a in args if isinstance(a, torch.Tensor)]
+            results = out if isinstance(out, (list, tuple)) else [out]
+            devices = {t.device.type for t in [*sources, *results] if isinstance(t, torch.Tensor)}
+            if len(devices) > 1:
+                label = "host<->device copy"
+        if label:
+            self.ops[label] = self.ops.get(label, 0) + 1
+        return out
+
+
+def count_syncs(fn: Callable[[], Any], device: str) -> dict[str, Any]:
+    """One call's host syncs: torch's sync debug warnings (CUDA only, else None) and the
+    syncing ops counted at dispatch."""
+    import warnings
+
+    debug = None
+    with _CountSyncs() as counter:
+        if torch.device(device).type == "cuda":
+            synchronize(device)
+            previous = torch.cuda.get_sync_debug_mode()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    fn()
+                finally:
+                    torch.cuda.set_sync_debug_mode(previous)
+            debug = sum("synchroniz" in str(w.message) for w in caught)
+        else:
+            fn()
+    return {"sync_debug_warnings": debug, "syncing_ops": counter.ops}
+
+
+def _dense(num: torch.Tensor | None, idx: torch.Tensor | None, columns: int) -> torch.Tensor:
+    """A BlockMask's (count, index) pair as a (B, H, rows, columns) bool grid."""
+    if num is None or idx is None:
+        return torch.zeros(0, dtype=torch.bool)
+    listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+    target = torch.where(listed, idx.long(), columns)
+    grid = torch.zeros(*idx.shape[:-1], columns + 1, dtype=torch.bool, device=idx.device)
+    grid.scatter_(-1, target, True)
+    return grid[..., :columns]
+
+
+def same_blocks(ours: Any, theirs: Any) -> bool:
+    """Whether two BlockMasks list the same partial and the same full blocks."""
+    columns = ours.kv_indices.shape[-1]
+    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        a = _dense(getattr(ours, num), getattr(ours, idx), columns)
+        b = _dense(getattr(theirs, num), getattr(theirs, idx), columns)
+        if a.shape != b.shape or not torch.equal(a.cpu(), b.cpu()):
+            return False
+    return True
+
+
+def run_device(args: argparse.Namespace) -> None:
+    """flexmask's build on ``args.device`` against torch's compiled create_block_mask there,
+    with the host syncs of one build; the JSON is written after every row."""
+    device = args.device
+    sizes = args.sizes or DEVICE_SIZES
+    masks = args.masks or DEVICE_MASKS
+    repeat = 3 if args.quick else 5
+    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "CPU"
+    print(f"# BlockMask build on {device} ({name}): flexmask vs compiled create_block_mask\n")
+    print(machine(), "\n", flush=True)
+    torch._dynamo.config.recompile_limit = 256
+    compiled_builder = torch.compile(torch_create_block_mask, dynamic=False)
+    rows: list[dict[str, Any]] = []
+
+    def save() -> None:
+        save_json(
+            args.json, {"machine": machine(), "device": device, "device_name": name, "rows": rows}
+        )
+
+    B = 1
+    for S in sizes:
+        # Only what is asked: the newer rows' Python-made trees and ids take seconds at 1M.
+        cases = mask_cases(S, B) if set(masks) <= set(mask_cases(64, 1)) else build_cases(S, B)
+        for mask_name in masks:
+            mask = cases[mask_name]
+            H = HEADS.get(mask_name, 1)
+            row: dict[str, Any] = dict(mask=mask_name, S=S, B=B, H=H, device=device)
+            try:
+
+                def build(m: flexmask.Mask = mask, H: int = H, S: int = S) -> Any:
+                    return flexmask.create_block_mask(m, B, H, S, S, device)
+
+                start = time.perf_counter()
+                ours = build()
+                synchronize(device)
+                row["flexmask_first_s"] = time.perf_counter() - start
+                row["flexmask_s"] = device_time(build, device, repeat)
+                row.update(count_syncs(build, device))
+                if args.compiled_limit >= B * H * S * S:
+                    mod = mask.mask_mod_for(S, S, device)
+
+                    def theirs_build(mod: Any = mod, H: int = H, S: int = S) -> Any:
+                        return compiled_builder(mod, B, H, S, S, device)
+
+                    start = time.perf_counter()
+                    theirs = theirs_build()
+                    synchronize(device)
+                    row["compiled_first_s"] = time.perf_counter() - start
+                    row["compiled_s"] = device_time(theirs_build, device, 3)
+                    row["vs_compiled"] = row["compiled_s"] / row["flexmask_s"]
+                    row["same_blocks"] = same_blocks(ours, theirs)
+                    del theirs
+                del ours
+            except Exception as error:  # noqa: BLE001 - a row that fails is recorded, not fatal
+                row["error"] = f"{type(error).__name__}: {error}"[:500]
+            if torch.device(device).type == "cuda":
+                row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            rows.append(row)
+            print(
+                f"  S={S:>8} {mask_name:16} flexmask {fmt_time(row.get('flexmask_s'))} "
+                f"(first {fmt_time(row.get('flexmask_first_s'))}) compiled torch "
+                f"{fmt_time(row.get('compiled_s'))} (first {fmt_time(row.get('compiled_first_s'))})"
+                f" {ratio(row.get('compiled_s'), row.get('flexmask_s'))} same blocks "
+                f"{row.get('same_blocks', '—')} syncs {row.get('sync_debug_warnings', '—')} "
+                f"{row.get('syncing_ops', {})} {row.get('error', '')}",
+                flush=True,
+            )
+            save()
+    print()
+    print(
+        markdown_table(
+            [
+                "mask",
+                "S",
+                "flexmask",
+                "flexmask first",
+                "torch compiled",
+                "compiled first call",
+                "vs compiled",
+                "same blocks",
+                "sync warnings",
+                "syncing ops",
+                "error",
+            ],
+            [
+                [
+                    r["mask"],
+                    f"{r['S']:,}",
+                    fmt_time(r.get("flexmask_s")),
+                    fmt_time(r.get("flexmask_first_s")),
+                    fmt_time(r.get("compiled_s")),
+                    fmt_time(r.get("compiled_first_s")),
+                    ratio(r.get("compiled_s"), r.get("flexmask_s")),
+                    r.get("same_blocks", "—"),
+                    "—" if r.get("sync_debug_warnings") is None else r["sync_debug_warnings"],
+                    ", ".join(f"{k} {v}" for k, v in r.get("syncing_ops", {}).items()) or "none",
+                    r.get("error", ""),
+                ]
+                for r in rows
+            ],
+        )
+    )
+    save()
+    if any("error" in r or r.get("same_blocks") is False for r in rows):
+        sys.exit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 65536])
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="measure the build on this device against compiled torch there (run_device); "
+        "default: the CPU table",
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--masks", nargs="+", default=None)
     parser.add_argument(
@@ -338,7 +556,7 @@ def main() -> None:
     parser.add_argument(
         "--compiled-limit",
         type=float,
-        default=8.6e9,
+        default=None,
         help="skip compiled torch where B*S^2 exceeds this many elements",
     )
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
@@ -347,6 +565,14 @@ def main() -> None:
     )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
+    if args.device is not None:
+        if args.compiled_limit is None:
+            args.compiled_limit = 1.2e12  # 1M x 1M: a GPU's compiled build evaluates it all
+        run_device(args)
+        return
+    args.sizes = args.sizes or [1024, 4096, 16384, 32768, 65536]
+    if args.compiled_limit is None:
+        args.compiled_limit = 8.6e9
     repeat = 3 if args.quick else 10
 
     print(f"# BlockMask build: flexmask vs torch.create_block_mask\n\n{machine()}\n")
