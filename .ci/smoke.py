@@ -203,6 +203,34 @@ def formats_and_backends() -> None:
             assert torch.load(path) == mask
 
 
+def batch_checks() -> None:
+    # A packed batch agrees with itself; the same tokens with positions that never restart
+    # (dropped position_ids) are named, row and token.
+    packed = flexmask.pack([[1, 2, 3], [4, 5, 6, 7], [8, 9]], max_len=10)
+    report = flexmask.check_batch(batch=packed)
+    assert isinstance(report, flexmask.BatchReport) and report.ok, report
+    flat = torch.arange(packed.tokens.shape[1]).expand_as(packed.tokens)
+    report = flexmask.check_batch(batch=packed, position_ids=flat)
+    assert not report.ok and report.first is not None, report
+    try:
+        flexmask.check_batch(batch=packed, position_ids=flat, raise_on_error=True)
+    except ValueError as err:
+        assert "position" in str(err), err
+    else:
+        raise AssertionError("check_batch(raise_on_error=True) did not raise")
+
+
+def fa4_lowering() -> None:
+    # FlashAttention-4's block-sparse arguments for causal documents, blocks (32, 16): full
+    # tiles listed full, diagonal tiles partial, nothing above the diagonal.
+    mask = flexmask.causal() & flexmask.document([40, 56])
+    fa4 = flexmask.to_fa4(mask, 1, 1, S, S, q_block=32, kv_block=16)
+    assert isinstance(fa4, flexmask.FA4Mask)
+    built = flexmask.create_block_mask(mask, 1, 1, S, S, "cpu", BLOCK_SIZE=(32, 16))
+    assert fa4.mask_block_cnt.tolist() == built.kv_num_blocks.tolist()
+    assert fa4.full_block_cnt.tolist() == built.full_kv_num_blocks.tolist()
+
+
 def context_parallel() -> None:
     W, L = 2, S
     mask = flexmask.causal() & flexmask.document([50, 46])
@@ -307,6 +335,8 @@ EXERCISES: dict[Callable[[], None], set[str]] = {
     plotting: {"plot"},
     rl_trees: {"pack_trees", "TreeBatch", "SequenceLogProbs"},
     windows_and_decoding: {"decode_mask", "DecodeMasks", "DecodeStep", "speculative_tree"},
+    batch_checks: {"check_batch", "BatchReport"},
+    fa4_lowering: {"to_fa4", "FA4Mask"},
     formats_and_backends: {
         "to_varlen", "VarlenMask", "to_flashmask", "FlashMask", "to_magi", "MagiMask",
         "attention", "explain", "safe_globals",

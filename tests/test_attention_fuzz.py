@@ -50,7 +50,8 @@ CI = settings(
     database=None,
     phases=(Phase.explicit, Phase.generate),
 )
-SLOW = settings(deadline=None, derandomize=True, database=None, max_examples=500)
+# 150 cases: ~60 s of CI on 2 busy cores (500 took 204 s); more with --hypothesis-seed runs.
+SLOW = settings(deadline=None, derandomize=True, database=None, max_examples=150)
 
 BENIGN_SCALES = st.sampled_from((None, 0.5, 2.0))
 STRIDED_MORE = st.tuples(*[st.sampled_from((*LAYOUTS, "last_dim_strided"))] * 3)
