@@ -104,14 +104,22 @@ def run(
     # whose scores fit easily (it is the CPU's reference; on a GPU, up to 8k).
     if not train and (torch.device(device).type == "cpu" or S <= 8192):
         calls["flex (eager)"] = lambda: torch_flex_attention(q, k, v, block_mask=block_mask)
+    errors: dict[str, str] = {}
+    for label, fn in list(calls.items()):  # warm up: caches, first-call allocations, compiles
+        try:
+            fn()
+        except Exception as error:  # noqa: BLE001 - a backend that fails is recorded, dropped
+            errors[label] = f"{type(error).__name__}: {error}"[:500]
+            del calls[label]
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+    names = [b for b in names if b in calls]
     samples: dict[str, list[float]] = {label: [] for label in calls}
-    for fn in calls.values():  # warm up: caches, first-call allocations, compiles
-        fn()
     for _ in range(repeat):  # interleaved, so a busy machine slows each alike
         for label, fn in calls.items():
             samples[label].append(timed(fn, 1, device))
     best = {label: statistics.median(times) for label, times in samples.items()}
-    fastest = min(t for label, t in best.items() if label in names)
+    fastest = min((t for label, t in best.items() if label in names), default=float("nan"))
     return {
         "S": S,
         "mask": name,
@@ -119,7 +127,8 @@ def run(
         "auto picks": chosen,
         "takers": names,
         "times": best,
-        "auto / best": best["auto"] / fastest,
+        "auto / best": best.get("auto", float("nan")) / fastest,
+        "errors": errors,
     }
 
 
@@ -130,10 +139,11 @@ def first_taker(order: tuple[str, ...], row: dict) -> str:
 
 def suggest_order(rows: list[dict], current: tuple[str, ...]) -> tuple[tuple[str, ...], dict]:
     """The order ``AUTO[device]`` should have from these rows' medians: of every order of the
-    backends measured (those that took some call), the one whose first taker of each row is
-    slowest against that row's fastest backend by the least (geometric mean over the rows,
-    then the worst row; ties keep ``current``'s order). Returns it with, for it and for
-    ``current``, the geometric mean and the worst of those ratios."""
+        backends measured (those that took some call), the one whose first taker of each row is
+        slowest against that row's fastest backend by the least (geometric mean over the rows,
+        then the worst row; ties keep ``current``'s order), in the places the measured backends
+    hold in ``current`` (the others stay where they are). Returns it with, for it and for
+        ``current``, the geometric mean and the worst of those ratios."""
     measured = [n for n in backends.TABLE if any(n in row["takers"] for row in rows)]
     measured.sort(key=lambda n: current.index(n) if n in current else len(current))
 
@@ -147,8 +157,10 @@ def suggest_order(rows: list[dict], current: tuple[str, ...]) -> tuple[tuple[str
     if not measured:
         return current, {"suggested": (1.0, 1.0), "current": (1.0, 1.0)}
     best = min(itertools.permutations(measured), key=cost)  # first minimum: current's order
-    rest = tuple(n for n in current if n not in best)
-    suggested = best + rest
+    # The measured backends take the measured ones' places in ``current``, in the best order;
+    # the rest keep theirs (one that took no call is no evidence to move it).
+    picks = iter(best)
+    suggested = tuple(next(picks) if n in measured else n for n in current) + tuple(picks)
     current_measured = tuple(n for n in current if n in measured) + tuple(
         n for n in measured if n not in current
     )
@@ -220,7 +232,7 @@ def main() -> None:
     table = []
     for row in rows:
         times = row["times"]
-        fastest = min(t for label, t in times.items() if label in backends.TABLE)
+        fastest = min((t for label, t in times.items() if label in backends.TABLE), default=1.0)
         cells = [
             f"{times[label] * 1e3:.1f} ms ({times[label] / fastest:.2f}x)"
             if label in times
@@ -252,7 +264,12 @@ def main() -> None:
         now, then = first_taker(current, row), first_taker(suggested, row)
         if now != then:
             print(f"  S={row['S']} {row['mask']} {row['pass']}: {now} now, {then} suggested")
+    failed = [(row["S"], row["mask"], row["pass"], row["errors"]) for row in rows if row["errors"]]
+    for failure in failed:
+        print(f"FAILED: S={failure[0]} {failure[1]} {failure[2]}: {failure[3]}")
     save()
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -427,6 +427,38 @@ def same_blocks(ours: Any, theirs: Any) -> bool:
     return True
 
 
+def compiled_row(
+    compiled_builder: Any,
+    mask: flexmask.Mask,
+    ours: Any,
+    B: int,
+    H: int,
+    S: int,
+    device: str,
+    row: dict[str, Any],
+) -> dict[str, Any]:
+    """torch's compiled build of the same mask on ``device``: first call, best of 3, and
+    whether it lists the blocks ``ours`` lists. torch failing (out of memory at 1M, say) is
+    recorded as ``compiled_error``: the yardstick's failure, not flexmask's."""
+    out: dict[str, Any] = {}
+    try:
+        mod = mask.mask_mod_for(S, S, device)
+
+        def theirs_build() -> Any:
+            return compiled_builder(mod, B, H, S, S, device)
+
+        start = time.perf_counter()
+        theirs = theirs_build()
+        synchronize(device)
+        out["compiled_first_s"] = time.perf_counter() - start
+        out["compiled_s"] = device_time(theirs_build, device, 3)
+        out["vs_compiled"] = out["compiled_s"] / row["flexmask_s"]
+        out["same_blocks"] = same_blocks(ours, theirs)
+    except Exception as error:  # noqa: BLE001 - recorded, the row goes on
+        out["compiled_error"] = f"{type(error).__name__}: {error}"[:500]
+    return out
+
+
 def run_device(args: argparse.Namespace) -> None:
     """flexmask's build on ``args.device`` against torch's compiled create_block_mask there,
     with the host syncs of one build; the JSON is written after every row."""
@@ -466,19 +498,7 @@ def run_device(args: argparse.Namespace) -> None:
                 row["flexmask_s"] = device_time(build, device, repeat)
                 row.update(count_syncs(build, device))
                 if args.compiled_limit >= B * H * S * S:
-                    mod = mask.mask_mod_for(S, S, device)
-
-                    def theirs_build(mod: Any = mod, H: int = H, S: int = S) -> Any:
-                        return compiled_builder(mod, B, H, S, S, device)
-
-                    start = time.perf_counter()
-                    theirs = theirs_build()
-                    synchronize(device)
-                    row["compiled_first_s"] = time.perf_counter() - start
-                    row["compiled_s"] = device_time(theirs_build, device, 3)
-                    row["vs_compiled"] = row["compiled_s"] / row["flexmask_s"]
-                    row["same_blocks"] = same_blocks(ours, theirs)
-                    del theirs
+                    row.update(compiled_row(compiled_builder, mask, ours, B, H, S, device, row))
                 del ours
             except Exception as error:  # noqa: BLE001 - a row that fails is recorded, not fatal
                 row["error"] = f"{type(error).__name__}: {error}"[:500]
@@ -493,7 +513,8 @@ def run_device(args: argparse.Namespace) -> None:
                 f"{fmt_time(row.get('compiled_s'))} (first {fmt_time(row.get('compiled_first_s'))})"
                 f" {ratio(row.get('compiled_s'), row.get('flexmask_s'))} same blocks "
                 f"{row.get('same_blocks', '—')} syncs {row.get('sync_debug_warnings', '—')} "
-                f"{row.get('syncing_ops', {})} {row.get('error', '')}",
+                f"{row.get('syncing_ops', {})} {row.get('error', '')}"
+                f"{' torch: ' + row['compiled_error'] if 'compiled_error' in row else ''}",
                 flush=True,
             )
             save()
@@ -525,7 +546,11 @@ def run_device(args: argparse.Namespace) -> None:
                     r.get("same_blocks", "—"),
                     "—" if r.get("sync_debug_warnings") is None else r["sync_debug_warnings"],
                     ", ".join(f"{k} {v}" for k, v in r.get("syncing_ops", {}).items()) or "none",
-                    r.get("error", ""),
+                    " ".join(
+                        f"{who}: {r[key]}"
+                        for who, key in (("flexmask", "error"), ("torch", "compiled_error"))
+                        if key in r
+                    ),
                 ]
                 for r in rows
             ],

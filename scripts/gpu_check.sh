@@ -209,6 +209,9 @@ if bb and bb.get("rows"):
         takers = {n: t for n, t in r["times"].items() if n in r["takers"]}
         fastest = min(takers, key=takers.get) if takers else "-"
         print(f"| {r['S']} | {r['mask']} | {r['pass']} | {fastest} | {r['auto picks']} | {r['auto / best']:.2f}x |")
+    for r in bb["rows"]:
+        for backend, error in (r.get("errors") or {}).items():
+            print(f"\nFAILED: {backend} at S={r['S']} {r['mask']} {r['pass']}: {error}")
 else:
     print("no rows (see bench_backends.md)")
 bd = load("bench_build.json")
@@ -224,7 +227,7 @@ if bd and bd.get("rows"):
         ops = ", ".join(f"{k} {v}" for k, v in (r.get("syncing_ops") or {}).items()) or "none"
         print(f"| {r['mask']} | {r['S']:,} | {ms(r.get('flexmask_s'))} | {ms(r.get('compiled_s'))} "
               f"| {'-' if first is None else f'{first:.1f}'} | {'-' if vs is None else f'{vs:.1f}x'} "
-              f"| {r.get('same_blocks', '-')} | {'-' if r.get('sync_debug_warnings') is None else r['sync_debug_warnings']} | {ops} | {r.get('error', '')} |")
+              f"| {r.get('same_blocks', '-')} | {'-' if r.get('sync_debug_warnings') is None else r['sync_debug_warnings']} | {ops} | {r.get('error', '')} {('torch: ' + r['compiled_error']) if 'compiled_error' in r else ''} |")
 else:
     print("no rows (see bench_build.md)")
 EOF

@@ -69,9 +69,11 @@ def test_suggested_order_puts_each_rows_fastest_taker_first():
     assert suggested == ("varlen", "flex", "sdpa")
     assert costs["suggested"] == (1.0, 1.0)
     assert costs["current"][1] == 2.0  # flex first: the first row at 2x its fastest
-    # Ties keep the order now; backends never measured follow it, in its order.
+    # Ties keep the order now; a backend that took no call keeps its place.
     tied = [{"takers": ["flex", "sdpa"], "times": {"flex": 1.0, "sdpa": 1.0}}]
-    assert bench.suggest_order(tied, current)[0] == ("flex", "sdpa", "varlen")
+    assert bench.suggest_order(tied, current)[0] == current
+    slower = [{"takers": ["flex", "sdpa"], "times": {"flex": 2.0, "sdpa": 1.0}}]
+    assert bench.suggest_order(slower, current)[0] == ("sdpa", "varlen", "flex")
     assert bench.first_taker(("varlen", "sdpa"), rows[1]) == "sdpa"
 
 
