@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask._validate import check_int
 from flexmask.algebra.mask import Mask
 from flexmask.context_parallel.build import build_rank_shard
 from flexmask.context_parallel.plan import ShardPlan, plan_shard
@@ -102,7 +103,10 @@ def exchange_from_block_masks(
     ``o``'s, all of one key length and block size); ``shard``: this rank's ``CPShard``, kept
     on the plan. Pure and local: the same list gives every rank the same plan."""
     world = len(block_masks)
-    if not 0 <= rank < world:
+    if not world or not all(isinstance(bm, BlockMask) for bm in block_masks):
+        raise TypeError(f"block_masks must be every rank's BlockMask shard, got {block_masks!r}")
+    rank = check_int(rank, "rank", minimum=0)
+    if rank >= world:
         raise ValueError(f"rank must be in [0, {world}) for {world} block masks, got {rank}")
     kv_len = int(block_masks[0].seq_lengths[1])
     block = tuple(block_masks[0].BLOCK_SIZE)
