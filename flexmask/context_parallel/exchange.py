@@ -118,52 +118,66 @@ def agree_before_exchange(
 
 
 class _ExchangeKeys(torch.autograd.Function):
+    """Tensors of one dtype that differ only in their last dim (keys and values), moved in
+    one message: only the rows sent are gathered and packed, never the whole slices."""
+
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, plan: KVExchange, dim: int, group: Any) -> Tensor:
-        ctx.plan, ctx.dim, ctx.group, ctx.length = plan, dim, group, tensor.shape[dim]
-        return _move(tensor, plan, dim, group)
+    def forward(  # type: ignore[override]
+        ctx: Any, plan: KVExchange, dim: int, group: Any, *tensors: Tensor
+    ) -> tuple[Tensor, ...]:
+        ctx.plan, ctx.dim, ctx.group = plan, dim, group
+        ctx.shapes = [t.shape for t in tensors]
+        index = plan.send_index.to(tensors[0].device)
+        outgoing = torch.cat([t.index_select(dim, index) for t in tensors], dim=-1)
+        incoming = _all_to_all(outgoing, dim, plan.recv_counts, plan.send_counts, group)
+        widths = [t.shape[-1] for t in tensors]
+        if plan.recv_slots is None:
+            return tuple(part.contiguous() for part in incoming.split(widths, dim=-1))
+        slots = plan.recv_slots.to(incoming.device)
+        out = []
+        for part, tensor in zip(incoming.split(widths, dim=-1), tensors, strict=True):
+            shape = list(tensor.shape)
+            shape[dim] = int(plan.block_mask.seq_lengths[1])
+            out.append(tensor.new_zeros(shape).index_copy_(dim, slots, part))
+        return tuple(out)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
-        return _move_back(grad, ctx.plan, ctx.dim, ctx.group, ctx.length), None, None, None
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        plan, dim = ctx.plan, ctx.dim
+        some = next(g for g in grads if g is not None)
+        parts = []
+        for grad, shape in zip(grads, ctx.shapes, strict=True):
+            if grad is None:  # an output that reached no loss
+                size = list(shape)
+                size[dim] = sum(plan.recv_counts)
+                parts.append(some.new_zeros(size))
+            elif plan.recv_slots is not None:
+                parts.append(grad.index_select(dim, plan.recv_slots.to(grad.device)))
+            else:
+                parts.append(grad)
+        outgoing = torch.cat(parts, dim=-1)
+        incoming = _all_to_all(outgoing, dim, plan.send_counts, plan.recv_counts, ctx.group)
+        index = plan.send_index.to(incoming.device)
+        widths = [shape[-1] for shape in ctx.shapes]
+        local = [
+            incoming.new_zeros(shape).index_add_(dim, index, part)
+            for part, shape in zip(incoming.split(widths, dim=-1), ctx.shapes, strict=True)
+        ]
+        return (None, None, None, *local)
 
 
-def _move(tensor: Tensor, plan: KVExchange, dim: int, group: Any) -> Tensor:
-    """This rank's slice → the received buffer (``plan.block_mask``'s keys on ``dim``)."""
-    index = plan.send_index.to(tensor.device)
-    outgoing = tensor.index_select(dim, index).movedim(dim, 0).contiguous()
+def _all_to_all(
+    tensor: Tensor, dim: int, receive: tuple[int, ...], send: tuple[int, ...], group: Any
+) -> Tensor:
+    """``tensor``'s rows on ``dim``, ``send[o]`` of them to rank ``o`` in order, swapped for
+    ``receive[o]`` rows from each rank ``o``: one ``all_to_all_single`` (which splits on dim 0)."""
+    outgoing = tensor.movedim(dim, 0).contiguous()
     shape = list(outgoing.shape)
-    shape[0] = sum(plan.recv_counts)
+    shape[0] = sum(receive)
     incoming = outgoing.new_empty(shape)
-    dist.all_to_all_single(
-        incoming, outgoing, list(plan.recv_counts), list(plan.send_counts), group=group
-    )
-    incoming = incoming.movedim(0, dim)
-    if plan.recv_slots is None:
-        return incoming.contiguous()
-    shape = list(incoming.shape)
-    shape[dim] = int(plan.block_mask.seq_lengths[1])
-    buffer = incoming.new_zeros(shape)
-    return buffer.index_copy_(dim, plan.recv_slots.to(tensor.device), incoming)
-
-
-def _move_back(grad: Tensor, plan: KVExchange, dim: int, group: Any, length: int) -> Tensor:
-    """The received buffer's gradient → this rank's slice, summed over the ranks that read
-    each key."""
-    if plan.recv_slots is not None:
-        grad = grad.index_select(dim, plan.recv_slots.to(grad.device))
-    outgoing = grad.movedim(dim, 0).contiguous()
-    shape = list(outgoing.shape)
-    shape[0] = sum(plan.send_counts)
-    incoming = outgoing.new_empty(shape)
-    dist.all_to_all_single(
-        incoming, outgoing, list(plan.send_counts), list(plan.recv_counts), group=group
-    )
-    shape = list(grad.shape)
-    shape[dim] = length
-    local = grad.new_zeros(shape)
-    return local.index_add_(dim, plan.send_index.to(grad.device), incoming.movedim(0, dim))
+    dist.all_to_all_single(incoming, outgoing, list(receive), list(send), group=group)
+    return incoming.movedim(0, dim)
 
 
 def exchange_kv(
@@ -171,12 +185,10 @@ def exchange_kv(
 ) -> tuple[Tensor, Tensor]:
     """``key`` and ``value`` (this rank's slices on ``dim``) → the keys and values
     ``plan.block_mask`` attends; differentiable. One all-to-all each way where both have
-    one dtype (their last dims concatenated), else one per tensor."""
+    one dtype (their rows packed side by side), else one per tensor."""
     if key.dtype != value.dtype:
-        return (
-            _ExchangeKeys.apply(key, plan, dim, group),
-            _ExchangeKeys.apply(value, plan, dim, group),
-        )
-    width = key.shape[-1]
-    both = _ExchangeKeys.apply(torch.cat([key, value], dim=-1), plan, dim, group)
-    return both[..., :width], both[..., width:]
+        (moved_key,) = _ExchangeKeys.apply(plan, dim, group, key)
+        (moved_value,) = _ExchangeKeys.apply(plan, dim, group, value)
+        return moved_key, moved_value
+    moved_key, moved_value = _ExchangeKeys.apply(plan, dim, group, key, value)
+    return moved_key, moved_value
