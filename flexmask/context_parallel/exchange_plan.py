@@ -37,9 +37,9 @@ EXCHANGES = ("auto", "needed", "all_gather")
 
 NEEDED_AT_MOST = 0.5
 """``exchange="auto"`` exchanges only the needed keys where no rank receives more than this
-share of what the all-gather brings it. Gloo's all-to-all moved the same bytes 1-1.7x slower
-than its all-gather on 4-8 CPU ranks, and the received keys cost a remapped BlockMask and a
-scatter: below half, the exchange wins (benchmarks/bench_cp_exchange.py)."""
+share of what the all-gather brings it. Moving every key, gloo's all-to-all took 0.9-1.7x its
+all-gather's time on 4-8 CPU ranks (NCCL's all-gather is tuned further); below half the
+bytes the exchange won in every case measured (benchmarks/bench_cp_exchange.py)."""
 
 
 @dataclass(frozen=True, eq=False)
