@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from flexmask.algebra.mask import Leaf
-from flexmask.algebra.mods import MaskModFn
+from flexmask.algebra.mods import Lowered, MaskModFn
 from flexmask.algebra.protocol import Extent, Window
 
 
@@ -192,3 +194,40 @@ class WindowMod(PieceMod):
         start``, clamped into the table (past the window, onto its last entry)."""
         local = idx - (start[b] if start.dim() else start)
         return self._lookup(table, b, local.clamp(0, table.shape[-1] - 1))
+
+
+class SameIdWindowMod(WindowMod):
+    """A mask_mod on a window that attends where q and kv hold the same id and q holds one
+    (``>= 0``): document's and spans' on a window. ``q_id`` and ``kv_id`` are int32 ids of the
+    window's query and key positions (``(R, n + 1)`` per row, ``(n + 1,)`` shared), each with a
+    last -1 entry."""
+
+    __slots__ = ("q_id", "kv_id")
+
+    def __init__(
+        self, q_id: Tensor, kv_id: Tensor, q_start: Tensor, kv_start: Tensor, per_row: bool
+    ) -> None:
+        super().__init__(q_start, kv_start, per_row)
+        self.q_id = q_id
+        self.kv_id = kv_id
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        q_id = self._at(self.q_id, self.q_start, b, q_idx)
+        kv_id = self._at(self.kv_id, self.kv_start, b, kv_idx)
+        return (q_id == kv_id) & (q_id >= 0)
+
+
+def same_id_window(
+    piece: Any, window: Window, rows: int, device: torch.device, mod: type[SameIdWindowMod]
+) -> Lowered:
+    """A same-id piece (document, spans) lowered on ``window``: each side's ids at its own
+    positions (``piece._window_ids``), so a window near 2**63 holds O(Q + KV)."""
+    rows = window_rows(window, rows)
+    q_ids = piece._window_ids(window.q_start, window.q_len, rows, device)
+    kv_ids = piece._window_ids(window.kv_start, window.kv_len, rows, device)
+    per_row = piece.per_row or rows > 1
+    if not per_row:
+        q_ids, kv_ids = q_ids[0], kv_ids[0]
+    starts = held_start(window.q_start, device), held_start(window.kv_start, device)
+    window_mod = mod(q_ids, kv_ids, *starts, per_row)
+    return Lowered(window_mod, window_mod)

@@ -16,11 +16,10 @@ from flexmask.blocks.codes import codes_from
 from flexmask.pieces._base import (
     Piece,
     PieceMod,
-    WindowMod,
-    held_start,
+    SameIdWindowMod,
+    same_id_window,
     tracing,
     window_positions,
-    window_rows,
 )
 
 # Pads document starts and ends: past every position. Positions are below 2**63 - 1 (a
@@ -171,16 +170,7 @@ class Document(Piece):
 
     def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         if window is not None:
-            # Each side's ids at its own positions: a window near 2**63 holds O(Q + KV).
-            rows = window_rows(window, self._ends.shape[0])
-            q_ids = self._window_ids(window.q_start, window.q_len, rows, device)
-            kv_ids = self._window_ids(window.kv_start, window.kv_len, rows, device)
-            per_row = self.per_row or rows > 1
-            if not per_row:
-                q_ids, kv_ids = q_ids[0], kv_ids[0]
-            starts = held_start(window.q_start, device), held_start(window.kv_start, device)
-            window_mod = DocumentWindowMod(q_ids, kv_ids, *starts, per_row)
-            return Lowered(window_mod, window_mod)
+            return same_id_window(self, window, self._ends.shape[0], device, DocumentWindowMod)
         # int32 ids, -1 past the documents; sized by the sequence length, never by the number
         # of documents, so a compiled kernel sees one shape for every batch of this length.
         doc_id = self._doc_ids(length, device)
@@ -280,27 +270,11 @@ class DocumentMod(PieceMod):
         return (q_doc == self._lookup(self.doc_id, b, kv_idx.clamp(max=last))) & (q_doc >= 0)
 
 
-class DocumentWindowMod(WindowMod):
-    """document's mask_mod on a window: q and kv have the same document id, and q has one.
+class DocumentWindowMod(SameIdWindowMod):
+    """document's mask_mod on a window: q and kv have the same document id, and q has one."""
 
-    ``q_doc_id`` and ``kv_doc_id`` are int32 ids of the window's query and key positions
-    (``(R, n + 1)`` per row, ``(n + 1,)`` shared), each with a last -1 entry.
-    """
-
-    __slots__ = ("q_doc_id", "kv_doc_id")
+    __slots__ = ()
     _name = "document"
-
-    def __init__(
-        self, q_doc_id: Tensor, kv_doc_id: Tensor, q_start: Tensor, kv_start: Tensor, per_row: bool
-    ) -> None:
-        super().__init__(q_start, kv_start, per_row)
-        self.q_doc_id = q_doc_id
-        self.kv_doc_id = kv_doc_id
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        q_doc = self._at(self.q_doc_id, self.q_start, b, q_idx)
-        kv_doc = self._at(self.kv_doc_id, self.kv_start, b, kv_idx)
-        return (q_doc == kv_doc) & (q_doc >= 0)
 
 
 def _padded(rows: list[Tensor]) -> Tensor:

@@ -15,10 +15,9 @@ from flexmask.blocks.codes import codes_from
 from flexmask.pieces._base import (
     Piece,
     PieceMod,
-    WindowMod,
-    held_start,
+    SameIdWindowMod,
+    same_id_window,
     window_positions,
-    window_rows,
 )
 
 _PAST = 1 << 62  # pads span starts and ends: past every position
@@ -105,16 +104,7 @@ class Spans(Piece):
 
     def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         if window is not None:
-            # Each side's ids at its own positions: a window near 2**63 holds O(Q + KV).
-            rows = window_rows(window, self._span_ids.shape[0])
-            q_ids = self._window_ids(window.q_start, window.q_len, rows, device)
-            kv_ids = self._window_ids(window.kv_start, window.kv_len, rows, device)
-            per_row = self.per_row or rows > 1
-            if not per_row:
-                q_ids, kv_ids = q_ids[0], kv_ids[0]
-            starts = held_start(window.q_start, device), held_start(window.kv_start, device)
-            window_mod = SpansWindowMod(q_ids, kv_ids, *starts, per_row)
-            return Lowered(window_mod, window_mod)
+            return same_id_window(self, window, self._span_ids.shape[0], device, SpansWindowMod)
         # int32 span ids padded with -1 to length + 1 (the last entry is the sentinel indices
         # past the lookup are clamped onto): one shape for every batch of this length.
         # Ids past the sequence are clipped off (docs/algebra.md): no index reaches them.
@@ -188,32 +178,11 @@ class SpansMod(PieceMod):
         return (q_span == self._lookup(self.span_id, b, kv_idx.clamp(max=last))) & (q_span >= 0)
 
 
-class SpansWindowMod(WindowMod):
-    """spans' mask_mod on a window: q and kv have the same span id, and q has one.
+class SpansWindowMod(SameIdWindowMod):
+    """spans's mask_mod on a window: q and kv have the same span id, and q has one."""
 
-    ``q_span_id`` and ``kv_span_id`` are int32 ids of the window's query and key positions
-    (``(R, n + 1)`` per row, ``(n + 1,)`` shared), -1 outside every span and at the end.
-    """
-
-    __slots__ = ("q_span_id", "kv_span_id")
+    __slots__ = ()
     _name = "spans"
-
-    def __init__(
-        self,
-        q_span_id: Tensor,
-        kv_span_id: Tensor,
-        q_start: Tensor,
-        kv_start: Tensor,
-        per_row: bool,
-    ) -> None:
-        super().__init__(q_start, kv_start, per_row)
-        self.q_span_id = q_span_id
-        self.kv_span_id = kv_span_id
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        q_span = self._at(self.q_span_id, self.q_start, b, q_idx)
-        kv_span = self._at(self.kv_span_id, self.kv_start, b, kv_idx)
-        return (q_span == kv_span) & (q_span >= 0)
 
 
 def _span_bounds(ids: Tensor, name: str) -> tuple[Tensor, Tensor, Tensor]:
