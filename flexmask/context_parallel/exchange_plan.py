@@ -32,6 +32,7 @@ from flexmask.context_parallel.received import (
     received_block_mask,
     received_length,
 )
+from flexmask.runtime.cache import on_cache_clear
 
 EXCHANGES = ("auto", "needed", "all_gather")
 
@@ -167,6 +168,15 @@ def _exchange(
 # every rank) share one; a few steps' worth is kept.
 _EXCHANGES: cachetools.LRUCache = cachetools.LRUCache(maxsize=8)
 _EXCHANGES_LOCK = threading.Lock()
+
+
+def _clear_exchanges() -> None:
+    with _EXCHANGES_LOCK:
+        _EXCHANGES.clear()
+
+
+# flexmask.cache_clear() empties the plans with the BlockMasks they were made from.
+on_cache_clear(_clear_exchanges)
 
 
 def plan_exchange(
