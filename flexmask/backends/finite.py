@@ -67,10 +67,11 @@ def attend_checked(backend: ModuleType, request: Request) -> Tensor | tuple[Tens
             bad |= torch.isnan(result[1]) | (result[1] == float("inf"))
         # A fused kernel whose running max skips NaN gives 0 to a row whose every attended
         # score is NaN (a NaN key it alone attends): a row of zeros that attends something
-        # is read again. Rows that attend nothing (padding) are the usual zeros: their block
-        # rows list no block, and they cost no element of the mask.
+        # is read again. With finite keys and values no such row exists, so rows of zeros
+        # (padding, which attends nothing) cost one isfinite pass, not a BlockMask build;
+        # otherwise rows that attend nothing are told apart by their block rows.
         zero = (out == 0).all(-1).flatten(0, 1).any(0)
-        if bool(zero.any()):
+        if bool(zero.any()) and not _all_finite(request.key, request.value):
             rows = zero.nonzero().flatten()
             reads = _listed_rows(request, rows)
             if reads.numel():
@@ -89,6 +90,10 @@ def attend_checked(backend: ModuleType, request: Request) -> Tensor | tuple[Tens
             lse.index_copy(2, picked, lse_rows.to(lse.dtype)),
         )
     return result.index_copy(2, picked, out_rows.to(result.dtype))  # type: ignore[union-attr]
+
+
+def _all_finite(*tensors: Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _listed_rows(request: Request, rows: Tensor) -> Tensor:
