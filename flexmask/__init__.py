@@ -14,10 +14,10 @@ Example:
 import sys
 from typing import Any
 
-from flexmask.algebra.mask import And, Mask, Not, Or
+from flexmask.algebra import And, Mask, Not, Or
 from flexmask.attention import attention, compile_enabled, explain, flex_attention, set_compile
-from flexmask.blocks.read import same_blocks
-from flexmask.builders.create import create_block_mask
+from flexmask.blocks import same_blocks
+from flexmask.builders import create_block_mask
 from flexmask.formats import (
     FA4Mask,
     FlashMask,
@@ -57,8 +57,15 @@ from flexmask.pieces import (
     tree,
 )
 from flexmask.plot import plot
-from flexmask.runtime.cache import CacheInfo, MaskCache, cache_clear, cache_info, default_cache
-from flexmask.runtime.lazy import LazyBlockMask, lazy
+from flexmask.runtime import (
+    CacheInfo,
+    LazyBlockMask,
+    MaskCache,
+    cache_clear,
+    cache_info,
+    default_cache,
+    lazy,
+)
 
 __version__ = "0.1.0"
 
@@ -140,8 +147,8 @@ def safe_globals() -> list[type | tuple[type, str]]:
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    from flexmask.algebra.mask import MaskModFn
-    from flexmask.builders.provenance import BUILT_RECORD
+    from flexmask.algebra import MaskModFn
+    from flexmask.builders import BUILT_RECORD
 
     found: set[type] = {LazyBlockMask, BlockMask, BUILT_RECORD}
     pending: list[type] = [Mask, MaskModFn]

@@ -23,20 +23,19 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask import backends
-from flexmask.algebra.mask import Mask
-from flexmask.backends.finite import attend_checked
-from flexmask.backends.flex import ENV_COMPILE, compiled_flex_attention  # noqa: F401 - re-exported
-from flexmask.backends.request import (
+from flexmask.algebra import Mask
+from flexmask.backends import (  # noqa: F401 - re-exported
+    ENV_COMPILE,
     Deferred,
     Request,
+    attend_checked,
     check_fits,
     check_tensors,
+    compiled_flex_attention,
     make_request,
 )
-from flexmask.builders.provenance import built_from
-from flexmask.runtime.cache import default_cache
-from flexmask.runtime.lazy import LazyBlockMask
-from flexmask.runtime.spec import Spec, make_spec
+from flexmask.builders import built_from
+from flexmask.runtime import LazyBlockMask, Spec, default_cache, make_spec
 
 _compile_default: bool | None = None
 

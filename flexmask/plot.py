@@ -16,12 +16,11 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from flexmask._validate import check_int
-from flexmask.algebra.mask import Mask
-from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
-from flexmask.blocks.read import kv_codes
-from flexmask.builders.create import create_block_mask
-from flexmask.pieces.custom import VmappedMod
-from flexmask.runtime.lazy import LazyBlockMask
+from flexmask.algebra import Mask
+from flexmask.blocks import EMPTY, FULL, PARTIAL, kv_codes
+from flexmask.builders import create_block_mask
+from flexmask.pieces import VmappedMod
+from flexmask.runtime import LazyBlockMask
 
 if TYPE_CHECKING:
     import numpy as np

@@ -307,3 +307,81 @@ def test_no_function_over_80_lines_of_code():
     long = long_functions(_sources())
     assert not long, "functions over 80 lines of code:\n" + "\n".join(long)
     assert long_functions({"m": "def f():\n    '''doc'''\n" + "    x = 1\n" * 81}) == ["m.f (81)"]
+
+
+def _exports(path: pathlib.Path) -> set[str] | None:
+    """The names a module lists in ``__all__``; None where it has none."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
+def back_door_imports(sources: dict[str, str], exports: dict[str, set[str] | None]) -> list[str]:
+    """Imports that pass a package's front door: across flexmask's top-level packages
+    (``flexmask.blocks``, ``flexmask.runtime``, ...), a name comes from the package itself and
+    is in its ``__init__``'s ``__all__`` (for a top-level module such as ``flexmask.attention``,
+    its ``__all__`` or, without one, any name without an underscore). Subpackages of the root
+    (``from flexmask import pieces``) are their own front door. Every import counts, under
+    ``TYPE_CHECKING`` and inside functions too."""
+
+    def top(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    found = []
+    for name, text in sorted(sources.items()):
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                found += [
+                    f"{name}: import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("flexmask.")
+                    and top(a.name) != top(name)
+                    and a.name != top(a.name)
+                ]
+                continue
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            target = node.module or ""
+            if not target.startswith("flexmask.") or top(target) == top(name):
+                continue
+            door = exports.get(target, set()) if target == top(target) else set()
+            for alias in node.names:
+                public = alias.name in door if door is not None else alias.name[:1] != "_"
+                if not public:
+                    found.append(f"{name}: from {target} import {alias.name}")
+    return found
+
+
+def test_packages_are_entered_by_their_front_doors():
+    """Each package's ``__init__`` lists what other packages may use: no import across
+    packages takes a name from a module inside one, or a name its ``__all__`` leaves out."""
+    sources = _sources()
+    exports = {
+        _module_name(path): _exports(path)
+        for path in ROOT.rglob("*.py")
+        if _module_name(path).count(".") == 1
+    }
+    leaks = back_door_imports(sources, exports)
+    assert not leaks, "imports past a package's front door:\n" + "\n".join(leaks)
+
+
+def test_the_front_door_check_can_fail():
+    sources = {
+        "flexmask.runtime.lazy": (
+            "from flexmask.builders import build, secret\n"
+            "from flexmask.builders.create import build\n"
+            "from flexmask.runtime.cache import default_cache\n"
+            "def f():\n    from flexmask.attention import _private, flex_attention\n"
+        ),
+        "flexmask.formats.fa4": "import flexmask.blocks.read\nfrom flexmask import pieces\n",
+    }
+    exports = {"flexmask.builders": {"build"}, "flexmask.attention": None}
+    assert back_door_imports(sources, exports) == [
+        "flexmask.formats.fa4: import flexmask.blocks.read",
+        "flexmask.runtime.lazy: from flexmask.builders import secret",
+        "flexmask.runtime.lazy: from flexmask.builders.create import build",
+        "flexmask.runtime.lazy: from flexmask.attention import _private",
+    ]

@@ -6,33 +6,46 @@ What a piece answers, and with what (``protocol``, ``lines``, ``mods``), is expo
 pieces written outside flexmask (docs/contributing.md, "A new piece").
 """
 
+from flexmask.algebra.dense import open_empty_rows, zero_empty_rows
+from flexmask.algebra.evaluate import vmap_broadcast
 from flexmask.algebra.lines import (
     INF,
+    UNUSED,
     LineIntervals,
     VarlenPart,
     cannot_lower,
     one_interval,
+    pick,
     run_at,
 )
-from flexmask.algebra.mask import And, Mask, Not, Or
+from flexmask.algebra.mask import And, Composite, Leaf, Mask, MaskMod, Not, Or, ShiftedMod
 from flexmask.algebra.mods import Lowered, MaskModFn
 from flexmask.algebra.protocol import Extent, Intervals, TileGrid, Window
 
 __all__ = [
-    "INF",
     "And",
+    "Composite",
     "Extent",
+    "INF",
     "Intervals",
+    "Leaf",
     "LineIntervals",
     "Lowered",
     "Mask",
+    "MaskMod",
     "MaskModFn",
     "Not",
     "Or",
+    "ShiftedMod",
     "TileGrid",
+    "UNUSED",
     "VarlenPart",
     "Window",
     "cannot_lower",
     "one_interval",
+    "open_empty_rows",
+    "pick",
     "run_at",
+    "vmap_broadcast",
+    "zero_empty_rows",
 ]

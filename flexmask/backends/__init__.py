@@ -27,7 +27,10 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 from flexmask.backends import block_sparse, decode, flex, sdpa, slices, varlen
-from flexmask.backends.request import Request
+from flexmask.backends.block_sparse import DEFAULT_MAX_CHUNK_ELEMENTS, block_sparse_attention
+from flexmask.backends.finite import attend_checked
+from flexmask.backends.flex import ENV_COMPILE, compiled_flex_attention
+from flexmask.backends.request import Deferred, Request, check_fits, check_tensors, make_request
 
 TABLE: dict[str, ModuleType] = {
     module.NAME: module for module in (flex, decode, slices, block_sparse, sdpa, varlen)
@@ -234,12 +237,21 @@ def choose(request: Request) -> ModuleType:
 __all__ = [
     "AUTO",
     "AUTO_BENCHMARK",
-    "TABLE",
     "Choice",
+    "DEFAULT_MAX_CHUNK_ELEMENTS",
+    "Deferred",
+    "ENV_COMPILE",
     "Request",
+    "TABLE",
+    "attend_checked",
+    "block_sparse_attention",
+    "check_fits",
     "check_options",
+    "check_tensors",
     "choose",
+    "compiled_flex_attention",
     "kernel_name",
+    "make_request",
     "options",
     "order",
     "rank",

@@ -41,9 +41,8 @@ from flexmask.backends.flash import shape_problem as _shape_problem
 from flexmask.backends.mod_eval import call_mod
 from flexmask.backends.request import Request
 from flexmask.backends.threads import one_thread, others_busy
-from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
-from flexmask.blocks.read import kv_codes
-from flexmask.runtime.cache import on_cache_clear
+from flexmask.blocks import EMPTY, FULL, PARTIAL, kv_codes
+from flexmask.runtime import on_cache_clear
 
 NAME = "decode"
 OPTIONS: tuple[str, ...] = ()

@@ -14,13 +14,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from flexmask.algebra.dense import open_empty_rows, zero_empty_rows
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask, open_empty_rows, zero_empty_rows
 from flexmask.backends.mod_eval import broadcasts, call_mod
 from flexmask.backends.plan import Plan
 from flexmask.backends.request import positive_scale
-from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
-from flexmask.pieces.causal import Causal
+from flexmask.blocks import EMPTY, FULL, PARTIAL
+from flexmask.pieces import Causal
 
 # choose_backend: SDPA with a dense mask wins on a CPU above this share of listed blocks, or
 # below this many (query, key) pairs in all (measured: benchmarks/bench_cpu_backward.py, S 2k

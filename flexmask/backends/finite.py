@@ -33,8 +33,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.backends.mod_eval import broadcasts, call_mod
 from flexmask.backends.request import Request
-from flexmask.blocks.codes import FULL, PARTIAL
-from flexmask.blocks.read import kv_codes
+from flexmask.blocks import FULL, PARTIAL, kv_codes
 
 # Scores one step of exact_rows holds (B x Hq x rows x KV_LEN): 64 MiB in float32.
 MAX_EXACT_ELEMENTS = 1 << 24

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from flexmask.algebra.evaluate import vmap_broadcast
+from flexmask.algebra import vmap_broadcast
 
 
 def broadcasts(fn: Callable[..., Tensor], args: Sequence[Tensor], shape: tuple[int, ...]) -> bool:

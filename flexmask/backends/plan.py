@@ -13,8 +13,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.backends.request import check_fits, check_scale, check_tensors
-from flexmask.blocks.codes import EMPTY, PARTIAL
-from flexmask.blocks.read import kv_codes
+from flexmask.blocks import EMPTY, PARTIAL, kv_codes
 
 MOD_EVALS = ("auto", "broadcast", "vmap")
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 
 
 class Deferred:

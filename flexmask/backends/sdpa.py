@@ -10,7 +10,7 @@ from flexmask.backends.dense import KERNELS, is_causal, sdpa_attention
 from flexmask.backends.plan import Plan, make_plan
 from flexmask.backends.request import Request
 from flexmask.pieces import Full
-from flexmask.runtime.cache import default_cache
+from flexmask.runtime import default_cache
 
 NAME = "sdpa"
 OPTIONS = ("mod_eval",)

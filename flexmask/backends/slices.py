@@ -30,17 +30,16 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.backends.flash import DTYPES  # noqa: F401 - the dtypes this backend takes
 from flexmask.backends.flash import flash_ops as _flash_ops
 from flexmask.backends.flash import shape_problem as _shape_problem
 from flexmask.backends.request import Request, positive_scale
 from flexmask.backends.threads import one_thread, others_busy
-from flexmask.builders.provenance import built_from
-from flexmask.formats import magi_of, validated_window
-from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL
+from flexmask.builders import built_from
+from flexmask.formats import BICAUSAL, CAUSAL, FULL, INVCAUSAL, magi_of, validated_window
 from flexmask.pieces import Full
-from flexmask.runtime.cache import on_cache_clear
+from flexmask.runtime import on_cache_clear
 
 NAME = "slices"
 OPTIONS: tuple[str, ...] = ()

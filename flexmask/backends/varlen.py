@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.backends.request import Request
 from flexmask.formats import VarlenMask, validated_window, varlen_of
 from flexmask.pieces import Full
-from flexmask.runtime.cache import on_cache_clear
+from flexmask.runtime import on_cache_clear
 
 NAME = "varlen"
 OPTIONS: tuple[str, ...] = ()

@@ -7,7 +7,71 @@
 * ``read`` — the one reader of a BlockMask (codes, bytes, ``same_blocks``).
 """
 
-from flexmask.blocks.grid import BlockGrid, make_grid
-from flexmask.blocks.read import block_mask_nbytes, kv_codes, same_blocks
+from flexmask.blocks.codes import (
+    CODE_DTYPE,
+    EMPTY,
+    FULL,
+    PARTIAL,
+    UNDECIDED,
+    and_codes,
+    codes_from,
+    constant_codes,
+    not_codes,
+    or_codes,
+)
+from flexmask.blocks.grid import BlockGrid, block_sizes, make_grid, offsets, per_row
+from flexmask.blocks.read import (
+    BLOCK_FIELDS,
+    WRITE_ORDER_FIELDS,
+    block_mask_nbytes,
+    kv_codes,
+    same_blocks,
+)
+from flexmask.blocks.runs import expand_runs, exporting
+from flexmask.blocks.write import (
+    TORCH_DEFAULTS,
+    Flags,
+    Ordered,
+    assemble,
+    empty_sides,
+    ordered_from_codes,
+    ordered_from_flags,
+    ordered_lines,
+    q_side_from_codes,
+    q_side_from_line_runs,
+)
 
-__all__ = ["BlockGrid", "block_mask_nbytes", "kv_codes", "make_grid", "same_blocks"]
+__all__ = [
+    "BLOCK_FIELDS",
+    "BlockGrid",
+    "CODE_DTYPE",
+    "EMPTY",
+    "FULL",
+    "Flags",
+    "Ordered",
+    "PARTIAL",
+    "TORCH_DEFAULTS",
+    "UNDECIDED",
+    "WRITE_ORDER_FIELDS",
+    "and_codes",
+    "assemble",
+    "block_mask_nbytes",
+    "block_sizes",
+    "codes_from",
+    "constant_codes",
+    "empty_sides",
+    "expand_runs",
+    "exporting",
+    "kv_codes",
+    "make_grid",
+    "not_codes",
+    "offsets",
+    "or_codes",
+    "ordered_from_codes",
+    "ordered_from_flags",
+    "ordered_lines",
+    "per_row",
+    "q_side_from_codes",
+    "q_side_from_line_runs",
+    "same_blocks",
+]

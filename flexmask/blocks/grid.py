@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_device, check_int
-from flexmask.algebra.mask import Extent, Mask, Window
+from flexmask.algebra import Extent, Mask, Window
 from flexmask.blocks.codes import FULL, PARTIAL
 
 

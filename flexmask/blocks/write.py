@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.algebra.mask import MaskMod
+from flexmask.algebra import MaskMod
 from flexmask.blocks.codes import FULL, PARTIAL
 from flexmask.blocks.grid import BlockGrid
 from flexmask.blocks.runs import CodeRuns, expand_runs, exporting, kv_runs, q_runs, q_runs_from_kv

@@ -14,6 +14,29 @@ order data flows (docs/blocks.md describes the same pipeline). They stand on
 * ``segments``, ``cp_shard`` — a context-parallel rank's rows of the BlockMask, per segment.
 """
 
+from flexmask.builders.classify import classify_blocks
+from flexmask.builders.closed_form import row_runs
+from flexmask.builders.cp_shard import KeyOrder, ShardMaskMod, build_shard
 from flexmask.builders.create import build, create_block_mask
+from flexmask.builders.provenance import BUILT_RECORD, built_from
+from flexmask.builders.segments import write_runs
+from flexmask.builders.size_check import check_size
+from flexmask.builders.threads import cpu_threads
+from flexmask.builders.zero_sizes import emptied, no_rows_or_heads
 
-__all__ = ["build", "create_block_mask"]
+__all__ = [
+    "BUILT_RECORD",
+    "KeyOrder",
+    "ShardMaskMod",
+    "build",
+    "build_shard",
+    "built_from",
+    "check_size",
+    "classify_blocks",
+    "cpu_threads",
+    "create_block_mask",
+    "emptied",
+    "no_rows_or_heads",
+    "row_runs",
+    "write_runs",
+]

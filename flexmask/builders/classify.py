@@ -16,19 +16,19 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import And, Leaf, Mask, MaskMod, Not, Or
-from flexmask.blocks.codes import (
+from flexmask.algebra import And, Leaf, Mask, MaskMod, Not, Or
+from flexmask.blocks import (
     CODE_DTYPE,
     EMPTY,
     FULL,
     PARTIAL,
     UNDECIDED,
+    BlockGrid,
     and_codes,
     codes_from,
     not_codes,
     or_codes,
 )
-from flexmask.blocks.grid import BlockGrid
 from flexmask.builders.closed_form import Runs, row_runs
 from flexmask.builders.unions import UnionRuns, union_operands, union_row_runs
 

@@ -28,8 +28,8 @@ kv column's blocks are runs too, found by binary search. The whole BlockMask fol
 intervals at the two edge queries of every q block: no tile grid, no ranking, no evaluation,
 and the work is O(rows x blocks) plus writing the output.
 
-``tests/test_closed_form.py`` checks the three properties on every query of random intersections,
-and the tensors against torch's ``create_block_mask``.
+``tests/test_build_closed_form.py`` checks the three properties on every query of random
+intersections, and the tensors against torch's ``create_block_mask``.
 """
 
 from __future__ import annotations
@@ -40,10 +40,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Mask
-from flexmask.blocks.grid import BlockGrid
-from flexmask.blocks.runs import expand_runs
-from flexmask.blocks.write import Ordered
+from flexmask.algebra import Mask
+from flexmask.blocks import BlockGrid, Ordered, expand_runs
 
 
 class Runs(NamedTuple):

@@ -36,10 +36,11 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.algebra.mask import Mask
-from flexmask.blocks.codes import EMPTY, FULL
-from flexmask.blocks.grid import BlockGrid
-from flexmask.blocks.write import (
+from flexmask.algebra import Mask
+from flexmask.blocks import (
+    EMPTY,
+    FULL,
+    BlockGrid,
     Ordered,
     ordered_from_codes,
     ordered_from_flags,

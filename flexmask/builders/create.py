@@ -28,10 +28,16 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 from flexmask._validate import check_device, check_int
-from flexmask.algebra.mask import Mask, MaskMod, ShiftedMod
-from flexmask.blocks.grid import BlockGrid, block_sizes, make_grid
-from flexmask.blocks.runs import exporting
-from flexmask.blocks.write import TORCH_DEFAULTS, Flags, assemble
+from flexmask.algebra import Mask, MaskMod, ShiftedMod
+from flexmask.blocks import (
+    TORCH_DEFAULTS,
+    BlockGrid,
+    Flags,
+    assemble,
+    block_sizes,
+    exporting,
+    make_grid,
+)
 from flexmask.builders.provenance import (
     _Built,  # noqa: F401 - BlockMasks pickled by 0.1.0 name the record's class here
     record,

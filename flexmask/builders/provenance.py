@@ -10,8 +10,8 @@ from typing import Any
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.algebra.mask import Mask, MaskMod
-from flexmask.blocks.read import BLOCK_FIELDS
+from flexmask.algebra import Mask, MaskMod
+from flexmask.blocks import BLOCK_FIELDS
 
 # A BlockMask flexmask built remembers its Mask with the mask_mod it was built with. torch
 # makes a new BlockMask for ``.to()``, slicing and ``_adjust``, which so forget it.

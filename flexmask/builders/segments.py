@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.blocks.write import Ordered
+from flexmask.blocks import Ordered
 
 # Tile widths ``write_runs`` picks from, widest first: a wider tile is fewer template rows
 # to copy, a narrower one fewer tiles cut by a run boundary (computed apart).

@@ -9,9 +9,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Mask
-from flexmask.blocks.grid import BlockGrid
-from flexmask.blocks.write import Ordered, empty_sides, ordered_from_codes
+from flexmask.algebra import Mask
+from flexmask.blocks import BlockGrid, Ordered, empty_sides, ordered_from_codes
 from flexmask.builders import closed_form, unions
 from flexmask.builders.classify import classify_blocks
 

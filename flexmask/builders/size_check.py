@@ -9,8 +9,8 @@ from typing import Any
 from torch import Tensor
 
 from flexmask._validate import block_mask_bytes, check_device, check_fits, check_int, check_window
-from flexmask.algebra.mask import Mask
-from flexmask.blocks.grid import block_sizes, offsets
+from flexmask.algebra import Mask
+from flexmask.blocks import block_sizes, offsets
 from flexmask.builders.sides import in_closed_form
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
-from flexmask.blocks.write import Flags
+from flexmask.blocks import Flags
 
 _SHAPE_ARGS = ("mask_mod", "B", "H", "Q_LEN", "KV_LEN", "device", "BLOCK_SIZE")
 TORCH_FLAGS: dict[str, Any] = {

@@ -59,11 +59,17 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Mask, Or
-from flexmask.blocks.codes import CODE_DTYPE, codes_from
-from flexmask.blocks.grid import BlockGrid
-from flexmask.blocks.runs import expand_runs, exporting
-from flexmask.blocks.write import Ordered, q_side_from_codes, q_side_from_line_runs
+from flexmask.algebra import Mask, Or
+from flexmask.blocks import (
+    CODE_DTYPE,
+    BlockGrid,
+    Ordered,
+    codes_from,
+    expand_runs,
+    exporting,
+    q_side_from_codes,
+    q_side_from_line_runs,
+)
 from flexmask.builders.closed_form import clipped, special_blocks
 
 # Larger than any position: the neutral value of a min over non-attending queries; the sum
@@ -400,7 +406,7 @@ def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     tile written segment by segment, read down the columns (``write.q_side_from_codes``):
     no interval is evaluated at every query. That path sizes tensors from values (a host
     sync), so under ``torch.export`` (whose shapes must not follow values) and off the CPU
-    (where a closed-form build never syncs: tests/test_device_seam.py) both sides come from
+    (where a closed-form build never syncs: tests/test_build_device_seam.py) both sides come from
     runs (``_union_sides_by_columns``)."""
     operands = union_operands(mask)
     assert operands is not None  # callers check union_operands(mask)
@@ -425,7 +431,7 @@ def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
 _FROM_RUNS_FROM = 1 << 20
 """Grids of at least this many tiles take their q side from the rows' runs (``_q_side``);
 below, its two dozen more torch calls cost more than the grid of codes they save (a
-small build is bound by its calls: tests/test_unions.py)."""
+small build is bound by its calls: tests/test_build_unions.py)."""
 
 
 def _q_side(segments: _Segments, shape: torch.Size) -> Ordered:

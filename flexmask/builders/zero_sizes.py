@@ -8,8 +8,8 @@ from typing import Any
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import check_int
-from flexmask.algebra.mask import Mask
-from flexmask.blocks.read import BLOCK_FIELDS, WRITE_ORDER_FIELDS
+from flexmask.algebra import Mask
+from flexmask.blocks import BLOCK_FIELDS, WRITE_ORDER_FIELDS
 from flexmask.builders.provenance import carry_record
 
 

@@ -20,13 +20,9 @@ from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 
 from flexmask._validate import check_device, check_int, checked_sum, digest
-from flexmask.algebra.mask import Mask
-from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
-from flexmask.blocks.grid import make_grid
-from flexmask.blocks.runs import expand_runs
-from flexmask.builders.classify import classify_blocks
-from flexmask.builders.closed_form import row_runs
-from flexmask.builders.threads import cpu_threads
+from flexmask.algebra import Mask
+from flexmask.blocks import EMPTY, FULL, PARTIAL, expand_runs, make_grid
+from flexmask.builders import classify_blocks, cpu_threads, row_runs
 from flexmask.pieces import padding
 
 # torch >= 2.14's per-document head-tail balancer lays its chunks out rank by rank.

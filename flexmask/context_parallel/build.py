@@ -12,11 +12,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 
-from flexmask.algebra.mask import Mask
-from flexmask.blocks.grid import BlockGrid
-from flexmask.builders.cp_shard import KeyOrder, build_shard
-from flexmask.builders.create import build as build_window
-from flexmask.builders.threads import cpu_threads
+from flexmask.algebra import Mask
+from flexmask.blocks import BlockGrid
+from flexmask.builders import KeyOrder, build_shard, cpu_threads
+from flexmask.builders import build as build_window
 from flexmask.context_parallel import per_document
 from flexmask.context_parallel.balance import PerDocumentBalancer, balancer_indices
 from flexmask.context_parallel.plan import ShardPlan

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 
 from flexmask._validate import check_int
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.context_parallel.balance import _check_cost
 from flexmask.context_parallel.build import build_rank_shard
 from flexmask.context_parallel.lazy import LazyShard, lazy_shard

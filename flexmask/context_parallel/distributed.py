@@ -20,7 +20,7 @@ from torch.distributed.tensor.experimental._context_parallel._cp_custom_ops impo
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import check_int
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.attention import flex_attention
 from flexmask.context_parallel.exchange import (
     agree_before_exchange,

@@ -22,7 +22,7 @@ from torch.distributed.tensor.experimental._attention import _LoadBalancer
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import check_int
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.context_parallel.build import build_rank_shard
 from flexmask.context_parallel.plan import ShardPlan, plan_shard
 from flexmask.context_parallel.rank_shard import CPShard
@@ -32,7 +32,7 @@ from flexmask.context_parallel.received import (
     received_block_mask,
     received_length,
 )
-from flexmask.runtime.cache import on_cache_clear
+from flexmask.runtime import on_cache_clear
 
 EXCHANGES = ("auto", "needed", "all_gather")
 

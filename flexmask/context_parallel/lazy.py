@@ -9,12 +9,12 @@ import torch
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.context_parallel.build import build_rank_shard
 from flexmask.context_parallel.plan import ShardPlan, plan_shard
 from flexmask.context_parallel.rank_shard import CPShard
 from flexmask.context_parallel.shard_cache import ShardCache, default_shard_cache
-from flexmask.runtime.lazy import BuiltOnRead
+from flexmask.runtime import BuiltOnRead
 
 
 class LazyShard(BuiltOnRead):

@@ -28,9 +28,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.algebra.mask import Mask
-from flexmask.builders.cp_shard import ShardMaskMod
-from flexmask.builders.segments import write_runs
+from flexmask.algebra import Mask
+from flexmask.builders import ShardMaskMod, write_runs
 from flexmask.pieces import causal, document
 
 

@@ -12,8 +12,8 @@ import torch
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 
 from flexmask._validate import INT64_MAX, check_device, check_int
-from flexmask.algebra.mask import Mask
-from flexmask.blocks.grid import block_sizes
+from flexmask.algebra import Mask
+from flexmask.blocks import block_sizes
 from flexmask.context_parallel.balance import (
     HeadTailBalancer,
     MaskAwareBalancer,
@@ -22,7 +22,7 @@ from flexmask.context_parallel.balance import (
     balancer_indices,
     balancer_key,
 )
-from flexmask.runtime.spec import Spec, make_spec
+from flexmask.runtime import Spec, make_spec
 
 BALANCERS = ("head_tail", "mask_aware", "ptrr", None)
 

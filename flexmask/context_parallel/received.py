@@ -19,10 +19,9 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.algebra.evaluate import vmap_broadcast
-from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
-from flexmask.blocks.read import kv_codes
-from flexmask.builders.cp_shard import ShardMaskMod
+from flexmask.algebra import vmap_broadcast
+from flexmask.blocks import EMPTY, FULL, PARTIAL, kv_codes
+from flexmask.builders import ShardMaskMod
 
 # Tiles whose mask is evaluated at once to find the keys a partial tile's queries attend:
 # bounds the (tiles, q block, kv block) temporaries to a few MB at 128 x 128 blocks.

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from flexmask.blocks.read import block_mask_nbytes
-from flexmask.runtime.cache import KeyedCache
+from flexmask.blocks import block_mask_nbytes
+from flexmask.runtime import KeyedCache
 
 
 class ShardCache(KeyedCache):

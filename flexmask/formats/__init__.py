@@ -20,12 +20,16 @@ the mask again.
 from flexmask.formats._structure import Window, validated_window
 from flexmask.formats.fa4 import FA4Mask, to_fa4
 from flexmask.formats.flashmask import FlashMask, to_flashmask
-from flexmask.formats.magi import MagiMask, magi_of, to_magi
+from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL, MagiMask, magi_of, to_magi
 from flexmask.formats.varlen import VarlenMask, to_varlen, varlen_of
 
 __all__ = [
+    "BICAUSAL",
+    "CAUSAL",
     "FA4Mask",
+    "FULL",
     "FlashMask",
+    "INVCAUSAL",
     "MagiMask",
     "VarlenMask",
     "Window",

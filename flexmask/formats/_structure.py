@@ -25,8 +25,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_int
-from flexmask.algebra.lines import UNUSED, pick
-from flexmask.algebra.mask import And, Extent, Mask, Not, Or
+from flexmask.algebra import UNUSED, And, Extent, Mask, Not, Or, pick
 
 _BIG = UNUSED  # marks an empty slot of an interval list: lo = _BIG, hi = -_BIG
 

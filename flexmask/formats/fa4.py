@@ -10,8 +10,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import check_int
-from flexmask.algebra.mask import Mask
-from flexmask.builders.create import create_block_mask
+from flexmask.algebra import Mask
+from flexmask.builders import create_block_mask
 
 
 @dataclass(frozen=True, eq=False)

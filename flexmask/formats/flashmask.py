@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_device
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.formats._structure import Window, head_masks, lines, window
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flexmask._validate import check_device
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.formats._structure import Window, lines, one_mask_for_all_heads, window
 
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3

@@ -9,8 +9,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_device
-from flexmask.algebra.lines import INF
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import INF, Mask
 from flexmask.formats._structure import Window, lines, one_mask_for_all_heads, varlen_plan, window
 
 

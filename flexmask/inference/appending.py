@@ -24,10 +24,9 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.algebra.mask import And, Mask
-from flexmask.pieces import causal
-from flexmask.pieces.tree import Tree
-from flexmask.runtime.spec import Spec
+from flexmask.algebra import And, Mask
+from flexmask.pieces import Tree, causal
+from flexmask.runtime import Spec
 
 AHEAD = 256
 """Decode positions per row whose interval blocks are read from the mask in one call."""

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import INT64_MAX, block_mask_bytes, check_fits, check_int, int_vector
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 
 
 def block_pair(block_size: Any) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import check_int
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.inference.appending import rows_for
 from flexmask.inference.arguments import (
     block_pair,

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_fits, check_int, check_parents, int_vector
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.inference.arguments import is_scalar
 from flexmask.pieces import tree
 

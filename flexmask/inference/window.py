@@ -9,9 +9,9 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import check_int
-from flexmask.algebra.mask import Mask, MaskMod, ShiftedMod
-from flexmask.blocks.read import BLOCK_FIELDS
-from flexmask.builders.create import build
+from flexmask.algebra import Mask, MaskMod, ShiftedMod
+from flexmask.blocks import BLOCK_FIELDS
+from flexmask.builders import build
 from flexmask.inference.arguments import (
     block_pair,
     cache_lengths,
@@ -20,7 +20,7 @@ from flexmask.inference.arguments import (
     is_scalar,
     step_device,
 )
-from flexmask.runtime.spec import Spec, make_spec
+from flexmask.runtime import Spec, make_spec
 
 
 def decode_mask(

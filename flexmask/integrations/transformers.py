@@ -35,13 +35,12 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask import pieces
 from flexmask._validate import check_device, check_int, digest
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.attention import flex_attention
-from flexmask.builders.create import create_block_mask
-from flexmask.formats.varlen import to_varlen
-from flexmask.packing import PackedBatch, TreeBatch, TreePack, check_batch
-from flexmask.packing.check import check_enabled
-from flexmask.runtime.lazy import LazyBlockMask
+from flexmask.builders import create_block_mask
+from flexmask.formats import to_varlen
+from flexmask.packing import PackedBatch, TreeBatch, TreePack, check_batch, check_enabled
+from flexmask.runtime import LazyBlockMask
 
 __all__ = [
     "attention_masks",

@@ -17,10 +17,10 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask import pieces
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.integrations.transformers import FLASH_IMPLEMENTATIONS, _text_config, layer_mask
 from flexmask.packing import BatchReport, check_batch
-from flexmask.runtime.lazy import LazyBlockMask, lazy
+from flexmask.runtime import LazyBlockMask, lazy
 
 __all__ = ["check_inputs"]
 

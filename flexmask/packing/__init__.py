@@ -14,7 +14,7 @@ Only small metadata (``seq_lens`` / ``parents``) is stored; the BlockMask is bui
 the process that uses it (see :class:`PackingCollator`).
 """
 
-from flexmask.packing.check import BatchReport, Disagreement, check_batch
+from flexmask.packing.check import BatchReport, Disagreement, check_batch, check_enabled
 from flexmask.packing.documents import Chunk, PackedBatch, pack
 from flexmask.packing.loader import PackedDataset, PackingCollator
 from flexmask.packing.rl import SequenceLogProbs, TreeBatch, pack_trees
@@ -31,6 +31,7 @@ __all__ = [
     "TreeBatch",
     "TreePack",
     "check_batch",
+    "check_enabled",
     "pack",
     "pack_tree",
     "pack_trees",

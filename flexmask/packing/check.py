@@ -25,7 +25,7 @@ from flexmask.formats import FlashMask, MagiMask, VarlenMask
 from flexmask.packing import kernel_args, segments
 from flexmask.packing.segments import Claim, Disagreement, previous
 from flexmask.pieces import causal, document
-from flexmask.runtime.lazy import LazyBlockMask
+from flexmask.runtime import LazyBlockMask
 
 ENV_CHECK = "FLEXMASK_CHECK"
 """Set to 1 to run :func:`check_batch` in ``pack``, ``pack_trees`` and the collators."""

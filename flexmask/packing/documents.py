@@ -28,11 +28,11 @@ from flexmask.packing.tokens import (
     _token_lists,
 )
 from flexmask.pieces import causal, document
-from flexmask.runtime.lazy import lazy
+from flexmask.runtime import lazy
 
 if TYPE_CHECKING:
-    from flexmask.algebra.mask import Mask
-    from flexmask.runtime.lazy import LazyBlockMask
+    from flexmask.algebra import Mask
+    from flexmask.runtime import LazyBlockMask
 
 
 class Chunk(NamedTuple):

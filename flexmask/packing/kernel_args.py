@@ -22,7 +22,7 @@ from flexmask.packing import compare, format_args, segments
 from flexmask.packing.kernel_masks import compare_masks, documents_mask, report
 from flexmask.packing.segments import Claim, Disagreement
 from flexmask.pieces import document
-from flexmask.runtime.lazy import LazyBlockMask
+from flexmask.runtime import LazyBlockMask
 
 KERNEL_BLOCKS = {"flex": 128, "flexmask": 1}
 """The block sizes a kernel takes: multiples of this. torch's Triton kernel (``"flex"``)

@@ -22,11 +22,11 @@ from flexmask.packing.check import check_batch, check_enabled
 from flexmask.packing.tokens import Device, _check_memory, _loss_masks, _token_lists
 from flexmask.packing.trie import _Edge, _insert, _lay_out, _shared
 from flexmask.pieces import tree
-from flexmask.runtime.lazy import lazy
+from flexmask.runtime import lazy
 
 if TYPE_CHECKING:
-    from flexmask.algebra.mask import Mask
-    from flexmask.runtime.lazy import LazyBlockMask
+    from flexmask.algebra import Mask
+    from flexmask.runtime import LazyBlockMask
 
 
 class SequenceLogProbs(NamedTuple):

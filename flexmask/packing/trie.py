@@ -12,11 +12,11 @@ import torch
 from flexmask._validate import check_int
 from flexmask.packing.tokens import Device, _check_memory, _ranges, _token_lists
 from flexmask.pieces import tree
-from flexmask.runtime.lazy import lazy
+from flexmask.runtime import lazy
 
 if TYPE_CHECKING:
-    from flexmask.algebra.mask import Mask
-    from flexmask.runtime.lazy import LazyBlockMask
+    from flexmask.algebra import Mask
+    from flexmask.runtime import LazyBlockMask
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -8,7 +8,7 @@ from flexmask.pieces._base import Piece, PieceMod
 from flexmask.pieces.causal import Causal, causal
 from flexmask.pieces.chunked import Chunked, chunked
 from flexmask.pieces.constant import Empty, Full, empty, full
-from flexmask.pieces.custom import FromMaskMod, from_mask_mod
+from flexmask.pieces.custom import FromMaskMod, VmappedMod, from_mask_mod
 from flexmask.pieces.document import Document, document
 from flexmask.pieces.padding import Padding, padding
 from flexmask.pieces.per_head import PerHead, per_head
@@ -32,6 +32,7 @@ __all__ = [
     "SlidingWindow",
     "Spans",
     "Tree",
+    "VmappedMod",
     "causal",
     "chunked",
     "document",

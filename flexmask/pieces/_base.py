@@ -7,9 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Leaf
-from flexmask.algebra.mods import Lowered, MaskModFn
-from flexmask.algebra.protocol import Extent, Window
+from flexmask.algebra import Extent, Leaf, Lowered, MaskModFn, Window
 
 
 class Piece(Leaf):

@@ -8,8 +8,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import scalar_or_rows, source_device
-from flexmask.algebra.lines import INF
-from flexmask.algebra.protocol import TileGrid
+from flexmask.algebra import INF, TileGrid
 from flexmask.pieces._base import Piece, per_row_view
 
 

@@ -5,10 +5,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.algebra.lines import INF, LineIntervals, VarlenPart, one_interval
-from flexmask.algebra.mods import Lowered
-from flexmask.algebra.protocol import Intervals, TileGrid, Window
-from flexmask.blocks.codes import EMPTY, FULL, constant_codes
+from flexmask.algebra import (
+    INF,
+    Intervals,
+    LineIntervals,
+    Lowered,
+    TileGrid,
+    VarlenPart,
+    Window,
+    one_interval,
+)
+from flexmask.blocks import EMPTY, FULL, constant_codes
 from flexmask.pieces._base import Piece, PieceMod
 
 

@@ -11,11 +11,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra.evaluate import vmap_broadcast
-from flexmask.algebra.lines import LineIntervals, VarlenPart, cannot_lower
-from flexmask.algebra.mods import Lowered, MaskMod, MaskModFn
-from flexmask.algebra.protocol import TileGrid, Window
-from flexmask.blocks.codes import UNDECIDED, constant_codes
+from flexmask.algebra import (
+    LineIntervals,
+    Lowered,
+    MaskMod,
+    MaskModFn,
+    TileGrid,
+    VarlenPart,
+    Window,
+    cannot_lower,
+    vmap_broadcast,
+)
+from flexmask.blocks import UNDECIDED, constant_codes
 from flexmask.pieces._base import Piece
 
 

@@ -9,9 +9,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_int
-from flexmask.algebra.mask import Composite, Mask
-from flexmask.algebra.mods import Lowered, MaskMod, MaskModFn
-from flexmask.algebra.protocol import Extent, Window
+from flexmask.algebra import Composite, Extent, Lowered, Mask, MaskMod, MaskModFn, Window
 
 
 class PerHead(Composite):

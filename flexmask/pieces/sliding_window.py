@@ -7,10 +7,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra.lines import INF, LineIntervals, VarlenPart, one_interval
-from flexmask.algebra.mods import Lowered
-from flexmask.algebra.protocol import Intervals, TileGrid, Window
-from flexmask.blocks.codes import codes_from
+from flexmask.algebra import (
+    INF,
+    Intervals,
+    LineIntervals,
+    Lowered,
+    TileGrid,
+    VarlenPart,
+    Window,
+    one_interval,
+)
+from flexmask.blocks import codes_from
 from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
 

@@ -8,10 +8,18 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import digest, int_vector, is_nested, source_device
-from flexmask.algebra.lines import LineIntervals, VarlenPart, cannot_lower, one_interval, run_at
-from flexmask.algebra.mods import Lowered
-from flexmask.algebra.protocol import Intervals, TileGrid, Window
-from flexmask.blocks.codes import codes_from
+from flexmask.algebra import (
+    Intervals,
+    LineIntervals,
+    Lowered,
+    TileGrid,
+    VarlenPart,
+    Window,
+    cannot_lower,
+    one_interval,
+    run_at,
+)
+from flexmask.blocks import codes_from
 from flexmask.pieces._base import (
     Piece,
     PieceMod,

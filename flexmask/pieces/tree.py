@@ -13,10 +13,17 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_parents, digest, is_nested, source_device
-from flexmask.algebra.lines import UNUSED, LineIntervals, VarlenPart, cannot_lower
-from flexmask.algebra.mods import Lowered
-from flexmask.algebra.protocol import Extent, TileGrid, Window
-from flexmask.blocks.codes import EMPTY, constant_codes
+from flexmask.algebra import (
+    UNUSED,
+    Extent,
+    LineIntervals,
+    Lowered,
+    TileGrid,
+    VarlenPart,
+    Window,
+    cannot_lower,
+)
+from flexmask.blocks import EMPTY, constant_codes
 from flexmask.pieces._base import Piece, held_start, tracing, window_rows
 from flexmask.pieces.tree_chunks import search_subtrees
 from flexmask.pieces.tree_lines import tree_lines

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.algebra.protocol import TileGrid
+from flexmask.algebra import TileGrid
 
 
 def chunks_of(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.algebra.lines import INF, UNUSED
+from flexmask.algebra import INF, UNUSED
 
 
 def tree_lines(

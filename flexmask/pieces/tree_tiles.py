@@ -15,8 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.algebra.protocol import TileGrid
-from flexmask.blocks.codes import CODE_DTYPE, EMPTY
+from flexmask.algebra import TileGrid
+from flexmask.blocks import CODE_DTYPE, EMPTY
 from flexmask.pieces.tree_chunks import (
     band,
     chunk_parts,

@@ -23,11 +23,9 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask._validate import check_device, env_int
-from flexmask.algebra.mask import Mask
-from flexmask.blocks.grid import BlockGrid
-from flexmask.blocks.read import block_mask_nbytes
-from flexmask.builders.create import build
-from flexmask.builders.zero_sizes import emptied
+from flexmask.algebra import Mask
+from flexmask.blocks import BlockGrid, block_mask_nbytes
+from flexmask.builders import build, emptied
 from flexmask.runtime.spec import Spec, make_spec
 
 ENV_SIZE = "FLEXMASK_CACHE_SIZE"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.runtime.cache import MaskCache, default_cache
 from flexmask.runtime.spec import Spec, make_spec
 

@@ -14,10 +14,9 @@ from typing import Any, NamedTuple
 import torch
 
 from flexmask._validate import check_device, check_int
-from flexmask.algebra.mask import Extent, Mask
-from flexmask.blocks.grid import BlockGrid, block_sizes, offsets, per_row
-from flexmask.builders.size_check import check_size
-from flexmask.builders.zero_sizes import no_rows_or_heads
+from flexmask.algebra import Extent, Mask
+from flexmask.blocks import BlockGrid, block_sizes, offsets, per_row
+from flexmask.builders import check_size, no_rows_or_heads
 
 _NO_DEVICE = torch.device("meta")
 _WINDOW_NAME = "max(q_offset + Q_LEN, kv_offset + KV_LEN)"

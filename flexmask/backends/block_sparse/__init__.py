@@ -22,7 +22,7 @@ from flexmask.backends.block_sparse.api import (
 )
 from flexmask.backends.request import Request
 from flexmask.pieces import Full
-from flexmask.runtime.cache import default_cache
+from flexmask.runtime import default_cache
 
 NAME = "block_sparse"
 OPTIONS = (

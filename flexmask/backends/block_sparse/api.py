@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.backends.block_sparse.grouped import (
     IntervalMod,
     grouped_attention,
@@ -49,8 +49,8 @@ from flexmask.backends.dense import KERNELS as SDPA_KERNELS
 from flexmask.backends.dense import choose_backend, is_causal, sdpa_attention
 from flexmask.backends.plan import Plan, make_plan
 from flexmask.backends.threads import kernel_workers
-from flexmask.builders.provenance import built_from
-from flexmask.runtime.lazy import BuiltOnRead
+from flexmask.builders import built_from
+from flexmask.runtime import BuiltOnRead
 
 Backend = Literal["auto", "sparse", "sdpa"]
 """Which kernel runs: see :func:`block_sparse_attention` and :func:`choose_backend`."""

@@ -6,13 +6,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmask.algebra.mask import Mask
+from flexmask.algebra import Mask
 from flexmask.backends.block_sparse import kernel
 from flexmask.backends.mod_eval import broadcasts, call_mod
 from flexmask.backends.plan import Plan, pad_to_blocks
 from flexmask.backends.threads import one_thread
-from flexmask.blocks.codes import PARTIAL
-from flexmask.blocks.grid import BlockGrid
+from flexmask.blocks import PARTIAL, BlockGrid
 
 
 def grouped_attention(

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from flexmask.backends.threads import run_groups
-from flexmask.blocks.codes import EMPTY, FULL, PARTIAL
+from flexmask.blocks import EMPTY, FULL, PARTIAL
 
 
 class Group(NamedTuple):

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flexmask.backends.mod_eval import broadcasts, call_mod
 from flexmask.backends.plan import Plan, pad_to_blocks
-from flexmask.blocks.codes import EMPTY, PARTIAL
+from flexmask.blocks import EMPTY, PARTIAL
 
 # A chunk stops growing when fewer than this share of its (q block, column) pairs are listed:
 # the union of columns is computed for every q block of the chunk, listed or not.
