@@ -9,7 +9,7 @@
 # $TORCH_INDEX_URL when set: on Linux a plain PyPI torch is the CUDA build (~3 GB of downloads,
 # ~5 GB installed; it runs on a machine without a GPU), PyTorch's CPU index gives the CPU one.
 # The repository is tested in place (PYTHONPATH), never installed, so nothing outside the venv
-# changes. tests/test_torch_range.py fails by name when VERSION is outside pyproject's range:
+# changes. tests/test_structure_torch_range.py fails by name when VERSION is outside pyproject's range:
 # if everything else passes, widen the range and list the version in docs/getting-started.md.
 set -euo pipefail
 
@@ -43,10 +43,10 @@ fi
 
 asked=("$@")
 if [ $# -eq 0 ]; then
-    set -- -m "not slow" tests/test_torch_range.py tests/test_builder.py tests/test_dropin.py \
-        tests/test_closed_form.py tests/test_offsets.py tests/test_lazy.py \
-        tests/test_attention.py tests/test_block_sparse.py tests/test_algebra.py \
-        tests/test_validation.py
+    set -- -m "not slow" tests/test_structure_torch_range.py tests/test_build.py tests/test_build_dropin.py \
+        tests/test_build_closed_form.py tests/test_build_offsets.py tests/test_lazy.py \
+        tests/test_attention.py tests/test_backends_block_sparse.py tests/test_algebra.py \
+        tests/test_pieces_errors.py
 fi
 
 cd "$root"

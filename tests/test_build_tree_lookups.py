@@ -10,7 +10,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 
 import flexmask
 from tests import oracle
-from tests.test_tree_speed_exact import insertion_tree
+from tests.test_build_tree_classifier import insertion_tree
 
 
 def test_a_tree_rebuilt_at_other_lengths_matches_torch_each_time():

@@ -17,7 +17,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 import flexmask
 from flexmask.blocks import runs, write
 from tests import oracle
-from tests.test_tree_speed_exact import insertion_tree
+from tests.test_build_tree_classifier import insertion_tree
 
 
 def _torch_order(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

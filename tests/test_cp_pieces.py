@@ -15,7 +15,7 @@ import flexmask
 from flexmask.builders.segments import write_runs
 from flexmask.context_parallel import HeadTailBalancer
 from tests import oracle
-from tests.test_context_parallel import (
+from tests.test_cp import (
     check_against_oracle,
     dense_case,
     document_dense,

@@ -19,7 +19,7 @@ from flexmask.builders.segments import segment_sides
 from flexmask.context_parallel import MaskAwareBalancer, PerDocumentBalancer
 from flexmask.context_parallel.balance import _block_costs, deal, ptrr_schedule
 from tests import oracle
-from tests.test_context_parallel import (
+from tests.test_cp import (
     check_against_oracle,
     document_dense,
     expanded,

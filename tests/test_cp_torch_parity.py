@@ -18,7 +18,7 @@ import flexmask
 from flexmask.context_parallel import PTRRBalancer
 from tests import oracle
 from tests.ranks import spawn_ranks
-from tests.test_context_parallel import (
+from tests.test_cp import (
     check_against_oracle,
     dense_case,
     document_dense,

@@ -310,7 +310,7 @@ def test_paged_decode_with_a_shuffled_page_table_equals_the_contiguous_cache():
 
 @pytest.mark.slow
 def test_generate_example_matches_full_recomputation():
-    from tests.test_examples import run_example
+    from tests.test_docs_examples import run_example
 
     out = run_example("generate.py", "--quick")
     assert "all logits equal full recomputation (atol 1e-05)" in out

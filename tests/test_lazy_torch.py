@@ -186,7 +186,7 @@ def test_torch_paged_attention_converts_a_handle(cache):
 def test_torch_context_parallel_buffers_take_a_handle(balanced, cache):
     from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
-    from tests.test_context_parallel import FakeMesh, torch_cp, torch_shard
+    from tests.test_cp import FakeMesh, torch_cp, torch_shard
 
     S, world = 512, 2
     mask = flexmask.causal() & flexmask.document([200, 180, 132])

@@ -1,5 +1,5 @@
 """The examples' tiny language model (examples/_model.py), loaded once for the tests that
-train through a packed batch (test_rl, test_sft)."""
+train through a packed batch (test_rl, test_packing_sft)."""
 
 from __future__ import annotations
 

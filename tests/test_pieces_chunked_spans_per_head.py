@@ -184,7 +184,7 @@ def test_spans_ids_are_canonical_and_validated():
         flexmask.spans([[0, 1], [0, 1, 0]])
     with pytest.raises(TypeError, match="ids"):
         flexmask.spans([0.5, 1.0])
-    # More ids than the sequence: clipped, as every length past it (test_edges_consistent.py).
+    # More ids than the sequence: clipped, as every length past it (test_pieces_past_sequence.py).
 
 
 # --------------------------------------------------------------------------------- per_head

@@ -12,7 +12,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from flexmask.backends.block_sparse import kernel
 from flexmask.backends.block_sparse.api import block_sparse_attention
 from tests import oracle
-from tests.test_block_sparse_recovered import reference
+from tests.test_backends_block_sparse_torch_masks import reference
 
 
 def long_documents(b, h, q_idx, kv_idx):

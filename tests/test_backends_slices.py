@@ -17,8 +17,8 @@ from flexmask.backends import slices
 from flexmask.formats.magi import MagiMask
 from tests import oracle
 from tests.strategies import expressions
+from tests.test_build_pickle import ROUND_TRIPS
 from tests.test_formats import magi_dense
-from tests.test_pickle import ROUND_TRIPS
 
 dense_attention = oracle.attention
 

@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import create_mask
 import flexmask
 from flexmask.context_parallel import PerDocumentBalancer, per_document
 from tests import oracle
-from tests.test_context_parallel import document_dense, torch_shard
+from tests.test_cp import document_dense, torch_shard
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from flexmask.builders.sides import in_closed_form
 from flexmask.builders.unions import _reduce, union_operands
 from tests import oracle
 from tests.strategies import interval_intersections, small_windows
-from tests.test_offsets import BLOCKS, _check, _offsets, _per_row
+from tests.test_build_offsets import BLOCKS, _check, _offsets, _per_row
 
 
 @st.composite

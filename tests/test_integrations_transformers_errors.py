@@ -23,7 +23,7 @@ from transformers.masking_utils import (  # noqa: E402
 import flexmask  # noqa: E402
 from flexmask.integrations.transformers import attention_masks, layer_mask  # noqa: E402
 from flexmask.packing import pack  # noqa: E402
-from tests.test_transformers import block_mask_pairs  # noqa: E402
+from tests.test_integrations_transformers import block_mask_pairs  # noqa: E402
 
 LAYERS = ["sliding_attention", "chunked_attention", "full_attention"]
 

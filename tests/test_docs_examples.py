@@ -1,6 +1,6 @@
 """The examples run end to end: each in a subprocess, in its quick mode, checked by its output.
 
-Usage: python -m pytest tests/test_examples.py -q
+Usage: python -m pytest tests/test_docs_examples.py -q
 """
 
 from __future__ import annotations
