@@ -1,17 +1,22 @@
-"""What the slices backend pays once per new mask: its lowering, against the BlockMask build.
+"""What a lowering to another kernel's format costs, against the BlockMask build of the mask.
 
-On the CPU ``flexmask.flex_attention`` runs the ``slices`` backend wherever it takes the mask:
-it lowers the Mask to MagiAttention slices (``flexmask.formats.to_magi``) and those to kernel
-calls (``flexmask.backends.slices``), once per mask (kept for the calls of one step), and
-builds no BlockMask when given a Mask. A training step on new data pays that lowering once
-per micro-batch, so this benchmark times it beside the peer it replaces — flexmask's own
-BlockMask build of the same mask at the same size — in one run, interleaved, medians of
-``--repeat`` calls with every cache cleared, and prints the load.
+A training step on new data lowers its mask once per micro-batch: ``to_varlen``,
+``to_magi``, ``to_flashmask``, or the ``slices`` backend's lowering (``to_magi`` and its
+kernel calls; on the CPU ``flexmask.flex_attention`` runs it wherever it takes the mask).
+This benchmark times each beside the peer it stands in for — flexmask's own BlockMask build
+of the same mask at the same size (``flexmask.create_block_mask``) — in one run, interleaved,
+medians of ``--repeat`` rounds with every cache cleared before each call, and prints the
+load. Per-row documents, a sliding window, shared-prefix trees and a union (a window with
+attention sinks) at 8k and 131k, B = 1 and 8.
+
+Where a lowering's output is bigger than the BlockMask (varlen's per-token gather indices,
+FlashMask's per-column bounds), writing the output alone can cost more than the build:
+``floor`` times a copy of the lowering's output tensors (the write, nothing computed).
 
 Run from the repository root::
 
-    python benchmarks/bench_lowering.py            # 8k and 131k
-    python benchmarks/bench_lowering.py --quick    # 8k only
+    OMP_NUM_THREADS=1 python benchmarks/bench_lowering.py            # 8k and 131k
+    OMP_NUM_THREADS=1 python benchmarks/bench_lowering.py --quick    # 8k only
 """
 
 from __future__ import annotations
@@ -21,103 +26,142 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]
 
-from bench_rl_pack import BUDGET, grpo_groups  # noqa: E402
 from common import documents, fmt_time, machine, markdown_table, response_tree  # noqa: E402
 
 import flexmask  # noqa: E402
 from flexmask.backends import slices  # noqa: E402
-from flexmask.packing import pack_trees  # noqa: E402
+from flexmask.formats import to_flashmask, to_magi, to_varlen  # noqa: E402
+
+WINDOW = 1024
 
 
-def rl_rows(groups: int) -> list[list[int]]:
-    """The parents of every micro-batch of ``groups`` GRPO groups, packed by ``pack_trees``
-    exactly as ``bench_rl_pack.py`` packs them."""
-    sequences, prompts = grpo_groups(groups)
-    batch = pack_trees(sequences, BUDGET, prompt_lens=prompts)
-    return [batch.parents[row] for row in range(batch.num_rows)]
+def cases(sizes: list[int], batches: list[int]) -> list[tuple[str, flexmask.Mask, int, int]]:
+    """(name, mask, B, S): rows differ when B > 1."""
+    out = []
+    for S in sizes:
+        for B in batches:
 
+            def rows(make: Callable[[int], Any], B: int = B) -> Any:
+                return [make(r) for r in range(B)] if B > 1 else make(0)
 
-def cases(quick: bool) -> list[tuple[str, flexmask.Mask, int, int]]:
-    """(name, mask, B, S)."""
-    out = [
-        ("RL tree, 1 group", flexmask.tree(rl_rows(1)[0]), 1, 8192),
-        ("RL trees, 8 groups (5 rows)", flexmask.tree(rl_rows(8)), 5, 8192),
-        (
-            "causal & 20 documents",
-            flexmask.causal() & flexmask.document(documents(8192, 0, 410)),
-            1,
-            8192,
-        ),
-        ("causal & window 1024", flexmask.causal() & flexmask.sliding_window(1024), 1, 8192),
-        ("tree, 8 responses", flexmask.tree(response_tree(8192, 0)), 1, 8192),
-        (
-            "causal & per-row documents, B=8",
-            flexmask.causal() & flexmask.document([documents(8192, r, 410) for r in range(8)]),
-            8,
-            8192,
-        ),
-    ]
-    if not quick:
-        S = 131072
-        out += [
-            (
-                "causal & 20 documents",
-                flexmask.causal() & flexmask.document(documents(S, 0, S // 20)),
-                1,
-                S,
-            ),
-            (
-                "causal & 1000 documents",
-                flexmask.causal() & flexmask.document(documents(S, 0, S // 1000)),
-                1,
-                S,
-            ),
-            ("tree, 8 responses", flexmask.tree(response_tree(S, 0)), 1, S),
-        ]
+            docs = rows(lambda r, S=S: documents(S, r, S // 128))
+            sinks = rows(lambda r, S=S: S // 64 + 16 * r)
+            out += [
+                ("documents", flexmask.causal() & flexmask.document(docs), B, S),
+                ("window", flexmask.causal() & flexmask.sliding_window(WINDOW), B, S),
+                ("tree", flexmask.tree(rows(lambda r, S=S: response_tree(S, r))), B, S),
+                (
+                    "window | sinks",
+                    flexmask.causal() & (flexmask.sliding_window(WINDOW) | flexmask.prefix(sinks)),
+                    B,
+                    S,
+                ),
+            ]
     return out
 
 
-def lower(mask: flexmask.Mask, B: int, S: int) -> str:
-    slices._lowered.cache_clear()
-    lowered = slices._lowered(mask, B, S, S)
-    return lowered if isinstance(lowered, str) else f"{len(lowered)} calls"
+def _slices(mask: flexmask.Mask, B: int, S: int) -> Any:
+    return slices._lowered(mask, B, S, S)
 
 
-def build(mask: flexmask.Mask, B: int, S: int) -> None:
+LOWERINGS: dict[str, Callable[[flexmask.Mask, int, int], Any]] = {
+    "to_varlen": lambda m, B, S: to_varlen(m, B, S),
+    "to_magi": lambda m, B, S: to_magi(m, B, S),
+    "to_flashmask": lambda m, B, S: to_flashmask(m, B, 1, S),
+    "slices": _slices,
+}
+
+
+def build(mask: flexmask.Mask, B: int, S: int) -> Any:
+    return flexmask.create_block_mask(mask, B, 1, S, S, device="cpu")
+
+
+def outputs(lowered: Any) -> list[Any]:
+    """The tensors a lowering returns (the slices backend's are Python tuples)."""
+    if isinstance(lowered, str | slices.Slices):
+        return []
+    return [v for v in vars(lowered).values() if hasattr(v, "clone")]
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     flexmask.cache_clear()
-    flexmask.create_block_mask(mask, B, 1, S, S, device="cpu")
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def attempt(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except ValueError as err:
+        return str(err)
+
+
+def describe(lowered: Any) -> str:
+    if isinstance(lowered, str):
+        return "refuses"
+    if isinstance(lowered, slices.Slices):
+        return f"{len(lowered)} calls"
+    if hasattr(lowered, "num_sequences"):
+        return f"{lowered.num_sequences} seqs"
+    if hasattr(lowered, "num_slices"):
+        return f"{lowered.num_slices} slices"
+    return f"C={lowered.columns}"
+
+
+def measure(mask: flexmask.Mask, B: int, S: int, repeat: int) -> list[str]:
+    """One row: per lowering its median time, ratio to the build's and floor's."""
+    funcs = {name: (lambda f=f: attempt(lambda: f(mask, B, S))) for name, f in LOWERINGS.items()}
+    results = {name: fn() for name, fn in funcs.items()}  # warm up, and say what each gives
+    build(mask, B, S)
+    times: dict[str, list[float]] = {name: [] for name in [*funcs, "build"]}
+    floors: dict[str, list[float]] = {name: [] for name in funcs}
+    for _ in range(repeat):  # interleaved: load changes hit all alike
+        times["build"].append(timed(lambda: build(mask, B, S))[0])
+        for name, fn in funcs.items():
+            times[name].append(timed(fn)[0])
+            tensors = outputs(results[name])
+            floors[name].append(timed(lambda t=tensors: [x.clone() for x in t])[0])
+    built = statistics.median(times["build"])
+    cells = [fmt_time(built)]
+    for name in funcs:
+        t = statistics.median(times[name])
+        cell = f"{fmt_time(t)} ({t / built:.2f}x), {describe(results[name])}"
+        if outputs(results[name]):
+            cell += f", floor {statistics.median(floors[name]) / built:.2f}x"
+        cells.append(cell)
+    return cells
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8k only")
     parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--masks", nargs="+", help="only these mask names")
     args = parser.parse_args()
+    sizes = [8192] if args.quick else [8192, 131072]
     print(f"machine: {machine()}; load before {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
-    for name, mask, B, S in cases(args.quick):
-        what = lower(mask, B, S)  # warm up both, and say what the lowering gives
-        build(mask, B, S)
-        low, built = [], []
-        for _ in range(args.repeat):  # interleaved: load changes hit both alike
-            start = time.perf_counter()
-            lower(mask, B, S)
-            low.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            build(mask, B, S)
-            built.append(time.perf_counter() - start)
-        lo, bu = statistics.median(low), statistics.median(built)
-        rows.append([name, B, f"{S:,}", what, fmt_time(lo), fmt_time(bu), f"{lo / bu:.2f}x"])
+    for name, mask, B, S in cases(sizes, args.batches):
+        if args.masks and name not in args.masks:
+            continue
+        rows.append([name, B, f"{S:,}", *measure(mask, B, S, args.repeat)])
         print(rows[-1], flush=True)
     print(f"load after {os.getloadavg()[0]:.1f}")
-    header = ["mask", "B", "S", "slices lowering gives", "lowering", "BlockMask build", "ratio"]
+    header = ["mask", "B", "S", "BlockMask build", *LOWERINGS]
     print(markdown_table(header, rows))
-    print(f"medians of {args.repeat} interleaved calls, caches cleared before each")
+    print(
+        f"medians of {args.repeat} interleaved rounds, caches cleared before each call; "
+        "ratios to the build; floor: copying the lowering's output tensors"
+    )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,14 @@ from torch import Tensor
 
 from flexmask._validate import check_device
 from flexmask.algebra import INF, Mask
-from flexmask.formats._structure import Window, lines, one_mask_for_all_heads, varlen_plan, window
+from flexmask.formats._structure import (
+    VarlenPlan,
+    Window,
+    lines,
+    one_mask_for_all_heads,
+    varlen_plan,
+    window,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,67 +172,96 @@ def varlen_of(mask: Mask, win: Window, device: torch.device | str | None = None)
         plan = plan._replace(window=None)  # |q - kv| < length everywhere: no window at all
     left = -1 if plan.window is None else plan.window - 1
     right = 0 if plan.causal else (-1 if plan.window is None else plan.window - 1)
-    q_lens, k_lens, q_parts, k_parts = [], [], [], []
-    for b in range(win.batch):
-        ids = plan.segment_ids[min(b, len(plan.segment_ids) - 1)]
-        q0 = int(win.q_offset[min(b, win.q_offset.shape[0] - 1)])
-        k0 = int(win.kv_offset[min(b, win.kv_offset.shape[0] - 1)])
-        q_runs = _runs(ids[q0 : q0 + win.q_len])
-        k_runs = _runs(ids[k0 : k0 + win.kv_len])
-        for seg, (qa, qb) in q_runs.items():
-            if seg not in k_runs:
-                continue
-            ka, kb = (k + k0 for k in k_runs[seg])
-            if plan.causal:  # keys after the last query are attended by none of them
-                kb = min(kb, q0 + qb)
-                if plan.window is not None:
-                    ka = max(ka, q0 + qa - left)
-            if kb <= ka:
-                continue
-            q_lens.append(qb - qa)
-            k_lens.append(kb - ka)
-            q_parts.append(b * win.q_len + torch.arange(qa, qb))
-            k_parts.append(b * win.kv_len + torch.arange(ka - k0, kb - k0))
+    row, qa, qb, ka, kb = _sequences(plan, win, left)
+    q_lens, k_lens = qb - qa, kb - ka
     window_size = (-1, -1) if plan.window is None else (left, right)
     lowered = VarlenMask(
         cu_seqlens_q=_cumulative(q_lens, dev),
         cu_seqlens_k=_cumulative(k_lens, dev),
-        max_seqlen_q=max(q_lens, default=0),
-        max_seqlen_k=max(k_lens, default=0),
+        max_seqlen_q=int(q_lens.max()) if q_lens.numel() else 0,
+        max_seqlen_k=int(k_lens.max()) if k_lens.numel() else 0,
         causal=plan.causal,
         window_size=window_size,
-        q_index=_cat(q_parts, dev),
-        k_index=_cat(k_parts, dev),
+        q_index=_spread(row * win.q_len + qa, q_lens).to(dev),
+        k_index=_spread(row * win.kv_len + ka, k_lens).to(dev),
         batch=win.batch,
         q_len=win.q_len,
         kv_len=win.kv_len,
     )
-    _check_exact(one_mask_for_all_heads(mask, "varlen"), win, lowered, plan.rule_piece)
+    # Where every row's queries and keys are the same positions, each sequence's queries and
+    # keys are the same run of one segment: the kernel's bottom-right alignment is its
+    # top-left one, and its rule within the run is the mask's (an & of that rule and
+    # partitions), so the lowering is exact by construction and the check would only repeat
+    # the mask's intervals. Other windows are checked.
+    aligned = win.q_len == win.kv_len and bool((win.q_offset == win.kv_offset).all())
+    if not aligned:
+        _check_exact(one_mask_for_all_heads(mask, "varlen"), win, lowered, plan.rule_piece)
     return lowered
 
 
-def _runs(ids: Tensor) -> dict[int, tuple[int, int]]:
-    """Segment id -> its run ``[start, end)`` of local positions (ids >= 0 only)."""
-    values, counts = torch.unique_consecutive(ids, return_counts=True)
-    ends = counts.cumsum(0)
-    return {
-        int(v): (int(e - c), int(e))
-        for v, c, e in zip(values.tolist(), counts.tolist(), ends.tolist(), strict=True)
-        if v >= 0
-    }
+def _sequences(
+    plan: VarlenPlan, win: Window, left: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The kernel's sequences in order (by batch row, then first query): their row, local
+    queries ``[qa, qb)`` and local keys ``[ka, kb)``. A segment is a sequence where the
+    window holds both its queries and its keys; with ``causal``, keys after its last query
+    (and before its first query's window) are left out, as no query attends them."""
+    ids = torch.stack(plan.segment_ids)
+    batch_rows = torch.arange(win.batch)
+    ids = ids[batch_rows.clamp(max=ids.shape[0] - 1)]
+    q0 = win.q_offset.expand(win.batch, 1)
+    k0 = win.kv_offset.expand(win.batch, 1)
+    q_row, q_seg, qa, qb = _runs(ids.gather(1, q0 + torch.arange(win.q_len)))
+    k_row, k_seg, ka, kb = _runs(ids.gather(1, k0 + torch.arange(win.kv_len)))
+    # Match each query run with the key run of its (row, segment): at most one each.
+    span = int(torch.cat([q_seg, k_seg, q_seg.new_zeros(1)]).max()) + 1
+    k_key, order = (k_row * span + k_seg).sort()
+    at = torch.searchsorted(k_key, q_row * span + q_seg).clamp(max=max(k_key.numel() - 1, 0))
+    if k_key.numel():
+        found = k_key[at] == q_row * span + q_seg
+        k_first, k_end = ka[order][at], kb[order][at]
+    else:
+        found = torch.zeros_like(q_seg, dtype=torch.bool)
+        k_first, k_end = torch.zeros_like(qa), torch.zeros_like(qa)
+    q_off, k_off = q0.view(-1)[q_row], k0.view(-1)[q_row]
+    k_first, k_end = k_first + k_off, k_end + k_off  # absolute, as the rule compares them
+    if plan.causal:  # keys after the last query are attended by none of them
+        k_end = torch.minimum(k_end, q_off + qb)
+        if plan.window is not None:
+            k_first = torch.maximum(k_first, q_off + qa - left)
+    keep = found & (k_end > k_first)
+    k_first, k_end = k_first - k_off, k_end - k_off
+    return q_row[keep], qa[keep], qb[keep], k_first[keep], k_end[keep]
 
 
-def _cumulative(lengths: list[int], device: torch.device) -> Tensor:
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    if lengths:
-        cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+def _runs(ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The runs of equal ids ``>= 0`` of each row of ``(B, n)``, in order: their row, id,
+    and local positions ``[start, end)``."""
+    n = ids.shape[1]
+    change = torch.ones_like(ids, dtype=torch.bool)
+    change[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    flat = change.view(-1).nonzero().view(-1)
+    ends = torch.cat([flat[1:], flat.new_full((1,), ids.numel())])
+    seg = ids.view(-1)[flat]
+    real = seg >= 0
+    flat, ends, seg = flat[real], ends[real], seg[real]
+    row = flat.div(n, rounding_mode="floor")
+    return row, seg, flat - row * n, ends - row * n
+
+
+def _spread(starts: Tensor, lengths: Tensor) -> Tensor:
+    """``cat([arange(s, s + n) for s, n in zip(starts, lengths)])``, without the loop."""
+    total = int(lengths.sum()) if lengths.numel() else 0
+    before = lengths.cumsum(0) - lengths
+    return torch.repeat_interleave(starts - before, lengths, output_size=total) + torch.arange(
+        total
+    )
+
+
+def _cumulative(lengths: Tensor, device: torch.device) -> Tensor:
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0).to(torch.int32)
     return cu.to(device)
-
-
-def _cat(parts: list[Tensor], device: torch.device) -> Tensor:
-    if not parts:
-        return torch.zeros(0, dtype=torch.int64, device=device)
-    return torch.cat(parts).to(device)
 
 
 def _kernel_intervals(lowered: VarlenMask) -> tuple[Tensor, Tensor]:
@@ -237,16 +273,16 @@ def _kernel_intervals(lowered: VarlenMask) -> tuple[Tensor, Tensor]:
     cu_q, cu_k = lowered.cu_seqlens_q.cpu().long(), lowered.cu_seqlens_k.cpu().long()
     q_index, k_index = lowered.q_index.cpu(), lowered.k_index.cpu()
     left, right = lowered.window_size
-    for i in range(lowered.num_sequences):
-        sq, sk = int(cu_q[i + 1] - cu_q[i]), int(cu_k[i + 1] - cu_k[i])
-        shift = torch.arange(sq) + sk - sq
-        first = shift - left if left >= 0 else torch.full_like(shift, -INF)
-        last = shift if lowered.causal else (shift + right if right >= 0 else shift + INF)
-        first, last = first.clamp(min=0), last.clamp(max=sk - 1)
-        kv_first = int(k_index[cu_k[i]])
-        rows = q_index[cu_q[i] : cu_q[i + 1]]
-        lo[rows] = torch.where(first <= last, kv_first + first, INF)
-        hi[rows] = torch.where(first <= last, kv_first + last, -INF)
+    sq, sk = cu_q.diff(), cu_k.diff()
+    # Per packed query: its sequence, and its place in it.
+    seq = torch.repeat_interleave(torch.arange(sq.numel()), sq, output_size=q_index.numel())
+    shift = torch.arange(q_index.numel()) - cu_q[:-1][seq] + (sk - sq)[seq]
+    first = shift - left if left >= 0 else torch.full_like(shift, -INF)
+    last = shift if lowered.causal else (shift + right if right >= 0 else shift + INF)
+    first, last = first.clamp(min=0), torch.minimum(last, (sk - 1)[seq])
+    kv_first = k_index[cu_k[:-1].clamp(max=max(k_index.numel() - 1, 0))][seq]
+    lo[q_index] = torch.where(first <= last, kv_first + first, INF)
+    hi[q_index] = torch.where(first <= last, kv_first + last, -INF)
     return lo, hi
 
 

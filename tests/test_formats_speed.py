@@ -1,0 +1,117 @@
+"""The lowerings' vectorised paths (issue #32) against plain references: ``to_varlen``'s
+sequences read from every row at once, and the check it skips where queries and keys are
+the same positions, over windows with per-row offsets that differ between rows, rows that
+attend nothing, and B > the mask's rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flexmask
+from flexmask.formats import to_varlen
+from tests.strategies import leaves
+
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+VARLEN_KINDS = ("causal", "window", "document", "padding", "chunked", "full", "empty")
+
+
+def varlen_dense(v) -> np.ndarray:
+    """(B, Q, KV) by flash-attn's documented rule, written plainly: query i of a sequence
+    with sq queries and sk keys sees key j when j <= i + sk - sq (causal) and
+    i + sk - sq - left <= j <= i + sk - sq + right (-1: unbounded)."""
+    out = np.zeros((v.batch * v.q_len, v.batch * v.kv_len), dtype=bool)
+    cu_q, cu_k = v.cu_seqlens_q.tolist(), v.cu_seqlens_k.tolist()
+    q_index, k_index = v.q_index.tolist(), v.k_index.tolist()
+    left, right = v.window_size
+    for s in range(len(cu_q) - 1):
+        sq, sk = cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]
+        for i in range(sq):
+            for j in range(sk):
+                d = i + sk - sq
+                if v.causal and j > d or left >= 0 and j < d - left or right >= 0 and j > d + right:
+                    continue
+                out[q_index[cu_q[s] + i], k_index[cu_k[s] + j]] = True
+    blocks = []
+    for b in range(v.batch):
+        rows = out[b * v.q_len : (b + 1) * v.q_len]
+        mine = rows[:, b * v.kv_len : (b + 1) * v.kv_len]
+        assert rows.sum() == mine.sum(), "a sequence crosses batch rows"
+        blocks.append(mine)
+    return np.stack(blocks)
+
+
+@st.composite
+def masks(draw, batch: int, length: int):
+    """(mask, dense(n, n) -> (B, n, n)): an & of 1..3 pieces varlen may take."""
+    mask, ref = draw(leaves(batch, length, VARLEN_KINDS))
+    for _ in range(draw(st.integers(0, 2))):
+        other, other_ref = draw(leaves(batch, length, VARLEN_KINDS))
+        mask, ref = mask & other, (lambda q, kv, a=ref, b=other_ref: a(q, kv) & b(q, kv))
+    return mask, ref
+
+
+@SETTINGS
+@given(data=st.data(), batch=st.integers(1, 4), aligned=st.booleans())
+def test_varlen_per_row_offsets_equal_the_oracle_or_refuse(data, batch, aligned):
+    q_len = data.draw(st.integers(1, 17))
+    q_off = [data.draw(st.integers(0, 9)) for _ in range(batch)]
+    if aligned:  # the same positions on both sides, each row its own: no check runs
+        kv_len, kv_off = q_len, list(q_off)
+    else:  # queries end where their keys end (decode, chunked prefill)
+        extra = data.draw(st.integers(0, min(q_off)))
+        kv_len, kv_off = q_len + extra, [q - extra for q in q_off]
+    length = max(max(q_off) + q_len, max(kv_off) + kv_len)
+    mask, dense = data.draw(masks(batch, length + 2))
+    try:
+        v = to_varlen(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
+    except ValueError as error:
+        assert not aligned or "differs between rows" in str(error), (mask, error)
+        return
+    full = dense(length, length)
+    want = np.stack(
+        [full[b, q_off[b] : q_off[b] + q_len, kv_off[b] : kv_off[b] + kv_len] for b in range(batch)]
+    )
+    np.testing.assert_array_equal(varlen_dense(v), want, str(mask))
+    lens = (v.cu_seqlens_q[1:] - v.cu_seqlens_q[:-1]).tolist()
+    assert v.max_seqlen_q == max(lens, default=0) and min(lens, default=1) > 0
+    k_lens = (v.cu_seqlens_k[1:] - v.cu_seqlens_k[:-1]).tolist()
+    assert v.max_seqlen_k == max(k_lens, default=0) and min(k_lens, default=1) > 0
+    # Sequences run in order: by batch row, then first query.
+    assert v.q_index.tolist() == sorted(v.q_index.tolist())
+
+
+def test_varlen_rows_that_attend_nothing_leave_no_sequence():
+    mask = flexmask.causal() & flexmask.document([[3, 2], [4]]) & flexmask.padding([0, 4])
+    v = to_varlen(mask, 2, 6)
+    assert v.cu_seqlens_q.tolist() == [0, 4] and v.q_index.tolist() == [6, 7, 8, 9]
+    assert v.k_index.tolist() == [6, 7, 8, 9]
+    nothing = to_varlen(flexmask.empty() & flexmask.document([3, 2]), 3, 5)
+    assert nothing.num_sequences == 0 and nothing.q_index.numel() == 0
+    assert nothing.cu_seqlens_q.tolist() == [0] and nothing.max_seqlen_q == 0
+
+
+def test_varlen_many_per_row_documents_match_a_loop():
+    """B = 8 rows of ~100 documents each: the sequences are every row's documents in order."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(8):
+        lens = torch.randint(1, 40, (200,), generator=gen).tolist()
+        total, out = 0, []
+        for n in lens:
+            if total + n > 2000:
+                break
+            out.append(n)
+            total += n
+        rows.append(out)
+    v = to_varlen(flexmask.causal() & flexmask.document(rows), 8, 2048)
+    want = [0]
+    for lens in rows:
+        for n in lens:
+            want.append(want[-1] + n)
+    assert v.cu_seqlens_q.tolist() == want == v.cu_seqlens_k.tolist()
+    index = [b * 2048 + i for b, lens in enumerate(rows) for i in range(sum(lens))]
+    assert v.q_index.tolist() == index == v.k_index.tolist()
+    assert v.max_seqlen_q == max(max(lens) for lens in rows)
