@@ -263,6 +263,12 @@ def context_parallel() -> None:
     assert sorted(per_doc._generate_indices()[0].tolist()) == list(range(L))
     aware = flexmask.MaskAwareBalancer(mask, 1, 1, L, W, block_size=16)
     assert aware.imbalance >= 1.0
+    # One permutation for a step of several masks, each weighed by its layers.
+    hybrid = flexmask.LayerWeightedBalancer(
+        [(mask, 1), (mask & flexmask.sliding_window(16), 3)], 1, 1, L, W, block_size=16
+    )
+    assert sorted(hybrid._generate_indices()[0].tolist()) == list(range(L))
+    assert 1.0 <= hybrid.imbalance <= hybrid.synced_imbalance
     # PTRR: q blocks by their non-empty kv blocks, heaviest first, dealt in rounds of
     # alternating direction; each rank's blocks ascending (torch's _PTRRLoadBalancer).
     ptrr = flexmask.PTRRBalancer(mask, 1, 1, L, W, block_size=16)
@@ -344,6 +350,7 @@ EXERCISES: dict[Callable[[], None], set[str]] = {
     context_parallel: {
         "shard", "CPShard", "ShardCache", "lazy_shard", "cp_flex_attention",
         "HeadTailBalancer", "PerDocumentBalancer", "MaskAwareBalancer", "PTRRBalancer",
+        "LayerWeightedBalancer",
     },
 }  # fmt: skip
 

@@ -74,6 +74,7 @@ __version__ = "0.1.0"
 _CONTEXT_PARALLEL = (
     "CPShard",
     "HeadTailBalancer",
+    "LayerWeightedBalancer",
     "MaskAwareBalancer",
     "PTRRBalancer",
     "PerDocumentBalancer",

@@ -21,6 +21,7 @@ from flexmask.context_parallel.exchange_plan import (
     exchange_from_block_masks,
     plan_exchange,
 )
+from flexmask.context_parallel.hybrid import LayerImbalance, LayerWeightedBalancer, layer_imbalance
 from flexmask.context_parallel.lazy import LazyShard, lazy_shard
 from flexmask.context_parallel.rank_shard import CPShard
 from flexmask.context_parallel.shard_cache import ShardCache, default_shard_cache
@@ -29,6 +30,8 @@ __all__ = [
     "CPShard",
     "HeadTailBalancer",
     "KVExchange",
+    "LayerImbalance",
+    "LayerWeightedBalancer",
     "LazyShard",
     "MaskAwareBalancer",
     "PTRRBalancer",
@@ -38,6 +41,7 @@ __all__ = [
     "default_shard_cache",
     "exchange_from_block_masks",
     "imbalance",
+    "layer_imbalance",
     "lazy_shard",
     "plan_exchange",
     "shard",
