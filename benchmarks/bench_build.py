@@ -69,7 +69,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexmask
-from flexmask.blocks.grid import make_grid
+from flexmask.builders import make_grid
 from flexmask.builders.create import build_counted
 from flexmask.builders.sides import in_closed_form
 from flexmask.builders.threads import cpu_threads

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
-from flexmask.blocks.grid import make_grid
+from flexmask.builders import make_grid
 from flexmask.builders.classify import classify_blocks
 from tests import oracle
 from tests.strategies import SMALL_BLOCKS, expressions, negated_compounds

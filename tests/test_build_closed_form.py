@@ -12,9 +12,8 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import BlockMask
 
 import flexmask
-from flexmask.blocks.grid import make_grid
 from flexmask.blocks.write import assemble, ordered_from_codes
-from flexmask.builders import closed_form
+from flexmask.builders import closed_form, make_grid
 from flexmask.builders.classify import classify_blocks
 from tests import oracle
 from tests.strategies import interval_intersections

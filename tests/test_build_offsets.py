@@ -9,11 +9,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 import flexmask
-from flexmask.blocks.grid import make_grid
+from flexmask.builders import make_grid
 from tests import oracle
 from tests.strategies import (
     ending_intersections,

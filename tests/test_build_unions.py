@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexmask
 from flexmask.blocks.codes import FULL, PARTIAL
-from flexmask.blocks.grid import make_grid
+from flexmask.builders import make_grid
 from flexmask.builders.classify import classify
 from flexmask.builders.create import build, build_counted
 from flexmask.builders.sides import in_closed_form
@@ -96,11 +96,9 @@ def test_the_benchmark_unions_equal_torchs_build_of_the_shifted_mask_mod(
             mask, 2, 3, q_len, kv_len, "cpu", block, q_offset=q_offset, kv_offset=kv_offset
         )
         whole = mask.mask_mod_for(1061, 1061)
-
-        def shifted(b, h, q_idx, kv_idx, whole=whole):
-            return whole(b, h, q_idx + q_off[b], kv_idx + kv_off[b])
-
-        theirs = torch_create_block_mask(shifted, 2, 3, q_len, kv_len, "cpu", BLOCK_SIZE=block)
+        theirs = oracle.torch_build(
+            whole, 2, 3, q_len, kv_len, block, q_offset=q_off, kv_offset=kv_off
+        )
         oracle.assert_same_block_mask(ours, theirs, repr(mask))
 
 

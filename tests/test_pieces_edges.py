@@ -22,9 +22,8 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 
 import flexmask
 from flexmask.blocks.codes import UNDECIDED
-from flexmask.blocks.grid import make_grid
 from flexmask.blocks.write import assemble, ordered_from_codes
-from flexmask.builders import closed_form
+from flexmask.builders import closed_form, make_grid
 from flexmask.builders.classify import classify, classify_blocks, refine_by_evaluation
 from tests import oracle
 

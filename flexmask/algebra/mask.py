@@ -120,7 +120,7 @@ class Mask(Node, ABC):
     def validate(self, extent: Extent) -> None:
         """Checks the whole expression against ``extent`` (ValueError if it cannot apply): the
         one entry every build, key and handle validates a mask through, once per spec
-        (``flexmask.runtime.spec``); each node's own check is its ``check``."""
+        (``flexmask.builders.spec``); each node's own check is its ``check``."""
         self.check(extent)
 
     def _extent(

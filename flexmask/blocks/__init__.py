@@ -19,7 +19,7 @@ from flexmask.blocks.codes import (
     not_codes,
     or_codes,
 )
-from flexmask.blocks.grid import BlockGrid, block_sizes, make_grid, offsets, per_row
+from flexmask.blocks.grid import BlockGrid, block_sizes, offsets, per_row
 from flexmask.blocks.read import (
     BLOCK_FIELDS,
     WRITE_ORDER_FIELDS,
@@ -63,7 +63,6 @@ __all__ = [
     "expand_runs",
     "exporting",
     "kv_codes",
-    "make_grid",
     "not_codes",
     "offsets",
     "or_codes",

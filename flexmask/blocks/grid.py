@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask._validate import check_device, check_int
+from flexmask._validate import check_int
 from flexmask.algebra import Extent, Mask, Window
 from flexmask.blocks.codes import FULL, PARTIAL
 
@@ -194,45 +194,6 @@ def block_sizes(BLOCK_SIZE: Any) -> tuple[int, int]:
         return q_block, kv_block
     size = check_int(BLOCK_SIZE, "BLOCK_SIZE", minimum=1)
     return size, size
-
-
-def make_grid(
-    mask: Mask,
-    B: Any,
-    H: Any,
-    Q_LEN: Any,
-    KV_LEN: Any,
-    device: torch.device | str | None,
-    BLOCK_SIZE: Any,
-    q_offset: Any = 0,
-    kv_offset: Any = 0,
-) -> BlockGrid:
-    """Validates the build arguments against the mask and lays out its tiles (of the window
-    at the offsets)."""
-    batch = 1 if B is None else check_int(B, "B", minimum=1)
-    heads = 1 if H is None else check_int(H, "H", minimum=1)
-    q_len = check_int(Q_LEN, "Q_LEN", minimum=0)
-    kv_len = check_int(KV_LEN, "KV_LEN", minimum=0)
-    q_block, kv_block = block_sizes(BLOCK_SIZE)
-    device = check_device(device, mask.device)
-    if mask.rows is not None and B is None:
-        batch = mask.rows
-    q_off = offsets(q_offset, "q_offset", batch)
-    kv_off = offsets(kv_offset, "kv_offset", batch)
-    grid = BlockGrid.make(
-        batch,
-        heads,
-        q_len,
-        kv_len,
-        q_block,
-        kv_block,
-        device,
-        q_offset=q_off,
-        kv_offset=kv_off,
-        row_offsets=per_row(q_offset) or per_row(kv_offset),
-    )
-    mask.validate(grid.extent)
-    return grid
 
 
 def per_row(value: Any) -> bool:

@@ -20,23 +20,24 @@ from flexmask.builders.cp_shard import KeyOrder, ShardMaskMod, build_shard
 from flexmask.builders.create import build, create_block_mask
 from flexmask.builders.provenance import BUILT_RECORD, built_from
 from flexmask.builders.segments import write_runs
-from flexmask.builders.size_check import check_size
+from flexmask.builders.spec import Spec, make_grid, make_spec
 from flexmask.builders.threads import cpu_threads
-from flexmask.builders.zero_sizes import emptied, no_rows_or_heads
+from flexmask.builders.zero_sizes import emptied
 
 __all__ = [
+    "Spec",
     "BUILT_RECORD",
     "KeyOrder",
     "ShardMaskMod",
     "build",
     "build_shard",
     "built_from",
-    "check_size",
     "classify_blocks",
     "cpu_threads",
     "create_block_mask",
     "emptied",
-    "no_rows_or_heads",
+    "make_grid",
+    "make_spec",
     "row_runs",
     "write_runs",
 ]

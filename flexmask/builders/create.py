@@ -36,17 +36,17 @@ from flexmask.blocks import (
     assemble,
     block_sizes,
     exporting,
-    make_grid,
 )
 from flexmask.builders.provenance import (
     _Built,  # noqa: F401 - BlockMasks pickled by 0.1.0 name the record's class here
     record,
 )
 from flexmask.builders.sides import build_sides, in_closed_form
-from flexmask.builders.size_check import check_dense_size, check_size
+from flexmask.builders.size_check import check_dense_size
+from flexmask.builders.spec import make_spec
 from flexmask.builders.threads import cpu_threads
 from flexmask.builders.torch_flags import build_flags, torch_keywords
-from flexmask.builders.zero_sizes import emptied, no_rows_or_heads
+from flexmask.builders.zero_sizes import emptied
 
 
 def window_mask_mod(mask_mod: MaskMod, grid: BlockGrid) -> MaskMod:
@@ -160,16 +160,18 @@ def create_block_mask(
         build_flags(flags)  # torch's errors for unknown keywords, before any work
         return _torch_build(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, flags)
     checked = build_flags(flags)
+    spec = make_spec(
+        mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset, sized=False
+    )
     # B=0 or H=0: one row or head is built, then emptied, as torch's tensors are.
-    empty = no_rows_or_heads(mask, B, H)
-    rows, heads = (B, H) if empty is None else empty
-    check_size(mask, rows, heads, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
-    grid = make_grid(mask, rows, heads, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
+    one = spec.one_row()
+    one.check_fits(check_device(device, mask.device), reduced=False)  # all (B, H) written
+    grid = one.grid(sized=False)
     if exporting() and not in_closed_form(mask):
         built = _traced_build(mask, grid, checked)
     else:
         built = build(mask, grid, checked)
-    return built if empty is None else emptied(built, B, H)
+    return emptied(built, B, H) if spec.empty else built
 
 
 def _traced_build(mask: Mask, grid: BlockGrid, flags: Flags) -> BlockMask:

@@ -6,48 +6,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
+import torch
 
-from flexmask._validate import block_mask_bytes, check_device, check_fits, check_int, check_window
+from flexmask._validate import block_mask_bytes, check_device, check_fits
 from flexmask.algebra import Mask
-from flexmask.blocks import block_sizes, offsets
 from flexmask.builders.sides import in_closed_form
 
 
 def check_size(
     mask: Mask,
-    B: Any,
-    H: Any,
-    Q_LEN: Any,
-    KV_LEN: Any,
-    device: Any,
-    BLOCK_SIZE: Any,
-    q_offset: Any = 0,
-    kv_offset: Any = 0,
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device | None,
+    block_size: tuple[int, int],
     *,
+    per_row: bool = False,
     reduced: bool = False,
 ) -> None:
-    """Refuses, before anything is allocated, a build that cannot fit the device — its
+    """Refuses, before anything is allocated, a build that cannot fit the device: its
     BlockMask (``reduced``: B and H cut to 1 where the mask ignores them, as the cache
-    builds), the grid's tile bounds and, in closed form, one block's queries at a time — and
-    a window whose positions would overflow int64. Arithmetic on Python ints only."""
-    batch = (mask.rows or 1) if B is None else check_int(B, "B", minimum=1)
-    heads = 1 if H is None else check_int(H, "H", minimum=1)
-    q_len = check_int(Q_LEN, "Q_LEN", minimum=0)
-    kv_len = check_int(KV_LEN, "KV_LEN", minimum=0)
-    q_block, kv_block = block_sizes(BLOCK_SIZE)
-    per_row = False
-    for value, name, length, length_name, block in (
-        (q_offset, "q_offset", q_len, "Q_LEN", q_block),
-        (kv_offset, "kv_offset", kv_len, "KV_LEN", kv_block),
-    ):
-        offset = offsets(value, name, batch)
-        per_row |= hasattr(value, "__len__") and not (
-            isinstance(value, Tensor) and value.dim() == 0
-        )
-        check_window(
-            max(offset) if isinstance(offset, list) else offset, length, block, name, length_name
-        )
+    builds), the grid's tile bounds (per row where the window is, ``per_row``) and, in closed
+    form, one block's queries at a time. The arguments are a spec's (``builders.spec``),
+    checked already; arithmetic on Python ints only."""
+    q_block, kv_block = block_size
     rows = batch if not reduced or per_row or mask.batch_dependent else 1
     built_heads = heads if not reduced or mask.head_dependent else 1
     nq, nkv = -(-q_len // q_block), -(-kv_len // kv_block)

@@ -21,8 +21,8 @@ from torch.distributed.tensor.experimental._attention import _LoadBalancer
 
 from flexmask._validate import check_device, check_int, checked_sum, digest
 from flexmask.algebra import Mask
-from flexmask.blocks import EMPTY, FULL, PARTIAL, expand_runs, make_grid
-from flexmask.builders import classify_blocks, cpu_threads, row_runs
+from flexmask.blocks import EMPTY, FULL, PARTIAL, block_sizes, expand_runs
+from flexmask.builders import classify_blocks, cpu_threads, make_grid, row_runs
 from flexmask.pieces import padding
 
 # torch >= 2.14's per-document head-tail balancer lays its chunks out rank by rank.

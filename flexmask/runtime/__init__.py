@@ -2,6 +2,7 @@
 (validated once), the cache of built BlockMasks (keys apart from the cache) and lazy
 handles."""
 
+from flexmask.builders import Spec, make_spec
 from flexmask.runtime.cache import (
     CacheInfo,
     KeyedCache,
@@ -12,7 +13,6 @@ from flexmask.runtime.cache import (
     on_cache_clear,
 )
 from flexmask.runtime.lazy import BuiltOnRead, LazyBlockMask, lazy
-from flexmask.runtime.spec import Spec, make_spec
 
 __all__ = [
     "BuiltOnRead",

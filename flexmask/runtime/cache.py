@@ -22,11 +22,10 @@ import cachetools
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask._validate import check_device, env_int
+from flexmask._validate import env_int
 from flexmask.algebra import Mask
-from flexmask.blocks import BlockGrid, block_mask_nbytes
-from flexmask.builders import build, emptied
-from flexmask.runtime.spec import Spec, make_spec
+from flexmask.blocks import block_mask_nbytes
+from flexmask.builders import Spec, build, emptied, make_spec
 
 ENV_SIZE = "FLEXMASK_CACHE_SIZE"
 ENV_BYTES = "FLEXMASK_CACHE_BYTES"
@@ -188,7 +187,7 @@ class MaskCache(KeyedCache):
     ) -> tuple:
         """The cache key of a build, after validating its arguments against the mask."""
         spec = make_spec(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
-        return spec_key(spec.one_row())
+        return spec.one_row().key
 
     def get(
         self,
@@ -221,10 +220,8 @@ class MaskCache(KeyedCache):
             return key, emptied(one, spec.batch, spec.heads)
         # The key from the spec's ints and the mask's content key (made with the mask): a
         # hit allocates nothing; the grid is made only to build.
-        key = spec_key(spec)
-        return key, self.get_or_build(
-            key, lambda: build(spec.mask, grid_for_key(spec.mask, spec.grid()))
-        )
+        key = spec.key
+        return key, self.get_or_build(key, lambda: build(spec.mask, spec.reduced().grid()))
 
     def __repr__(self) -> str:
         info = self.info()
@@ -245,56 +242,6 @@ def _bound(value: object, name: str, expected: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
     return int(value)
-
-
-def grid_for_key(mask: Mask, grid: BlockGrid) -> BlockGrid:
-    """The grid actually built: B and H reduced to 1 where the mask ignores them."""
-    batch, heads = grid.reduced(mask)
-    if (batch, heads) == (grid.batch, grid.heads):
-        return grid
-    return BlockGrid.make(
-        batch,
-        heads,
-        grid.q_len,
-        grid.kv_len,
-        grid.q_block,
-        grid.kv_block,
-        grid.device,
-        q_offset=_offset_key(grid.q_offset),  # type: ignore[arg-type]
-        kv_offset=_offset_key(grid.kv_offset),  # type: ignore[arg-type]
-        row_offsets=grid.row_offsets,
-    )
-
-
-def _offset_key(offset: int | torch.Tensor) -> int | list[int]:
-    return offset.view(-1).tolist() if isinstance(offset, torch.Tensor) else offset
-
-
-def spec_key(spec: Spec) -> tuple:
-    """The cache key of a spec: shape signature (B and H reduced to 1 where the mask and
-    the window ignore them, as ``grid_for_key`` builds), the mask's content key and the
-    window, made from the spec's ints alone: no grid, no tensor (what a cache hit costs)."""
-    device = torch.device(check_device(spec.device, spec.mask.device))
-    q_offset, kv_offset = spec.q_offset, spec.kv_offset
-    # As BlockGrid.make: offsets per row for one side are per row for both.
-    per_row = isinstance(q_offset, tuple) or isinstance(kv_offset, tuple)
-    if per_row:
-        q_offset = q_offset if isinstance(q_offset, tuple) else (q_offset,) * spec.batch
-        kv_offset = kv_offset if isinstance(kv_offset, tuple) else (kv_offset,) * spec.batch
-    row_offsets = spec.row_offsets or per_row
-    mask = spec.mask
-    return (
-        spec.batch if mask.batch_dependent or row_offsets else 1,
-        spec.heads if mask.head_dependent else 1,
-        spec.q_len,
-        spec.kv_len,
-        tuple(spec.block_size),
-        (device.type, device.index),
-        mask.key,
-        q_offset,
-        kv_offset,
-        row_offsets,
-    )
 
 
 _default: MaskCache | None = None

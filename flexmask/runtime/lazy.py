@@ -13,8 +13,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.algebra import Mask
+from flexmask.builders import Spec, make_spec
 from flexmask.runtime.cache import MaskCache, default_cache
-from flexmask.runtime.spec import Spec, make_spec
 
 
 class _Field(dict):
