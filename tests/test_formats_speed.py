@@ -11,7 +11,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flexmask
+from flexmask.backends.slices import _first_touch, _first_touch_any
 from flexmask.formats import to_varlen
+from flexmask.formats._structure import (
+    _clip,
+    _clip_normalized,
+    _intersect,
+    _normalize,
+    _union,
+)
 from tests.strategies import leaves
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -115,3 +123,66 @@ def test_varlen_many_per_row_documents_match_a_loop():
     index = [b * 2048 + i for b, lens in enumerate(rows) for i in range(sum(lens))]
     assert v.q_index.tolist() == index == v.k_index.tolist()
     assert v.max_seqlen_q == max(max(lens) for lens in rows)
+
+
+# ----------------------------------------------------------------- interval algebra fast paths
+@st.composite
+def normalized_lists(draw, rows: int, lines: int, slots: int):
+    """A normalized (R, N, K) list (``_normalize`` of random intervals, some empty, some
+    unbounded) with K <= slots."""
+    value = st.one_of(st.integers(-6, 30), st.sampled_from([-(1 << 61), 1 << 61]))
+    shape = (rows, lines, slots)
+    lo = torch.tensor(
+        draw(st.lists(value, min_size=rows * lines * slots, max_size=rows * lines * slots))
+    )
+    hi = torch.tensor(
+        draw(st.lists(value, min_size=rows * lines * slots, max_size=rows * lines * slots))
+    )
+    return _normalize(lo.view(shape), hi.view(shape))
+
+
+def _general_intersect(a, b):
+    rows = max(a[0].shape[0], b[0].shape[0])
+    a_lo, a_hi, b_lo, b_hi = (t.expand(rows, *t.shape[1:]) for t in (*a, *b))
+    lo = torch.maximum(a_lo.unsqueeze(-1), b_lo.unsqueeze(-2)).flatten(-2)
+    hi = torch.minimum(a_hi.unsqueeze(-1), b_hi.unsqueeze(-2)).flatten(-2)
+    return _normalize(lo, hi)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), lines=st.integers(1, 6), slots=st.integers(1, 3))
+def test_intersect_union_and_clip_fast_paths_equal_the_general_merge(data, lines, slots):
+    rows_a, rows_b = data.draw(st.sampled_from([(1, 1), (1, 3), (3, 1), (3, 3)]))
+    a = data.draw(normalized_lists(rows_a, lines, slots))
+    one = data.draw(normalized_lists(rows_b, lines, 1))
+    for got, want in (
+        (_intersect(a, one), _general_intersect(a, one)),
+        (_intersect(one, a), _general_intersect(a, one)),
+    ):
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    other = data.draw(normalized_lists(rows_a, lines, 1))
+    got = _union(one, other)
+    rows = max(rows_a, rows_b)
+    want = _normalize(
+        torch.cat([one[0].expand(rows, -1, -1), other[0].expand(rows, -1, -1)], -1),
+        torch.cat([one[1].expand(rows, -1, -1), other[1].expand(rows, -1, -1)], -1),
+    )
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    first = torch.tensor([[data.draw(st.integers(-3, 10))] for _ in range(rows_b)])
+    last = first + data.draw(st.integers(-1, 20))
+    got, want = _clip_normalized(a, first, last), _clip(a, first, last)
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+
+
+@given(
+    spans=st.lists(
+        st.tuples(st.sampled_from([None, 0, 1]), st.integers(0, 12), st.integers(1, 6)),
+        max_size=12,
+    ),
+    ordered=st.booleans(),
+)
+def test_first_touch_in_start_order_equals_the_general_walk(spans, ordered):
+    spans = [(row, start, start + n) for row, start, n in spans]
+    if ordered:
+        spans.sort(key=lambda s: (-1 if s[0] is None else s[0], s[1], s[2]))
+    assert _first_touch(spans) == _first_touch_any(spans)

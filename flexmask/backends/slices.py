@@ -249,6 +249,22 @@ def _first_calls(calls: list[Call]) -> tuple[list[Call], tuple[bool, ...]]:
 
 def _first_touch(spans: list[tuple[int | None, int, int]]) -> tuple[bool, ...]:
     """Per ``(row, start, end)`` in order: no earlier span of its row overlaps it."""
+    # Spans in order of their start within each row (every query span, and the key spans of
+    # documents and windows): an earlier span overlaps iff it reaches past this start, so a
+    # running reach per row answers, without the general walk's searches.
+    reach: dict[int | None, tuple[int, int]] = {}  # per row: (last start, furthest end)
+    first = []
+    for row, start, end in spans:
+        last_start, furthest = reach.get(row, (start, start))
+        if start < last_start or end <= start:
+            return _first_touch_any(spans)
+        first.append(row not in reach or start >= furthest)
+        reach[row] = (start, max(furthest, end))
+    return tuple(first)
+
+
+def _first_touch_any(spans: list[tuple[int | None, int, int]]) -> tuple[bool, ...]:
+    """``_first_touch`` of spans in any order."""
     starts: dict[int | None, list[int]] = {}  # per row, the union of the spans so far:
     ends: dict[int | None, list[int]] = {}  # disjoint, sorted intervals
     first = []

@@ -18,14 +18,14 @@ unchanged (docs/contributing.md).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from flexmask._validate import check_int
-from flexmask.algebra import UNUSED, And, Mask, Not, Or, pick
-from flexmask.builders import make_spec
+from flexmask.algebra import UNUSED, And, Extent, Mask, Not, Or, pick
 
 _BIG = UNUSED  # marks an empty slot of an interval list: lo = _BIG, hi = -_BIG
 
@@ -60,25 +60,23 @@ def window(
     q_offset: Any = 0,
     kv_offset: Any = 0,
 ) -> Window:
-    """Checked arguments of a lowering, the mask validated against them once (rows, heads,
-    tree sizes) by the spec every build makes (``builders.make_spec``): a lowering has rows
-    and lengths (each at least 1) and no blocks; with H=None the mask is checked for any
-    head count (a format lists its heads' masks apart)."""
-    for value, name in ((B, "B"), (H, "H"), (Q_LEN, "Q_LEN"), (KV_LEN, "KV_LEN")):
-        if value is not None:
-            check_int(value, name, minimum=1)
-    kv_len = Q_LEN if KV_LEN is None else KV_LEN
-    spec = make_spec(
-        mask, B, H, Q_LEN, kv_len, "cpu", 1, q_offset, kv_offset, sized=False, any_heads=True
-    )
-    return Window(
-        spec.batch, spec.q_len, spec.kv_len, _column(spec.q_offset), _column(spec.kv_offset)
-    )
-
-
-def _column(offset: int | tuple[int, ...]) -> Tensor:
-    """An offset as the lowerings read it: ``(R, 1)`` int64, R = 1 when shared."""
-    return torch.tensor(offset if isinstance(offset, tuple) else (offset,)).view(-1, 1)
+    """Checked arguments of a lowering, the mask validated against them (rows, heads, tree
+    sizes), as the builder validates them."""
+    if not isinstance(mask, Mask):
+        raise TypeError(
+            f"mask must be a flexmask Mask (e.g. flexmask.causal() & flexmask.document(lens)), "
+            f"got {type(mask).__name__}"
+        )
+    batch = (mask.rows or 1) if B is None else check_int(B, "B", minimum=1)
+    heads = None if H is None else check_int(H, "H", minimum=1)
+    q_len = check_int(Q_LEN, "Q_LEN", minimum=1)
+    kv_len = q_len if KV_LEN is None else check_int(KV_LEN, "KV_LEN", minimum=1)
+    q_off = _offsets(q_offset, "q_offset", batch)
+    kv_off = _offsets(kv_offset, "kv_offset", batch)
+    length = max(int(q_off.max()) + q_len, int(kv_off.max()) + kv_len)
+    name = "max(q_offset + Q_LEN, kv_offset + KV_LEN)"
+    mask.check(Extent(batch, heads, length, torch.device("cpu"), name))
+    return Window(batch, q_len, kv_len, q_off, kv_off)
 
 
 def validated_window(batch: int, q_len: int, kv_len: int) -> Window:
@@ -88,6 +86,20 @@ def validated_window(batch: int, q_len: int, kv_len: int) -> Window:
     return Window(batch, q_len, kv_len, zero, zero)
 
 
+def _offsets(value: Any, name: str, batch: int) -> Tensor:
+    if isinstance(value, Tensor) and value.dim() == 1 or isinstance(value, Sequence):
+        items = value.tolist() if isinstance(value, Tensor) else list(value)
+        if len(items) != batch:
+            raise ValueError(
+                f"{name} must be one int for every row or one per row (B={batch}), got "
+                f"{len(items)} values"
+            )
+        values = [check_int(v, f"{name}[{i}]", minimum=0) for i, v in enumerate(items)]
+        return torch.tensor(values, dtype=torch.int64).view(-1, 1)
+    return torch.tensor([[check_int(value, name, minimum=0)]], dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------- heads
 def head_masks(mask: Mask, heads: int) -> tuple[list[Mask], list[int]]:
     """The distinct masks of the heads and, per head, which one it uses (each node's
     ``at_head``: ``per_head`` nodes replaced by the mask of that head). A mask whose heads
@@ -138,14 +150,15 @@ def _normalize(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
     """Sorted, disjoint, non-adjacent intervals (joined where they overlap or touch), empty
     slots last, as few slots as the fullest line needs (at least one)."""
     valid = lo <= hi
-    lo, hi = pick(valid, lo, _BIG), pick(valid, hi, -_BIG)
+    if not bool(valid.all()):  # most lines of most masks attend: nothing to mark empty
+        lo, hi = pick(valid, lo, _BIG), pick(valid, hi, -_BIG)
     # Most lists hold one or two intervals (a piece, an & of pieces, a tree's prompt and
     # own run): merged elementwise, as the general path below would, without its sort, cummax
     # and scatters along a last dimension of 1-2 (each several times an elementwise pass).
     if lo.shape[-1] == 1:
         return lo, hi
     if lo.shape[-1] == 2:
-        return _normalize_two(lo, hi)
+        return _normalize_two(lo[..., 0], hi[..., 0], lo[..., 1], hi[..., 1])
     # Lists already sorted, disjoint and non-adjacent with their empty slots last (a tree's
     # runs, a clip of such lists) need only their all-empty trailing slots cut.
     pairs_ok = valid[..., :-1] & (lo[..., 1:] > hi[..., :-1] + 1)
@@ -170,9 +183,9 @@ def _normalize(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
     return out_lo, out_hi
 
 
-def _normalize_two(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
-    """``_normalize`` of two intervals per line, empty ones already at (_BIG, -_BIG)."""
-    lo0, lo1, hi0, hi1 = lo[..., 0], lo[..., 1], hi[..., 0], hi[..., 1]
+def _normalize_two(lo0: Tensor, hi0: Tensor, lo1: Tensor, hi1: Tensor) -> tuple[Tensor, Tensor]:
+    """``_normalize`` of two intervals per line, ``[lo0, hi0]`` and ``[lo1, hi1]`` (broadcast
+    on the rows), empty ones already at (_BIG, -_BIG)."""
     swap = lo1 < lo0  # the stable sort's order: by lo, the first slot first on a tie
     a_lo, b_lo = torch.minimum(lo0, lo1), torch.maximum(lo0, lo1)
     a_hi, b_hi = pick(swap, hi1, hi0), pick(swap, hi0, hi1)
@@ -193,13 +206,36 @@ def _broadcast(*tensors: Tensor) -> list[Tensor]:
 
 
 def _intersect(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Both normalized: the positions in both."""
+    if a[0].shape[-1] == 1:
+        a, b = b, a
+    if b[0].shape[-1] == 1:  # a list and one interval (a rule, a document): a clip per line
+        return _clipped(a, b[0], b[1])
     a_lo, a_hi, b_lo, b_hi = _broadcast(*a, *b)
     lo = torch.maximum(a_lo.unsqueeze(-1), b_lo.unsqueeze(-2)).flatten(-2)
     hi = torch.minimum(a_hi.unsqueeze(-1), b_hi.unsqueeze(-2)).flatten(-2)
     return _normalize(lo, hi)
 
 
+def _clipped(lists: tuple[Tensor, Tensor], first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+    """A normalized list clipped to ``[first, last]`` per line (broadcast on the slots).
+
+    Clipping keeps a sorted, disjoint, non-adjacent list so, and an empty slot at
+    ``(_BIG, -_BIG)``; only a real slot the clip empties can leave an empty slot before a
+    real one, or one not at ``(_BIG, -_BIG)``: where none is, the clipped list is the
+    normalized one (which is unique), without ``_normalize``'s passes."""
+    lo, hi = torch.maximum(lists[0], first), torch.minimum(lists[1], last)
+    # A clip that is empty itself empties every real slot of its line, so this is the one
+    # test; with none emptied, every line keeps its slots and the fullest its last one.
+    if bool(((lo > hi) & (lists[0] <= lists[1])).any()):
+        return _normalize(lo, hi)
+    return lo, hi
+
+
 def _union(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Both normalized: the positions in either."""
+    if a[0].shape[-1] == b[0].shape[-1] == 1:  # a rule or a piece each: no list to cat
+        return _normalize_two(a[0][..., 0], a[1][..., 0], b[0][..., 0], b[1][..., 0])
     a_lo, a_hi, b_lo, b_hi = _broadcast(*a, *b)
     return _normalize(torch.cat([a_lo, b_lo], -1), torch.cat([a_hi, b_hi], -1))
 
@@ -207,6 +243,14 @@ def _union(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, 
 def _clip(lists: tuple[Tensor, Tensor], first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
     lo, hi, first, last = _broadcast(*lists, first.unsqueeze(-1), last.unsqueeze(-1))
     return _normalize(torch.maximum(lo, first), torch.minimum(hi, last))
+
+
+def _clip_normalized(
+    lists: tuple[Tensor, Tensor], first: Tensor, last: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``_clip`` of a normalized list to one ``[first, last]`` per row (``(R, 1)``)."""
+    lo, hi, f, e = _broadcast(*lists, first.unsqueeze(-1), last.unsqueeze(-1))
+    return _clipped((lo, hi), f, e)
 
 
 def _complement(lists: tuple[Tensor, Tensor], first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
@@ -241,7 +285,7 @@ def lines(mask: Mask, win: Window, *, transpose: bool = False, fmt: str = "this 
     # _lines' lists are normalized (sorted, empty slots last at (_BIG, -_BIG)): the clip
     # changes nothing when none sticks out of the window (a tree's, a document's).
     if bool((lo[..., 0] < first).any() | (hi > last.unsqueeze(-1)).any()):
-        lo, hi = _clip((lo, hi), first, last)
+        lo, hi = _clip_normalized((lo, hi), first, last)
     lo, hi, first = _broadcast(lo, hi, first.unsqueeze(-1))
     if not bool(first.any()):  # local indices are the absolute ones
         return Lines(lo, hi)
