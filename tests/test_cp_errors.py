@@ -181,7 +181,7 @@ def test_imbalance_names_its_arguments():
         (dict(KV_LEN=2**63 - 100, balancer=None), ValueError, r"KV_LEN=9223372036854775708"),
         (dict(world_size=2**62), ValueError, r"world_size=4611686018427387904,.* more than a"),
         (dict(BLOCK_SIZE=2**62), ValueError, r"BLOCK_SIZE=4611686018427387904:.* more than a"),
-        (dict(BLOCK_SIZE=(64, 32)), ValueError, r"BLOCK_SIZE must be an int or an \(n, n\) pair"),
+        (dict(BLOCK_SIZE=(64, 32, 16)), ValueError, r"BLOCK_SIZE must be an int or a \(Q, KV\)"),
         (dict(q_offset=2**63 - 100), TypeError, r"unexpected keyword argument 'q_offset'"),
         (dict(world_size=2.0), TypeError, r"world_size must be an int, got 2.0"),
         (dict(world_size=None), ValueError, r"pass world_size and rank \(or mesh"),

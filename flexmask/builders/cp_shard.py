@@ -145,14 +145,16 @@ class KeyOrder:
 class _Layout:
     """Where one permutation row puts rank ``rank``'s queries, against its ``keys``.
 
-    ``aligned``: every run of the rows and of the keys starts and ends on a block boundary
-    (but at the very end) and the rank's query blocks ascend in the original order. Then
-    local q block ``i`` is original block ``q_blocks[i]``.
+    ``block``: (q_block, kv_block). ``tile``: the largest tile dividing both and every run
+    boundary. ``aligned``: every run of the rows starts and ends on a query block boundary,
+    every run of the keys on a key block boundary (but at the very end), and the rank's
+    query blocks ascend in the original order. Then local q block ``i`` is original block
+    ``q_blocks[i]``.
     """
 
     q_perm: Tensor
     q_runs: tuple[Tensor, Tensor, Tensor]
-    block: int
+    block: tuple[int, int]
     tile: int
     keys: KeyOrder
     q_blocks: Tensor | None = None
@@ -162,15 +164,16 @@ class _Layout:
         return self.q_blocks is not None
 
     @classmethod
-    def of(cls, keys: KeyOrder, rank: int, world: int, block: int) -> _Layout:
+    def of(cls, keys: KeyOrder, rank: int, world: int, block: tuple[int, int]) -> _Layout:
+        q_block, kv_block = block
         total = keys.perm.numel()
         local_len = total // world
         q_perm = keys.perm[rank * local_len : (rank + 1) * local_len]
         q_runs = runs(q_perm)
-        tile = _tile(block, total, local_len, q_runs, keys.runs)
-        if tile != block:
+        tile = _tile(math.gcd(q_block, kv_block), total, local_len, q_runs, keys.runs)
+        if keys.blocks is None or _tile(q_block, total, local_len, q_runs, None) != q_block:
             return cls(q_perm, q_runs, block, tile, keys)
-        q_blocks = q_perm[::block].div(block, rounding_mode="floor")
+        q_blocks = q_perm[::q_block].div(q_block, rounding_mode="floor")
         if q_blocks.numel() > 1 and not bool((q_blocks[1:] > q_blocks[:-1]).all()):
             return cls(q_perm, q_runs, block, tile, keys)
         return cls(q_perm, q_runs, block, tile, keys, q_blocks)
@@ -390,7 +393,7 @@ def _tile_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered,
     The runs' codes are stacked in local order, key tiles put in permuted order and, when
     the tile is below ``BLOCK_SIZE``, read back as blocks.
     """
-    tile, perm, block = layout.tile, layout.keys.perm, layout.block
+    tile, perm, (q_block, kv_block) = layout.tile, layout.keys.perm, layout.block
     total = perm.numel()
     parts = []
     for start, length in zip(layout.q_runs[1].tolist(), layout.q_runs[2].tolist(), strict=True):
@@ -402,20 +405,22 @@ def _tile_sides(mask: Mask, whole: BlockGrid, layout: _Layout) -> tuple[Ordered,
         parts.append(classify_blocks(mask, grid).codes)
     codes = torch.cat(parts, dim=2)
     codes = codes[..., perm[::tile].div(tile, rounding_mode="floor").to(codes.device)]
-    if tile == block:
+    if tile == q_block == kv_block:
         return ordered_from_codes(codes)
-    full = _coarsen(codes == FULL, tile, block)
-    some = _coarsen(codes != EMPTY, tile, block, any_=True)
+    factors = (q_block // tile, kv_block // tile)
+    full = _coarsen(codes == FULL, factors)
+    some = _coarsen(codes != EMPTY, factors, any_=True)
     return ordered_from_flags(some & ~full, full)
 
 
-def _coarsen(grid: Tensor, tile: int, block: int, any_: bool = False) -> Tensor:
-    """Tiles to blocks: all (full) or any (non-empty); tiles past the end count as not set."""
-    f = block // tile
+def _coarsen(grid: Tensor, factors: tuple[int, int], any_: bool = False) -> Tensor:
+    """Tiles to blocks of ``factors`` (q, kv) tiles: all (full) or any (non-empty); tiles
+    past the end count as not set."""
+    f_q, f_kv = factors
     rows, heads, n_q, n_kv = grid.shape
-    pad_q, pad_kv = -n_q % f, -n_kv % f
+    pad_q, pad_kv = -n_q % f_q, -n_kv % f_kv
     grid = torch.nn.functional.pad(grid, (0, pad_kv, 0, pad_q), value=False)
-    grid = grid.view(rows, heads, (n_q + pad_q) // f, f, (n_kv + pad_kv) // f, f)
+    grid = grid.view(rows, heads, (n_q + pad_q) // f_q, f_q, (n_kv + pad_kv) // f_kv, f_kv)
     return grid.any(dim=(3, 5)) if any_ else grid.all(dim=(3, 5))
 
 
@@ -428,24 +433,25 @@ def build_shard(
     keys: Sequence[KeyOrder] | None = None,
 ) -> BlockMask:
     """The BlockMask of rank ``rank``'s rows of ``mask`` under the permutation ``indices``,
-    on ``whole``: the grid of the whole permuted sequence (its block size square), made from
-    a spec that validated the mask (``flexmask.runtime.spec``); every row's build reuses it
-    and nothing here checks the mask again. ``keys``: the rows' ``KeyOrder``s at the block
-    size, if already made."""
+    on ``whole``: the grid of the whole permuted sequence, made from
+    a spec that validated the mask (``flexmask.builders.spec``); every row's build reuses it
+    and nothing here checks the mask again. Its blocks may be rectangular: queries are cut
+    at its query block, keys at its key block. ``keys``: the rows' ``KeyOrder``s at the key
+    block size, if already made."""
     total = indices.shape[-1]
     local_len = total // world
-    block, device = whole.q_block, whole.device
-    if whole.kv_block != block or whole.q_len != total or whole.kv_len != total:
+    block, device = (whole.q_block, whole.kv_block), whole.device
+    q_block, kv_block = block
+    if whole.q_len != total or whole.kv_len != total:
         raise ValueError(
-            f"whole must be the grid of the whole permuted sequence ({total} x {total}) with "
-            f"square blocks, got {whole.q_len} x {whole.kv_len} with blocks "
-            f"{(whole.q_block, whole.kv_block)}"
+            f"whole must be the grid of the whole permuted sequence ({total} x {total}), got "
+            f"{whole.q_len} x {whole.kv_len}"
         )
     closed_form = mask.has_monotone_intervals() and not mask.head_dependent
     num_rows = indices.shape[0]
     outputs = None
     if closed_form and num_rows > 1:  # each row writes its slice: no copy to join them
-        nq, nkv = math.ceil(local_len / block), whole.num_kv_blocks
+        nq, nkv = math.ceil(local_len / q_block), whole.num_kv_blocks
         outputs = [
             torch.empty((num_rows, 1, n, m), dtype=torch.int32, device=device)
             for n, m in ((nq, nkv), (nq, nkv), (nkv, nq), (nkv, nq))
@@ -455,7 +461,7 @@ def build_shard(
         keep = None if num_rows == 1 else (row if mask.batch_dependent else 0)
         perm = indices[row]
         layout = _Layout.of(
-            KeyOrder.of(perm, block) if keys is None else keys[row], rank, world, block
+            KeyOrder.of(perm, kv_block) if keys is None else keys[row], rank, world, block
         )
         if closed_form:  # only the kept row written
             into = None if outputs is None else tuple(t[row] for t in outputs)
@@ -482,9 +488,10 @@ def build_shard(
             for k in range(2)
         )
     q_index = _padded_lookup(
-        indices[:, rank * local_len : (rank + 1) * local_len], math.ceil(local_len / block) * block
+        indices[:, rank * local_len : (rank + 1) * local_len],
+        math.ceil(local_len / q_block) * q_block,
     )
-    kv_index = _padded_lookup(indices, math.ceil(total / block) * block)
+    kv_index = _padded_lookup(indices, math.ceil(total / kv_block) * kv_block)
     return BlockMask(
         (local_len, total),
         kv.partial_num,
@@ -495,7 +502,7 @@ def build_shard(
         q.partial_idx,
         q.full_num,
         q.full_idx,
-        BLOCK_SIZE=(block, block),
+        BLOCK_SIZE=block,
         mask_mod=ShardMaskMod(mask.mask_mod, q_index.to(device), kv_index.to(device)),
     )
 

@@ -362,18 +362,21 @@ def segment_sides(
     q_runs: tuple[Tensor, Tensor, Tensor],
     kv_perm: Tensor,
     kv_runs: tuple[Tensor, Tensor, Tensor],
-    block: int,
+    block: int | tuple[int, int],
 ) -> tuple[Ordered, Ordered]:
     """Both sides of a shard from the clipped intervals ``lo``/``hi`` ``(R, local)`` of the
-    rank's queries (``q_perm`` order) against the keys in ``kv_perm`` order."""
+    rank's queries (``q_perm`` order) against the keys in ``kv_perm`` order, at ``block``
+    (an int, or ``(q_block, kv_block)``: queries are cut at query blocks, keys at key
+    blocks)."""
+    q_block, kv_block = (block, block) if isinstance(block, int) else block
     total, local = kv_perm.numel(), q_perm.numel()
-    q_starts, _ = cut(q_perm, q_runs[0], block)
-    kv_starts, kv_lens = cut(kv_perm, kv_runs[0], block)
-    queries = q_pieces(lo, hi, q_starts, block, total)
-    keys = kv_pieces(lo, hi, q_perm, kv_perm[kv_starts], kv_starts, kv_lens, block, total)
-    nq, nkv = -(-local // block), -(-total // block)
-    kv = side(queries, Columns.of(kv_runs, total, block), nq, complete_lines(local, block))
-    q = side(keys, Columns.of(q_runs, local, block), nkv, complete_lines(total, block))
+    q_starts, _ = cut(q_perm, q_runs[0], q_block)
+    kv_starts, kv_lens = cut(kv_perm, kv_runs[0], kv_block)
+    queries = q_pieces(lo, hi, q_starts, q_block, total)
+    keys = kv_pieces(lo, hi, q_perm, kv_perm[kv_starts], kv_starts, kv_lens, kv_block, total)
+    nq, nkv = -(-local // q_block), -(-total // kv_block)
+    kv = side(queries, Columns.of(kv_runs, total, kv_block), nq, complete_lines(local, q_block))
+    q = side(keys, Columns.of(q_runs, local, q_block), nkv, complete_lines(total, kv_block))
     rows = lo.shape[0]
     return (
         Ordered(*(t.view(rows, 1, *t.shape[1:]) for t in kv)),

@@ -5,7 +5,9 @@ Every balancer here returns from ``_generate_indices`` the permutation ``indices
 and rank ``r`` keeps positions ``[r * S / W, (r + 1) * S / W)`` of it — exactly what torch's
 ``_context_parallel_shard`` / ``context_parallel_unshard`` expect. ``S`` is the balancer's
 ``padded_length``: the sequence length rounded up to what the balancer divides (``2W`` for
-head-tail, ``W * block_size`` for the mask-aware one); tokens past the real length are padding.
+head-tail, ``W * lcm(block_size)`` for the mask-aware and PTRR ones: a ``(Q, KV)`` pair deals
+units of the lcm of the two, whole blocks on both sides); tokens past the real length are
+padding.
 """
 
 from __future__ import annotations
@@ -58,6 +60,25 @@ def _check_cost(partial_cost: Any) -> float:
     if not math.isfinite(cost) or cost < 0:
         raise ValueError(f"partial_cost must be a finite number >= 0, got {partial_cost!r}")
     return cost
+
+
+def _block_size(block_size: Any) -> tuple[int | tuple[int, int], tuple[int, int], int]:
+    """A balancer's ``block_size`` (an int, or a (Q, KV) pair as torch's ``BLOCK_SIZE``)
+    as given (a square pair as its int), as a pair, and the tokens dealt as one: the lcm
+    of the two, so every dealt unit is whole query blocks and whole key blocks (keys are
+    permuted with the queries' permutation)."""
+    if isinstance(block_size, (tuple, list)):
+        pair = block_sizes(block_size)
+    else:
+        size = check_int(block_size, "block_size", minimum=1)
+        pair = (size, size)
+    given: int | tuple[int, int] = pair[0] if pair[0] == pair[1] else pair
+    return given, pair, math.lcm(*pair)
+
+
+def _per_unit(costs: Tensor, q_block: int, unit: int) -> Tensor:
+    """Query-block costs ``(rows, n)`` summed over each dealt unit of ``unit`` tokens."""
+    return costs.view(costs.shape[0], -1, unit // q_block).sum(-1)
 
 
 def _restore(indices: Tensor, restore: bool) -> Tensor:
@@ -221,7 +242,7 @@ def _block_costs(
     B: int | None,
     H: int | None,
     length: int,
-    block: int,
+    block: tuple[int, int],
     partial_cost: float,
     device: torch.device,
 ) -> Tensor:
@@ -315,9 +336,12 @@ class MaskAwareBalancer(_LoadBalancer):
     Args:
         masks: one flexmask Mask or several (their costs add).
         B, H: as for ``create_block_mask``; per-row masks give per-row permutations.
-        seq_length: real sequence length (padded up to a multiple of ``W * block_size``).
+        seq_length: real sequence length (padded up to a multiple of ``W * block_size``, or
+            of ``W * lcm(Q, KV)`` for a pair).
         world_size: number of context-parallel ranks.
-        block_size: the BlockMask block size (and the unit dealt out).
+        block_size: the BlockMask block size, an int or torch's ``(Q, KV)`` pair; the unit
+            dealt out is ``lcm(Q, KV)`` tokens (whole blocks on both sides), costing the
+            ``(Q, KV)`` blocks it holds.
         partial_cost: the cost of a partial block relative to a full one.
         device: where the masks are built and the indices live.
 
@@ -339,7 +363,7 @@ class MaskAwareBalancer(_LoadBalancer):
         H: int | None,
         seq_length: int,
         world_size: int,
-        block_size: int = 128,
+        block_size: int | tuple[int, int] = 128,
         partial_cost: float = 1.0,
         device: torch.device | str | None = None,
     ) -> None:
@@ -348,18 +372,23 @@ class MaskAwareBalancer(_LoadBalancer):
             raise TypeError(f"masks must be a flexmask Mask or a list of them, got {masks!r}")
         self.seq_length = check_int(seq_length, "seq_length", minimum=1)
         self.world_size = check_int(world_size, "world_size", minimum=1)
-        self.block_size = check_int(block_size, "block_size", minimum=1)
+        self.block_size, pair, unit = _block_size(block_size)
+        self.unit = unit
         self.partial_cost = partial_cost = _check_cost(partial_cost)
         self.device = _device(device)
         self.B = B = None if B is None else check_int(B, "B", minimum=1)
         self.H = H = None if H is None else check_int(H, "H", minimum=1)
-        world_size, block_size = self.world_size, self.block_size
-        self.padded_length = _round_up(self.seq_length, world_size * block_size)
+        world_size = self.world_size
+        self.padded_length = _round_up(self.seq_length, world_size * unit)
         # Small tensor ops: on a busy machine one thread beats waiting for a second one.
         with cpu_threads(self.device):
             padded = [self._padded(m) for m in self.masks]
             costs = [
-                _block_costs(m, B, H, self.padded_length, block_size, partial_cost, self.device)
+                _per_unit(
+                    _block_costs(m, B, H, self.padded_length, pair, partial_cost, self.device),
+                    pair[0],
+                    unit,
+                )
                 for m in padded
             ]
             rows = max(c.shape[0] for c in costs)
@@ -368,7 +397,7 @@ class MaskAwareBalancer(_LoadBalancer):
             groups = deal(self.block_costs.cpu(), world_size)  # (rows, W, n / W)
             self.rank_costs = self.block_costs.cpu().gather(1, groups.view(rows, -1))
             self.rank_costs = self.rank_costs.view(rows, world_size, -1).sum(-1)
-            tokens = groups.reshape(rows, -1, 1) * block_size + torch.arange(block_size)
+            tokens = groups.reshape(rows, -1, 1) * unit + torch.arange(unit)
             self._indices = tokens.reshape(rows, -1).to(self.device)
 
     def _padded(self, mask: Mask) -> Mask:
@@ -405,7 +434,12 @@ class MaskAwareBalancer(_LoadBalancer):
 
 
 def nonempty_blocks(
-    mask: Mask, B: int | None, H: int | None, length: int, block: int, device: torch.device
+    mask: Mask,
+    B: int | None,
+    H: int | None,
+    length: int,
+    block: int | tuple[int, int],
+    device: torch.device,
 ) -> Tensor:
     """Non-empty kv blocks of every query block, (rows, n_blocks) int64: the counts
     ``kv_num_blocks + full_kv_num_blocks`` of the mask's BlockMask (rows: B where the mask
@@ -449,10 +483,13 @@ class PTRRBalancer(_LoadBalancer):
         mask: a flexmask Mask over the whole sequence.
         B, H: as for ``create_block_mask``; a mask that depends on the row gives one
             permutation per row, as torch's from a ``(B, 1, S, S)`` BlockMask.
-        seq_length: real sequence length (padded up to ``world_size * block_size``; torch
-            requires the block count to be a multiple of W and then pads nothing).
+        seq_length: real sequence length (padded up to ``world_size * block_size``, or
+            ``world_size * lcm(Q, KV)`` for a pair; torch requires the block count to be a
+            multiple of W and then pads nothing).
         world_size: number of context-parallel ranks.
-        block_size: the block size of torch's BlockMask (and the unit dealt out).
+        block_size: the block size of torch's BlockMask, an int or a ``(Q, KV)`` pair (torch's
+            own refuses a pair; here the unit dealt out is ``lcm(Q, KV)`` tokens, its
+            process time the non-empty ``(Q, KV)`` blocks it holds).
         device: where the indices live.
 
     Example:
@@ -470,14 +507,15 @@ class PTRRBalancer(_LoadBalancer):
         H: int | None,
         seq_length: int,
         world_size: int,
-        block_size: int = 128,
+        block_size: int | tuple[int, int] = 128,
         device: torch.device | str | None = None,
     ) -> None:
         if not isinstance(mask, Mask):
             raise TypeError(f"mask must be a flexmask Mask, got {type(mask).__name__}")
         self.seq_length = check_int(seq_length, "seq_length", minimum=1)
         self.world_size = check_int(world_size, "world_size", minimum=1)
-        self.block_size = check_int(block_size, "block_size", minimum=1)
+        self.block_size, pair, unit = _block_size(block_size)
+        self.unit = unit
         if H is not None and check_int(H, "H", minimum=1) > 1 and mask.head_dependent:
             raise ValueError(
                 f"H = {H} with a mask that depends on the head: PTRR (torch's too) gives one "
@@ -488,16 +526,18 @@ class PTRRBalancer(_LoadBalancer):
         self.B = B = None if B is None else check_int(B, "B", minimum=1)
         self.H = None if H is None else check_int(H, "H", minimum=1)
         self.device = _device(device)
-        seq_length, world_size, block_size = self.seq_length, self.world_size, self.block_size
-        self.padded_length = _round_up(seq_length, world_size * block_size)
+        seq_length, world_size = self.seq_length, self.world_size
+        self.padded_length = _round_up(seq_length, world_size * unit)
         padded = mask if self.padded_length == seq_length else mask & padding(seq_length)
         with cpu_threads(self.device):
-            self.block_costs = nonempty_blocks(
-                padded, B, 1, self.padded_length, block_size, torch.device("cpu")
+            self.block_costs = _per_unit(
+                nonempty_blocks(padded, B, 1, self.padded_length, pair, torch.device("cpu")),
+                pair[0],
+                unit,
             )
             groups = ptrr_schedule(self.block_costs, world_size)  # (rows, W, n / W)
             rows = groups.shape[0]
-            tokens = groups.reshape(rows, -1, 1) * block_size + torch.arange(block_size)
+            tokens = groups.reshape(rows, -1, 1) * unit + torch.arange(unit)
             self._indices = tokens.reshape(rows, -1).to(self.device)
 
     @property
@@ -509,7 +549,7 @@ class PTRRBalancer(_LoadBalancer):
     def rank_costs(self) -> Tensor:
         """(rows, W) non-empty blocks per rank: PTRR's own measure of the work."""
         rows = self.block_costs.shape[0]
-        blocks = self._indices[:, :: self.block_size].cpu() // self.block_size
+        blocks = self._indices[:, :: self.unit].cpu() // self.unit
         per_rank = self.block_costs.gather(1, blocks).view(rows, self.world_size, -1)
         return per_rank.sum(-1)
 

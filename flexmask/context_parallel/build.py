@@ -31,8 +31,9 @@ _PERMUTATIONS_LOCK = threading.Lock()
 def _permutation(
     lb: _LoadBalancer | None, padded: int, block: int
 ) -> tuple[Tensor, tuple[KeyOrder, ...]]:
-    """The balancer's indices (int64, CPU; read-only, shared) and each row's KeyOrder,
-    cached when the balancer has a content ``key`` (else made every call)."""
+    """The balancer's indices (int64, CPU; read-only, shared) and each row's KeyOrder at
+    the key block size ``block``, cached when the balancer has a content ``key`` (else
+    made every call)."""
     key = ("none", padded) if lb is None else getattr(lb, "key", None)
     if isinstance(key, tuple):
         with _PERMUTATIONS_LOCK:
@@ -83,10 +84,10 @@ def _own_documents(lb: _LoadBalancer | None, mask: Mask, whole: BlockGrid) -> li
 def build_rank_shard(plan: ShardPlan) -> CPShard:
     """The shard ``plan`` describes, built now (no cache: ``ShardCache`` calls this)."""
     mask, Q_LEN = plan.mask, plan.Q_LEN
-    world, rank, block, device = plan.world, plan.rank, plan.block, plan.device
+    world, rank, (q_block, kv_block), device = plan.world, plan.rank, plan.block, plan.device
     lb, padded, key, kv_length = plan.balancer, plan.padded, plan.key, plan.kv_length
     with cpu_threads(device):
-        indices, keys = _permutation(lb, padded, block)
+        indices, keys = _permutation(lb, padded, kv_block)
         if kv_length is not None:  # contiguous query rows against keys in their order
             # Validated against the whole Q_LEN x KV_LEN mask (the spec); the rank's window
             # of it is built with lookups over the whole sequence.
@@ -97,8 +98,8 @@ def build_rank_shard(plan: ShardPlan) -> CPShard:
                 whole.heads,
                 local,
                 kv_length,
-                block,
-                block,
+                q_block,
+                kv_block,
                 whole.device,
                 q_offset=rank * local,
                 reach=whole.length,
@@ -107,10 +108,11 @@ def build_rank_shard(plan: ShardPlan) -> CPShard:
             return CPShard(block_mask, indices, lb, rank, world, Q_LEN, padded, key, kv_length)
         built = mask if padded == Q_LEN else mask & padding(Q_LEN)
         whole = plan.spec.grid(sized=False)
-        lengths = _own_documents(lb, built, whole)
+        # The per-document closed form lays one block size on both axes.
+        lengths = _own_documents(lb, built, whole) if q_block == kv_block else None
         if lengths is not None:
             block_mask = per_document.build(
-                built, lengths, indices, keys[0].runs, rank, world, block
+                built, lengths, indices, keys[0].runs, rank, world, q_block
             )
         else:
             block_mask = build_shard(built, whole, indices, rank, world, keys)

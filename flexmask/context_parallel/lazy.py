@@ -86,7 +86,7 @@ class LazyShard(BuiltOnRead):
         self.KV_LEN = plan.kv_length
         self.world_size, self.rank = plan.world, plan.rank
         self.balancer = balancer
-        self.BLOCK_SIZE, self.device = (plan.block, plan.block), plan.device
+        self.BLOCK_SIZE, self.device = plan.block, plan.device
         self.key = plan.key
         self._shard: CPShard | None = None
 

@@ -4,6 +4,7 @@ the rank's rows are cut from, and the shard's cache key — all before anything 
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, NamedTuple
 
@@ -39,7 +40,7 @@ def _resolve_balancer(
     H: int | None,
     seq_length: int,
     world: int,
-    block: int,
+    block: tuple[int, int],
     device: torch.device,
 ) -> _LoadBalancer | None:
     if balancer is None or isinstance(balancer, _LoadBalancer):
@@ -51,15 +52,16 @@ def _resolve_balancer(
         )
     if balancer == "head_tail":
         return HeadTailBalancer(seq_length, world, device)
+    size: int | tuple[int, int] = block[0] if block[0] == block[1] else block
     # "mask_aware" or "ptrr". Costing every query block reads the whole mask: made once per
     # mask and group, not once per rank (ranks simulated in one process, or a shard rebuilt
     # per step).
-    key = (balancer, mask.key, B, H, seq_length, world, block, device.type, device.index)
+    key = (balancer, mask.key, B, H, seq_length, world, size, device.type, device.index)
     with _BALANCERS_LOCK:
         found = _BALANCERS.get(key)
     if found is None:
         kind = MaskAwareBalancer if balancer == "mask_aware" else PTRRBalancer
-        found = kind(mask, B, H, seq_length, world, block, device=device)
+        found = kind(mask, B, H, seq_length, world, size, device=device)
         with _BALANCERS_LOCK:
             _BALANCERS[key] = found
     return found
@@ -89,18 +91,20 @@ def _world_and_rank(world_size: Any, rank: Any, mesh: Any) -> tuple[int, int]:
     return world, rank
 
 
-def _block(BLOCK_SIZE: Any) -> int:
-    """One block size for queries and keys (they are permuted alike), parsed as every
-    build parses it (``blocks.grid.block_sizes``)."""
-    if isinstance(BLOCK_SIZE, (tuple, list)) and len(BLOCK_SIZE) != 2:
-        raise ValueError(f"BLOCK_SIZE must be an int or an (n, n) pair, got {BLOCK_SIZE!r}")
-    q_block, kv_block = block_sizes(BLOCK_SIZE)
-    if kv_block != q_block:
-        raise ValueError(
-            f"BLOCK_SIZE must be an int or an (n, n) pair (queries and keys are permuted "
-            f"alike, so their blocks are one size), got {tuple(BLOCK_SIZE)!r}"
-        )
-    return q_block
+def _block(BLOCK_SIZE: Any) -> tuple[int, int]:
+    """(q_block, kv_block), parsed as every build parses it (``blocks.grid.block_sizes``):
+    an int, or torch's (Q, KV) pair, square or not."""
+    return block_sizes(BLOCK_SIZE)
+
+
+def unit(block: tuple[int, int]) -> int:
+    """The tokens a balancer deals as one: whole query blocks and whole key blocks alike,
+    since keys are permuted with the queries' permutation (the lcm of the two sizes)."""
+    return math.lcm(*block)
+
+
+def _shown(block: tuple[int, int]) -> str:
+    return str(block[0]) if block[0] == block[1] else str(block)
 
 
 # The shard holds int64 positions of the padded sequence, padded again to whole blocks:
@@ -155,7 +159,7 @@ class ShardPlan(NamedTuple):
     Q_LEN: int
     world: int
     rank: int
-    block: int
+    block: tuple[int, int]
     device: torch.device
     balancer: _LoadBalancer | None
     padded: int
@@ -189,9 +193,12 @@ def plan_shard(
     KV_LEN = None if KV_LEN is None else check_int(KV_LEN, "KV_LEN", minimum=1)
     if KV_LEN is not None and KV_LEN != Q_LEN:
         return _plan_other_keys(mask, B, H, Q_LEN, KV_LEN, world, rank, balancer, block, device)
-    # Any balancer pads to at most a multiple of 2 W BLOCK_SIZE: refused before it is made.
+    # Any balancer pads to at most a multiple of 2 W lcm(BLOCK_SIZE): refused before it is
+    # made.
     _check_positions(
-        Q_LEN, 2 * world * block, f"Q_LEN={Q_LEN} with world_size={world}, BLOCK_SIZE={block}"
+        Q_LEN,
+        2 * world * unit(block),
+        f"Q_LEN={Q_LEN} with world_size={world}, BLOCK_SIZE={_shown(block)}",
     )
     lb = _resolve_balancer(balancer, mask, B, H, Q_LEN, world, block, device)
     padded = getattr(lb, "padded_length", None)
@@ -234,7 +241,7 @@ def plan_shard(
     )
     # The mask, checked once against the whole padded sequence the shard is cut from; a
     # rank holds 1/W of its BlockMask, so the whole one's memory bound does not apply.
-    spec = make_spec(mask, B, H, padded, padded, device, (block, block), sized=False)
+    spec = make_spec(mask, B, H, padded, padded, device, block, sized=False)
     return ShardPlan(mask, B, H, Q_LEN, world, rank, block, device, lb, padded, key, None, spec)
 
 
@@ -247,7 +254,7 @@ def _plan_other_keys(
     world: int,
     rank: int,
     balancer: Any,
-    block: int,
+    block: tuple[int, int],
     device: torch.device,
 ) -> ShardPlan:
     """KV_LEN != Q_LEN, as torch's ``_create_cp_block_mask`` builds it: without a balancer
@@ -265,9 +272,9 @@ def _plan_other_keys(
             f"Q_LEN ({Q_LEN}) must be a multiple of world_size ({world}) when KV_LEN != Q_LEN "
             "(the queries are not padded then): pad the queries"
         )
-    _check_positions(Q_LEN, block, f"Q_LEN={Q_LEN} with BLOCK_SIZE={block}")
-    _check_positions(KV_LEN, block, f"KV_LEN={KV_LEN} with BLOCK_SIZE={block}")
+    _check_positions(Q_LEN, block[0], f"Q_LEN={Q_LEN} with BLOCK_SIZE={_shown(block)}")
+    _check_positions(KV_LEN, block[1], f"KV_LEN={KV_LEN} with BLOCK_SIZE={_shown(block)}")
     where = (device.type, device.index)
     key = ("cp_shard", world, rank, ("none",), B, H, Q_LEN, ("kv", KV_LEN), block, where, mask.key)
-    spec = make_spec(mask, B, H, Q_LEN, KV_LEN, device, (block, block), sized=False)
+    spec = make_spec(mask, B, H, Q_LEN, KV_LEN, device, block, sized=False)
     return ShardPlan(mask, B, H, Q_LEN, world, rank, block, device, None, Q_LEN, key, KV_LEN, spec)
