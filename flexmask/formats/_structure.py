@@ -18,14 +18,14 @@ unchanged (docs/contributing.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from flexmask._validate import check_int
-from flexmask.algebra import UNUSED, And, Extent, Mask, Not, Or, pick
+from flexmask.algebra import UNUSED, And, Mask, Not, Or, pick
+from flexmask.builders import make_spec
 
 _BIG = UNUSED  # marks an empty slot of an interval list: lo = _BIG, hi = -_BIG
 
@@ -60,23 +60,25 @@ def window(
     q_offset: Any = 0,
     kv_offset: Any = 0,
 ) -> Window:
-    """Checked arguments of a lowering, the mask validated against them (rows, heads, tree
-    sizes), as the builder validates them."""
-    if not isinstance(mask, Mask):
-        raise TypeError(
-            f"mask must be a flexmask Mask (e.g. flexmask.causal() & flexmask.document(lens)), "
-            f"got {type(mask).__name__}"
-        )
-    batch = (mask.rows or 1) if B is None else check_int(B, "B", minimum=1)
-    heads = None if H is None else check_int(H, "H", minimum=1)
-    q_len = check_int(Q_LEN, "Q_LEN", minimum=1)
-    kv_len = q_len if KV_LEN is None else check_int(KV_LEN, "KV_LEN", minimum=1)
-    q_off = _offsets(q_offset, "q_offset", batch)
-    kv_off = _offsets(kv_offset, "kv_offset", batch)
-    length = max(int(q_off.max()) + q_len, int(kv_off.max()) + kv_len)
-    name = "max(q_offset + Q_LEN, kv_offset + KV_LEN)"
-    mask.check(Extent(batch, heads, length, torch.device("cpu"), name))
-    return Window(batch, q_len, kv_len, q_off, kv_off)
+    """Checked arguments of a lowering, the mask validated against them once (rows, heads,
+    tree sizes) by the spec every build makes (``builders.make_spec``): a lowering has rows
+    and lengths (each at least 1) and no blocks; with H=None the mask is checked for any
+    head count (a format lists its heads' masks apart)."""
+    for value, name in ((B, "B"), (H, "H"), (Q_LEN, "Q_LEN"), (KV_LEN, "KV_LEN")):
+        if value is not None:
+            check_int(value, name, minimum=1)
+    kv_len = Q_LEN if KV_LEN is None else KV_LEN
+    spec = make_spec(
+        mask, B, H, Q_LEN, kv_len, "cpu", 1, q_offset, kv_offset, sized=False, any_heads=True
+    )
+    return Window(
+        spec.batch, spec.q_len, spec.kv_len, _column(spec.q_offset), _column(spec.kv_offset)
+    )
+
+
+def _column(offset: int | tuple[int, ...]) -> Tensor:
+    """An offset as the lowerings read it: ``(R, 1)`` int64, R = 1 when shared."""
+    return torch.tensor(offset if isinstance(offset, tuple) else (offset,)).view(-1, 1)
 
 
 def validated_window(batch: int, q_len: int, kv_len: int) -> Window:
@@ -86,20 +88,6 @@ def validated_window(batch: int, q_len: int, kv_len: int) -> Window:
     return Window(batch, q_len, kv_len, zero, zero)
 
 
-def _offsets(value: Any, name: str, batch: int) -> Tensor:
-    if isinstance(value, Tensor) and value.dim() == 1 or isinstance(value, Sequence):
-        items = value.tolist() if isinstance(value, Tensor) else list(value)
-        if len(items) != batch:
-            raise ValueError(
-                f"{name} must be one int for every row or one per row (B={batch}), got "
-                f"{len(items)} values"
-            )
-        values = [check_int(v, f"{name}[{i}]", minimum=0) for i, v in enumerate(items)]
-        return torch.tensor(values, dtype=torch.int64).view(-1, 1)
-    return torch.tensor([[check_int(value, name, minimum=0)]], dtype=torch.int64)
-
-
-# ---------------------------------------------------------------------------- heads
 def head_masks(mask: Mask, heads: int) -> tuple[list[Mask], list[int]]:
     """The distinct masks of the heads and, per head, which one it uses (each node's
     ``at_head``: ``per_head`` nodes replaced by the mask of that head). A mask whose heads
