@@ -46,7 +46,7 @@ def shard(
     rank: int | None = None,
     mesh: Any = None,
     balancer: str | _LoadBalancer | None = "head_tail",
-    BLOCK_SIZE: int = 128,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
     device: torch.device | str | None = None,
     cache: ShardCache | None = None,
 ) -> CPShard:
@@ -64,15 +64,20 @@ def shard(
             block costs), ``"ptrr"`` (torch's PTRR, its block counts from structure), None
             (contiguous slices), or a ``_LoadBalancer`` instance —
             ``PerDocumentBalancer``, a multi-mask ``MaskAwareBalancer``, or torch's own.
-        BLOCK_SIZE: any block size; the local length need not be a multiple of it.
+        BLOCK_SIZE: any block size, an int or torch's ``(Q, KV)`` pair, square or not
+            (FA4 on Blackwell: ``(256, 128)``); the local length need not be a multiple of
+            either. Queries and keys are permuted alike, so the balancers that deal blocks
+            (mask-aware, PTRR) deal units of ``lcm(Q, KV)`` tokens: whole blocks on both
+            sides.
         device: where the BlockMask lives.
         cache: a ``ShardCache`` to look the shard up in (None: build every call).
 
     Returns:
         A ``CPShard``. A ``Q_LEN`` the balancer does not divide (head-tail: ``2W``,
-        mask-aware and PTRR: ``W * BLOCK_SIZE``, None: ``W``) is padded up; the padding
-        tokens attend nothing and nobody attends them (the mask is ``& padding(Q_LEN)``), and
-        ``shard_tensor`` / ``restore`` add and drop them.
+        mask-aware and PTRR: ``W * lcm(Q, KV)``, which is ``W * BLOCK_SIZE`` for an int,
+        None: ``W``; a per-document balancer's documents already sum to it) is padded up;
+        the padding tokens attend nothing and nobody attends them (the mask is
+        ``& padding(Q_LEN)``), and ``shard_tensor`` / ``restore`` add and drop them.
 
     Example:
         >>> import flexmask, torch
@@ -80,6 +85,10 @@ def shard(
         >>> s = flexmask.shard(mask, 1, 1, 256, world_size=2, rank=1, BLOCK_SIZE=64)
         >>> s.block_mask.shape, s.indices[0, s.local][::64].tolist()
         ((1, 1, 128, 256), [64, 128])
+        >>> fa4 = flexmask.shard(flexmask.causal(), 1, 1, 1000, world_size=2, rank=0,
+        ...                      balancer="mask_aware", BLOCK_SIZE=(256, 128))
+        >>> fa4.padded_length, fa4.block_mask.BLOCK_SIZE, fa4.block_mask.shape
+        (1024, (256, 128), (1, 1, 512, 1024))
     """
     if cache is not None and not isinstance(cache, ShardCache):
         raise TypeError(
@@ -101,11 +110,12 @@ def imbalance(
     Q_LEN: int,
     world_size: int,
     balancer: str | _LoadBalancer | None,
-    BLOCK_SIZE: int = 128,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
     partial_cost: float = 1.0,
 ) -> float:
     """Max rank cost / mean rank cost of a balancer, from every rank's shard (full blocks +
-    ``partial_cost`` × partial blocks, summed over masks, rows and heads)."""
+    ``partial_cost`` × partial blocks, summed over masks, rows and heads) at ``BLOCK_SIZE``
+    (an int or a ``(Q, KV)`` pair, as for ``shard``)."""
     masks = (masks,) if isinstance(masks, Mask) else tuple(masks)
     if not masks or not all(isinstance(m, Mask) for m in masks):
         raise TypeError(f"masks must be a flexmask Mask or a non-empty list of them, got {masks!r}")

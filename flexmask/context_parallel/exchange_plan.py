@@ -190,7 +190,7 @@ def plan_exchange(
     rank: int | None = None,
     mesh: Any = None,
     balancer: str | _LoadBalancer | None = "head_tail",
-    BLOCK_SIZE: int = 128,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
     device: torch.device | str | None = None,
 ) -> KVExchange:
     """This rank's shard and its plan to receive only the keys and values it reads.
