@@ -8,6 +8,7 @@ import functools
 import hashlib
 import numbers
 import os
+from array import array as py_array
 from collections.abc import Sequence
 from typing import Any
 
@@ -97,10 +98,11 @@ def int_vector(value: Any, name: str) -> Tensor:
         return torch.from_numpy(array.astype(np.int64, copy=True))
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be a list of ints or a 1-D integer tensor, got {value!r}")
-    if all(type(v) is int for v in value):  # plain ints (not bool): one bulk conversion
+    if set(map(type, value)) == {int}:  # plain ints (not bool): one bulk conversion
         try:
-            return torch.tensor(value, dtype=torch.int64)
-        except (OverflowError, RuntimeError, ValueError):
+            # Through an array: a quarter of torch.tensor's time on a list (docs/costs.md).
+            return torch.frombuffer(py_array("q", value), dtype=torch.int64)
+        except OverflowError:
             pass  # a value outside int64: the per-value check below names it
     items = [check_int(v, f"{name}[{i}]") for i, v in enumerate(value)]
     return torch.tensor(items, dtype=torch.int64)

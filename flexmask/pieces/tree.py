@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask._validate import check_parents, digest, is_nested, source_device
+from flexmask._validate import source_device
 from flexmask.algebra import (
     UNUSED,
     Extent,
@@ -26,6 +26,7 @@ from flexmask.algebra import (
 from flexmask.blocks import EMPTY, constant_codes
 from flexmask.pieces._base import Piece, held_start, tracing, window_rows
 from flexmask.pieces.tree_chunks import search_subtrees
+from flexmask.pieces.tree_keys import parent_rows
 from flexmask.pieces.tree_lines import tree_lines
 from flexmask.pieces.tree_lookups import TreeMod, TreeWindowMod, position_lookups, window_lookups
 from flexmask.pieces.tree_order import ranks_and_ends
@@ -73,7 +74,7 @@ class Tree(Piece):
     ranks where a block's ranks are not one run (``tree_tiles``): no tile evaluated.
     """
 
-    __slots__ = ("parents", "ranks", "ends", "preorder", "per_row")
+    __slots__ = ("parents", "per_row", "_order")
 
     settles_every_tile = True
     """``classify_tiles`` returns EMPTY, PARTIAL or FULL for every tile, never UNDECIDED
@@ -86,21 +87,53 @@ class Tree(Piece):
     _arg = "parents"
 
     def __init__(self, parents: Any) -> None:
-        per_row = is_nested(parents)
-        rows_in = list(parents) if per_row else [parents]
-        self.parents = [
-            check_parents(p, f"parents[{i}]" if per_row else "parents")
-            for i, p in enumerate(rows_in)
-        ]
+        # The key and the checks only (``tree_keys``): a re-made tree that hits the cache
+        # never computes its order.
+        rows, per_row, digest = parent_rows(parents)
+        self.parents = rows
         self.per_row = per_row
-        ranks, ends, preorder = zip(*(ranks_and_ends(p) for p in self.parents), strict=True)
-        self.ranks, self.ends, self.preorder = list(ranks), list(ends), list(preorder)
+        self._order: tuple[list[Tensor], list[Tensor], list[bool]] | None = None
         super().__init__(
-            ("tree", digest(*self.parents), per_row),
-            rows=len(self.parents) if per_row else None,
+            ("tree", digest, per_row),
+            rows=len(rows) if per_row else None,
             device=source_device(parents),
-            natural=max(p.numel() for p in self.parents),
+            natural=max(p.numel() for p in rows),
         )
+
+    def _ordered(self) -> tuple[list[Tensor], list[Tensor], list[bool]]:
+        """Each row's preorder rank, subtree end and whether it is laid out in preorder
+        (``ranks_and_ends``): computed at the first build that reads them, then kept."""
+        if self._order is not None:
+            return self._order
+        ranks, ends, preorder = zip(*(ranks_and_ends(p) for p in self.parents), strict=True)
+        order = list(ranks), list(ends), list(preorder)
+        if not tracing():  # tensors made under a trace are the trace's: never kept
+            self._order = order
+        return order
+
+    def __getstate__(self) -> dict[str, object]:
+        state = super().__getstate__()
+        del state["_order"]  # derived from the parents: recomputed, never pickled
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        super().__setstate__(state)
+        self._order = None
+
+    @property
+    def ranks(self) -> list[Tensor]:
+        """Each row's preorder rank of every token."""
+        return self._ordered()[0]
+
+    @property
+    def ends(self) -> list[Tensor]:
+        """Each row's subtree end (exclusive, in rank space) of every token."""
+        return self._ordered()[1]
+
+    @property
+    def preorder(self) -> list[bool]:
+        """Whether each row's tokens are laid out in preorder (``flexmask.pack_tree``'s)."""
+        return self._ordered()[2]
 
     def check(self, extent: Extent) -> None:
         super().check(extent)

@@ -1,0 +1,147 @@
+"""Re-making an equal tree mask and hitting the cache, against building it (issue #32).
+
+An RL step re-makes ``tree(parents)`` from its data every step; when the trees recur (the same
+prompts' responses) the cache should serve them for next to nothing. Per size, at B = 8 (one
+tree per row, rows differ), two layouts (preorder: a prompt then 8 responses, as
+``pack_tree`` lays them out; insertion: a trie numbered as inserted, AReaL's layout) and two
+inputs (a list of Python int lists; one ``(B, S)`` int64 tensor), in one run:
+
+* make + hit: ``tree(new copy of the parents)`` then ``MaskCache.get`` of it, a hit;
+* build: ``create_block_mask`` of an equal mask made (untimed) just before, so nothing the
+  mask memoises from an earlier build is reused;
+* make + build: both, timed together (the cost of a miss from the data).
+
+Repeats are interleaved (make + hit several times, then one build, then one make + build) and
+each column is the median: other processes load the machine, and a burst then hits every
+column alike. The load average is printed with each row. glibc's malloc is first put in the
+state a training process reaches after its first step (``common.settle_allocator``).
+
+    python benchmarks/bench_tree_keys.py                    # 4k, 32k, 131k
+    python benchmarks/bench_tree_keys.py --sizes 4096 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from bench_build import insertion_tree
+from common import (
+    fmt_time,
+    machine,
+    markdown_table,
+    ratio,
+    response_tree,
+    save_json,
+    settle_allocator,
+)
+
+import flexmask
+
+LAYOUTS: dict[str, Callable[[int, int], list[int]]] = {
+    "preorder": response_tree,
+    "insertion": insertion_tree,
+}
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def case(S: int, B: int, layout: str, given: str, repeats: int, hits: int) -> dict[str, Any]:
+    rows = [LAYOUTS[layout](S, seed) for seed in range(B)]
+    table = torch.tensor(rows, dtype=torch.int64)
+
+    def parents() -> Any:  # a new copy each time: equal data, no object shared with the cache
+        return [list(r) for r in rows] if given == "lists" else table.clone()
+
+    def make() -> flexmask.Mask:
+        return flexmask.tree(parents())
+
+    cache = flexmask.MaskCache()
+    cache.get(make(), B, 1, S, S, "cpu")
+    make_hit: list[float] = []
+    build: list[float] = []
+    make_build: list[float] = []
+    for _ in range(repeats):
+        make_hit += [timed(lambda: cache.get(make(), B, 1, S, S, "cpu")) for _ in range(hits)]
+        build.append(timed(partial(flexmask.create_block_mask, make(), B, 1, S, S, "cpu")))
+        make_build.append(timed(lambda: flexmask.create_block_mask(make(), B, 1, S, S, "cpu")))
+    info = cache.info()
+    if info.misses != 1 or info.hits != repeats * hits:
+        raise RuntimeError(f"expected one miss then hits only, got {info}")
+    return dict(
+        S=S,
+        B=B,
+        layout=layout,
+        given=given,
+        make_hit_s=statistics.median(make_hit),
+        build_s=statistics.median(build),
+        make_build_s=statistics.median(make_build),
+        load=os.getloadavg()[0],
+    )
+
+
+def result_table(rows: list[dict[str, Any]]) -> str:
+    return markdown_table(
+        ["S", "B", "layout", "parents", "make + hit", "build", "make + build", "ratio", "load"],
+        [
+            [
+                f"{r['S']:,}",
+                r["B"],
+                r["layout"],
+                r["given"],
+                fmt_time(r["make_hit_s"]),
+                fmt_time(r["build_s"]),
+                fmt_time(r["make_build_s"]),
+                ratio(r["make_hit_s"], r["build_s"], 3),
+                f"{r['load']:.1f}",
+            ]
+            for r in rows
+        ],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 32768, 131072])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--parents", nargs="+", default=["lists", "tensor"])
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds (medians)")
+    parser.add_argument("--hits", type=int, default=5, help="make + hit calls per round")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    settle_allocator()  # malloc as a training process has it after its first step
+    print(f"# Re-made tree masks: make + cache hit against a build\n\n{machine()}\n")
+    rows = []
+    for size in args.sizes:
+        for layout in args.layouts:
+            for given in args.parents:
+                row = case(size, args.batch, layout, given, args.repeats, args.hits)
+                rows.append(row)
+                print(
+                    f"  S={size:>6} B={args.batch} {layout:>9} {given:>6}: make + hit "
+                    f"{fmt_time(row['make_hit_s']):>9} build {fmt_time(row['build_s']):>9} "
+                    f"({ratio(row['make_hit_s'], row['build_s'], 3)}) load {row['load']:.1f}",
+                    flush=True,
+                )
+    print()
+    print(result_table(rows))
+    print(
+        f"\nratio: (make + hit) / build, medians of {args.repeats} interleaved rounds "
+        f"({args.hits} make + hit calls each), {torch.get_num_threads()} threads."
+    )
+    save_json(args.json, {"machine": machine(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
