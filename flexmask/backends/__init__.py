@@ -39,16 +39,10 @@ TABLE: dict[str, ModuleType] = {
 
 AUTO_BENCHMARK = "benchmarks/bench_backends.py"
 AUTO: dict[str, tuple[str, ...]] = {
-    # Measured by AUTO_BENCHMARK (2 cores at load 0.8-1.9, torch 2.13, B=2, H=4, D=64,
-    # float32, S 1k-4k; causal, document-causal, tree, sliding window; fwd+bwd and no-grad
-    # fwd; medians of 9 interleaved calls; docs/costs.md has the table): slices, where it
-    # takes the mask, was the fastest backend or within 4% of it on every row but one (1k
-    # causal no-grad, 1.12x SDPA's 10.7 ms, the same kernel call); documents 2.0-2.9x faster
-    # than block_sparse at 2k-4k and 8-14x faster than SDPA with a dense mask, the RL tree
-    # 1.5-2.5x and 1.8-3.2x, windows 1.03-2.2x and 2.1-4.9x. Where it refuses (1k
-    # documents of ~20 tokens) block_sparse was fastest fwd+bwd (31.5 ms against SDPA's 71.5)
-    # and, running the sdpa backend's own ops, 1.02x SDPA without gradients. torch's
-    # uncompiled flex forward materialises every score: 14-109x slower, so last.
+    # Fastest first, as AUTO_BENCHMARK measured them (docs/costs.md, "The thresholds in the
+    # code"): slices where it takes the mask; block_sparse where slices refuses (many tiny
+    # documents); sdpa's dense mask last but one; torch's uncompiled flex forward
+    # materialises every score, so it is last.
     "cpu": (decode.NAME, slices.NAME, block_sparse.NAME, sdpa.NAME, flex.NAME),
     # Not measured here (no GPU was lent): torch's compiled kernel first, as flex_attention
     # has always run; varlen where flex cannot take the call. Measure before reordering.

@@ -50,10 +50,9 @@ OPTIONS: tuple[str, ...] = ()
 # Queries per call this backend takes. Its one kernel call scores every key of the listed
 # span for every query, where the block-sparse path skips the unlisted tiles inside it (a
 # tree's other branches); with few queries the per-call work that path adds costs more than
-# the scores skipped. ``benchmarks/bench_decode.py --only rows`` (B=4, H=8, D=64, one thread,
-# load 3.3-6.4): up to 64 queries this backend was the fastest for causal, documents, a
-# window and a tree at 4k and 32k; at 128-512 it still was for all but the tree at 32k,
-# 1.9-2.4x block_sparse's time there.
+# the scores skipped: up to this many it was the fastest for every mask measured, past it
+# not for trees (``benchmarks/bench_decode.py --only rows``; docs/costs.md, "The thresholds
+# in the code").
 MAX_QUERY_ROWS = 64
 
 
@@ -135,8 +134,7 @@ def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:
     op = _flash_op()
     assert op is not None  # can_take checked
     # One intra-op thread while other processes keep a core busy: the kernel's threads meet
-    # at a barrier, and one descheduled thread stalls the call (a decode step's ~0.1 ms
-    # became ~20 ms at load 13 on 2 cores).
+    # at a barrier, and one descheduled thread stalls the call (a decode step a hundredfold).
     threads = one_thread() if others_busy() else contextlib.nullcontext()
     with torch.no_grad(), threads:
         out, lse = op(q, k, v, 0.0, False, attn_mask=lowered.mask, scale=request.scale)

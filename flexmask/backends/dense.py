@@ -22,21 +22,17 @@ from flexmask.blocks import EMPTY, FULL, PARTIAL
 from flexmask.pieces import Causal
 
 # choose_backend: SDPA with a dense mask wins on a CPU above this share of listed blocks, or
-# below this many (query, key) pairs in all (measured: benchmarks/bench_cpu_backward.py, S 2k
-# and 8k). With several threads the sparse path's many separate ops each wait for the slowest
-# thread, which on a shared machine costs more than the work saved: measured on 2 loaded
-# cores it lost from 26% listed at 8k (an RL tree, 1.37x) and won below 20%. With one thread
-# there is no such wait and it won up to 43% listed (0.42-0.54x SDPA at 2k).
+# below this many (query, key) pairs in all (benchmarks/bench_cpu_backward.py; docs/costs.md,
+# "The thresholds in the code"). With several threads the sparse path's many separate ops
+# each wait for the slowest thread, which on a shared machine costs more than the work saved,
+# so it wins only at lower shares there than on one thread.
 SDPA_MIN_DENSITY = 0.5
 
 
 SDPA_MAX_PAIRS = 256 * 256
 
 # A forward without gradients is SDPA's cheapest call (no backward to save), so it wins up to
-# larger rows: benchmarks/bench_backends.py (B=2, H=4, D=64, 2 cores at load 1.1-2.4) at
-# 1k x 1k, no grad: an RL tree (47% listed, mostly partial blocks) 36.7 ms sparse against
-# 19.7 ms SDPA; documents and windows within 16% either way. At 2k, no grad, the sparse path
-# took 0.54-0.57x SDPA's time on documents and windows and 1.12-1.18x on the tree (two runs).
+# larger rows (benchmarks/bench_backends.py; docs/costs.md, "The thresholds in the code").
 SDPA_MAX_PAIRS_NO_GRAD = 1024 * 1024
 
 
@@ -50,9 +46,8 @@ def choose_backend(
     (``SDPA_MIN_DENSITY``: half of them) and on small problems (``SDPA_MAX_PAIRS`` pairs per
     row with gradients, ``SDPA_MAX_PAIRS_NO_GRAD`` without), where per-group overhead
     dominates; and on plain causal, where ``is_causal=True`` skips the upper triangle without
-    any mask. On an idle 2-core machine (B=1, H=4, D=64) the sparse path beat
-    SDPA with 43% of blocks listed (0.55× its time at 2k) and 26–31% (trees, 0.3–0.53×); on a
-    loaded one its many small ops wait on busy cores — see docs/cpu-training.md.
+    any mask. On idle cores the sparse path beats SDPA up to near half the blocks listed; on
+    loaded ones its many small ops wait on busy cores — see docs/cpu-training.md.
 
     ``causal``: :func:`is_causal` of the plan where the caller has it already (None: worked
     out here, where the size alone does not decide).

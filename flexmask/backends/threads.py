@@ -17,9 +17,9 @@ import torch
 AUTO = 0
 
 # How much of a core other processes must keep busy for every call to go to the workers: a
-# whole spinning process (1 core) does; the demo's DataLoader workers' bursts mostly do not
-# (benchmarks/bench_sparse_threads.py --demo --rounds 2, load 1.8-2.3: at 0.5 the choice took
-# 11.4 s against torch's threads' 9.4 s, at 0.9 11.3 s against 10.6 s).
+# whole spinning process (1 core) does; the demo's DataLoader workers' bursts mostly do not,
+# and a lower bar sent their calls to the slower way (docs/costs.md, "The thresholds in the
+# code").
 BUSY_CORES = 0.9
 
 
@@ -93,26 +93,23 @@ class ThreadChoice:
     op of the calling thread ("torch"), or the groups dealt to single-threaded workers
     ("workers").
 
-    Neither wins everywhere (``benchmarks/bench_sparse_threads.py``, 2 cores, forward +
-    backward): on free cores torch's threads took 0.55-0.81x the workers' time at 2k-8k and
-    0.58x on the demo's small calls; with one other busy process they took 1.3-1.7x
-    (medians) at 2k-8k, every op waiting for a descheduled thread. What the cores are free
+    Neither wins everywhere (``benchmarks/bench_sparse_threads.py``; docs/costs.md, "The
+    thresholds in the code"): on free cores torch's threads are faster; with one other busy
+    process they are slower, every op waiting for a descheduled thread. What the cores are free
     for changes while a job runs (DataLoader workers, other jobs), and the load average lags
     a minute behind, so the choice is measured: each kind of call (forward or backward, and
     its score elements to within a factor of 2) runs the way whose recent seconds per
     element are lowest, and tries the other way again after ``first`` calls, then after
-    twice as many each time the probe loses (at most ``most``): settled, a way that is 3x
-    slower costs about 3% more time.
+    twice as many each time the probe loses (at most ``most``): settled, probing a slower way
+    costs a few percent.
 
     With a ``load`` (the default choice, :data:`CHOICE`, has one), the cores are looked at
     first: while other processes keep at least ``BUSY_CORES`` (0.9) of a core of those
     torch's threads need busy, every call runs on the workers and torch's threads are
-    neither used nor probed, so a probe never lands on a busy core (such a probe cost 2-14x
-    a call). Its window is ``CoreLoad.period`` (0.2 s), not the load average's minute. Measured with
-    ``benchmarks/bench_sparse_threads.py --repeats 3`` at load 9-10 (others kept 1.7-1.8 of
-    the 2 cores busy): medians 0.85-1.19x the workers' (the same way: noise) and 0.11-0.35x
-    torch's threads', for the demo's calls, doc-20 2k, doc-4 8k and a 1024 window at 2k.
-    Results are the same either way: only the time differs.
+    neither used nor probed, so a probe never lands on a busy core (where it costs several
+    calls' time). Its window is ``CoreLoad.period``, not the load average's minute: it
+    follows what the cores are free for now. Results are the same either way: only the time
+    differs.
     """
 
     WAYS = ("torch", "workers")
@@ -126,7 +123,7 @@ class ThreadChoice:
     def pick(self, kind: tuple[str, int]) -> str:
         if self._others_busy():
             # torch's threads need every core: with another process on one, each op waits
-            # for a descheduled thread (2-14x a call). Neither run nor probed until it leaves.
+            # for a descheduled thread. Neither run nor probed until it leaves.
             return "workers"
         with self.lock:
             state = self.kinds.setdefault(kind, _Kind(self.first))
@@ -214,8 +211,8 @@ def run_groups(
 
     A group is a dozen small ops (gathers, a matmul, passes over its scores). Run with torch's
     intra-op threads, each op waits at its end for the slowest thread, and on a machine whose
-    cores are busy (DataLoader workers, other jobs) a descheduled thread stalls every op: on 2
-    loaded cores the path ran 1.1-1.2x SDPA's time at 2k, against 0.4-0.6x on one thread. So
+    cores are busy (DataLoader workers, other jobs) a descheduled thread stalls every op, and
+    the path loses to SDPA where on one thread it wins (docs/costs.md). So
     the groups can be dealt to ``workers`` threads by cost, each single-threaded, which meet
     once at the end. With one worker (or grad mode on, as in a double backward, which must
     record the ops) the groups run here, in order, under one intra-op thread.

@@ -436,8 +436,8 @@ small build is bound by its calls: tests/test_build_unions.py)."""
 
 def _q_side(segments: _Segments, shape: torch.Size) -> Ordered:
     """The q side from the block rows' segments, taken as the rows' runs of codes
-    (``write.q_side_from_line_runs``: no grid of codes; at 131k B=8 68 against 73 ms with
-    its two index tensors, one run); on small grids, or where the q side's runs are many,
+    (``write.q_side_from_line_runs``: no grid of codes, and no slower than writing its two
+    index tensors at long lengths); on small grids, or where the q side's runs are many,
     from the int8 tile codes read down the columns (``write.q_side_from_codes``)."""
     if shape.numel() >= _FROM_RUNS_FROM:
         partial, full = segments.listed

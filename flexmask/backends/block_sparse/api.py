@@ -62,11 +62,9 @@ ModEval = Literal["auto", "broadcast", "vmap"]
 
 
 # 1 Mi elements: 4 MiB per fp32 score-sized temporary; softmax and its backward keep a handful
-# alive at once, so one chunk peaks near 25 MiB. benchmarks/bench_chunk.py (2 cores, forward +
-# backward, 256 Ki-4 Mi): against 4 Mi, 1 Mi took 0.81-1.08x the time at B=1, H=4, 2k-8k
-# (geometric mean 0.91: a group's temporaries stay in cache, and more groups deal evenly to
-# the threads) and 0.87-1.08x at B=4, H=8 (0.99, noise: a q block there is already a chunk);
-# 512 Ki gained no more, and 256 Ki lost up to 1.14x (more groups, more Python per element).
+# alive at once, so one chunk peaks near 25 MiB. Smaller chunks keep a group's temporaries in
+# cache and deal evenly to the threads, down to where the Python per group starts to cost
+# (benchmarks/bench_chunk.py; docs/costs.md, "The thresholds in the code").
 DEFAULT_MAX_CHUNK_ELEMENTS = 1 << 20
 
 # Probabilities kept for the backward by default (recompute=None): enough to skip the rebuild
@@ -238,8 +236,8 @@ def block_sparse_attention(
         plan = replace(plan, mask_mod=IntervalMod(bounds))
     if bounds is None:
         # No Mask to say so, or one whose rows are not intervals: mask_mod read once on the
-        # partial blocks may still show intervals there (doc-4 at 8k from torch's BlockMask
-        # took 2.5x the time of the same mask from its Mask before this).
+        # partial blocks may still show intervals there, and intervals are what makes a
+        # torch-built BlockMask as fast as the same mask from its Mask.
         bounds = recovered_bounds(plan, mod_eval)
         if bounds is not None:
             plan = replace(plan, mask_mod=IntervalMod(bounds))
@@ -291,9 +289,8 @@ def route(
     where it is faster (``choose_backend``) or asked for, else its own kernels."""
     if score_mod is None and not return_lse and backend != "sparse":
         # Decided before the intervals are read: SDPA's dense mask from the BlockMask's own
-        # mask_mod (the sdpa backend's ops, nothing more) cost 0.49-1.04x the same mask from
-        # the intervals plus reading them (B=2, H=4, S 256-2k, one thread, load 0.4; 1.12x
-        # only on a document & padding mask at 2k with 12% listed, which runs sparse).
+        # mask_mod (the sdpa backend's ops, nothing more) costs no more than the same mask
+        # from the intervals plus reading them (docs/costs.md, "The thresholds in the code").
         causal = is_causal(plan, mask)
         if backend == "auto":
             backend = choose_backend(plan, mask, needs_grad=needs_grad, causal=causal)

@@ -181,8 +181,7 @@ def recovered_bounds(plan: Plan, mod_eval: str) -> kernel.Bounds | None:
     if kinds.device.type != "cpu":
         return _read_back(plan, mod_eval)
     # A few hundred small ops: on torch's intra-op threads each would wait for a thread the
-    # OS took away on a busy machine (tree at 2k, load 5, 2 threads: 0.3-0.9 s, against
-    # 9 ms on one thread).
+    # OS took away on a busy machine (a tree's read-back a hundredfold slower).
     with one_thread():
         return _read_back(plan, mod_eval)
 
