@@ -36,14 +36,14 @@ class FakeMesh:
         return self.rank
 
 
-def torch_shard(mask, S, world, rank, balancer):
-    """torch's own _create_cp_block_mask (B = H = 1), eager: its compile swapped out."""
+def torch_shard(mask, S, world, rank, balancer, B=1):
+    """torch's own _create_cp_block_mask (H = 1), eager: its compile swapped out."""
     saved = torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance
     torch_cp._compiled_create_block_mask = torch_create_block_mask
     torch_cp._cp_options.enable_load_balance = True
     try:
         return torch_cp._create_cp_block_mask(
-            mask.mask_mod, 1, 1, S, S, FakeMesh(world, rank), balancer
+            mask.mask_mod, B, 1, S, S, FakeMesh(world, rank), balancer
         )
     finally:
         torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance = saved
@@ -254,3 +254,48 @@ def test_weighted_step_is_balanced_where_every_single_mask_balancer_is_not():
     }
     steps = {name: layer_imbalance(layers, 1, 1, S, world, lb).step for name, lb in singles.items()}
     assert min(steps.values()) > 1.05, steps
+
+
+# --- trees: GRPO groups packed by pack_trees, many per row ------------------------------
+
+
+def grpo_batch(seed: int, groups: int, max_tokens: int):
+    """GRPO groups (a prompt, 2-4 responses each) packed into prefix trees, several per row."""
+    rng = random.Random(seed)
+    sequences, prompt_lens = [], []
+    for _ in range(groups):
+        prompt = [rng.randrange(1, 100) for _ in range(rng.randrange(16, 200))]
+        for _ in range(rng.randrange(2, 5)):
+            response = [rng.randrange(1, 100) for _ in range(rng.randrange(8, 120))]
+            sequences.append(prompt + response)
+            prompt_lens.append(len(prompt))
+    return flexmask.pack_trees(sequences, max_tokens, prompt_lens=prompt_lens)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_grpo_trees_shard_equals_torch_under_every_balancer(world):
+    """A tree mask per row (each row several GRPO groups: prompts shared by their responses),
+    one permutation per row from the mask-aware, PTRR and layer-weighted balancers (their
+    costs count the blocks of each response's ancestors), one shared by head-tail: every
+    rank's shard equals torch's _create_cp_block_mask of the same mask and balancer."""
+    S = 1024
+    batch = grpo_batch(world, 12, S)
+    mask, B = batch.mask, batch.num_rows
+    assert B >= 2 and batch.num_sequences / B >= 4  # several groups in every row
+    local = mask & flexmask.sliding_window(256)
+    balancers = {
+        "head_tail": flexmask.HeadTailBalancer(S, world),
+        "mask_aware": MaskAwareBalancer(mask, B, 1, S, world, block_size=128),
+        "ptrr": PTRRBalancer(mask, B, 1, S, world, block_size=128),
+        "layer_weighted": LayerWeightedBalancer(
+            [(mask, 1), (local, 3)], B, 1, S, world, block_size=128
+        ),
+    }
+    for name, lb in balancers.items():
+        assert lb.rows == (1 if name == "head_tail" else B)
+        for rank in range(world):
+            ours = flexmask.shard(mask, B, 1, S, world_size=world, rank=rank, balancer=lb)
+            theirs = torch_shard(mask, S, world, rank, lb, B=B)
+            oracle.assert_same_block_mask(
+                ours.block_mask, theirs, f"{name} rank {rank}", own_storage=False
+            )

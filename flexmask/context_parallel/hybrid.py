@@ -224,7 +224,8 @@ class LayerWeightedBalancer(_LoadBalancer):
         B, H: as for ``create_block_mask``; per-row masks give per-row permutations.
         seq_length: real sequence length (padded up as ``MaskAwareBalancer`` pads it).
         world_size: number of context-parallel ranks.
-        block_size: the BlockMask block size (the unit dealt out).
+        block_size: the BlockMask block size, an int or torch's ``(Q, KV)`` pair, as for
+            ``MaskAwareBalancer`` (which pads and deals the same units).
         partial_cost: the cost of a partial block relative to a full one.
         device: where the masks are built and the indices live.
         max_swaps: swap rounds at most (default ``16 * world_size``).
@@ -249,7 +250,7 @@ class LayerWeightedBalancer(_LoadBalancer):
         H: int | None,
         seq_length: int,
         world_size: int,
-        block_size: int = 128,
+        block_size: int | tuple[int, int] = 128,
         partial_cost: float = 1.0,
         device: torch.device | str | None = None,
         max_swaps: int | None = None,
