@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flexmask
-from flexmask.backends.slices import _first_touch, _first_touch_any
-from flexmask.formats import to_varlen
+from flexmask.backends import slices
+from flexmask.formats import BICAUSAL, FULL, INVCAUSAL, to_flashmask, to_magi, to_varlen
 from flexmask.formats._structure import (
     _clip,
     _clip_normalized,
@@ -176,13 +176,134 @@ def test_intersect_union_and_clip_fast_paths_equal_the_general_merge(data, lines
 
 @given(
     spans=st.lists(
-        st.tuples(st.sampled_from([None, 0, 1]), st.integers(0, 12), st.integers(1, 6)),
+        st.tuples(st.sampled_from([-1, 0, 1]), st.integers(0, 12), st.integers(0, 6)),
         max_size=12,
     ),
     ordered=st.booleans(),
 )
 def test_first_touch_in_start_order_equals_the_general_walk(spans, ordered):
     spans = [(row, start, start + n) for row, start, n in spans]
-    if ordered:
-        spans.sort(key=lambda s: (-1 if s[0] is None else s[0], s[1], s[2]))
-    assert _first_touch(spans) == _first_touch_any(spans)
+    spans.sort(key=lambda s: s[0] if not ordered else s)  # rows ascending, as calls run
+    row, start, end = (torch.tensor([s[i] for s in spans], dtype=torch.int64) for i in range(3))
+    got = slices._first_touches(row, start, end, 20).tolist()
+    assert tuple(got) == slices._first_touch_any(spans)
+
+
+# The slices backend's lowering as it was written before issue #32, call by call: the
+# reference its vectorised one must equal.
+def reference_calls(magi, q_len, kv_len, per_row):
+    calls = []
+    for (qs, qe), (ks, ke), kind in zip(
+        magi.q_ranges.tolist(), magi.k_ranges.tolist(), magi.attn_type_map.tolist(), strict=True
+    ):
+        row = qs // q_len if per_row else None
+        if row is not None:
+            qs, qe, ks, ke = (
+                qs - row * q_len,
+                qe - row * q_len,
+                ks - row * kv_len,
+                ke - row * kv_len,
+            )
+        if kind == FULL:
+            calls.append((row, qs, qe, ks, ke, False, None))
+            continue
+        if kind in (INVCAUSAL, BICAUSAL):
+            width = (ke - ks) - (qe - qs) + 1 if kind == BICAUSAL else 0
+            if kind == BICAUSAL and width < 1:
+                continue
+            if kind == INVCAUSAL:
+                qe = min(qe, qs + ke - ks)
+            for start in range(qs, qe, slices.BAND_ROWS):
+                stop = min(start + slices.BAND_ROWS, qe)
+                last = stop - 1 + ke - qe if kind == BICAUSAL else ke - 1
+                calls.append((row, start, stop, start + ks - qs, last + 1, False, width))
+            continue
+        n, m = qe - qs, ke - ks
+        if m > n:
+            calls.append((row, qs, qe, ks, ke - n, False, None))
+            calls.append((row, qs, qe, ke - n, ke, True, None))
+        else:
+            calls.append((row, qe - m, qe, ks, ke, True, None))
+    return calls
+
+
+def reference_gaps(rows, length, written):
+    spans = {row: [] for row in rows}
+    for row, start, end in written:
+        spans[row].append((start, end))
+    gaps = []
+    for row in rows:
+        at = 0
+        for start, end in sorted(spans[row]):
+            if start > at:
+                gaps.append((row, at, start))
+            at = end
+        if at < length:
+            gaps.append((row, at, length))
+    return tuple(gaps)
+
+
+def reference_lowered(mask, batch, q_len, kv_len):
+    per_row = mask.rows is not None and mask.rows > 1
+    magi = to_magi(mask, batch if per_row else 1, q_len, kv_len)
+    calls = reference_calls(magi, q_len, kv_len, per_row)
+    ordered = sorted(calls, key=lambda c: (-1 if c[0] is None else c[0], c[1], c[3]))
+    first = slices._first_touch_any([c[:3] for c in ordered])
+    keys = [(c[0], c[3], c[4]) for c in ordered]
+    first_keys = slices._first_touch_any(keys)
+    rows = list(range(batch)) if per_row else [None]
+    covered = int((magi.q_ranges[:, 1] - magi.q_ranges[:, 0]).sum()) if calls else 0
+    return slices.Slices(
+        tuple(ordered),
+        first,
+        first_keys,
+        reference_gaps(rows, q_len, [c[:3] for c, f in zip(ordered, first, strict=True) if f]),
+        reference_gaps(rows, kv_len, [k for k, f in zip(keys, first_keys, strict=True) if f]),
+        covered,
+    )
+
+
+@SETTINGS
+@given(data=st.data(), batch=st.integers(1, 3), length=st.integers(1, 40))
+def test_slices_lowering_equals_the_call_by_call_reference(data, batch, length):
+    kinds = ("causal", "full", "empty", "window", "prefix", "padding", "document", "tree")
+    mask, _ = data.draw(leaves(batch, length, kinds))
+    for _ in range(data.draw(st.integers(0, 2))):
+        other, _ = data.draw(leaves(batch, length, kinds))
+        mask = mask & other if data.draw(st.booleans()) else mask | other
+    kv_len = data.draw(st.sampled_from([length, length + 3]))
+    slices._lowered.cache_clear()
+    got = slices._lowered(mask, batch, length, kv_len)
+    assert got == reference_lowered(mask, batch, length, kv_len), mask
+
+
+def test_slices_lowering_of_long_bands_and_many_documents():
+    """Windows whose bands run past BAND_ROWS, inverse-causal and bi-causal slices, and
+    B = 4 rows of many documents, against the reference."""
+    cases = [
+        (flexmask.causal() & flexmask.sliding_window(300), 1, 1500, 1500),
+        (flexmask.sliding_window(100), 2, 900, 900),
+        (~flexmask.causal() | flexmask.sliding_window(3), 1, 700, 700),
+        (
+            flexmask.causal() & flexmask.document([[7] * 100, [13] * 50, [1] * 650, [650]]),
+            4,
+            700,
+            700,
+        ),
+    ]
+    for mask, batch, q_len, kv_len in cases:
+        slices._lowered.cache_clear()
+        assert slices._lowered(mask, batch, q_len, kv_len) == reference_lowered(
+            mask, batch, q_len, kv_len
+        ), mask
+
+
+def test_a_document_running_past_int_bounds_starts_where_it_starts():
+    """A document longer than any sequence (lengths up to 2**63 - 1 are clipped to it) starts
+    after the ones before it: its queries attend only its own keys."""
+    mask = flexmask.causal() & flexmask.document([5, 2**62])
+    m = to_magi(mask, 1, 9)
+    assert m.q_ranges.tolist() == [[0, 5], [5, 9]] == m.k_ranges.tolist()
+    assert to_varlen(mask, 1, 9).cu_seqlens_q.tolist() == [0, 5, 9]
+    f = to_flashmask(mask, 1, 1, 9)
+    assert f.startend_row_indices.view(-1).tolist() == [5] * 5 + [9] * 4

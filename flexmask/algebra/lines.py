@@ -76,6 +76,8 @@ def run_at(starts: Tensor, ends: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
     k = k.clamp(max=ends.shape[1] - 1)
     start, end = starts.gather(1, k), ends.gather(1, k)
     inside = (start <= pos) & (pos < end)
+    if bool(inside.all()):  # runs that cover every position asked about (documents, spans)
+        return start, end - 1
     return pick(inside, start, INF), pick(inside, end - 1, -INF)
 
 

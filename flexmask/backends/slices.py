@@ -101,46 +101,61 @@ def kernel_calls(magi: Any, q_len: int, kv_len: int, per_row: bool) -> list[Call
     to ``i + ke - qe``) run in calls of ``BAND_ROWS`` queries, each onto just the keys its
     queries see, under a band mask.
     """
-    calls: list[Call] = []
-    q_ranges = magi.q_ranges.tolist()
-    k_ranges = magi.k_ranges.tolist()
-    for (qs, qe), (ks, ke), kind in zip(
-        q_ranges, k_ranges, magi.attn_type_map.tolist(), strict=True
-    ):
-        row = qs // q_len if per_row else None
-        if row is not None:
-            qs, qe, ks, ke = (
-                qs - row * q_len,
-                qe - row * q_len,
-                ks - row * kv_len,
-                ke - row * kv_len,
-            )
-        if kind == FULL:
-            calls.append((row, qs, qe, ks, ke, False, None))
-            continue
-        if kind in (INVCAUSAL, BICAUSAL):
-            # Band width: bi-causal query i sees [i + ks - qs, i + ke - qe]; inverse causal
-            # from i + ks - qs to the slice's last key (0: no upper edge).
-            width = (ke - ks) - (qe - qs) + 1 if kind == BICAUSAL else 0
-            if kind == BICAUSAL and width < 1:
-                continue  # no query sees a key (to_magi makes none such)
-            if kind == INVCAUSAL:
-                qe = min(qe, qs + ke - ks)  # queries past it would see no key of this slice
-            for start in range(qs, qe, BAND_ROWS):
-                stop = min(start + BAND_ROWS, qe)
-                first = start + ks - qs
-                last = stop - 1 + ke - qe if kind == BICAUSAL else ke - 1
-                calls.append((row, start, stop, first, last + 1, False, width))
-            continue
-        if kind != CAUSAL:
-            raise RuntimeError(f"to_magi returned slice type {kind}, not one of Magi's four")
-        n, m = qe - qs, ke - ks
-        if m > n:
-            calls.append((row, qs, qe, ks, ke - n, False, None))
-            calls.append((row, qs, qe, ke - n, ke, True, None))
-        else:
-            calls.append((row, qe - m, qe, ks, ke, True, None))
-    return calls
+    return _as_calls(_call_table(magi, q_len, kv_len, per_row))
+
+
+def _call_table(magi: Any, q_len: int, kv_len: int, per_row: bool) -> Tensor:
+    """``kernel_calls`` as an ``(N, 7)`` int64 table in the same order: row (-1: every row),
+    queries, keys, causal (0 or 1), band (-1: none). Every slice's calls at once: a step lowers
+    a mask per micro-batch, and a Python walk over a thousand slices costs more than the
+    BlockMask build it stands in for."""
+    kind = magi.attn_type_map.to(torch.int64).cpu()
+    bad = (kind < FULL) | (kind > BICAUSAL)
+    if bool(bad.any()):
+        raise RuntimeError(
+            f"to_magi returned slice type {int(kind[bad][0])}, not one of Magi's four"
+        )
+    qs, qe = magi.q_ranges.to(torch.int64).cpu().unbind(1)
+    ks, ke = magi.k_ranges.to(torch.int64).cpu().unbind(1)
+    row = qs.div(q_len, rounding_mode="floor") if per_row else torch.full_like(qs, -1)
+    if per_row:
+        qs, qe, ks, ke = qs - row * q_len, qe - row * q_len, ks - row * kv_len, ke - row * kv_len
+    n, m = qe - qs, ke - ks
+    bi = kind == BICAUSAL
+    banded = bi | (kind == INVCAUSAL)
+    split = (kind == CAUSAL) & (m > n)  # a full call onto the first keys, a causal one
+    # Band width: bi-causal query i sees [i + ks - qs, i + ke - qe]; inverse causal from
+    # i + ks - qs to the slice's last key (0: no upper edge), and queries past qs + m see no
+    # key of the slice. A bi-causal slice no query sees a key of has no call.
+    width = torch.where(bi, m - n + 1, 0)
+    q_stop = torch.where(bi, qe, torch.minimum(qe, qs + m))
+    bands = (q_stop - qs + BAND_ROWS - 1).div(BAND_ROWS, rounding_mode="floor").clamp(min=0)
+    count = torch.where(banded, torch.where(bi & (width < 1), 0, bands), 1 + split.long())
+    at = torch.repeat_interleave(torch.arange(count.numel()), count)
+    j = torch.arange(at.numel()) - (count.cumsum(0) - count)[at]  # the call's place in its slice
+    a, b, c, d, n, m, banded = qs[at], qe[at], ks[at], ke[at], n[at], m[at], banded[at]
+    first_of_split, second_of_split = split[at] & (j == 0), split[at] & (j == 1)
+    start = a + j * BAND_ROWS
+    stop = torch.minimum(start + BAND_ROWS, q_stop[at])
+    band_end = torch.where(bi[at], stop + d - b, d)
+    causal = (kind[at] == CAUSAL) & ~first_of_split
+    columns = [
+        row[at],
+        torch.where(banded, start, torch.where(causal & ~second_of_split, b - m, a)),
+        torch.where(banded, stop, b),
+        torch.where(banded, start + c - a, torch.where(second_of_split, d - n, c)),
+        torch.where(banded, band_end, torch.where(first_of_split, d - n, d)),
+        causal.long(),
+        torch.where(banded, width[at], -1),
+    ]
+    return torch.stack(columns, 1)
+
+
+def _as_calls(table: Tensor) -> list[Call]:
+    return [
+        (None if r < 0 else r, qs, qe, ks, ke, bool(causal), None if band < 0 else band)
+        for r, qs, qe, ks, ke, causal, band in table.tolist()
+    ]
 
 
 def can_take(request: Request) -> str | None:
@@ -220,18 +235,22 @@ def _lowered(mask: Mask, batch: int, q_len: int, kv_len: int) -> Slices | str:
         magi = magi_of(mask, validated_window(batch if per_row else 1, q_len, kv_len))
     except ValueError as err:
         return str(err)
-    calls = kernel_calls(magi, q_len, kv_len, per_row)
-    covered = int((magi.q_ranges[:, 1] - magi.q_ranges[:, 0]).sum()) if calls else 0
-    ordered, first = _first_calls(calls)
-    keys = [(c[0], c[3], c[4]) for c in ordered]
-    first_keys = _first_touch(keys)
+    table = _call_table(magi, q_len, kv_len, per_row)
+    covered = int((magi.q_ranges[:, 1] - magi.q_ranges[:, 0]).sum()) if len(table) else 0
+    # The order they run: by batch row, then first query (merging by log-sum-exp does not
+    # depend on the order), then first key; stable, so calls of one slice keep theirs.
+    row, qs, _, ks, _ = table[:, :5].unbind(1)
+    table = table[torch.sort(((row + 1) * (q_len + 1) + qs) * (kv_len + 1) + ks, stable=True)[1]]
+    row, qs, qe, ks, ke = table[:, :5].unbind(1)
+    first = _first_touches(row, qs, qe, q_len)
+    first_keys = _first_touches(row, ks, ke, kv_len)
     rows: list[int | None] = list(range(batch)) if per_row else [None]
     return Slices(
-        tuple(ordered),
-        first,
-        first_keys,
-        _gaps(rows, q_len, [c[:3] for c, f in zip(ordered, first, strict=True) if f]),
-        _gaps(rows, kv_len, [c for c, f in zip(keys, first_keys, strict=True) if f]),
+        tuple(_as_calls(table)),
+        tuple(first.tolist()),
+        tuple(first_keys.tolist()),
+        _gaps_of(rows, q_len, row[first], qs[first], qe[first]),
+        _gaps_of(rows, kv_len, row[first_keys], ks[first_keys], ke[first_keys]),
         covered,
     )
 
@@ -239,32 +258,34 @@ def _lowered(mask: Mask, batch: int, q_len: int, kv_len: int) -> Slices | str:
 on_cache_clear(_lowered.cache_clear)
 
 
-def _first_calls(calls: list[Call]) -> tuple[list[Call], tuple[bool, ...]]:
-    """The calls in the order they run (by batch row, then first query: merging by
-    log-sum-exp does not depend on the order), and which of them is the first to touch every
-    one of its queries. ``to_magi`` gives all calls a row or none a row."""
-    ordered = sorted(calls, key=lambda c: (-1 if c[0] is None else c[0], c[1], c[3]))
-    return ordered, _first_touch([c[:3] for c in ordered])
-
-
 def _first_touch(spans: list[tuple[int | None, int, int]]) -> tuple[bool, ...]:
     """Per ``(row, start, end)`` in order: no earlier span of its row overlaps it."""
-    # Spans in order of their start within each row (every query span, and the key spans of
+    row, start, end = _columns(spans)
+    return tuple(_first_touches(row, start, end, int(end.max()) if end.numel() else 0).tolist())
+
+
+def _first_touches(row: Tensor, start: Tensor, end: Tensor, length: int) -> Tensor:
+    """``_first_touch`` of spans ``[start, end)`` below ``length``, row -1 for every row."""
+    # Spans in order of their row, then start (every query span, and the key spans of
     # documents and windows): an earlier span overlaps iff it reaches past this start, so a
-    # running reach per row answers, without the general walk's searches.
-    reach: dict[int | None, tuple[int, int]] = {}  # per row: (last start, furthest end)
-    first = []
-    for row, start, end in spans:
-        last_start, furthest = reach.get(row, (start, start))
-        if start < last_start or end <= start:
-            return _first_touch_any(spans)
-        first.append(row not in reach or start >= furthest)
-        reach[row] = (start, max(furthest, end))
-    return tuple(first)
+    # running reach answers (each row's positions shifted past the rows before it).
+    later = (row[1:] > row[:-1]) | (row[1:] == row[:-1]) & (start[1:] >= start[:-1])
+    if not bool(later.all() & (end > start).all()):
+        spans = list(zip(row.tolist(), start.tolist(), end.tolist(), strict=True))
+        return torch.tensor(_first_touch_any(spans), dtype=torch.bool).view(-1)
+    base = (row + 1) * (length + 1)
+    reach = (base + end).cummax(0).values
+    return base + start >= torch.cat([reach.new_full((1,), -1), reach[:-1]])
+
+
+def _columns(spans: list[tuple[int | None, int, int]]) -> tuple[Tensor, Tensor, Tensor]:
+    table = torch.tensor([(-1 if r is None else r, a, b) for r, a, b in spans], dtype=torch.int64)
+    row, start, end = table.view(-1, 3).unbind(1)
+    return row, start, end
 
 
 def _first_touch_any(spans: list[tuple[int | None, int, int]]) -> tuple[bool, ...]:
-    """``_first_touch`` of spans in any order."""
+    """Per ``(row, start, end)`` in any order: no earlier span of its row overlaps it."""
     starts: dict[int | None, list[int]] = {}  # per row, the union of the spans so far:
     ends: dict[int | None, list[int]] = {}  # disjoint, sorted intervals
     first = []
@@ -284,19 +305,37 @@ def _gaps(
 ) -> tuple[tuple[int | None, int, int], ...]:
     """Per row, the positions in ``[0, length)`` outside every written span (the spans of
     first calls, which do not overlap)."""
-    spans: dict[int | None, list[tuple[int, int]]] = {row: [] for row in rows}
-    for row, start, end in written:
-        spans[row].append((start, end))
-    gaps = []
-    for row in rows:
-        at = 0
-        for start, end in sorted(spans[row]):
-            if start > at:
-                gaps.append((row, at, start))
-            at = end
-        if at < length:
-            gaps.append((row, at, length))
-    return tuple(gaps)
+    return _gaps_of(rows, length, *_columns(written))
+
+
+def _gaps_of(
+    rows: list[int | None], length: int, row: Tensor, start: Tensor, end: Tensor
+) -> tuple[tuple[int | None, int, int], ...]:
+    """Per row, by position, the positions in ``[0, length)`` outside every span
+    ``[start, end)`` of that row (the spans of first calls, which do not overlap; row -1:
+    every row, ``None`` in ``rows``)."""
+    order = torch.argsort((row + 1) * (length + 1) + start)
+    row, start, end = row[order], start[order], end[order]
+    opens = torch.ones_like(row, dtype=torch.bool)  # the first span of its row
+    opens[1:] = row[1:] != row[:-1]
+    closes = torch.ones_like(opens)  # the last
+    closes[:-1] = opens[1:]
+    before = torch.where(opens, 0, torch.cat([end.new_zeros(1), end[:-1]]))
+    inner, tail = start > before, closes & (end < length)
+    keys = [-1 if r is None else r for r in rows]
+    bare = torch.tensor(sorted(set(keys) - set(row.tolist())), dtype=torch.int64)
+    gap_row = torch.cat([row[inner], row[tail], bare])
+    gap_lo = torch.cat([before[inner], end[tail], torch.zeros_like(bare)])
+    gap_hi = torch.cat(
+        [start[inner], torch.full_like(end[tail], length), bare.new_full(bare.shape, length)]
+    )
+    order = torch.argsort((gap_row + 1) * (length + 1) + gap_lo)
+    return tuple(
+        (None if r < 0 else r, lo, hi)
+        for r, lo, hi in zip(
+            gap_row[order].tolist(), gap_lo[order].tolist(), gap_hi[order].tolist(), strict=True
+        )
+    )
 
 
 def too_many(lowered: Slices) -> str | None:

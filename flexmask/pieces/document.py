@@ -216,28 +216,22 @@ class Document(Piece):
 
     def lines_at(self, pos: Tensor, *, transpose: bool, fmt: str) -> LineIntervals:
         # Symmetric: a token's document, both ways; past the documents, nothing.
-        return one_interval(*run_at(*self._lowering_bounds(), pos))
+        return one_interval(*run_at(*self._lowering_bounds(pos.device), pos))
 
     def varlen_part(self, length: int) -> VarlenPart:
-        # One sequence per document: each position's document, -1 past them.
-        starts, ends = self._lowering_bounds()
-        pos = torch.arange(length + 1)
-        ids = []
-        for r in range(starts.shape[0]):
-            doc = torch.searchsorted(ends[r].contiguous(), pos, right=True)
-            ids.append(torch.where(doc < len(self.seq_lens[r]), doc, -1))
-        return VarlenPart(segment_ids=ids)
+        # One sequence per document: each position's document, -1 past them (every row in
+        # one search; rows are padded past every position).
+        _, ends = self._lowering_bounds(torch.device("cpu"))
+        pos = torch.arange(length + 1).expand(ends.shape[0], -1).contiguous()
+        doc = torch.searchsorted(ends, pos, right=True)
+        num_docs = self._on("_num_docs", torch.device("cpu")).view(-1, 1)
+        return VarlenPart(segment_ids=list(torch.where(doc < num_docs, doc, -1).unbind(0)))
 
-    def _lowering_bounds(self) -> tuple[Tensor, Tensor]:
+    def _lowering_bounds(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """(R, D) document starts and exclusive ends for the lowerings, clamped to and
-        padded with ``INF``."""
-        ends = [lens.cumsum(0).clamp(max=INF) for lens in self.seq_lens]
-        starts = [(e - lens).clamp(max=INF) for e, lens in zip(ends, self.seq_lens, strict=True)]
-        pad = torch.nn.utils.rnn.pad_sequence
-        return (
-            pad(starts, batch_first=True, padding_value=INF),
-            pad(ends, batch_first=True, padding_value=INF),
-        )
+        padded with ``INF``: the piece's own tables (made once per piece)."""
+        starts, ends = self._on("_starts", device), self._on("_ends", device)
+        return starts.clamp(max=INF), ends.clamp(max=INF)
 
     def _doc_ids(self, length: int, device: torch.device) -> Tensor:
         """Document index of positions 0..length, -1 past the documents: (R, length + 1)
