@@ -2,7 +2,7 @@
 masks (global + sliding-window or chunked layers), each weighed by its layer count.
 
 Run: python benchmarks/bench_cp_hybrid.py [--sizes 32768,131072] [--worlds 4,8] [--quick]
-     [--json PATH]
+     [--json PATH] [--trees]
 
 For each layout, length and world size, every balancer gives one permutation for the whole
 step: head-tail, torch's per-document order, PTRR and the mask-aware balancer each given ONE
@@ -18,6 +18,10 @@ columns are imbalances, max rank cost / mean:
 
 ``mask-aware (sum)`` is ``MaskAwareBalancer`` given both masks, each repeated by its weight:
 it deals by the weighted sum of the costs, without the layer-weighted balancer's swaps.
+
+``--trees`` measures GRPO groups packed by ``flexmask.pack_trees`` instead (rows of S tokens,
+several groups each): the imbalance of one tree mask under contiguous slices, head-tail,
+PTRR and the mask-aware balancer (whose costs count each response's ancestor blocks).
 
 Documents: a log-normal mix (median ~1.8k tokens, a few past 16k), multiples of 2W (torch's
 per-document balancer needs that), B = 1, H = 1, BLOCK_SIZE = 128.
@@ -36,10 +40,12 @@ import common  # noqa: F401  (puts the repository on sys.path)
 
 import flexmask
 from flexmask.context_parallel import (
+    HeadTailBalancer,
     LayerWeightedBalancer,
     MaskAwareBalancer,
     PerDocumentBalancer,
     PTRRBalancer,
+    imbalance,
     layer_imbalance,
 )
 
@@ -141,17 +147,68 @@ def print_tables(rows: list[dict]) -> None:
         )
 
 
+def grpo_trees(seq: int, seed: int = 0) -> Any:
+    """GRPO groups (prompts of 64-4096 tokens, 4-8 responses of 64-2048 each, as in
+    bench_cp_exchange.py) packed into prefix trees of ``seq`` tokens, about 8 rows."""
+    rng = random.Random(seed)
+    sequences, prompt_lens = [], []
+    while sum(map(len, sequences)) < 8 * seq:
+        prompt = [rng.randrange(1, 1000) for _ in range(rng.randrange(64, 4096))]
+        for _ in range(rng.randrange(4, 9)):
+            response = [rng.randrange(1, 1000) for _ in range(rng.randrange(64, 2048))]
+            sequences.append(prompt + response)
+            prompt_lens.append(len(prompt))
+    return flexmask.pack_trees(sequences, seq, prompt_lens=prompt_lens)
+
+
+def trees(sizes: list[int], worlds: list[int]) -> list[dict]:
+    rows = []
+    print("\nTrees (GRPO groups, pack_trees): imbalance of one tree mask, every row summed:\n")
+    print("| S | rows | sequences | W | contiguous | head-tail | PTRR | mask-aware | ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for seq in sizes:
+        batch = grpo_trees(seq)
+        mask, B = batch.mask, batch.num_rows
+        for world in worlds:
+            start = time.perf_counter()
+            aware = MaskAwareBalancer(mask, B, 1, seq, world, block_size=BLOCK)
+            made_ms = (time.perf_counter() - start) * 1e3
+            balancers = {
+                "contiguous": None,
+                "head-tail": HeadTailBalancer(seq, world),
+                "PTRR": PTRRBalancer(mask, B, 1, seq, world, block_size=BLOCK),
+                "mask-aware": aware,
+            }
+            found = {k: imbalance(mask, B, 1, seq, world, lb) for k, lb in balancers.items()}
+            rows.append({"seq": seq, "rows": B, "world": world, "imbalance": found})
+            print(
+                f"| {seq // 1024}k | {B} | {batch.num_sequences} | {world} | "
+                + " | ".join(f"{v:.3f}" for v in found.values())
+                + f" | {made_ms:.0f} |"
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="32768,131072")
     parser.add_argument("--worlds", default="4,8")
     parser.add_argument("--quick", action="store_true", help="S = 8192, W = 4 only")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--trees", action="store_true", help="GRPO trees instead")
     args = parser.parse_args()
     sizes = [8192] if args.quick else [int(s) for s in args.sizes.split(",") if s]
     worlds = [4] if args.quick else [int(w) for w in args.worlds.split(",") if w]
     load = os.getloadavg()
     print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    if args.trees:
+        rows = trees(sizes, worlds)
+        end = os.getloadavg()
+        print(f"\nload average at end: {end[0]:.2f} {end[1]:.2f} {end[2]:.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"load": [load, end], "trees": rows}, f, indent=1)
+        return
     rows = []
     for name, local, weights in LAYOUTS:
         for seq in sizes:
