@@ -152,10 +152,20 @@ def _call_table(magi: Any, q_len: int, kv_len: int, per_row: bool) -> Tensor:
 
 
 def _as_calls(table: Tensor) -> list[Call]:
-    return [
-        (None if r < 0 else r, qs, qe, ks, ke, bool(causal), None if band < 0 else band)
-        for r, qs, qe, ks, ke, causal, band in table.tolist()
-    ]
+    # Column by column (zip, not a conversion per field of every call): a row of -1 and a
+    # band of -1 are None.
+    n = table.shape[0]
+    row, qs, qe, ks, ke, _, band = table.unbind(1)
+    rows: list[Any] = (
+        [None] * n if bool((row < 0).all()) else [None if r < 0 else r for r in row.tolist()]
+    )
+    if bool((band >= 0).any()):
+        bands: list[Any] = [None if w < 0 else w for w in band.tolist()]
+    else:
+        bands = [None] * n
+    causal = (table[:, 5] != 0).tolist()
+    columns = (rows, qs.tolist(), qe.tolist(), ks.tolist(), ke.tolist(), causal, bands)
+    return list(zip(*columns, strict=True))
 
 
 def can_take(request: Request) -> str | None:
