@@ -3,8 +3,9 @@
 An RL step re-makes ``tree(parents)`` from its data every step; when the trees recur (the same
 prompts' responses) the cache should serve them for next to nothing. Per size, at B = 8 (one
 tree per row, rows differ), two layouts (preorder: a prompt then 8 responses, as
-``pack_tree`` lays them out; insertion: a trie numbered as inserted, AReaL's layout) and two
-inputs (a list of Python int lists; one ``(B, S)`` int64 tensor), in one run:
+``pack_tree`` lays them out; insertion: a trie numbered as inserted, AReaL's layout) and the
+parents given two ways (a list of Python int lists; one ``(B, S)`` int64 tensor;
+``--parents rows`` a list of 1-D tensors, as ``pack_trees`` gives them), in one run:
 
 * make + hit: ``tree(new copy of the parents)`` then ``MaskCache.get`` of it, a hit;
 * build: ``create_block_mask`` of an equal mask made just before, its order (preorder ranks,
@@ -14,9 +15,11 @@ inputs (a list of Python int lists; one ``(B, S)`` int64 tensor), in one run:
   computes it);
 * make + build: both, timed together (a miss from the data: the same work before and after).
 
-Repeats are interleaved (make + hit several times, then one build, then one make + build) and
+Repeats are interleaved (make + hit several times, then one of each build) and
 each column is the median: other processes load the machine, and a burst then hits every
-column alike. The load average is printed with each row. glibc's malloc is first put in the
+column alike; the ratio of the best times is printed beside (under a load of several
+processes a core, a median can be several times the best). The load average is printed with
+each row. glibc's malloc is first put in the
 state a training process reaches after its first step (``common.settle_allocator``).
 
     python benchmarks/bench_tree_keys.py                    # 4k, 32k, 131k
@@ -64,7 +67,11 @@ def case(S: int, B: int, layout: str, given: str, repeats: int, hits: int) -> di
     table = torch.tensor(rows, dtype=torch.int64)
 
     def parents() -> Any:  # a new copy each time: equal data, no object shared with the cache
-        return [list(r) for r in rows] if given == "lists" else table.clone()
+        if given == "lists":
+            return [list(r) for r in rows]
+        if given == "rows":  # one 1-D tensor per row, as pack_trees' TreeBatch holds them
+            return list(table.clone().unbind(0))
+        return table.clone()
 
     def make() -> flexmask.Mask:
         return flexmask.tree(parents())
@@ -94,6 +101,8 @@ def case(S: int, B: int, layout: str, given: str, repeats: int, hits: int) -> di
         build_s=statistics.median(build),
         fresh_build_s=statistics.median(fresh_build),
         make_build_s=statistics.median(make_build),
+        best_make_hit_s=min(make_hit),
+        best_build_s=min(build),
         load=os.getloadavg()[0],
     )
 
@@ -110,6 +119,7 @@ def result_table(rows: list[dict[str, Any]]) -> str:
             "fresh build",
             "make + build",
             "(make + hit) / build",
+            "best / best",
             "(make + hit) / (make + build)",
             "load",
         ],
@@ -124,6 +134,7 @@ def result_table(rows: list[dict[str, Any]]) -> str:
                 fmt_time(r["fresh_build_s"]),
                 fmt_time(r["make_build_s"]),
                 ratio(r["make_hit_s"], r["build_s"], 3),
+                ratio(r["best_make_hit_s"], r["best_build_s"], 3),
                 ratio(r["make_hit_s"], r["make_build_s"], 3),
                 f"{r['load']:.1f}",
             ]
@@ -137,7 +148,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 32768, 131072])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--parents", nargs="+", default=["lists", "tensor"])
+    parser.add_argument(
+        "--parents", nargs="+", default=["lists", "tensor"], choices=["lists", "tensor", "rows"]
+    )
     parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds (medians)")
     parser.add_argument("--hits", type=int, default=5, help="make + hit calls per round")
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -153,13 +166,15 @@ def main() -> None:
                 print(
                     f"  S={size:>6} B={args.batch} {layout:>9} {given:>6}: make + hit "
                     f"{fmt_time(row['make_hit_s']):>9} build {fmt_time(row['build_s']):>9} "
-                    f"({ratio(row['make_hit_s'], row['build_s'], 3)}) load {row['load']:.1f}",
+                    f"({ratio(row['make_hit_s'], row['build_s'], 3)}; best "
+                    f"{ratio(row['best_make_hit_s'], row['best_build_s'], 3)}) "
+                    f"load {row['load']:.1f}",
                     flush=True,
                 )
     print()
     print(result_table(rows))
     print(
-        f"\nMedians of {args.repeats} interleaved rounds "
+        f"\nMedians (and best: best / best) of {args.repeats} interleaved rounds "
         f"({args.hits} make + hit calls each), {torch.get_num_threads()} threads."
     )
     save_json(args.json, {"machine": machine(), "rows": rows})
