@@ -1,7 +1,7 @@
 """The slices, block_sparse, sdpa and decode backends given a BlockMask of rectangular
-blocks (FA4's (256, 128) among them) attend as the dense mask says: outputs and q/k/v gradients against the reference
-attention (``oracle.attention``) over the dense mask written plainly, at lengths that are
-not multiples of either block."""
+blocks (FA4's (256, 128) among them) attend as the dense mask says: outputs and q/k/v
+gradients against the reference attention (``oracle.attention``) over the dense mask
+written plainly, at lengths that are not multiples of either block."""
 
 from __future__ import annotations
 
