@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flexmask
+from flexmask.algebra.lines import _ends_at_or_before
 from flexmask.backends import slices
 from flexmask.formats import BICAUSAL, FULL, INVCAUSAL, to_flashmask, to_magi, to_varlen
 from flexmask.formats._structure import (
@@ -307,3 +308,30 @@ def test_a_document_running_past_int_bounds_starts_where_it_starts():
     assert to_varlen(mask, 1, 9).cu_seqlens_q.tolist() == [0, 5, 9]
     f = to_flashmask(mask, 1, 1, 9)
     assert f.startend_row_indices.view(-1).tolist() == [5] * 5 + [9] * 4
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.data(),
+    rows=st.integers(1, 3),
+    dense=st.booleans(),
+)
+def test_ends_at_or_before_equals_torchs_search(data, rows, dense):
+    """The count of end marks against ``torch.searchsorted(right=True)``: ends repeated
+    (empty runs), padded past every position, positions covering their range or sparse."""
+    width = data.draw(st.integers(1, 6))
+    ends = []
+    for _ in range(rows):
+        row = sorted(data.draw(st.lists(st.integers(0, 30), min_size=width, max_size=width)))
+        pad = data.draw(st.integers(0, width - 1))
+        ends.append(row[: width - pad] + [(1 << 61)] * pad)
+    ends_t = torch.tensor(ends, dtype=torch.int64)
+    if dense:
+        start = data.draw(st.integers(0, 5))
+        pos = (start + torch.arange(data.draw(st.integers(1, 25)))).expand(rows, -1)
+    else:
+        pos = torch.tensor(
+            [data.draw(st.lists(st.integers(0, 200), min_size=3, max_size=3)) for _ in range(rows)]
+        )
+    want = torch.searchsorted(ends_t, pos.contiguous(), right=True)
+    assert torch.equal(_ends_at_or_before(ends_t, pos), want)

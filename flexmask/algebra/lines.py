@@ -72,13 +72,28 @@ def run_at(starts: Tensor, ends: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
     inclusive ``(lo, hi)``, or empty ``(INF, -INF)``: a document's or a span's line."""
     rows = max(starts.shape[0], ends.shape[0], pos.shape[0])
     starts, ends, pos = (t.expand(rows, *t.shape[1:]).to(torch.int64) for t in (starts, ends, pos))
-    k = torch.searchsorted(ends.contiguous(), pos.contiguous(), right=True)
-    k = k.clamp(max=ends.shape[1] - 1)
+    k = _ends_at_or_before(ends, pos).clamp(max=ends.shape[1] - 1)
     start, end = starts.gather(1, k), ends.gather(1, k)
     inside = (start <= pos) & (pos < end)
     if bool(inside.all()):  # runs that cover every position asked about (documents, spans)
         return start, end - 1
     return pick(inside, start, INF), pick(inside, end - 1, -INF)
+
+
+def _ends_at_or_before(ends: Tensor, pos: Tensor) -> Tensor:
+    """``searchsorted(ends, pos, right=True)`` per row (``(R, D)`` sorted ends >= 0, ``(R, N)``
+    positions): how many ends lie at or before each position. Where the positions cover
+    most of ``[0, their largest]`` (a lowering asks about every query of a window) a count
+    of end marks and one gather answer, O(positions), where torch's batched search costs
+    several times more."""
+    if not pos.numel():
+        return torch.zeros(pos.shape, dtype=torch.int64)
+    low, top = (int(v) for v in torch.aminmax(pos))
+    if low < 0 or (top + 2) * pos.shape[0] > 4 * pos.numel():
+        return torch.searchsorted(ends.contiguous(), pos.contiguous(), right=True)
+    marks = torch.zeros(ends.shape[0], top + 2, dtype=torch.int64)
+    marks.scatter_add_(1, ends.clamp(max=top + 1), torch.ones_like(ends))  # past: top + 1
+    return marks.cumsum_(1).gather(1, pos)
 
 
 def pick(keep: Tensor, x: Tensor, other: Tensor | int) -> Tensor:
