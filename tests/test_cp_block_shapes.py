@@ -14,7 +14,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
 from flexmask.blocks import same_blocks
@@ -25,6 +24,7 @@ from flexmask.context_parallel import (
     exchange_from_block_masks,
     imbalance,
     lazy_shard,
+    per_document,
     plan_exchange,
 )
 from tests import oracle
@@ -63,16 +63,6 @@ def _balancer(name, lengths, world):
     return PerDocumentBalancer([lengths], world) if name == "per_document" else name
 
 
-def _torch_blocks(dense: np.ndarray, block: tuple[int, int]):
-    """torch's create_block_mask of a plain lookup into a dense (B, H, Q, KV) array."""
-    table = torch.from_numpy(np.ascontiguousarray(dense))
-
-    def lookup(b, h, q_idx, kv_idx):
-        return table[b, h, q_idx, kv_idx]
-
-    return torch_create_block_mask(lookup, *table.shape, device="cpu", BLOCK_SIZE=block)
-
-
 def _torch_reference(shard, dense: np.ndarray, H: int = 1):
     """torch's create_block_mask at the shard's block shape over the rank's rows of the
     permuted dense mask (padding attends nothing and is attended by nothing)."""
@@ -81,7 +71,7 @@ def _torch_reference(shard, dense: np.ndarray, H: int = 1):
     padded[: dense.shape[0], : dense.shape[1]] = dense
     perm = shard.indices[0].numpy()
     rows = padded[perm][:, perm][shard.local]
-    return _torch_blocks(oracle.stack([rows], H), tuple(shard.block_mask.BLOCK_SIZE))
+    return oracle.torch_build(oracle.stack([rows], H), block=tuple(shard.block_mask.BLOCK_SIZE))
 
 
 def _expanded(block_mask, H: int):
@@ -196,6 +186,39 @@ def test_heads_lazy_shards_and_imbalance_at_a_rectangular_shape():
     assert 1.0 <= ratio <= imbalance(mask, 1, 1, S, world, None, BLOCK_SIZE=shape)
 
 
+@pytest.mark.parametrize("shape", [(256, 128), (128, 64), (64, 128), (48, 80)])
+def test_per_document_closed_form_at_a_rectangular_shape(shape, monkeypatch):
+    """The per-document balancer's own mask is written in closed form from the documents
+    (``per_document.build``) at any block shape: never the general segments path."""
+    calls = []
+    build = per_document.build
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return build(*args, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the per-document shard of its own mask took the segments path")
+
+    monkeypatch.setattr(per_document, "build", counted)
+    monkeypatch.setattr("flexmask.builders.cp_shard.segment_sides", refuse)
+    for S, world in [(1000, 2), (600, 3), (1024, 4)]:
+        mask, dense, lengths = _case("documents", S, world)
+        for rank in range(world):
+            shard = flexmask.shard(
+                mask,
+                1,
+                1,
+                S,
+                world_size=world,
+                rank=rank,
+                balancer=PerDocumentBalancer([lengths], world),
+                BLOCK_SIZE=shape,
+            )
+            _check(shard, dense, f"{shape} W={world} rank {rank}")
+    assert len(calls) == 2 + 3 + 4
+
+
 @pytest.mark.parametrize("shape", [(256, 128), (64, 128)])
 def test_per_row_documents_at_a_rectangular_shape(shape):
     """Rows with their own documents: mask-aware and PTRR give each row its permutation."""
@@ -214,7 +237,7 @@ def test_per_row_documents_at_a_rectangular_shape(shape):
                 padded[:S, :S] = one
                 perm = shard.indices[b % shard.indices.shape[0]].numpy()
                 permuted.append(padded[perm][:, perm][shard.local])
-            reference = _torch_blocks(oracle.stack(permuted, 2), shape)
+            reference = oracle.torch_build(oracle.stack(permuted, 2), block=shape)
             for field in oracle.BLOCK_FIELDS:
                 got = getattr(shard.block_mask, field)
                 got = got.expand(2, 2, *got.shape[2:])
@@ -231,7 +254,7 @@ def test_other_key_length_at_a_rectangular_shape():
             mask, 1, 1, Q, KV, world_size=world, rank=rank, balancer=None, BLOCK_SIZE=shape
         )
         rows = dense[rank * Q // world : (rank + 1) * Q // world]
-        reference = _torch_blocks(oracle.stack([rows]), shape)
+        reference = oracle.torch_build(oracle.stack([rows]), block=shape)
         oracle.assert_same_block_mask(shard.block_mask, reference, own_storage=False)
 
 

@@ -108,11 +108,10 @@ def build_rank_shard(plan: ShardPlan) -> CPShard:
             return CPShard(block_mask, indices, lb, rank, world, Q_LEN, padded, key, kv_length)
         built = mask if padded == Q_LEN else mask & padding(Q_LEN)
         whole = plan.spec.grid(sized=False)
-        # The per-document closed form lays one block size on both axes.
-        lengths = _own_documents(lb, built, whole) if q_block == kv_block else None
+        lengths = _own_documents(lb, built, whole)
         if lengths is not None:
             block_mask = per_document.build(
-                built, lengths, indices, keys[0].runs, rank, world, q_block
+                built, lengths, indices, keys[0].runs, rank, world, plan.block
             )
         else:
             block_mask = build_shard(built, whole, indices, rank, world, keys)

@@ -256,10 +256,13 @@ def build(
     runs: tuple[Tensor, Tensor, Tensor],
     rank: int,
     world: int,
-    block: int,
+    block: tuple[int, int],
 ) -> BlockMask:
     """Rank ``rank``'s BlockMask of ``mask`` (``causal() & document(lengths)``, one row)
-    under the permutation ``indices`` ``(1, S)`` whose runs are ``runs``, on the CPU."""
+    under the permutation ``indices`` ``(1, S)`` whose runs are ``runs``, on the CPU, at
+    ``block`` ``(q_block, kv_block)``: query lines and columns at the query block, key
+    lines and columns at the key block."""
+    q_block, kv_block = block
     total = indices.shape[-1]
     local = total // world
     sizes = torch.tensor(lengths, dtype=torch.int64)
@@ -267,19 +270,20 @@ def build(
     num_docs = sizes.numel()
     keys = _Segments.of(runs, doc_starts)
     queries = keys.window(rank * local, (rank + 1) * local)
-    nq, nkv = -(-local // block), -(-total // block)
+    nq, nkv = -(-local // q_block), -(-total // kv_block)
 
     # kv side: each query line's (line, document) pairs against the key segments.
-    pair_line, pair_doc, _, q_last, single, q_first, _ = _line_docs(queries, block, local)
+    pair_line, pair_doc, _, q_last, single, q_first, _ = _line_docs(queries, q_block, local)
     pair, seg = _candidates(pair_line, pair_doc, keys, num_docs)
     line = pair_line.index_select(0, pair)
     p, o, n = (t.index_select(0, seg) for t in (keys.perm_start, keys.orig_start, keys.length))
     upto = torch.minimum(q_last.index_select(0, pair) - o + 1, n).clamp_(min=0)
     cover = torch.minimum(q_first.index_select(0, line) - o + 1, n).clamp_(min=0)
-    kv = _side(line, (p, p + upto), (p, p + cover), single.index_select(0, line), nq, total, block)
+    covered = single.index_select(0, line)
+    kv = _side(line, (p, p + upto), (p, p + cover), covered, nq, total, kv_block)
 
     # q side: each key line's pairs against the local query segments.
-    pair_line, pair_doc, k_first, _, single, _, k_last = _line_docs(keys, block, total)
+    pair_line, pair_doc, k_first, _, single, _, k_last = _line_docs(keys, kv_block, total)
     pair, seg = _candidates(pair_line, pair_doc, queries, num_docs)
     line = pair_line.index_select(0, pair)
     p, o, n = (
@@ -295,7 +299,7 @@ def build(
         single.index_select(0, line),
         nkv,
         local,
-        block,
+        q_block,
     )
 
     def lookup(index: Tensor, length: int) -> Tensor:
@@ -305,9 +309,9 @@ def build(
         return index if pad <= 0 else torch.cat([index, index[:, -1:].expand(-1, pad)], dim=-1)
 
     q_index = lookup(
-        indices[:, rank * local : (rank + 1) * local], math.ceil(local / block) * block
+        indices[:, rank * local : (rank + 1) * local], math.ceil(local / q_block) * q_block
     )
-    kv_index = lookup(indices, math.ceil(total / block) * block)
+    kv_index = lookup(indices, math.ceil(total / kv_block) * kv_block)
     return BlockMask(
         (local, total),
         kv[0].view(1, 1, nq),
@@ -318,6 +322,6 @@ def build(
         q[1].view(1, 1, nkv, nq),
         q[2].view(1, 1, nkv),
         q[3].view(1, 1, nkv, nq),
-        BLOCK_SIZE=(block, block),
+        BLOCK_SIZE=block,
         mask_mod=ShardMaskMod(mask.mask_mod, q_index.contiguous(), kv_index.contiguous()),
     )
