@@ -7,6 +7,7 @@ shards, on 2 gloo ranks at (256, 128), equals single-process attention."""
 from __future__ import annotations
 
 import math
+import pickle
 import random
 
 import numpy as np
@@ -174,6 +175,9 @@ def test_heads_lazy_shards_and_imbalance_at_a_rectangular_shape():
         )
         assert tuple(handle.BLOCK_SIZE) == shape and not handle.built
         assert same_blocks(handle.shard.block_mask, shard.block_mask)
+        again = pickle.loads(pickle.dumps(handle))  # the recipe, the (Q, KV) pair in it
+        assert tuple(again.BLOCK_SIZE) == shape and again.key == handle.key
+        assert same_blocks(again.shard.block_mask, shard.block_mask)
         heads = flexmask.shard(
             per_head, 1, 2, S, world_size=world, rank=rank, balancer="head_tail", BLOCK_SIZE=shape
         )
