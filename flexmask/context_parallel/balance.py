@@ -329,9 +329,10 @@ class MaskAwareBalancer(_LoadBalancer):
     sliding-window layer, say) and over heads. Blocks are dealt heaviest first in rounds of
     alternating direction, then the most and least loaded ranks swap blocks while that
     narrows their gap (``deal``: vectorised, no loop over blocks); every rank gets
-    ``S / (W * block_size)`` blocks, kept in ascending order. The costs come from structure
-    (closed-form runs, or classified blocks), not from a whole BlockMask. Works for any
-    flexmask expression — trees included.
+    ``S / (W * block_size)`` blocks (units of ``lcm(Q, KV)`` tokens for a ``(Q, KV)`` pair,
+    each costing the query blocks it holds), kept in ascending order. The costs come from
+    structure (closed-form runs, or classified blocks), not from a whole BlockMask. Works
+    for any flexmask expression — trees included.
 
     Args:
         masks: one flexmask Mask or several (their costs add).
