@@ -335,3 +335,17 @@ def test_ends_at_or_before_equals_torchs_search(data, rows, dense):
         )
     want = torch.searchsorted(ends_t, pos.contiguous(), right=True)
     assert torch.equal(_ends_at_or_before(ends_t, pos), want)
+
+
+def test_flashmask_heads_whose_rows_differ_stack_per_batch_row():
+    """Bounds are made per mask row and expanded to the batch afterwards: a head whose mask
+    differs by row beside one that does not."""
+    docs = flexmask.causal() & flexmask.document([[2, 3], [4, 1]])
+    f = to_flashmask(flexmask.per_head(docs, flexmask.causal()), 2, 2, 5)
+    alone_docs = to_flashmask(docs, 2, 1, 5).startend_row_indices
+    alone_causal = to_flashmask(flexmask.causal(), 2, 1, 5).startend_row_indices
+    assert f.causal and f.startend_row_indices.shape == (2, 2, 5, 1)
+    assert torch.equal(f.startend_row_indices[:, :1], alone_docs)
+    assert torch.equal(f.startend_row_indices[:, 1:], alone_causal)
+    assert alone_causal[:, 0, :, 0].tolist() == [[5] * 5, [5] * 5]
+    assert alone_docs[:, 0, :, 0].tolist() == [[2, 2, 5, 5, 5], [4, 4, 4, 4, 5]]

@@ -94,6 +94,8 @@ def to_flashmask(
         built = [_bounds(lo, hi, win.q_len, causal, width) for lo, hi in columns]
         if all(b is not None for b in built):
             found = [b for b in built if b is not None]
+            height = max(b.shape[0] for b in found)  # head masks whose rows differ or not
+            found = [b.expand(height, *b.shape[1:]) for b in found]
             out = torch.stack([found[w] for w in which], 1) if len(found) > 1 else found[0][:, None]
             out = out.expand(win.batch, *out.shape[1:]).to(torch.int32).contiguous()
             return FlashMask(out.to(dev), causal)
@@ -117,8 +119,10 @@ def to_flashmask(
 
 
 def _attending(mask: Mask, win: Window) -> tuple[Tensor, Tensor]:
+    """Per mask row (one when no row differs: the bounds are expanded to the batch once
+    they are made, not computed again for every batch row), each column's queries."""
     lo, hi = lines(mask, win, transpose=True, fmt="FlashMask")
-    return lo.expand(win.batch, *lo.shape[1:]), hi.expand(win.batch, *hi.shape[1:])
+    return lo, hi
 
 
 def _masked(lo: Tensor, hi: Tensor, q_len: int) -> tuple[Tensor, Tensor]:
@@ -137,9 +141,7 @@ def _bounds(lo: Tensor, hi: Tensor, q_len: int, causal: bool, width: int) -> Ten
     real = lo <= hi
     count = real.sum(-1)
     a0, z0 = lo[..., 0], hi[..., 0]  # first attending run (valid where count >= 1)
-    last = torch.where(real, hi, -1).amax(-1)  # last attending row (-1: none)
-    a1 = lo[..., 1] if lo.shape[-1] > 1 else torch.full_like(a0, q_len)
-    n = torch.full_like(a0, q_len)
+    n = q_len
     if causal:
         # Rows above the diagonal are masked by the flag: no query may attend a later key.
         if not bool(((count == 0) | (a0 >= j)).all()):
@@ -151,6 +153,8 @@ def _bounds(lo: Tensor, hi: Tensor, q_len: int, causal: bool, width: int) -> Ten
             lts = torch.where(count == 0, j, z0 + 1)
             return lts.unsqueeze(-1)
         # [LTS, LTE) masked below the diagonal: attending is [j, LTS) and [LTE, Q).
+        last = torch.where(real, hi, -1).amax(-1)  # last attending row (-1: none)
+        a1 = lo[..., 1] if lo.shape[-1] > 1 else torch.full_like(a0, q_len)
         two = (count == 2) & (a0 == j) & (last == q_len - 1)
         first_run = (count == 1) & (a0 == j)
         tail_run = (count == 1) & (a0 > j) & (z0 == q_len - 1)

@@ -206,11 +206,13 @@ def _sequences(
     queries ``[qa, qb)`` and local keys ``[ka, kb)``. A segment is a sequence where the
     window holds both its queries and its keys; with ``causal``, keys after its last query
     (and before its first query's window) are left out, as no query attends them."""
+    # Segments and offsets shared by every row: one row's sequences, repeated for each.
+    shared = len(plan.segment_ids) == 1 and win.q_offset.shape[0] == win.kv_offset.shape[0] == 1
+    rows = 1 if shared else win.batch
     ids = torch.stack(plan.segment_ids)
-    batch_rows = torch.arange(win.batch)
-    ids = ids[batch_rows.clamp(max=ids.shape[0] - 1)]
-    q0 = win.q_offset.expand(win.batch, 1)
-    k0 = win.kv_offset.expand(win.batch, 1)
+    ids = ids[torch.arange(rows).clamp(max=ids.shape[0] - 1)]
+    q0 = win.q_offset.expand(rows, 1)
+    k0 = win.kv_offset.expand(rows, 1)
     q_row, q_seg, qa, qb = _runs(ids.gather(1, q0 + torch.arange(win.q_len)))
     k_row, k_seg, ka, kb = _runs(ids.gather(1, k0 + torch.arange(win.kv_len)))
     # Match each query run with the key run of its (row, segment): at most one each.
@@ -231,7 +233,12 @@ def _sequences(
             k_first = torch.maximum(k_first, q_off + qa - left)
     keep = found & (k_end > k_first)
     k_first, k_end = k_first - k_off, k_end - k_off
-    return q_row[keep], qa[keep], qb[keep], k_first[keep], k_end[keep]
+    out = q_row[keep], qa[keep], qb[keep], k_first[keep], k_end[keep]
+    if rows == win.batch:
+        return out
+    row = torch.arange(win.batch).repeat_interleave(out[0].numel())
+    qa, qb, k_first, k_end = (t.repeat(win.batch) for t in out[1:])
+    return row, qa, qb, k_first, k_end
 
 
 def _runs(ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
