@@ -163,15 +163,18 @@ def _slices(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # query so that no step joins two lines. Ends in int32 (half the bytes of every pass
     # below): real ones are key positions, below 2**31 as Magi's int32 ranges are; those of
     # empty slots (+-2**62) wrap to values no step reads (both its queries must attend).
-    valid = F.pad((lo <= hi).transpose(1, 2), (0, 1)).reshape(-1)
-    first = F.pad(lo.transpose(1, 2).to(torch.int32), (0, 1)).reshape(-1)
-    last = F.pad(hi.transpose(1, 2).to(torch.int32), (0, 1)).reshape(-1)
+    # Each written once into its padded layout (a lowering's tensors are per token: every
+    # pass and every fresh allocation shows in its cost), the steps' tests in place.
+    valid = _padded_lines(lo <= hi, torch.bool)
+    first, last = _padded_lines(lo, torch.int32), _padded_lines(hi, torch.int32)
     step_first, step_last = first.diff(), last.diff()
     # Usable: both queries attend and both steps are 0 or 1 (no bit but the lowest set).
-    usable = valid[:-1] & valid[1:] & (((step_first | step_last) & -2) == 0)
+    usable = (step_first | step_last).bitwise_and_(-2) == 0
+    usable &= valid[:-1]
+    usable &= valid[1:]
     # The kind of a usable step plus one (1 full ... 4 bi-causal), 0 for the others (whose
     # steps, of unread ends, may have wrapped).
-    code = (step_first * 2 + step_last + 1) * usable
+    code = step_first.mul_(2).add_(step_last).add_(1).mul_(usable)
     # Segments: maximal stretches [a, b] of usable steps of one kind.
     change = F.pad(code, (1, 1)).diff() != 0
     a = (usable & change[:-1]).nonzero().view(-1)
@@ -214,6 +217,16 @@ def _slices(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     q = torch.stack([q_start, q_start + (end - start) + 1], 1)[order]
     k = torch.stack([k_start, last.index_select(0, end) + 1], 1).to(torch.int64)[order]
     return row[order], q, k, seg_kind[order]
+
+
+def _padded_lines(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``(R, N, K)`` as one flat line per (row, track), each followed by one zero (an empty
+    query: no step joins two lines), in ``dtype``."""
+    rows, n, tracks = x.shape
+    out = torch.empty(rows, tracks, n + 1, dtype=dtype)
+    out[..., :n] = x.transpose(1, 2)
+    out[..., n] = 0
+    return out.view(-1)
 
 
 def _uncovered(valid: Tensor, start: Tensor, end: Tensor) -> Tensor:
