@@ -9,6 +9,12 @@ medians of ``--repeat`` rounds with every cache cleared before each call, and pr
 load. Per-row documents, a sliding window, shared-prefix trees and a union (a window with
 attention sinks) at 8k and 131k, B = 1 and 8.
 
+The process first allocates and frees 16 MiB, as every training process has freed far larger
+tensors: glibc then keeps freed memory of a few hundred KiB for reuse, where a fresh process
+gives each freed per-token tensor back to the OS and takes page faults to use it again
+(hundreds per lowering, a few per build, whose tensors are per block).
+``--fresh-allocator`` measures without it.
+
 Where a lowering's output is bigger than the BlockMask (varlen's per-token gather indices,
 FlashMask's per-column bounds), writing the output alone can cost more than the build:
 ``floor`` times a copy of the lowering's output tensors (the write, nothing computed).
@@ -33,6 +39,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]
 
+import torch  # noqa: E402
 from common import documents, fmt_time, machine, markdown_table, response_tree  # noqa: E402
 
 import flexmask  # noqa: E402
@@ -146,9 +153,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--masks", nargs="+", help="only these mask names")
+    parser.add_argument(
+        "--fresh-allocator", action="store_true", help="skip freeing 16 MiB first (see above)"
+    )
     args = parser.parse_args()
+    if not args.fresh_allocator:
+        torch.empty(16 << 20, dtype=torch.uint8).fill_(1)  # made, written, freed
     sizes = [8192] if args.quick else [8192, 131072]
-    print(f"machine: {machine()}; load before {os.getloadavg()[0]:.1f}", flush=True)
+    allocator = "fresh" if args.fresh_allocator else "16 MiB freed first"
+    print(f"machine: {machine()}; allocator: {allocator}; load before {os.getloadavg()[0]:.1f}")
     rows = []
     for name, mask, B, S in cases(sizes, args.batches):
         if args.masks and name not in args.masks:
