@@ -100,4 +100,7 @@ def pick(keep: Tensor, x: Tensor, other: Tensor | int) -> Tensor:
     """``torch.where(keep, x, other)`` as int64 arithmetic, for values within ``+-UNUSED``
     (no difference overflows). Same result, cheaper: torch.where's CPU kernel costs several
     int64 adds, and the lowerings pick per line at every query."""
-    return ((x.to(torch.int64) - other) * keep).add_(other)
+    diff = x.to(torch.int64) - other
+    if diff.shape == keep.shape:  # one fresh tensor, not two
+        return diff.mul_(keep).add_(other)
+    return (diff * keep).add_(other)

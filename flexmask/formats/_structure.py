@@ -176,15 +176,17 @@ def _normalize_two(lo0: Tensor, hi0: Tensor, lo1: Tensor, hi1: Tensor) -> tuple[
     on the rows), empty ones already at (_BIG, -_BIG)."""
     swap = lo1 < lo0  # the stable sort's order: by lo, the first slot first on a tie
     a_lo, b_lo = torch.minimum(lo0, lo1), torch.maximum(lo0, lo1)
-    a_hi, b_hi = pick(swap, hi1, hi0), pick(swap, hi0, hi1)
-    # The second joins the first when it overlaps or touches it (an empty second never does:
-    # its lo is _BIG; an empty first means both are empty).
-    join = (b_lo <= b_hi) & (b_lo <= a_hi + 1)
+    a_hi = pick(swap, hi1, hi0)
+    b_hi = hi0 + hi1 - a_hi  # the other one (exact: int64 wraps and wraps back)
+    # The second joins the first when it overlaps or touches it. An empty second (its lo is
+    # _BIG) joins only a first reaching _BIG - 1, which no real end does; joined, it would
+    # change nothing either (the first keeps its end, the second is dropped).
+    join = b_lo <= a_hi + 1
     a_hi = torch.maximum(a_hi, pick(join, b_hi, -_BIG))
-    apart = ~join
-    b_lo, b_hi = pick(apart, b_lo, _BIG), pick(apart, b_hi, -_BIG)
-    if not bool((b_lo <= b_hi).any()):
+    second = ~join & (b_lo <= b_hi)
+    if not bool(second.any()):
         return a_lo.unsqueeze(-1), a_hi.unsqueeze(-1)
+    b_lo, b_hi = pick(second, b_lo, _BIG), pick(second, b_hi, -_BIG)
     return torch.stack([a_lo, b_lo], -1), torch.stack([a_hi, b_hi], -1)
 
 
