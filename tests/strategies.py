@@ -476,10 +476,10 @@ class AttentionCase:
         return flexmask.explain(*self.tensors, self.mask, backend=backend, **self.kwargs)
 
     def call(self, backend: str = "auto"):
-        """The call's output, lse and gradients (``attention_reference.Outcome``), run by
+        """The call's output, lse and gradients (``oracle.Outcome``), run by
         ``flexmask.attention(..., backend=backend)``, or by ``flexmask.flex_attention(...,
         compile=False)`` for ``backend="flex_attention"``."""
-        from tests.attention_reference import Outcome
+        from tests.oracle import Outcome
 
         with torch.set_grad_enabled(self.spec.requires_grad):
             if backend == "flex_attention":
@@ -497,10 +497,10 @@ class AttentionCase:
         return Outcome(out.detach(), None if lse is None else lse.detach(), grads)
 
     def reference(self):
-        """The float64 reference's Outcome for this call (``tests.attention_reference``)."""
-        from tests.attention_reference import reference_outcome
+        """The float64 reference's Outcome for this call (``tests.oracle.attention_outcome``)."""
+        from tests.oracle import attention_outcome
 
-        return reference_outcome(
+        return attention_outcome(
             *self.tensors,
             self.dense,
             self.spec.scale,

@@ -3,7 +3,7 @@
 Every backend of ``flexmask.backends.TABLE`` that takes a call on the CPU (``flex`` only
 compiled, too slow here; ``varlen`` refuses the CPU itself), ``backend="auto"`` and
 ``flexmask.flex_attention(..., compile=False)`` must give the reference's output, lse and
-gradients (``tests/attention_reference.py`` says what "give" means where inputs hold NaN or
+gradients (``tests/oracle.py`` says what "give" means where inputs hold NaN or
 inf) for every call it takes; block_sparse takes every one. Cases come from
 ``tests.strategies.case_specs``: masks of every piece and compounds, given as a Mask, a
 handle or a BlockMask; q/k/v in every layout; scales, dtypes, grouped heads, non-finite
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import flexmask
 from flexmask import backends
-from tests.attention_reference import differences
+from tests.oracle import differences
 from tests.strategies import (
     CONTIGUOUS,
     LAYOUTS,

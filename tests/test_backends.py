@@ -16,11 +16,6 @@ from flexmask.backends import Request
 from tests import oracle
 
 
-def dense_attention(q, k, v, allowed):
-    """Attention written plainly (``oracle.attention``): its output alone."""
-    return oracle.attention(q, k, v, allowed)[0]
-
-
 def request(q, k, v, mask=None, *, compile=False, **options):
     block_mask = (
         None if mask is None else flexmask.create_block_mask(mask, 1, 1, q.size(2), k.size(2))
@@ -93,7 +88,7 @@ def test_cpu_backends_agree_with_the_dense_oracle(name):
     assert backend.can_take(call) is None
     out = backend.attend(backend.lower(call))
     dense = mask.to_dense(1, 1, 200, 200)
-    torch.testing.assert_close(out, dense_attention(q, k, v, dense), atol=1e-10, rtol=0)
+    torch.testing.assert_close(out, oracle.attention(q, k, v, dense)[0], atol=1e-10, rtol=0)
 
 
 def test_a_new_backend_is_one_module_and_one_table_line(monkeypatch):
@@ -117,7 +112,7 @@ def test_a_new_backend_is_one_module_and_one_table_line(monkeypatch):
     # Not asked for: the next backend in the table takes the call, as before.
     out = flexmask.flex_attention(q, k, v, block_mask=mask, compile=False)
     torch.testing.assert_close(
-        out, dense_attention(q, k, v, mask.to_dense(1, 1, 200, 200)), atol=1e-10, rtol=0
+        out, oracle.attention(q, k, v, mask.to_dense(1, 1, 200, 200))[0], atol=1e-10, rtol=0
     )
 
 
@@ -261,7 +256,7 @@ def test_varlen_gathers_lowers_and_scatters_exactly(case, kernel, monkeypatch):
     call = Request(q, k, v, None, mask, None, None, True, False, False, {})
     out = varlen.attend(varlen.lower(call))
     allowed = torch.from_numpy(np.ascontiguousarray(make_dense()))
-    ref = dense_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), allowed)
+    ref = oracle.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), allowed)[0]
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)

@@ -114,14 +114,6 @@ def sdpa_oracle(q, k, v, mask, scale=None):
     return out * has_key
 
 
-def lse_oracle(q, k, mask, scale=None):
-    group = q.size(1) // k.size(1)
-    k = k.repeat_interleave(group, 1)
-    scale = 1 / math.sqrt(q.size(-1)) if scale is None else scale
-    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, -math.inf)
-    return torch.logsumexp(scores, dim=-1)  # -inf for empty rows
-
-
 def flex_forward(q, k, v, block_mask, **kwargs):
     """flex_attention's CPU forward, eager (no compile: same math, no per-case compile cost)."""
     previous = flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
@@ -161,10 +153,10 @@ def assert_matches_oracles(q, k, v, grad_out, block_mask, dense, atol, **kwargs)
     expected = sdpa_oracle(q, k, v, dense)
     torch.testing.assert_close(out, expected, atol=atol, rtol=0)
     retained = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
-    oracle = torch.autograd.grad(expected, (q, k, v), grad_out, retain_graph=True)
-    for got, want in zip(retained, oracle, strict=True):
+    wanted = torch.autograd.grad(expected, (q, k, v), grad_out, retain_graph=True)
+    for got, want in zip(retained, wanted, strict=True):
         torch.testing.assert_close(got, want, atol=atol, rtol=0)
-    expected_lse = lse_oracle(q, k, dense)
+    expected_lse = oracle.attention(q, k, v, dense)[1].to(q.dtype)
     torch.testing.assert_close(lse, expected_lse, atol=atol, rtol=0)
     # The lse is differentiable: a loss on both outputs, against the same loss on the oracles.
     lse_weight = torch.randn(lse.shape, generator=torch.Generator().manual_seed(1), dtype=lse.dtype)
@@ -535,17 +527,6 @@ def test_broadcast_and_vmap_evaluation_agree():
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
-def score_mod_oracle(q, k, v, mask, bias):
-    """Plain masked softmax attention with an additive bias, written out densely."""
-    group = q.size(1) // k.size(1)
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)) + bias
-    scores = scores.masked_fill(~mask, -math.inf)
-    has_key = torch.isfinite(scores).any(-1, keepdim=True)
-    probs = torch.softmax(scores.masked_fill(~has_key, 0), dim=-1) * has_key
-    return probs @ v
-
-
 @pytest.mark.parametrize("mod_eval", ["auto", "vmap"])
 def test_score_mod_matches_flex_and_dense(mod_eval):
     case = next(c for c in CASES if c[0] == "document-gqa")
@@ -563,11 +544,13 @@ def test_score_mod_matches_flex_and_dense(mod_eval):
     flex_out, _ = flex_forward(q, k, v, block_mask, score_mod=alibi_and_drop, enable_gqa=True)
     torch.testing.assert_close(out, flex_out, atol=1e-10, rtol=0)
 
-    pos = torch.arange(300, dtype=torch.float64)
-    bias = -slopes[None, :, None, None] * (pos[:, None] - pos[None, :])
-    bias = bias.expand(2, 4, 300, 300).clone()
-    bias[:, :, 5:7] = -math.inf
-    expected = score_mod_oracle(q, k, v, dense, bias)
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    # Rows of -inf scores attend nothing (flex's rule): the reference is told so by the mask.
+    dropped = torch.zeros(300, 1, dtype=torch.bool)
+    dropped[5:7] = True
+    expected = oracle.attention(q, k, v, dense & ~dropped, score_mod=alibi)[0]
     assert (out[:, :, 5:7] == 0).all()
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
     for got, want in zip(
@@ -586,8 +569,7 @@ def test_soft_capping_score_mod_gradients():
         return 0.5 * torch.tanh(score / 0.5)
 
     dense = create_mask(causal, 1, 2, 256, 256, device="cpu")
-    scores = q @ k.transpose(-1, -2) / math.sqrt(8)
-    expected = torch.softmax(soft_cap(scores, 0, 0, 0, 0).masked_fill(~dense, -math.inf), -1) @ v
+    expected = oracle.attention(q, k, v, dense, score_mod=soft_cap)[0]
     # One q block per chunk: every slot is in use, so only mask_mod's in-place fill masks.
     out = block_sparse_attention(q, k, v, block_mask, soft_cap, max_chunk_elements=1)
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
@@ -854,7 +836,9 @@ def test_flexmask_flex_attention_returns_lse_like_torch():
         assert lse.shape == flex_lse.shape and lse.dtype == flex_lse.dtype
         torch.testing.assert_close(out, flex_out, atol=1e-10, rtol=0)
         torch.testing.assert_close(lse, flex_lse, atol=1e-10, rtol=0)
-        torch.testing.assert_close(lse, lse_oracle(q, k, dense), atol=1e-10, rtol=0)
+        torch.testing.assert_close(
+            lse, oracle.attention(q, k, v, dense)[1].to(q.dtype), atol=1e-10, rtol=0
+        )
         assert torch.isneginf(lse[~dense.any(-1)]).all()
     low = flexmask.flex_attention(
         *(t.detach().float() for t in (q, k, v)), block_mask, return_lse=True, compile=False

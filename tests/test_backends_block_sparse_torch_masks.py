@@ -7,8 +7,6 @@ unlisted refused; a row with no key gives 0)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
@@ -16,23 +14,6 @@ from torch.nn.attention.flex_attention import create_block_mask
 from flexmask.backends.block_sparse import grouped
 from flexmask.backends.block_sparse.api import block_sparse_attention
 from tests import oracle
-
-
-def reference(q, k, v, dense, score_mod=None):
-    """Output and lse by the textbook formula, a row with no key giving output 0."""
-    group = q.size(1) // k.size(1)
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
-    if score_mod is not None:
-        b, h, i, j = (
-            torch.arange(n).view(*([1] * d), n, *([1] * (3 - d)))
-            for d, n in enumerate(scores.shape)
-        )
-        scores = score_mod(scores, b, h, i, j)
-    scores = scores.masked_fill(~dense, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse)[..., None])
-    return probs @ v, lse
 
 
 def qkv(batch, q_heads, kv_heads, q_len, kv_len, seed=0):
@@ -112,7 +93,7 @@ def test_intervals_read_back_from_mask_mod_equal_the_dense_reference(monkeypatch
     )
     assert read_back and read_back[0] is not None
     dense = oracle.block_mask_meaning(block_mask, batch, q_heads, q_len, kv_len)
-    expected, expected_lse = reference(q, k, v, dense)
+    expected, expected_lse = oracle.attention(q, k, v, dense)
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
     torch.testing.assert_close(lse, expected_lse.to(lse.dtype), atol=1e-10, rtol=0)
     # An lse gradient on the rows that attend something (lse -inf has none).
@@ -151,7 +132,7 @@ def test_rows_that_are_not_intervals_leave_mask_mod_to_decide(monkeypatch, mask_
     out = block_sparse_attention(q, k, v, block_mask, backend="sparse")
     assert called
     dense = oracle.block_mask_meaning(block_mask, 2, 2, 170, 170)
-    expected, _ = reference(q, k, v, dense)
+    expected, _ = oracle.attention(q, k, v, dense)
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
     got = torch.autograd.grad(out, (q, k, v), grad_out)
     want = torch.autograd.grad(expected, (q, k, v), grad_out)
@@ -170,7 +151,7 @@ def test_score_mod_with_intervals_read_back():
     q, k, v, grad_out = qkv(2, 2, 2, 300, 300)
     out = block_sparse_attention(q, k, v, block_mask, score_mod=bias)
     dense = oracle.block_mask_meaning(block_mask, 2, 2, 300, 300)
-    expected, _ = reference(q, k, v, dense, score_mod=bias)
+    expected, _ = oracle.attention(q, k, v, dense, score_mod=bias)
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
     got = torch.autograd.grad(out, (q, k, v), grad_out)
     want = torch.autograd.grad(expected, (q, k, v), grad_out)

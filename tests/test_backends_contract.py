@@ -14,7 +14,7 @@ import flexmask
 from flexmask import backends
 from flexmask.backends import slices
 from flexmask.backends.block_sparse import api as block_sparse_api
-from tests.attention_reference import reference_attention
+from tests import oracle
 from tests.strategies import build_case, case_specs
 
 S = 200
@@ -79,7 +79,7 @@ def test_last_dim_strided_inputs_give_the_contiguous_answer(which, mask):
         last_dim_strided(t) if which in (name, "all") else t
         for name, t in zip(("query", "key", "value"), (q, k, v), strict=True)
     ]
-    want, _ = reference_attention(q, k, v, dense_of(MASKS[mask], 2, 2, S, S))
+    want, _ = oracle.attention(q, k, v, dense_of(MASKS[mask], 2, 2, S, S))
     for name, out in run_all(*given, MASKS[mask]).items():
         torch.testing.assert_close(
             out.double(), want, atol=2e-5, rtol=0, msg=lambda m, name=name: f"{name}: {m}"
@@ -91,7 +91,7 @@ def test_last_dim_strided_inputs_give_the_contiguous_answer(which, mask):
 def test_any_finite_scale_gives_the_reference(scale, mask):
     q, k, v = qkv(grad=True)
     dense = dense_of(MASKS[mask], 2, 2, S, S)
-    want, _ = reference_attention(q, k, v, dense, scale)
+    want, _ = oracle.attention(q, k, v, dense, scale)
     grad_out = torch.randn_like(want)
     want_grads = torch.autograd.grad((want * grad_out).sum(), (q, k, v))
     atol = 2e-5 * (1 + abs(scale) * 4)  # float32 scores of size |scale| x |q| x |k|
@@ -124,7 +124,7 @@ def test_garbage_in_padding_reaches_no_output_and_no_gradient(value, where, grad
     mask = MASKS["padding-causal"]
     q, k, v = qkv(grad=True)
     dense = dense_of(mask, 2, 2, S, S)
-    want, _ = reference_attention(q, k, v, dense)
+    want, _ = oracle.attention(q, k, v, dense)
     grad_out = torch.randn_like(want)
     want_grads = torch.autograd.grad((want * grad_out).sum(), (q, k, v))
     dirty = [t.detach().clone() for t in (q, k, v)]
@@ -157,7 +157,7 @@ def test_a_nan_value_reaches_only_the_rows_that_attend_it(grad):
     mask = MASKS["document-causal"]
     q, k, v = qkv()
     dense = dense_of(mask, 2, 2, S, S)
-    want, _ = reference_attention(q, k, v, dense)
+    want, _ = oracle.attention(q, k, v, dense)
     v = v.clone()
     v[:, :, 100] = float("nan")
     for t in (q, k, v):
@@ -280,9 +280,7 @@ def test_every_backend_takes_torchs_valid_calls_with_the_same_result(case):
     group = q.size(1) // k.size(1)
     scale = kwargs.get("scale")
     scale = float(scale) if scale is not None else None
-    want, want_lse = reference_attention(
-        q, k, v, dense_of(mask, 2, q.size(1), S, S), scale, group > 1
-    )
+    want, want_lse = oracle.attention(q, k, v, dense_of(mask, 2, q.size(1), S, S), scale, group > 1)
     for name in taking(q, k, v, mask, **kwargs):
         out = flexmask.attention(q, k, v, mask, name, **kwargs)
         if kwargs.get("return_lse"):

@@ -262,7 +262,7 @@ def test_torch_block_masks():
     dense = rng.random((batch, heads, q_len, capacity)) < 0.3
     dense[:, :, :, 128:256] = True  # some full blocks
     dense[1, 0, 2] = False
-    _check(q, k, v, torch.from_numpy(dense), _run(q, k, v, oracle.torch_blocks(dense, 128)))
+    _check(q, k, v, torch.from_numpy(dense), _run(q, k, v, oracle.torch_build(dense, block=128)))
 
     def scalar_only(b, h, q_idx, kv_idx):
         # torch.stack needs equal shapes: broadcasting index tensors fail, vmap's 0-d pass.

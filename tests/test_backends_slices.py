@@ -20,8 +20,6 @@ from tests.strategies import expressions
 from tests.test_build_pickle import ROUND_TRIPS
 from tests.test_formats import magi_dense
 
-dense_attention = oracle.attention
-
 
 def qkv(batch, q_heads, kv_heads, q_len, kv_len, dtype=torch.float64, seed=0, dim=8):
     gen = torch.Generator().manual_seed(seed)
@@ -50,7 +48,7 @@ def check(mask, dense, batch, q_heads, kv_heads, q_len, kv_len, scale=None):
     except ValueError as err:
         return str(err)
     allowed = torch.from_numpy(np.asarray(dense)).expand(batch, q_heads, q_len, kv_len)
-    ref, _ = dense_attention(q, k, v, allowed, scale)
+    ref, _ = oracle.attention(q, k, v, allowed, scale)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
@@ -159,7 +157,7 @@ def test_lse_without_gradients_and_empty_rows():
     )
     with torch.no_grad():
         out, lse = flexmask.attention(q, k, v, mask, "slices", return_lse=True)
-        ref, ref_lse = dense_attention(q, k, v, allowed)
+        ref, ref_lse = oracle.attention(q, k, v, allowed)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=0)
     assert torch.isneginf(lse[..., 70:]).all() and (out[..., 70:, :] == 0).all()
@@ -174,7 +172,7 @@ def test_low_precision_close_to_float64(dtype):
         oracle.tree([-1, *range(63), *([20] + list(range(64, 127)))], 128, 128)
     )
     q, k, v = qkv(1, 2, 2, 128, 128, dim=16)
-    ref, _ = dense_attention(q, k, v, allowed)
+    ref, _ = oracle.attention(q, k, v, allowed)
     low = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
     out = flexmask.attention(*low, mask, "slices")
     assert out.dtype == dtype
@@ -221,7 +219,7 @@ def test_flex_attention_on_cpu_runs_slices_for_a_tree(monkeypatch):
     real = slices.attend
     monkeypatch.setattr(slices, "attend", lambda request: calls.append(1) or real(request))
     out = flexmask.flex_attention(q, k, v, block_mask=mask)
-    ref, _ = dense_attention(q, k, v, torch.from_numpy(dense))
+    ref, _ = oracle.attention(q, k, v, torch.from_numpy(dense))
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
     assert calls == [1]
     flexmask.flex_attention(q, k, v, block_mask=mask, threads=1)
@@ -341,7 +339,7 @@ def test_transposed_views_one_input_with_grad_and_inference_mode():
     )
     q.requires_grad_(True)
     out = flexmask.attention(q, k, v, mask, "slices")
-    ref, _ = dense_attention(q, k, v, allowed)
+    ref, _ = oracle.attention(q, k, v, allowed)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
     grad = torch.randn_like(out)
     (got,), (want,) = torch.autograd.grad(out, q, grad), torch.autograd.grad(ref, q, grad)
@@ -364,7 +362,7 @@ def test_a_torch_without_the_flash_ops_refuses_and_block_sparse_runs(monkeypatch
         choice.backend == "block_sparse" and "flash_attention_for_cpu" in choice.refused["slices"]
     )
     out = flexmask.flex_attention(q, k, v, block_mask=mask)
-    ref, _ = dense_attention(q, k, v, torch.from_numpy(dense))
+    ref, _ = oracle.attention(q, k, v, torch.from_numpy(dense))
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
 
 
@@ -400,7 +398,7 @@ def test_a_block_mask_edited_in_place_attends_its_blocks_not_its_mask(made, edit
     assert choice.backend == "block_sparse" and "edited in place" in choice.refused["slices"]
     allowed = oracle.block_mask_meaning(built, 1, 2, 256, 256, torch.from_numpy(element))
     assert (allowed != torch.from_numpy(element)).any()  # the edit changed what is attended
-    ref, _ = dense_attention(q, k, v, allowed)
+    ref, _ = oracle.attention(q, k, v, allowed)
     out = flexmask.flex_attention(q, k, v, block_mask=given)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
     for backend in ("block_sparse", "sdpa"):  # each reads the blocks, with or without the Mask
@@ -424,7 +422,7 @@ def test_a_copied_block_mask_is_lowered_until_edited(round_trip):
     assert flexmask.explain(q, k, v, restored).backend == "block_sparse"
     out = flexmask.flex_attention(q, k, v, block_mask=restored)
     allowed = oracle.block_mask_meaning(restored, 1, 2, 256, 256, torch.from_numpy(element))
-    torch.testing.assert_close(out, dense_attention(q, k, v, allowed)[0], atol=1e-10, rtol=0)
+    torch.testing.assert_close(out, oracle.attention(q, k, v, allowed)[0], atol=1e-10, rtol=0)
     EDITS["a partial block dropped"](built)  # edited before copying: no copy is intact
     assert flexmask.explain(q, k, v, copy(built)).backend == "block_sparse"
 

@@ -1,5 +1,10 @@
 """flexmask.create_block_mask lists the blocks torch's create_block_mask lists: the same
-counts, blocks per row in the same order, and full/partial split."""
+counts, blocks per row in the same order, and full/partial split — on random masks and on
+the corners the builder once got silently wrong (issue #22: an edge block whose queries
+attend nothing, a negated compound's edge tiles), each compared as whole tensors with
+torch's own ``create_block_mask`` (uncompiled) on the mask's mask_mod, shifted to the window
+as ``create_block_mask``'s docstring defines the offsets.
+"""
 
 from __future__ import annotations
 
@@ -62,7 +67,7 @@ def test_every_piece_matches_dense_oracle_and_torch(q_len, kv_len, block):
         context = f"{name} Q={q_len} KV={kv_len} block={block}"
         assert np.array_equal(mask.to_dense(B, H, q_len, kv_len, "cpu").numpy(), dense), context
         ours = flexmask.create_block_mask(mask, B, H, q_len, kv_len, "cpu", BLOCK_SIZE=block)
-        oracle.assert_same_block_mask(ours, oracle.torch_blocks(dense, block), context)
+        oracle.assert_same_block_mask(ours, oracle.torch_build(dense, block=block), context)
         # and torch run on our own mask_mod agrees too
         theirs = torch_create_block_mask(mask.mask_mod, B, H, q_len, kv_len, "cpu", block)
         oracle.assert_same_block_mask(ours, theirs, context + " (torch on mask.mask_mod)")
@@ -81,7 +86,7 @@ def test_random_expressions_match_oracle(data, batch, heads, q_len, kv_len, bloc
     dense = reference(q_len, kv_len)
     assert np.array_equal(mask.to_dense(batch, heads, q_len, kv_len, "cpu").numpy(), dense), mask
     ours = flexmask.create_block_mask(mask, batch, heads, q_len, kv_len, "cpu", BLOCK_SIZE=block)
-    oracle.assert_same_block_mask(ours, oracle.torch_blocks(dense, block), repr(mask))
+    oracle.assert_same_block_mask(ours, oracle.torch_build(dense, block=block), repr(mask))
 
 
 @settings(max_examples=100)
@@ -101,7 +106,7 @@ def test_random_expressions_on_tiny_tiles_match_oracle(data, batch, heads, q_len
     mask, reference = data.draw(either)
     dense = reference(q_len, kv_len)
     ours = flexmask.create_block_mask(mask, batch, heads, q_len, kv_len, "cpu", BLOCK_SIZE=block)
-    oracle.assert_same_block_mask(ours, oracle.torch_blocks(dense, block), repr(mask))
+    oracle.assert_same_block_mask(ours, oracle.torch_build(dense, block=block), repr(mask))
 
 
 @given(
@@ -128,7 +133,7 @@ def test_document_causal_matches_attn_gym(seq_lens, extra, block):
             & oracle.causal(total + extra, total + extra)
         ]
     )
-    oracle.assert_same_block_mask(longer, oracle.torch_blocks(dense, block))
+    oracle.assert_same_block_mask(longer, oracle.torch_build(dense, block=block))
 
 
 @pytest.mark.parametrize("S", [1, 100, 300])
@@ -235,3 +240,80 @@ def test_block_mask_runs_in_flex_attention_eager():
     dense = torch.from_numpy(oracle.stack([row, row], heads=2))
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def _whole(mask, q_end, kv_end):
+    """The mask's mask_mod over every position up to the window's end."""
+    span = max(q_end, kv_end)
+    return mask.mask_mod_for(span, span)
+
+
+# A kv offset past 0 and a q block holding every query that attends the window, whose first
+# query's keys end before the window and whose last query attends nothing (past the
+# padding or the documents): torch lists the block, the closed form listed none.
+UNALIGNED_KV_OFFSET = [
+    (flexmask.causal() & flexmask.padding(7), 11, 1, 0, 5, 4),
+    (flexmask.causal() & flexmask.document([3, 3]), 7, 8, 0, 5, 4),
+    (flexmask.document([7, 2]), 10, 11, 2, 8, 4),
+    (flexmask.sliding_window(5) & flexmask.document([6, 3, 1]), 12, 6, 0, 9, 4),
+    # the same corner on the union path (an operand's runs)
+    (flexmask.prefix(1) | (flexmask.causal() & flexmask.padding(7)), 11, 3, 0, 5, 4),
+]
+
+
+@pytest.mark.parametrize(
+    "mask, q_len, kv_len, q_offset, kv_offset, block",
+    UNALIGNED_KV_OFFSET,
+    ids=[f"{c[0]!r}-{c[1]}x{c[2]}-at-{c[3]},{c[4]}-{c[5]}" for c in UNALIGNED_KV_OFFSET],
+)
+def test_a_block_whose_edge_queries_attend_nothing_is_listed(
+    mask, q_len, kv_len, q_offset, kv_offset, block
+):
+    ours = flexmask.create_block_mask(
+        mask, 1, 1, q_len, kv_len, "cpu", block, q_offset=q_offset, kv_offset=kv_offset
+    )
+    oracle.assert_same_block_mask(
+        ours,
+        oracle.torch_build(
+            _whole(mask, q_len + q_offset, kv_len + kv_offset),
+            1,
+            1,
+            q_len,
+            kv_len,
+            block,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+        ),
+        repr(mask),
+    )
+
+
+# A `~` over an `&` or `|` whose codes came from closed-form runs: the incomplete edge tile
+# was already demoted to partial, so `~` kept it partial where torch lists nothing.
+NEGATED_COMPOUNDS = [
+    (~(flexmask.causal() & flexmask.causal()), 1, 1, 8),
+    (~(flexmask.causal() & flexmask.full()), 247, 247, 2),
+    (~(flexmask.causal() | flexmask.prefix(3)), 13, 9, 4),
+    (~((flexmask.causal() & flexmask.document([5, 6])) | flexmask.prefix(2)), 11, 11, (4, 3)),
+]
+
+
+@pytest.mark.parametrize(
+    "mask, q_len, kv_len, block",
+    NEGATED_COMPOUNDS,
+    ids=[f"{c[0]!r}-{c[1]}x{c[2]}-{c[3]}" for c in NEGATED_COMPOUNDS],
+)
+def test_a_negated_compound_lists_no_edge_block_torch_would_not(mask, q_len, kv_len, block):
+    ours = flexmask.create_block_mask(mask, 1, 1, q_len, kv_len, "cpu", block)
+    theirs = torch_create_block_mask(mask.mask_mod, 1, 1, q_len, kv_len, "cpu", BLOCK_SIZE=block)
+    oracle.assert_same_block_mask(ours, theirs, repr(mask))
+    assert ours.to_string() == theirs.to_string()  # same_blocks, as torch prints them
+
+
+def test_the_last_row_of_a_negated_compound_lists_nothing():
+    # ~(causal() & full()) at 247 with 2-blocks: the last, one-query block attends only
+    # keys past itself, which lie in complete tiles; it listed 124 blocks.
+    mask = ~(flexmask.causal() & flexmask.full())
+    bm = flexmask.create_block_mask(mask, 1, 1, 247, 247, "cpu", 2)
+    assert bm.kv_num_blocks[0, 0, -1].item() == 0
+    assert bm.full_kv_num_blocks[0, 0, -1].item() == 0

@@ -85,12 +85,9 @@ def test_insertion_order_tree_windows_in_small_chunks(q_offset, kv_offset, small
     ours = flexmask.create_block_mask(
         mask, 2, 1, q_len, kv_len, "cpu", 16, q_offset=q_offset, kv_offset=kv_offset
     )
-    mod = mask.mask_mod
-
-    def shifted(b, h, q_idx, kv_idx):
-        return mod(b, h, q_idx + q_offset, kv_idx + kv_offset)
-
-    theirs = torch_create_block_mask(shifted, 2, 1, q_len, kv_len, "cpu", 16)
+    theirs = oracle.torch_build(
+        mask.mask_mod, 2, 1, q_len, kv_len, 16, q_offset=q_offset, kv_offset=kv_offset
+    )
     oracle.assert_same_block_mask(ours, theirs, f"window q+{q_offset} kv+{kv_offset}")
 
 

@@ -76,7 +76,7 @@ def test_closed_form_equals_torch_and_the_general_path(data):
     block = data.draw(st.sampled_from([128, 16, (32, 64), (64, 16), 7]), label="block")
     heads = data.draw(st.integers(1, 3), label="heads")
     ours = flexmask.create_block_mask(mask, batch, heads, q_len, kv_len, "cpu", block)
-    reference = oracle.torch_blocks(np.repeat(dense(q_len, kv_len)[:, None], heads, 1), block)
+    reference = oracle.torch_build(np.repeat(dense(q_len, kv_len)[:, None], heads, 1), block=block)
     oracle.assert_same_block_mask(ours, reference, repr(mask))
     oracle.assert_same_block_mask(_general(mask, batch, heads, q_len, kv_len, block), reference)
 
@@ -165,7 +165,7 @@ EDGE_CASES = [
 def test_edge_cases_equal_torch(mask, rows, q_len, kv_len, block):
     dense = oracle.stack(rows(q_len, kv_len), heads=2)
     ours = flexmask.create_block_mask(mask, dense.shape[0], 2, q_len, kv_len, "cpu", block)
-    oracle.assert_same_block_mask(ours, oracle.torch_blocks(dense, block), repr(mask))
+    oracle.assert_same_block_mask(ours, oracle.torch_build(dense, block=block), repr(mask))
 
 
 def test_only_intersections_of_interval_pieces_take_the_closed_form():
@@ -224,7 +224,7 @@ def test_same_blocks_compares_listed_blocks_only():
     mask = flexmask.causal() & flexmask.document([300, 200])
     ours = flexmask.create_block_mask(mask, 1, 1, 512, 512, "cpu")
     dense = oracle.causal(512, 512) & oracle.document([300, 200], 512, 512)
-    theirs = oracle.torch_blocks(oracle.stack([dense]), 128)
+    theirs = oracle.torch_build(oracle.stack([dense]), block=128)
     assert flexmask.same_blocks(ours, theirs)
     tail = ours.kv_indices.clone()
     tail[0, 0, 0, 1:] = tail[0, 0, 0, 1:].flip(-1)  # past the count of row 0 (one block)

@@ -23,10 +23,6 @@ from tests.strategies import expressions, interval_intersections
 BLOCKS = st.sampled_from([16, 32, 64, 128, (16, 32), (64, 16)])
 
 
-def _torch_build(mask, B, H, q_len, kv_len, block):
-    return torch_create_block_mask(mask.mask_mod, B, H, q_len, kv_len, "cpu", BLOCK_SIZE=block)
-
-
 @given(
     data=st.data(),
     batch=st.integers(1, 3),
@@ -38,9 +34,11 @@ def _torch_build(mask, B, H, q_len, kv_len, block):
 def test_random_expressions_equal_torch_as_whole_tensors(data, batch, heads, q_len, kv_len, block):
     mask, dense = data.draw(expressions(batch, heads, max(q_len, kv_len)))
     ours = flexmask.create_block_mask(mask, batch, heads, q_len, kv_len, "cpu", BLOCK_SIZE=block)
-    oracle.assert_same_block_mask(ours, _torch_build(mask, batch, heads, q_len, kv_len, block))
+    oracle.assert_same_block_mask(
+        ours, oracle.torch_build(mask.mask_mod, batch, heads, q_len, kv_len, block)
+    )
     # And against torch's builder on a plain lookup into the independent dense reference.
-    reference = oracle.torch_blocks(dense(q_len, kv_len), block)
+    reference = oracle.torch_build(dense(q_len, kv_len), block=block)
     oracle.assert_same_block_mask(ours, reference, repr(mask))
 
 
@@ -54,7 +52,7 @@ def test_random_expressions_equal_torch_as_whole_tensors(data, batch, heads, q_l
 def test_closed_form_equals_torch_as_whole_tensors(data, batch, q_len, kv_len, block):
     mask, dense = data.draw(interval_intersections(batch, max(q_len, kv_len)))
     ours = flexmask.create_block_mask(mask, batch, 2, q_len, kv_len, "cpu", BLOCK_SIZE=block)
-    reference = oracle.torch_blocks(np.repeat(dense(q_len, kv_len)[:, None], 2, axis=1), block)
+    reference = oracle.torch_build(np.repeat(dense(q_len, kv_len)[:, None], 2, axis=1), block=block)
     oracle.assert_same_block_mask(ours, reference, repr(mask))
 
 
@@ -79,7 +77,7 @@ def _adjusted_or_error(block_mask: BlockMask, q_len: int, kv_len: int):
 def test_adjust_equals_torchs_adjust(data, batch, heads, q_len, kv_len, new_q, new_kv, block):
     mask, _ = data.draw(expressions(batch, heads, max(q_len, kv_len)))
     ours = flexmask.create_block_mask(mask, batch, heads, q_len, kv_len, "cpu", BLOCK_SIZE=block)
-    theirs = _torch_build(mask, batch, heads, q_len, kv_len, block)
+    theirs = oracle.torch_build(mask.mask_mod, batch, heads, q_len, kv_len, block)
     expected, expected_error = _adjusted_or_error(theirs, new_q, new_kv)
     got, got_error = _adjusted_or_error(ours, new_q, new_kv)
     assert got_error is expected_error
@@ -122,7 +120,7 @@ def _above(b, h, q_idx, kv_idx):
 def test_in_place_edit_changes_one_row_and_head():
     mask = flexmask.causal() & flexmask.document([300, 212])  # the same for every row and head
     ours = flexmask.create_block_mask(mask, 2, 2, 512, 512, device="cpu")
-    theirs = _torch_build(mask, 2, 2, 512, 512, 128)
+    theirs = oracle.torch_build(mask.mask_mod, 2, 2, 512, 512, 128)
     for bm in (ours, theirs):
         bm.kv_num_blocks[0, 0, 0] = 0
         bm.kv_indices[1, 1, 2, 0] = 3
@@ -133,7 +131,7 @@ def test_in_place_edit_changes_one_row_and_head():
 def test_block_mask_methods_agree_with_torch():
     mask = (flexmask.causal() & flexmask.document([[100, 200, 90], [390]])) | flexmask.prefix(40)
     ours = flexmask.create_block_mask(mask, 2, 2, 390, 390, "cpu", BLOCK_SIZE=64)
-    theirs = _torch_build(mask, 2, 2, 390, 390, 64)
+    theirs = oracle.torch_build(mask.mask_mod, 2, 2, 390, 390, 64)
     assert torch.equal(ours.to_dense(), theirs.to_dense())
     assert ours.sparsity() == theirs.sparsity()
     for index in (1, (slice(None), 1), (1, 0, slice(2, None))):
@@ -148,14 +146,6 @@ def test_block_mask_methods_agree_with_torch():
         seq_lengths=ours.seq_lengths,
     )
     oracle.assert_same_block_mask(again, theirs)
-
-
-def _reference_attention(q, k, v, dense: torch.Tensor) -> torch.Tensor:
-    """Softmax attention on a dense mask; rows that attend nothing give zeros (as flex)."""
-    scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
-    scores = scores.masked_fill(~dense, float("-inf"))
-    weights = torch.softmax(scores, -1).nan_to_num(0.0)
-    return weights @ v
 
 
 @pytest.mark.slow
@@ -176,7 +166,8 @@ def test_adjusted_masks_attend_like_sdpa_through_the_compiled_kernel():
         k, v = torch.randn(B, H, new_kv, D), torch.randn(B, H, new_kv, D)
         dense = mask.to_dense(B, H, S, S)[:, :, :new_q, :new_kv]
         out = flex(q, k, v, block_mask=bm)
-        torch.testing.assert_close(out, _reference_attention(q, k, v, dense), atol=1e-5, rtol=0)
+        want = oracle.attention(q, k, v, dense)[0]
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
@@ -191,8 +182,9 @@ def test_paged_attention_with_shuffled_pages_equals_the_contiguous_cache():
     mask = flexmask.causal() & flexmask.document([[100, 156], [30, 200, 26]])
     logical = flexmask.create_block_mask(mask, B, H, S, S, "cpu", BLOCK_SIZE=(64, page))
     q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
-    expected = _reference_attention(q, k, v, mask.to_dense(B, H, S, S))
-    torch.testing.assert_close(flex(q, k, v, block_mask=logical), expected, atol=1e-5, rtol=0)
+    expected = oracle.attention(q, k, v, mask.to_dense(B, H, S, S))[0]
+    out = flex(q, k, v, block_mask=logical)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
 
     n_pages = 2 * S // page + 3
     paged = PagedAttention(n_pages, page, B, device="cpu")
@@ -207,4 +199,4 @@ def test_paged_attention_with_shuffled_pages_equals_the_contiguous_cache():
     paged.assign(torch.arange(B), positions, k, v, k_cache, v_cache)
     physical = paged.convert_logical_block_mask(logical)
     out = flex(q, k_cache, v_cache, block_mask=physical)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)

@@ -192,11 +192,6 @@ def _qkv(seed: int, b: int = 2, h: int = 2, n: int = 200, d: int = 16):
     return [torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(3)]
 
 
-def _sdpa_causal(q, k, v):
-    dense = torch.from_numpy(oracle.causal(q.shape[-2], k.shape[-2]))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
-
-
 def test_numpy_integer_knobs_equal_python_ints():
     q, k, v = _qkv(0)
     bm = torch_create_block_mask(causal_mod, 1, 1, 200, 200, "cpu", BLOCK_SIZE=64)
@@ -205,7 +200,9 @@ def test_numpy_integer_knobs_equal_python_ints():
         q, k, v, bm, threads=np.int64(2), memory_budget=np.int32(1 << 16), backend="sparse"
     )
     assert numpy.equal(plain)
-    torch.testing.assert_close(numpy, _sdpa_causal(q, k, v))
+    torch.testing.assert_close(
+        numpy, oracle.attention(q, k, v, torch.from_numpy(oracle.causal(200, 200)))[0]
+    )
 
 
 def test_flex_attention_passes_block_sparse_options_through():
@@ -218,7 +215,9 @@ def test_flex_attention_passes_block_sparse_options_through():
         q, k, v, bm, threads=1, memory_budget=0, recompute=True, backend="sparse"
     )
     assert out.equal(direct)
-    torch.testing.assert_close(out, _sdpa_causal(q, k, v))
+    torch.testing.assert_close(
+        out, oracle.attention(q, k, v, torch.from_numpy(oracle.causal(200, 200)))[0]
+    )
     # torch's kernel option, on a CPU call with gradients that torch's kernel cannot run:
     # every backend says it takes no such option.
     with pytest.raises(ValueError, match=r"block_sparse: it takes no option \['kernel_options'\]"):

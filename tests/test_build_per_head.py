@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 import flexmask
 from flexmask.builders import closed_form
 from tests import oracle
-from tests.test_build_tree_classifier import insertion_tree
+from tests.test_build_trees import insertion_tree
 
 
 def _docs(total: int, seed: int) -> list[int]:

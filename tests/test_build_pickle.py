@@ -289,7 +289,7 @@ def test_redefined_function_gets_a_new_key_and_a_fresh_build():
     assert cache.info().misses == 2 and cache.info().hits == 0
     assert bm2 is not bm1 and bm2.mask_mod is second
     expected = np.ascontiguousarray(oracle.causal(40, 40).T)  # the new body: kv_idx >= q_idx
-    oracle.assert_same_block_mask(bm2, oracle.torch_blocks(expected[None, None], 16))
+    oracle.assert_same_block_mask(bm2, oracle.torch_build(expected[None, None], block=16))
     assert torch.equal(_dense_one(bm2.mask_mod, 40), torch.from_numpy(expected))
     # The same body again (the cell re-run unchanged) is the same mask: a hit.
     again = flexmask.from_mask_mod(_run_cell(CELL_V1))

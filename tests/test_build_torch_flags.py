@@ -60,19 +60,6 @@ def assert_same(ours: BlockMask, theirs: BlockMask, context: str = "") -> None:
         assert a.is_contiguous(), f"{context} {name}: not contiguous"
 
 
-def dense_reference(dense: np.ndarray, q_len, kv_len, block, **flags) -> BlockMask:
-    """torch's create_block_mask of a lookup into the dense oracle ``(B, H, Q, KV)``."""
-    table = torch.from_numpy(np.ascontiguousarray(dense))
-    batch, heads = table.shape[:2]
-
-    def lookup(b, h, q_idx, kv_idx):
-        return table[b, h, q_idx, kv_idx]
-
-    return torch_create_block_mask(
-        lookup, batch, heads, q_len, kv_len, "cpu", BLOCK_SIZE=block, **flags
-    )
-
-
 @needs_213
 @settings(max_examples=30)
 @given(
@@ -93,7 +80,7 @@ def test_flags_on_random_expressions_equal_torch(data, batch, heads, q_len, kv_l
         mask.mask_mod, batch, heads, q_len, kv_len, "cpu", BLOCK_SIZE=block, **flags
     )
     assert_same(ours, theirs, f"{mask!r} {flags}")
-    reference = dense_reference(dense(q_len, kv_len), q_len, kv_len, block, **flags)
+    reference = oracle.torch_build(dense(q_len, kv_len), None, None, q_len, kv_len, block, **flags)
     assert_same(ours, reference, f"{mask!r} {flags} (dense oracle)")
 
 
@@ -113,7 +100,8 @@ def test_flags_on_the_closed_form_equal_torch(data, batch, q_len, kv_len, block,
         mask, batch, 2, q_len, kv_len, "cpu", BLOCK_SIZE=block, **flags
     )
     heads = np.repeat(dense(q_len, kv_len)[:, None], 2, axis=1)
-    assert_same(ours, dense_reference(heads, q_len, kv_len, block, **flags), f"{mask!r} {flags}")
+    theirs = oracle.torch_build(heads, None, None, q_len, kv_len, block, **flags)
+    assert_same(ours, theirs, f"{mask!r} {flags}")
 
 
 @needs_213

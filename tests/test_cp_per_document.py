@@ -53,7 +53,7 @@ def check_shard(lengths, world, block, calls):
         )
         perm = shard.indices[0].numpy()
         rows = dense[perm][:, perm][shard.local]
-        reference = oracle.torch_blocks(rows[None, None], block)
+        reference = oracle.torch_build(rows[None, None], block=block)
         context = f"lengths {lengths} W={world} BLOCK_SIZE={block} rank {rank}"
         oracle.assert_same_block_mask(shard.block_mask, reference, context)
         local = S // world
@@ -163,7 +163,7 @@ def test_other_masks_keep_the_general_path():
                 mask, 1, 1, 384, world_size=2, rank=rank, balancer=balancer, BLOCK_SIZE=32
             )
             perm = shard.indices[0].numpy()
-            reference = oracle.torch_blocks(dense[perm][:, perm][shard.local][None, None], 32)
+            reference = oracle.torch_build(dense[perm][:, perm][shard.local][None, None], block=32)
             oracle.assert_same_block_mask(shard.block_mask, reference, own_storage=False)
     assert torch.equal(balancer._generate_indices()[0].sort().values, torch.arange(384))
 

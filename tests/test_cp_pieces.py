@@ -155,7 +155,7 @@ def test_per_row_permutations_write_only_their_row(pieces_only):
             for b in range(B):
                 perm = shard.indices[b].numpy()
                 rows.append(document_dense(lengths[b], S)[perm][:, perm][shard.local])
-            reference = oracle.torch_blocks(oracle.stack(rows), block)
+            reference = oracle.torch_build(oracle.stack(rows), block=block)
             oracle.assert_same_block_mask(shard.block_mask, reference, own_storage=False)
     finally:
         monkey.undo()

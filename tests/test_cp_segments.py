@@ -148,7 +148,7 @@ def test_per_row_permutations_from_segments(segments_only):
             for b in range(2):
                 perm = shard.indices[b].numpy()
                 rows.append(document_dense(lengths[b], S)[perm][:, perm][shard.local])
-            reference = oracle.torch_blocks(oracle.stack(rows), block)
+            reference = oracle.torch_build(oracle.stack(rows), block=block)
             oracle.assert_same_block_mask(shard.block_mask, reference, own_storage=False)
     assert segments_only
 
@@ -162,7 +162,7 @@ def test_segment_sides_of_a_permuted_causal_mask():
     hi = local.view(1, -1).clone()  # causal: query q attends [0, q]
     kv, q = segment_sides(lo, hi, local, SHARD.runs(local), perm, SHARD.runs(perm), 16)
     dense = np.tril(np.ones((256, 256), dtype=bool))[perm.numpy()][:, perm.numpy()][:128]
-    reference = oracle.torch_blocks(oracle.stack([dense]), 16)
+    reference = oracle.torch_build(oracle.stack([dense]), block=16)
     got = {
         "kv_num_blocks": kv.partial_num,
         "kv_indices": kv.partial_idx,
@@ -230,7 +230,7 @@ def test_block_costs_equal_the_dense_blocks(partial_cost):
     for mask, dense in cases:
         B = len(dense)
         got = _block_costs(mask, B, 3, S, block, partial_cost, torch.device("cpu"))
-        reference = oracle.torch_blocks(oracle.stack(dense, 3), block)
+        reference = oracle.torch_build(oracle.stack(dense, 3), block=block)
         assert torch.equal(got, _costs_from_blocks(reference, partial_cost)), mask
 
 

@@ -71,7 +71,7 @@ def test_other_key_length_equals_torch_and_oracle(name):
             )
             local = Q // world
             rows = dense[rank * local : (rank + 1) * local]
-            reference = oracle.torch_blocks(oracle.stack([rows] * 2, 2), 128)
+            reference = oracle.torch_build(oracle.stack([rows] * 2, 2), block=128)
             oracle.assert_same_block_mask(
                 expanded(ours.block_mask, 2, 2), reference, own_storage=False
             )
@@ -95,8 +95,8 @@ def test_other_key_length_any_block_size():
                     mask, 1, 1, Q, KV, world_size=world, rank=rank, balancer=None, BLOCK_SIZE=block
                 )
                 local = Q // world
-                reference = oracle.torch_blocks(
-                    oracle.stack([dense[rank * local : (rank + 1) * local]]), block
+                reference = oracle.torch_build(
+                    oracle.stack([dense[rank * local : (rank + 1) * local]]), block=block
                 )
                 oracle.assert_same_block_mask(
                     expanded(ours.block_mask, 1, 1), reference, own_storage=False

@@ -8,26 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
 from tests import oracle
 from tests.strategies import expressions, interval_intersections
 
 BLOCKS = st.sampled_from([16, 32, 64, (16, 32), (32, 16)])
-
-
-def _shifted_torch(mask, lens, heads, q_len, capacity, block):
-    """torch's build of the shifted mask_mod, written here without flexmask's ShiftedMod."""
-    base = mask.mask_mod_for(capacity, capacity, "cpu")
-    offsets = torch.tensor(lens)
-
-    def shifted(b, h, q_idx, kv_idx):
-        return base(b, h, q_idx + offsets[b], kv_idx)
-
-    return torch_create_block_mask(
-        shifted, len(lens), heads, q_len, capacity, device="cpu", BLOCK_SIZE=block
-    )
 
 
 def _window(dense_full: np.ndarray, lens, q_len: int) -> np.ndarray:
@@ -53,9 +39,17 @@ def test_decode_mask_equals_torch_and_the_dense_window(data, batch, heads, capac
     q_len, lens = _draw_window(data, batch, capacity)
     ours = flexmask.decode_mask(mask, lens, q_len, capacity, heads=heads, block_size=block)
     context = f"{mask!r} lens={lens} q_len={q_len}"
-    theirs = _shifted_torch(mask, lens, heads, q_len, capacity, block)
+    theirs = oracle.torch_build(
+        mask.mask_mod_for(capacity, capacity),
+        len(lens),
+        heads,
+        q_len,
+        capacity,
+        block,
+        q_offset=lens,
+    )
     oracle.assert_same_block_mask(ours, theirs, context)
-    reference = oracle.torch_blocks(_window(dense(capacity, capacity), lens, q_len), block)
+    reference = oracle.torch_build(_window(dense(capacity, capacity), lens, q_len), block=block)
     oracle.assert_same_block_mask(ours, reference, context)
     # The mask_mod takes local query indices.
     local = torch.arange(q_len).view(1, 1, -1, 1)
@@ -74,7 +68,7 @@ def test_chunked_prefill_windows_of_closed_form_masks(data, batch, capacity, blo
     full = np.repeat(dense(capacity, capacity)[:, None], 1, axis=1)
     for start in range(0, capacity - chunk + 1, chunk):
         ours = flexmask.decode_mask(mask, [start] * batch, chunk, capacity, block_size=block)
-        reference = oracle.torch_blocks(_window(full, [start] * batch, chunk), block)
+        reference = oracle.torch_build(_window(full, [start] * batch, chunk), block=block)
         oracle.assert_same_block_mask(ours, reference, f"{mask!r} start={start} chunk={chunk}")
 
 
@@ -98,7 +92,15 @@ def test_decode_steps_append_or_build_equal_fresh_builds(data, batch, capacity, 
             current = [n + s for n, s in zip(current, step, strict=True)]
             got = steps.at(current)
             assert steps.cache_lens == got.cache_lens == current
-            expected = _shifted_torch(mask, current, 1, q_len, capacity, block)
+            expected = oracle.torch_build(
+                mask.mask_mod_for(capacity, capacity),
+                len(current),
+                1,
+                q_len,
+                capacity,
+                block,
+                q_offset=current,
+            )
             oracle.assert_same_block_mask(got.block_mask, expected, f"{mask!r} lens={current}")
         q_block = block if isinstance(block, int) else block[0]
         if q_len < q_block:  # one incomplete q block: causal and documents append or reuse
@@ -132,10 +134,21 @@ def test_advance_before_the_first_step_raises():
     # Read first, then advance: the old correct loop still works.
     first = steps.block_mask
     oracle.assert_same_block_mask(
-        first, _shifted_torch(flexmask.causal(), [126, 3], 1, 1, 512, 128)
+        first,
+        oracle.torch_build(
+            flexmask.causal().mask_mod_for(512, 512),
+            len([126, 3]),
+            1,
+            1,
+            512,
+            128,
+            q_offset=[126, 3],
+        ),
     )
     got = steps.advance()
-    expected = _shifted_torch(flexmask.causal(), [127, 4], 1, 1, 512, 128)
+    expected = oracle.torch_build(
+        flexmask.causal().mask_mod_for(512, 512), len([127, 4]), 1, 1, 512, 128, q_offset=[127, 4]
+    )
     oracle.assert_same_block_mask(got, expected)
 
 
@@ -152,14 +165,31 @@ def test_iteration_gives_every_position_once_from_the_first(q_len, with_docs):
         seen.append(step.cache_lens)
         assert step.index == len(seen) - 1
         assert step.positions == [range(n, n + q_len) for n in step.cache_lens]
-        expected = _shifted_torch(mask, step.cache_lens, 1, q_len, capacity, block)
+        expected = oracle.torch_build(
+            mask.mask_mod_for(capacity, capacity),
+            len(step.cache_lens),
+            1,
+            q_len,
+            capacity,
+            block,
+            q_offset=step.cache_lens,
+        )
         oracle.assert_same_block_mask(step.block_mask, expected, repr(step))
         if len(seen) == 3:
             break
     for step in steps:  # resumes after the last step given: no position twice
         seen.append(step.cache_lens)
         oracle.assert_same_block_mask(
-            step.block_mask, _shifted_torch(mask, step.cache_lens, 1, q_len, capacity, block)
+            step.block_mask,
+            oracle.torch_build(
+                mask.mask_mod_for(capacity, capacity),
+                len(step.cache_lens),
+                1,
+                q_len,
+                capacity,
+                block,
+                q_offset=step.cache_lens,
+            ),
         )
     # Every row moved q_len per step, from the constructor's lengths until the cache is full.
     count = (capacity - max(lens) - q_len) // q_len + 1
@@ -194,7 +224,17 @@ def test_at_any_lengths_equals_a_fresh_build(data, batch, block):
         lens = [data.draw(st.integers(0, capacity - 1)) for _ in range(batch)]
         step = steps.at(lens)
         oracle.assert_same_block_mask(
-            step.block_mask, _shifted_torch(mask, lens, 1, 1, capacity, block), repr(step)
+            step.block_mask,
+            oracle.torch_build(
+                mask.mask_mod_for(capacity, capacity),
+                len(lens),
+                1,
+                1,
+                capacity,
+                block,
+                q_offset=lens,
+            ),
+            repr(step),
         )
     assert steps.builds == 1
 
@@ -209,7 +249,7 @@ def test_speculative_tree_is_prefix_plus_draft_ancestors():
     # Verified in one step: the draft's rows of that mask, from the cache of the prefix.
     bm = flexmask.decode_mask(mask, prefix, len(draft), capacity, block_size=4)
     window = expected[None, None, prefix:n]
-    oracle.assert_same_block_mask(bm, oracle.torch_blocks(window, 4))
+    oracle.assert_same_block_mask(bm, oracle.torch_build(window, block=4))
     per_row = flexmask.speculative_tree([3, 4], [[-1, 0], [-1, -1, 1]])
     assert per_row.rows == 2
     dense = per_row.to_dense(2, 1, 8, 8)[:, 0].numpy()
@@ -244,12 +284,6 @@ def test_bad_input_names_the_argument(call, error, words):
         call()
 
 
-def _reference_attention(q, k, v, dense):
-    scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
-    weights = torch.softmax(scores.masked_fill(~dense, float("-inf")), -1).nan_to_num(0.0)
-    return weights @ v
-
-
 @pytest.mark.slow
 def test_compiled_decode_does_not_recompile_over_20_steps():
     from torch._dynamo.utils import counters
@@ -268,9 +302,8 @@ def test_compiled_decode_does_not_recompile_over_20_steps():
             out = flex(q, k, v, block_mask=bm)
             dense = mask.to_dense(B, H, capacity, capacity)
             window = torch.stack([dense[b, :, n : n + 1] for b, n in enumerate(steps.cache_lens)])
-            torch.testing.assert_close(
-                out, _reference_attention(q, k, v, window), atol=1e-5, rtol=0
-            )
+            want = oracle.attention(q, k, v, window)[0]
+            torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
             if step == 0:
                 graphs_after_first = counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs_after_first, repr(mask)
@@ -293,7 +326,8 @@ def test_paged_decode_with_a_shuffled_page_table_equals_the_contiguous_cache():
     expected = flex(q, k, v, block_mask=logical)
     dense = mask.to_dense(B, H, capacity, capacity)
     window = torch.stack([dense[b, :, n : n + q_len] for b, n in enumerate(lens)])
-    torch.testing.assert_close(expected, _reference_attention(q, k, v, window), atol=1e-5, rtol=0)
+    want = oracle.attention(q, k, v, window)[0]
+    torch.testing.assert_close(expected.double(), want, atol=1e-5, rtol=0)
 
     n_pages = 2 * capacity // page + 3
     paged = PagedAttention(n_pages, page, B, device="cpu")

@@ -9,8 +9,6 @@ import random
 
 import numpy as np
 import pytest
-import torch
-from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
 from flexmask.blocks import same_blocks
@@ -52,19 +50,6 @@ def _case(name: str) -> tuple[flexmask.Mask, np.ndarray]:
 NAMES = ["causal", "documents", "window", "tree", "prefix_lm"]
 
 
-def _torch_window(dense: np.ndarray, lens: list[int], q_len: int, heads: int, block):
-    """torch's create_block_mask of row b's queries at ``lens[b] ..`` against the cache."""
-    table = torch.from_numpy(np.ascontiguousarray(dense))
-    offsets = torch.tensor(lens)
-
-    def window(b, h, q_idx, kv_idx):
-        return table[q_idx + offsets[b], kv_idx]
-
-    return torch_create_block_mask(
-        window, len(lens), heads, q_len, CAPACITY, device="cpu", BLOCK_SIZE=block
-    )
-
-
 def _expanded(block_mask, batch: int, heads: int):
     fields = []
     for name in oracle.BLOCK_FIELDS:
@@ -79,7 +64,8 @@ def _expanded(block_mask, batch: int, heads: int):
 
 
 def _check(ours, dense, lens, q_len, heads, block, context):
-    reference = _torch_window(dense, lens, q_len, heads, block)
+    rows = np.broadcast_to(dense, (len(lens), heads, *dense.shape))
+    reference = oracle.torch_build(rows, None, None, q_len, CAPACITY, block, q_offset=lens)
     ours = _expanded(ours, len(lens), heads)
     oracle.assert_same_block_mask(ours, reference, context, own_storage=False)
     assert same_blocks(ours, reference), context

@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
 from tests import oracle
@@ -38,17 +37,6 @@ def _ancestors(rows: list[list[int]], capacity: int) -> torch.Tensor:
                 out[b, q, node] = True
                 node = parents[node]
     return out
-
-
-def _torch_step(mod, lens, q_len, heads, block):
-    offsets = torch.tensor(lens)
-
-    def shifted(b, h, q_idx, kv_idx):
-        return mod(b, q_idx + offsets[b], kv_idx)
-
-    return torch_create_block_mask(
-        shifted, len(lens), heads, q_len, CAPACITY, device="cpu", BLOCK_SIZE=block
-    )
 
 
 def _cases(rng: random.Random, batch: int):
@@ -126,7 +114,15 @@ def test_steps_equal_torch_step_by_step(seed, batch, q_len, block, heads):
             step = steps.at(lens)
             oracle.assert_same_block_mask(
                 step.block_mask,
-                _torch_step(mod, lens, q_len, heads, block),
+                oracle.torch_build(
+                    lambda b, h, q_idx, kv_idx, mod=mod: mod(b, q_idx, kv_idx),
+                    len(lens),
+                    heads,
+                    q_len,
+                    CAPACITY,
+                    block,
+                    q_offset=lens,
+                ),
                 f"{name} step {index} lens={lens} q_len={q_len} block={block}",
             )
             if index % 13 == 12:  # a slot reused by a new request: any row jumps anywhere

@@ -204,7 +204,7 @@ def test_layer_masks_match_a_position_walk_and_torchs_blocks(kind, size):
     )
     assert (mask.to_dense(batch.num_rows, 1, 20, 20).numpy() == dense).all()
     ours = flexmask.create_block_mask(mask, batch.num_rows, 1, 20, 20, BLOCK_SIZE=4)
-    oracle.assert_same_block_mask(ours, oracle.torch_blocks(dense, 4), f"{kind} {size}")
+    oracle.assert_same_block_mask(ours, oracle.torch_build(dense, block=4), f"{kind} {size}")
 
 
 def test_dense_masks_for_eager_are_additive_and_cached():

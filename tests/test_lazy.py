@@ -180,7 +180,7 @@ def test_int_validation_builds_what_torch_builds(cache):
     )
     assert (handle.B, handle.H, handle.Q_LEN, handle.KV_LEN) == (3, 1, 200, 200)
     rows = [oracle.causal(200, 200) & oracle.padding(n, 200, 200) for n in (70, 200, 9)]
-    reference = oracle.torch_blocks(oracle.stack(rows), 128)
+    reference = oracle.torch_build(oracle.stack(rows), block=128)
     oracle.assert_same_block_mask(handle.block_mask, reference)
     handle.release()
     assert cache.info().entries == 0 and cache.info().discarded == 1
@@ -245,7 +245,7 @@ def test_dataloader_worker_touches_no_device():
     # the mask is the same for every head, so the BlockMask broadcasts over heads).
     rows = [oracle.causal(16, 16) & oracle.document(lens, 16, 16) for lens in batch.seq_lens]
     built = flexmask.lazy(handle.mask, handle.B, 2, 16, 16, "cpu", 8).block_mask
-    oracle.assert_same_block_mask(built, oracle.torch_blocks(oracle.stack(rows), 8))
+    oracle.assert_same_block_mask(built, oracle.torch_build(oracle.stack(rows), block=8))
 
 
 def test_collator_rejects_a_bad_device_at_construction():
@@ -318,7 +318,7 @@ def test_a_shard_and_a_lazy_shard_validate_the_mask_once(validations, balancer):
     padded[:250, :250] = dense
     perm = s.indices[0].numpy()
     rows = padded[perm][:, perm][s.local]
-    reference = oracle.torch_blocks(oracle.stack([rows]), s.block_mask.BLOCK_SIZE)
+    reference = oracle.torch_build(oracle.stack([rows]), block=s.block_mask.BLOCK_SIZE)
     oracle.assert_same_block_mask(s.block_mask, reference, own_storage=False)
     validations.clear()
     handle = flexmask.lazy_shard(mask, 1, 1, 250, cache=flexmask.ShardCache(), **args)

@@ -104,7 +104,7 @@ def test_block_mask_attributes_and_methods_equal_torchs(cache):
     S, lens = 200, [[70, 90, 40], [150, 50]]
     mask = flexmask.causal() & flexmask.document(lens)
     dense = oracle.stack([oracle.causal(S, S) & oracle.document(row, S, S) for row in lens])
-    reference = oracle.torch_blocks(dense, 64)
+    reference = oracle.torch_build(dense, block=64)
     handle = flexmask.lazy(mask, 2, 1, S, S, "cpu", BLOCK_SIZE=64, cache=cache)
     assert handle.shape == reference.shape == (2, 1, S, S)
     assert handle.built and handle.builds == 1

@@ -12,7 +12,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexmask
@@ -20,10 +19,6 @@ from tests import oracle
 from tests.strategies import span_ids
 
 BLOCKS = [16, 32, 64, 128, (16, 64), (128, 32)]
-
-
-def _torch(mod, B, H, q_len, kv_len, block):
-    return torch_create_block_mask(mod, B, H, q_len, kv_len, device="cpu", BLOCK_SIZE=block)
 
 
 def _ours(mask, B, H, q_len, kv_len, block, **offsets):
@@ -62,7 +57,9 @@ def test_chunked_equals_torch(size, q_len, kv_len, block):
         (flexmask.causal() & flexmask.chunked(size), causal_chunk),
     ):
         ours = _ours(mask, 2, 3, q_len, kv_len, block)
-        oracle.assert_same_block_mask(ours, _torch(mod, 2, 3, q_len, kv_len, block), repr(mask))
+        oracle.assert_same_block_mask(
+            ours, oracle.torch_build(mod, 2, 3, q_len, kv_len, block), repr(mask)
+        )
 
 
 @pytest.mark.parametrize("block", [16, 128, (32, 16)])
@@ -72,7 +69,9 @@ def test_chunked_equals_attn_gym_block_diagonal(seq_len, size, block):
     # "block diagonal" over positions [0, seq_len) is q // size == kv // size.
     from attn_gym.masks import generate_block_diffusion_mask
 
-    reference = _torch(generate_block_diffusion_mask(seq_len, size), 1, 2, seq_len, seq_len, block)
+    reference = oracle.torch_build(
+        generate_block_diffusion_mask(seq_len, size), 1, 2, seq_len, seq_len, block
+    )
     ours = _ours(flexmask.chunked(size), 1, 2, seq_len, seq_len, block)
     oracle.assert_same_block_mask(ours, reference)
 
@@ -86,7 +85,7 @@ def test_chunked_per_row_sizes_and_offsets_take_the_closed_form(monkeypatch):
     _no_tiles(monkeypatch)
     for q_off, kv_off in ((0, 0), (130, 7), ([0, 64, 300], [5, 0, 250])):
         ours = _ours(mask, 3, 2, 250, 300, 64, q_offset=q_off, kv_offset=kv_off)
-        reference = oracle.torch_blocks(_window(whole, q_off, kv_off, 250, 300), 64)
+        reference = oracle.torch_build(_window(whole, q_off, kv_off, 250, 300), block=64)
         oracle.assert_same_block_mask(ours, reference, f"offsets {q_off}, {kv_off}")
 
 
@@ -125,7 +124,9 @@ def test_spans_and_text_with_images_equal_torch(block):
     ]
     for mask, mod in cases:
         ours = _ours(mask, 2, 3, q_len, kv_len, block)
-        oracle.assert_same_block_mask(ours, _torch(mod, 2, 3, q_len, kv_len, block), repr(mask))
+        oracle.assert_same_block_mask(
+            ours, oracle.torch_build(mod, 2, 3, q_len, kv_len, block), repr(mask)
+        )
 
 
 def test_text_with_images_takes_the_closed_form_with_offsets(monkeypatch):
@@ -147,7 +148,7 @@ def test_text_with_images_takes_the_closed_form_with_offsets(monkeypatch):
         ([0, 5, 9], [0, 64, 1], 231, 150),
     ):
         ours = _ours(mask, 3, 2, q_len, kv_len, (32, 16), q_offset=q_off, kv_offset=kv_off)
-        reference = oracle.torch_blocks(_window(whole, q_off, kv_off, q_len, kv_len), (32, 16))
+        reference = oracle.torch_build(_window(whole, q_off, kv_off, q_len, kv_len), block=(32, 16))
         oracle.assert_same_block_mask(ours, reference, f"offsets {q_off}, {kv_off}")
 
 
@@ -169,7 +170,7 @@ def test_random_spans_equal_the_dense_oracle(data, q_len, kv_len, block):
     ):
         ours = _ours(mask, 1, 2, q_len, kv_len, block)
         oracle.assert_same_block_mask(
-            ours, oracle.torch_blocks(oracle.stack([ref], 2), block), repr(mask)
+            ours, oracle.torch_build(oracle.stack([ref], 2), block=block), repr(mask)
         )
 
 
@@ -184,7 +185,7 @@ def test_spans_ids_are_canonical_and_validated():
         flexmask.spans([[0, 1], [0, 1, 0]])
     with pytest.raises(TypeError, match="ids"):
         flexmask.spans([0.5, 1.0])
-    # More ids than the sequence: clipped, as every length past it (test_pieces_past_sequence.py).
+    # More ids than the sequence: clipped, as every length past it (test_pieces_edges.py).
 
 
 # --------------------------------------------------------------------------------- per_head
@@ -207,7 +208,9 @@ def test_per_head_equals_torch_for_every_head_and_group():
 
     for block in (16, 64, (128, 32)):
         ours = _ours(flexmask.per_head(*masks, group_size=2), 2, 16, 233, 200, block)
-        oracle.assert_same_block_mask(ours, _torch(mod, 2, 16, 233, 200, block), f"{block}")
+        oracle.assert_same_block_mask(
+            ours, oracle.torch_build(mod, 2, 16, 233, 200, block), f"{block}"
+        )
 
 
 def _stripes(b, h, q_idx, kv_idx):
@@ -226,7 +229,7 @@ def test_per_head_with_a_custom_leaf_offsets_and_pickle():
     whole = np.stack([np.stack(heads)] * 2)
     for q_off, kv_off in ((0, 0), (17, 40), ([0, 100], [3, 0])):
         ours = _ours(mask, 2, 4, 150, 170, 32, q_offset=q_off, kv_offset=kv_off)
-        reference = oracle.torch_blocks(_window(whole, q_off, kv_off, 150, 170), 32)
+        reference = oracle.torch_build(_window(whole, q_off, kv_off, 150, 170), block=32)
         oracle.assert_same_block_mask(ours, reference, f"offsets {q_off}, {kv_off}")
     bm = _ours(mask, 2, 4, 150, 170, 32)
     again = pickle.loads(pickle.dumps(bm))
@@ -350,4 +353,4 @@ def test_per_head_builds_each_distinct_mask_once_in_closed_form(monkeypatch):
     dense = np.stack(
         [[oracle.causal(300, 270) if h % 4 in (0, 3) else r for h in range(8)] for r in rows]
     )
-    oracle.assert_same_block_mask(ours, oracle.torch_blocks(dense, (64, 32)))
+    oracle.assert_same_block_mask(ours, oracle.torch_build(dense, block=(64, 32)))

@@ -83,7 +83,7 @@ def test_per_row_count_must_match_batch():
 
 
 def test_a_tree_longer_than_the_sequence_is_refused():
-    # Lengths past the sequence are clipped (tests/test_pieces_past_sequence.py); a tree's parents
+    # Lengths past the sequence are clipped (tests/test_pieces_edges.py); a tree's parents
     # are not a length, and a tree cut short would lose the nodes past the cut's ancestry.
     with pytest.raises(ValueError, match="parents has 12 tokens"):
         flexmask.create_block_mask(flexmask.tree([-1] * 12), 1, 1, 10, 10, "cpu")

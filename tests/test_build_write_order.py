@@ -1,8 +1,12 @@
-"""The writer from int8 tile codes (``ordered_from_codes``): both sides' partial and full
-tensors from one pass of runs per side (the q side's found down the columns, without a
-transpose), expanded in chunks and mended where a run begins inside a chunk. Against
-torch's own order (a stable descending argsort of each side's flags, as its
-``create_block_mask`` writes) and, end to end, against torch's ``create_block_mask``."""
+"""The writer's order is torch's: a stable descending argsort of each side's flags
+(``oracle.torch_order``), set blocks ascending, then unset ones.
+
+Each line written as runs of set and unset blocks (``ordered_lines``), on grids of few runs
+and of many; and the writer from int8 tile codes (``ordered_from_codes``): both sides'
+partial and full tensors from one pass of runs per side (the q side's found down the
+columns, without a transpose), expanded in chunks and mended where a run begins inside a
+chunk — against torch's order and, end to end, against torch's ``create_block_mask``.
+"""
 
 from __future__ import annotations
 
@@ -16,21 +20,16 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 
 import flexmask
 from flexmask.blocks import runs, write
+from flexmask.blocks.write import ordered_from_codes, ordered_lines
 from tests import oracle
-from tests.test_build_tree_classifier import insertion_tree
-
-
-def _torch_order(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's counts and indices of one side: a stable descending argsort of the flags."""
-    order = torch.argsort(blocks.to(torch.uint8), dim=-1, descending=True, stable=True)
-    return blocks.sum(-1, dtype=torch.int32), order.to(torch.int32)
+from tests.test_build_trees import insertion_tree
 
 
 def _expected(codes: torch.Tensor) -> list[torch.Tensor]:
     out = []
     for side in (codes, codes.transpose(-2, -1)):
         for code in (1, 2):  # partial, then full
-            out += _torch_order(side == code)
+            out += oracle.torch_order(side == code)
     return out
 
 
@@ -215,3 +214,54 @@ def test_large_closed_forms_expanded_in_chunks_match_torch(monkeypatch):
         theirs = torch_create_block_mask(mask.mask_mod, 2, 1, n, n, "cpu", block)
         oracle.assert_same_block_mask(ours, theirs, repr(mask))
     assert chunked[0] > 0
+
+
+@given(
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 2), st.integers(1, 40), st.integers(1, 40)),
+    runs=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+    density=st.floats(0.0, 1.0),
+)
+def test_lines_written_as_runs_match_torch_order(shape, runs, seed, density):
+    gen = torch.Generator().manual_seed(seed)
+    if runs:  # one band per line, as block grids mostly are: the run-length path
+        lo = torch.randint(0, shape[-1], (*shape[:-1], 1), generator=gen)
+        hi = lo + torch.randint(-1, 12, lo.shape, generator=gen)
+        column = torch.arange(shape[-1])
+        blocks = (column >= lo) & (column <= hi)
+    else:  # random: many short runs, the column-ranking path
+        blocks = torch.rand(shape, generator=gen) < density
+    count, indices = ordered_lines(blocks)
+    want_count, want_indices = oracle.torch_order(blocks)
+    assert torch.equal(count, want_count) and count.dtype == torch.int32
+    assert torch.equal(indices, want_indices) and indices.dtype == torch.int32
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("shape", [(2, 1, 700, 901), (1, 2, 1024, 1024)])
+def test_large_grids_of_codes_written_as_torch_orders_them(shape, sparse):
+    """Grids of over 16k words of tiles find their run starts by groups of words first
+    (``_nonzero_words``): clustered starts (bands near a diagonal, most groups empty) and
+    scattered ones (most groups hold one), a word count that is and is not a multiple of
+    the group — both sides equal torch's stable argsort of the partial and full tiles."""
+    gen = torch.Generator().manual_seed(sum(shape) + sparse)
+    rows, cols = shape[-2:]
+    if sparse:
+        q = torch.arange(rows).view(-1, 1)
+        lo = q * cols // rows - torch.randint(0, 40, (*shape[:-2], rows, 1), generator=gen)
+        column = torch.arange(cols)
+        inside = (column >= lo) & (column <= q * cols // rows)
+        full = inside & (torch.rand(shape, generator=gen) < 0.3)
+        codes = (inside.to(torch.int8) + full.to(torch.int8)).to(torch.int8)
+    else:
+        codes = torch.randint(0, 3, shape, generator=gen, dtype=torch.int8)
+        codes[..., : rows // 2, :] = codes[..., : rows // 2, :1]  # some lines one run
+    kv, q = ordered_from_codes(codes)
+    flipped = codes.transpose(-2, -1)
+    for side, grid in ((kv, codes), (q, flipped)):
+        for (num, idx), code in (
+            ((side.partial_num, side.partial_idx), 1),
+            ((side.full_num, side.full_idx), 2),
+        ):
+            want_num, want_idx = oracle.torch_order(grid == code)
+            assert torch.equal(num, want_num) and torch.equal(idx, want_idx)
