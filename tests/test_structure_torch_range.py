@@ -59,7 +59,7 @@ def test_a_cuda_build_without_a_gpu_builds_on_the_cpu(gpu_less_cuda_build):
     assert dense[0, 0].numpy().tolist() == expected.tolist()
     built = flexmask.create_block_mask(mask, 1, 1, 200, 200, BLOCK_SIZE=64)
     assert built.kv_num_blocks.device.type == "cpu"
-    oracle.assert_same_block_mask(built, oracle.torch_blocks(oracle.stack([expected]), 64))
+    oracle.assert_same_block_mask(built, oracle.torch_build(oracle.stack([expected]), block=64))
 
 
 def test_an_available_accelerator_is_the_default(monkeypatch):
