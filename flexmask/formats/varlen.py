@@ -172,9 +172,17 @@ def varlen_of(mask: Mask, win: Window, device: torch.device | str | None = None)
         plan = plan._replace(window=None)  # |q - kv| < length everywhere: no window at all
     left = -1 if plan.window is None else plan.window - 1
     right = 0 if plan.causal else (-1 if plan.window is None else plan.window - 1)
-    row, qa, qb, ka, kb = _sequences(plan, win, left)
+    # Where every row's queries and keys are the same positions, each sequence's queries and
+    # keys are the same run of one segment: the kernel's bottom-right alignment is its
+    # top-left one, and its rule within the run is the mask's (an & of that rule and
+    # partitions), so the lowering is exact by construction (no check) and its keys are
+    # its queries.
+    aligned = win.q_len == win.kv_len and bool((win.q_offset == win.kv_offset).all())
+    row, qa, qb, ka, kb = _sequences(plan, win, left, aligned)
     q_lens, k_lens = qb - qa, kb - ka
     window_size = (-1, -1) if plan.window is None else (left, right)
+    q_index = _spread(row * win.q_len + qa, q_lens)
+    k_index = q_index.clone() if aligned else _spread(row * win.kv_len + ka, k_lens)
     lowered = VarlenMask(
         cu_seqlens_q=_cumulative(q_lens, dev),
         cu_seqlens_k=_cumulative(k_lens, dev),
@@ -182,25 +190,19 @@ def varlen_of(mask: Mask, win: Window, device: torch.device | str | None = None)
         max_seqlen_k=int(k_lens.max()) if k_lens.numel() else 0,
         causal=plan.causal,
         window_size=window_size,
-        q_index=_spread(row * win.q_len + qa, q_lens).to(dev),
-        k_index=_spread(row * win.kv_len + ka, k_lens).to(dev),
+        q_index=q_index.to(dev),
+        k_index=k_index.to(dev),
         batch=win.batch,
         q_len=win.q_len,
         kv_len=win.kv_len,
     )
-    # Where every row's queries and keys are the same positions, each sequence's queries and
-    # keys are the same run of one segment: the kernel's bottom-right alignment is its
-    # top-left one, and its rule within the run is the mask's (an & of that rule and
-    # partitions), so the lowering is exact by construction and the check would only repeat
-    # the mask's intervals. Other windows are checked.
-    aligned = win.q_len == win.kv_len and bool((win.q_offset == win.kv_offset).all())
     if not aligned:
         _check_exact(one_mask_for_all_heads(mask, "varlen"), win, lowered, plan.rule_piece)
     return lowered
 
 
 def _sequences(
-    plan: VarlenPlan, win: Window, left: int
+    plan: VarlenPlan, win: Window, left: int, aligned: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The kernel's sequences in order (by batch row, then first query): their row, local
     queries ``[qa, qb)`` and local keys ``[ka, kb)``. A segment is a sequence where the
@@ -214,6 +216,8 @@ def _sequences(
     q0 = win.q_offset.expand(rows, 1)
     k0 = win.kv_offset.expand(rows, 1)
     q_row, q_seg, qa, qb = _runs(ids.gather(1, q0 + torch.arange(win.q_len)))
+    if aligned:  # each run's keys are its queries, none left out by the rule
+        return _repeated((q_row, qa, qb, qa, qb), rows, win.batch)
     k_row, k_seg, ka, kb = _runs(ids.gather(1, k0 + torch.arange(win.kv_len)))
     # Match each query run with the key run of its (row, segment): at most one each.
     span = int(torch.cat([q_seg, k_seg, q_seg.new_zeros(1)]).max()) + 1
@@ -233,12 +237,19 @@ def _sequences(
             k_first = torch.maximum(k_first, q_off + qa - left)
     keep = found & (k_end > k_first)
     k_first, k_end = k_first - k_off, k_end - k_off
-    out = q_row[keep], qa[keep], qb[keep], k_first[keep], k_end[keep]
-    if rows == win.batch:
-        return out
-    row = torch.arange(win.batch).repeat_interleave(out[0].numel())
-    qa, qb, k_first, k_end = (t.repeat(win.batch) for t in out[1:])
-    return row, qa, qb, k_first, k_end
+    return _repeated((q_row[keep], qa[keep], qb[keep], k_first[keep], k_end[keep]), rows, win.batch)
+
+
+def _repeated(
+    found: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], rows: int, batch: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The sequences of ``rows`` rows for ``batch`` rows: as they are, or one row's
+    repeated for each batch row."""
+    if rows == batch:
+        return found
+    row = torch.arange(batch).repeat_interleave(found[0].numel())
+    qa, qb, ka, kb = (t.repeat(batch) for t in found[1:])
+    return row, qa, qb, ka, kb
 
 
 def _runs(ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
