@@ -121,6 +121,10 @@ def _call_table(magi: Any, q_len: int, kv_len: int, per_row: bool) -> Tensor:
     if per_row:
         qs, qe, ks, ke = qs - row * q_len, qe - row * q_len, ks - row * kv_len, ke - row * kv_len
     n, m = qe - qs, ke - ks
+    causal = kind == CAUSAL
+    if bool(((kind == FULL) | causal & (m <= n)).all()):  # documents, trees: a call a slice
+        q_first = torch.where(causal, qe - m, qs)
+        return torch.stack([row, q_first, qe, ks, ke, causal.long(), torch.full_like(qs, -1)], 1)
     bi = kind == BICAUSAL
     banded = bi | (kind == INVCAUSAL)
     split = (kind == CAUSAL) & (m > n)  # a full call onto the first keys, a causal one
