@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flexmask
-from flexmask.algebra.lines import _ends_at_or_before
+from flexmask.algebra import INF
+from flexmask.algebra.lines import _ends_at_or_before, run_at
 from flexmask.backends import slices
 from flexmask.formats import BICAUSAL, FULL, INVCAUSAL, to_flashmask, to_magi, to_varlen
 from flexmask.formats._structure import (
@@ -349,3 +350,37 @@ def test_flashmask_heads_whose_rows_differ_stack_per_batch_row():
     assert torch.equal(f.startend_row_indices[:, 1:], alone_causal)
     assert alone_causal[:, 0, :, 0].tolist() == [[5] * 5, [5] * 5]
     assert alone_docs[:, 0, :, 0].tolist() == [[2, 2, 5, 5, 5], [4, 4, 4, 4, 5]]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), rows=st.integers(1, 3), dense=st.booleans())
+def test_run_at_equals_a_plain_walk(data, rows, dense):
+    """``run_at`` (running maxima for a window's positions, a search otherwise) against a
+    walk over the runs: sorted, disjoint, some empty, gaps between them, padded past every
+    position."""
+    width = data.draw(st.integers(1, 5))
+    starts, ends = [], []
+    for _ in range(rows):
+        at, row_s, row_e = 0, [], []
+        for _ in range(data.draw(st.integers(0, width))):
+            at += data.draw(st.integers(0, 3))
+            size = data.draw(st.integers(0, 5))
+            row_s.append(at)
+            row_e.append(at + size)
+            at += size
+        pad = width - len(row_s)
+        starts.append(row_s + [INF] * pad)
+        ends.append(row_e + [INF] * pad)
+    starts_t, ends_t = torch.tensor(starts), torch.tensor(ends)
+    if dense:
+        pos = data.draw(st.integers(0, 4)) + torch.arange(data.draw(st.integers(1, 30)))
+        pos = pos.view(1, -1).expand(rows, -1)
+    else:
+        pos = torch.tensor([data.draw(st.lists(st.integers(0, 30), min_size=4, max_size=4))])
+        pos = pos.expand(rows, -1)
+    lo, hi = run_at(starts_t, ends_t, pos)
+    for r in range(rows):
+        for i, p in enumerate(pos[r].tolist()):
+            runs = [(s, e) for s, e in zip(starts[r], ends[r], strict=True) if s <= p < e]
+            want = (runs[0][0], runs[0][1] - 1) if runs else (INF, -INF)
+            assert (int(lo[r, i]), int(hi[r, i])) == want, (starts[r], ends[r], p)

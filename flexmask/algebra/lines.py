@@ -72,12 +72,42 @@ def run_at(starts: Tensor, ends: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
     inclusive ``(lo, hi)``, or empty ``(INF, -INF)``: a document's or a span's line."""
     rows = max(starts.shape[0], ends.shape[0], pos.shape[0])
     starts, ends, pos = (t.expand(rows, *t.shape[1:]).to(torch.int64) for t in (starts, ends, pos))
-    k = _ends_at_or_before(ends, pos).clamp(max=ends.shape[1] - 1)
-    start, end = starts.gather(1, k), ends.gather(1, k)
-    inside = (start <= pos) & (pos < end)
+    first = _range_start(pos)
+    if first is not None:  # every row asks about first + [0, N): read off running maxima
+        start, end = _latest_runs(starts, ends, first, pos.shape[1])
+        inside = pos < end
+    else:
+        k = _ends_at_or_before(ends, pos).clamp(max=ends.shape[1] - 1)
+        start, end = starts.gather(1, k), ends.gather(1, k)
+        inside = (start <= pos) & (pos < end)
     if bool(inside.all()):  # runs that cover every position asked about (documents, spans)
         return start, end - 1
     return pick(inside, start, INF), pick(inside, end - 1, -INF)
+
+
+def _range_start(pos: Tensor) -> int | None:
+    """``a`` where every row of ``pos`` is ``a + [0, N)`` with ``a >= 0`` (a lowering's
+    window), else None."""
+    if not pos.numel():
+        return None
+    low = int(pos[0, 0])
+    expected = torch.arange(low, low + pos.shape[1])
+    return low if low >= 0 and bool((pos == expected).all()) else None
+
+
+def _latest_runs(starts: Tensor, ends: Tensor, first: int, n: int) -> tuple[Tensor, Tensor]:
+    """For positions ``first + [0, n)`` of every row, the start and end of the last run
+    starting at or before each (start -1 and end -1 before the first run): runs are sorted
+    and disjoint, so both are running maxima of the runs' bounds marked at their starts."""
+    top = first + n
+    at = starts.clamp(max=top)  # runs starting past the window: marked in a last column
+    marked_start = torch.full((starts.shape[0], top + 1), -1, dtype=torch.int64)
+    marked_end = torch.full((starts.shape[0], top + 1), -1, dtype=torch.int64)
+    marked_start.scatter_reduce_(1, at, starts, "amax")
+    marked_end.scatter_reduce_(1, at, ends, "amax")
+    start = marked_start.cummax(1).values[:, first:top]
+    end = marked_end.cummax(1).values[:, first:top]
+    return start, end
 
 
 def _ends_at_or_before(ends: Tensor, pos: Tensor) -> Tensor:
