@@ -6,6 +6,7 @@ attend nothing, and B > the mask's rows."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,7 @@ import flexmask
 from flexmask.algebra import INF
 from flexmask.algebra.lines import _ends_at_or_before, run_at
 from flexmask.backends import slices
+from flexmask.backends.slices import calls as slice_calls
 from flexmask.formats import BICAUSAL, FULL, INVCAUSAL, to_flashmask, to_magi, to_varlen
 from flexmask.formats._structure import (
     _clip,
@@ -265,9 +267,11 @@ def reference_lowered(mask, batch, q_len, kv_len):
     )
 
 
+@pytest.mark.parametrize("few", [slice_calls.FEW_SLICES, 0])
 @SETTINGS
 @given(data=st.data(), batch=st.integers(1, 3), length=st.integers(1, 40))
-def test_slices_lowering_equals_the_call_by_call_reference(data, batch, length):
+def test_slices_lowering_equals_the_call_by_call_reference(few, data, batch, length):
+    """Both ways of cutting the calls (Python lists for few slices, one table for many)."""
     kinds = ("causal", "full", "empty", "window", "prefix", "padding", "document", "tree")
     mask, _ = data.draw(leaves(batch, length, kinds))
     for _ in range(data.draw(st.integers(0, 2))):
@@ -275,8 +279,17 @@ def test_slices_lowering_equals_the_call_by_call_reference(data, batch, length):
         mask = mask & other if data.draw(st.booleans()) else mask | other
     kv_len = data.draw(st.sampled_from([length, length + 3]))
     slices._lowered.cache_clear()
-    got = slices._lowered(mask, batch, length, kv_len)
+    saved, slice_calls.FEW_SLICES = slice_calls.FEW_SLICES, few
+    try:
+        got = slices._lowered(mask, batch, length, kv_len)
+    finally:
+        slice_calls.FEW_SLICES = saved
+        slices._lowered.cache_clear()
     assert got == reference_lowered(mask, batch, length, kv_len), mask
+    magi = to_magi(mask, batch if (mask.rows or 1) > 1 else 1, length, kv_len)
+    per_row = (mask.rows or 1) > 1
+    table = slice_calls._call_table(magi, length, kv_len, per_row)
+    assert slice_calls._as_calls(table) == slices.kernel_calls(magi, length, kv_len, per_row)
 
 
 def test_slices_lowering_of_long_bands_and_many_documents():
