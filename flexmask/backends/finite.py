@@ -33,6 +33,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.backends.mod_eval import broadcasts, call_mod
 from flexmask.backends.request import Request
+from flexmask.backends.threads import one_thread
 from flexmask.blocks import FULL, PARTIAL, kv_codes
 
 # Scores one step of exact_rows holds (B x Hq x rows x KV_LEN): 64 MiB in float32.
@@ -106,10 +107,17 @@ def _all_finite(*tensors: Tensor) -> bool:
     takes the exact path, which is only slower (half types sum in float32, where that takes
     sixty-five thousand times larger sums). A sum reads each tensor once and writes
     nothing: a fraction of ``isfinite``'s passes."""
-    return all(
-        bool(torch.isfinite(t.detach().sum(dtype=torch.float32 if t.element_size() < 4 else None)))
-        for t in tensors
-    )
+    # On one thread: a sum is a short memory-bound pass, which torch's threads only slow (on
+    # busy cores each waits for a descheduled thread, a hundredfold its own time).
+    with one_thread():
+        return all(
+            bool(
+                torch.isfinite(
+                    t.detach().sum(dtype=torch.float32 if t.element_size() < 4 else None)
+                )
+            )
+            for t in tensors
+        )
 
 
 def _listed_rows(request: Request, rows: Tensor) -> Tensor:

@@ -108,7 +108,7 @@ def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:
     # masked score is -inf before scaling: 0 or a negative scale makes it NaN or +inf).
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in request.query_key_value)
     q, scale = positive_scale(q, request.scale)
-    with _threads():
+    with _threads(lowered):
         out, lse = _SliceAttention.apply(q, k, v, lowered, scale)
     return (out, lse) if request.return_lse else out
 
@@ -155,11 +155,15 @@ def too_many(lowered: Slices) -> str | None:
     )
 
 
-def _threads() -> contextlib.AbstractContextManager[None]:
-    """One intra-op thread while other processes keep a core busy: the kernel calls and
-    merges are many short ops, each of whose threads would wait for a descheduled one (the
-    block-sparse path's reason for its workers); torch's threads otherwise."""
-    return one_thread() if others_busy() else contextlib.nullcontext()
+def _threads(lowered: Slices) -> contextlib.AbstractContextManager[None]:
+    """One intra-op thread while other processes keep a core busy, where there are several
+    kernel calls: the calls and merges are many short ops, each of whose threads would wait
+    for a descheduled one (the block-sparse path's reason for its workers). One call over
+    every query (plain causal, full) is the very op SDPA's ``is_causal`` runs: it keeps
+    torch's threads, as SDPA does, so it costs what SDPA costs on the same cores."""
+    if len(lowered.calls) > 1 and others_busy():
+        return one_thread()
+    return contextlib.nullcontext()
 
 
 class _SliceAttention(torch.autograd.Function):
@@ -215,7 +219,7 @@ class _SliceAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_lse):  # type: ignore[override]
-        with _threads():
+        with _threads(ctx.lowered):
             return _SliceAttention._backward(ctx, grad_out)
 
     @staticmethod
