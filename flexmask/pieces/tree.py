@@ -7,6 +7,8 @@ vectorized tests of ``tree_chunks``) and its lines for the lowerings (``tree_lin
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -105,9 +107,11 @@ class Tree(Piece):
         (``ranks_and_ends``): computed at the first build that reads them, then kept."""
         if self._order is not None:
             return self._order
-        ranks, ends, preorder = zip(*(ranks_and_ends(p) for p in self.parents), strict=True)
+        exporting = _exporting()
+        with _outside_export() if exporting else contextlib.nullcontext():
+            ranks, ends, preorder = zip(*(ranks_and_ends(p) for p in self.parents), strict=True)
         order = list(ranks), list(ends), list(preorder)
-        if not tracing():  # tensors made under a trace are the trace's: never kept
+        if exporting or not tracing():  # a trace's own tensors are never kept
             self._order = order
         return order
 
@@ -285,3 +289,21 @@ def tree(parents: Any) -> Tree:
         ■ ⬚ ⬚ ■ ■
     """
     return Tree(parents)
+
+
+def _exporting() -> bool:
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting is not None and is_exporting())
+
+
+@contextlib.contextmanager
+def _outside_export() -> Iterator[None]:
+    """The order computed on the parents' real values while ``torch.export`` traces: the
+    mask was made outside the program (its parents are constants of it), and its order, a
+    property of those constants, is data the program reads, not a step it traces (tracing
+    it would guard on their values)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing(), unset_fake_temporarily(), torch._C.DisableTorchFunction():
+        yield
