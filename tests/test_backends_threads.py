@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flexmask import _cores
 from flexmask.backends import threads
 from flexmask.backends.threads import CoreLoad, ThreadChoice
 from tests.ranks import run_ranks
@@ -64,7 +65,7 @@ def test_core_load_is_the_allowed_cores_busy_time_less_this_process(monkeypatch)
     """Worked by hand: between two samples 1 s apart, cores 0 and 1 (core 2 is not ours)
     spent 150 + 30 + 20 + 100 = 300 ticks (1/100 s) outside idle and iowait, and this
     process 0.8 s of CPU: others took 3.0 - 0.8 = 2.2 core-seconds per second."""
-    tick = threads._TICKS
+    tick = _cores._TICKS
     scale = int(tick / 100)  # the counters are in the system's ticks; the sums above in 1/100 s
     before = STAT.format(t0=0, a=0, b=0, c=0, d=0, e=0, i0=0, ia=0, ib=0)
     after = STAT.format(
