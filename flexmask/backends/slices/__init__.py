@@ -55,10 +55,8 @@ OPTIONS: tuple[str, ...] = ()
 
 # A slice costs one kernel call forward and one backward (plus a merge where it shares its
 # queries) whatever its size, so below some size per call the block-sparse path, whose cost
-# follows its 128-token blocks, is the cheaper one. Causal documents of one size at 2k and
-# 8k, D=64/H=4 and D=16/H=2, one thread, load ~4.7, slices' time over block-sparse's
-# (fwd+bwd; no-grad fwd): 16-token documents 1.14-2.84x; 0.34-2.07x, 32: 0.25-1.22x;
-# 0.26-1.08x, 64: 0.52-1.38x; 0.44-0.58x, 128: 0.61-0.91x; 0.33-0.57x.
+# follows its 128-token blocks, is the cheaper one: at 64 queries a call slices won most
+# cases measured, at 128 all (docs/costs.md, "The thresholds in the code").
 MIN_ROWS_PER_CALL = 64
 
 

@@ -21,9 +21,8 @@ from flexmask.formats import BICAUSAL, CAUSAL, FULL, INVCAUSAL
 # A banded slice (a sliding window's body, inverse causal) runs in calls of this many
 # queries, each onto the keys its queries see, with a (rows, keys) additive mask: the band's
 # waste is (rows - 1) / (rows - 1 + width) of the scores, and smaller calls run the kernel
-# less efficiently. Causal window 1024, H=4, D=64, fwd+bwd, one thread, load ~3: 8k 944 /
-# 722 / 655 / 922 ms at 64 / 128 / 256 / 512 rows (block-sparse 1017 ms); 2k 188 / 177 /
-# 129 ms at 64 / 128 / 256 (block-sparse 195 ms, SDPA with the dense mask 248 ms).
+# less efficiently; 256 was the fastest measured (docs/costs.md, "The thresholds in the
+# code").
 BAND_ROWS = 256
 
 
