@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 
 from flexmask._validate import check_int
@@ -121,24 +122,48 @@ def imbalance(
         raise TypeError(f"masks must be a flexmask Mask or a non-empty list of them, got {masks!r}")
     world_size = check_int(world_size, "world_size", minimum=1)
     partial_cost = _check_cost(partial_cost)
-    costs = torch.zeros(world_size, dtype=torch.float64)
-    for mask in masks:
-        for rank in range(world_size):
-            bm = shard(
-                mask,
-                B,
-                H,
-                Q_LEN,
-                world_size=world_size,
-                rank=rank,
-                balancer=balancer,
-                BLOCK_SIZE=BLOCK_SIZE,
-            ).block_mask
-            if bm.full_kv_num_blocks is None:  # flexmask's shards always write the full side
-                raise RuntimeError("shard returned a BlockMask without its full blocks")
-            rows = (B or 1) if bm.kv_num_blocks.shape[0] == 1 else 1
-            heads = (H or 1) if bm.kv_num_blocks.shape[1] == 1 else 1
-            work = bm.full_kv_num_blocks.sum() + partial_cost * bm.kv_num_blocks.sum()
-            costs[rank] += float(work) * rows * heads
+    costs = torch.stack(
+        [
+            shard_costs(mask, B, H, Q_LEN, world_size, balancer, BLOCK_SIZE, partial_cost)
+            for mask in masks
+        ]
+    ).sum(0)
     mean = float(costs.mean())
     return float(costs.max()) / mean if mean else 1.0
+
+
+def shard_costs(
+    mask: Mask,
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    world_size: int,
+    balancer: Any,
+    BLOCK_SIZE: int | tuple[int, int],
+    partial_cost: float,
+) -> Tensor:
+    """``(world_size,)`` float64: each rank's shard of ``mask`` costed as full blocks +
+    ``partial_cost`` x partial blocks, summed over rows and heads (a BlockMask broadcast over
+    B or H counts once per row or head)."""
+    costs = torch.zeros(world_size, dtype=torch.float64)
+    for rank in range(world_size):
+        bm = shard(
+            mask,
+            B,
+            H,
+            Q_LEN,
+            world_size=world_size,
+            rank=rank,
+            balancer=balancer,
+            BLOCK_SIZE=BLOCK_SIZE,
+        ).block_mask
+        full = bm.full_kv_num_blocks
+        if full is None:  # flexmask's shards always write the full side
+            raise RuntimeError("shard returned a BlockMask without its full blocks")
+        rows = (B or 1) if bm.kv_num_blocks.shape[0] == 1 else 1
+        heads = (H or 1) if bm.kv_num_blocks.shape[1] == 1 else 1
+        work = full.sum(dtype=torch.float64) + partial_cost * bm.kv_num_blocks.sum(
+            dtype=torch.float64
+        )
+        costs[rank] = float(work) * rows * heads
+    return costs

@@ -22,8 +22,8 @@ from torch.distributed.tensor.experimental._attention import _LoadBalancer
 from flexmask._validate import check_int
 from flexmask.algebra import Mask
 from flexmask.builders import cpu_threads
-from flexmask.context_parallel.balance import MaskAwareBalancer, _check_cost, deal
-from flexmask.context_parallel.core import shard
+from flexmask.context_parallel.balance import MaskAwareBalancer, _check_cost, _restore, deal
+from flexmask.context_parallel.core import shard_costs
 
 # Candidate swaps scored at once: (masks, ranks, blocks, blocks) float64 stays ~32 MiB.
 _SWAP_CHUNK = 1 << 22
@@ -326,7 +326,7 @@ class LayerWeightedBalancer(_LoadBalancer):
         )
 
     def _generate_indices(self, restore: bool = False) -> Tensor:
-        return torch.argsort(self._indices, dim=-1) if restore else self._indices
+        return _restore(self._indices, restore)
 
 
 class LayerImbalance(NamedTuple):
@@ -393,26 +393,10 @@ def layer_imbalance(
         )
     world_size = check_int(world_size, "world_size", minimum=1)
     partial_cost = _check_cost(partial_cost)
-    costs = torch.zeros(len(masks), world_size, dtype=torch.float64)
-    for m, mask in enumerate(masks):
-        for rank in range(world_size):
-            bm = shard(
-                mask,
-                B,
-                H,
-                Q_LEN,
-                world_size=world_size,
-                rank=rank,
-                balancer=balancer,
-                BLOCK_SIZE=BLOCK_SIZE,
-            ).block_mask
-            full = bm.full_kv_num_blocks
-            if full is None:  # flexmask's shards always write the full side
-                raise RuntimeError("shard returned a BlockMask without its full blocks")
-            rows = (B or 1) if bm.kv_num_blocks.shape[0] == 1 else 1
-            heads = (H or 1) if bm.kv_num_blocks.shape[1] == 1 else 1
-            work = full.sum(dtype=torch.float64) + partial_cost * bm.kv_num_blocks.sum(
-                dtype=torch.float64
-            )
-            costs[m, rank] = float(work) * rows * heads
+    costs = torch.stack(
+        [
+            shard_costs(mask, B, H, Q_LEN, world_size, balancer, BLOCK_SIZE, partial_cost)
+            for mask in masks
+        ]
+    )
     return _ratios(costs, weights)
