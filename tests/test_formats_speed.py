@@ -191,6 +191,8 @@ def test_first_touch_in_start_order_equals_the_general_walk(spans, ordered):
     row, start, end = (torch.tensor([s[i] for s in spans], dtype=torch.int64) for i in range(3))
     got = slices._first_touches(row, start, end, 20).tolist()
     assert tuple(got) == slices._first_touch_any(spans)
+    if all(end > start for _, start, end in spans):  # empty spans cover nothing to compare
+        assert tuple(got) == reference_first(spans, 20)
 
 
 # The slices backend's lowering as it was written before issue #32, call by call: the
@@ -232,19 +234,37 @@ def reference_calls(magi, q_len, kv_len, per_row):
 
 
 def reference_gaps(rows, length, written):
-    spans = {row: [] for row in rows}
-    for row, start, end in written:
-        spans[row].append((start, end))
+    """Per row, the maximal runs of positions in ``[0, length)`` no written span covers,
+    read off a dense coverage array."""
     gaps = []
     for row in rows:
+        covered = np.zeros(length, dtype=bool)
+        for r, start, end in written:
+            if r == row:
+                covered[start:end] = True
         at = 0
-        for start, end in sorted(spans[row]):
-            if start > at:
-                gaps.append((row, at, start))
-            at = end
-        if at < length:
-            gaps.append((row, at, length))
+        while at < length:
+            if covered[at]:
+                at += 1
+                continue
+            stop = at
+            while stop < length and not covered[stop]:
+                stop += 1
+            gaps.append((row, at, stop))
+            at = stop
     return tuple(gaps)
+
+
+def reference_first(spans, length):
+    """Per ``(row, start, end)`` in order: whether no earlier span of its row covers any of
+    its positions, read off a dense array of the positions covered so far."""
+    covered = {}
+    first = []
+    for row, start, end in spans:
+        seen = covered.setdefault(row, np.zeros(length, dtype=bool))
+        first.append(not bool(seen[start:end].any()))
+        seen[start:end] = True
+    return tuple(first)
 
 
 def reference_lowered(mask, batch, q_len, kv_len):
@@ -252,9 +272,9 @@ def reference_lowered(mask, batch, q_len, kv_len):
     magi = to_magi(mask, batch if per_row else 1, q_len, kv_len)
     calls = reference_calls(magi, q_len, kv_len, per_row)
     ordered = sorted(calls, key=lambda c: (-1 if c[0] is None else c[0], c[1], c[3]))
-    first = slices._first_touch_any([c[:3] for c in ordered])
+    first = reference_first([c[:3] for c in ordered], q_len)
     keys = [(c[0], c[3], c[4]) for c in ordered]
-    first_keys = slices._first_touch_any(keys)
+    first_keys = reference_first(keys, kv_len)
     rows = list(range(batch)) if per_row else [None]
     covered = int((magi.q_ranges[:, 1] - magi.q_ranges[:, 0]).sum()) if calls else 0
     return slices.Slices(
