@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import itertools
 import numbers
 import os
 from array import array as py_array
@@ -74,17 +75,24 @@ def _is_array(value: Any) -> bool:
     return hasattr(value, "__array__") and not isinstance(value, (Tensor, list, tuple))
 
 
+def int_tensor(value: Tensor, name: str) -> Tensor:
+    """``value`` checked as a 1-D integer tensor and returned detached, not copied: the
+    caller copies what it keeps (``int_vector``: to int64; a tree: narrowed)."""
+    _has_values(value, name)
+    if value.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got a tensor of shape {tuple(value.shape)}")
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+    return value.detach()
+
+
 def int_vector(value: Any, name: str) -> Tensor:
     """A 1-D int64 CPU tensor from a list/tuple of ints or a 1-D integer tensor/array."""
     if isinstance(value, Tensor):
-        _has_values(value, name)
-        if value.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got a tensor of shape {tuple(value.shape)}")
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+        value = int_tensor(value, name)
         if value.dtype == torch.uint64:  # .to(int64) would wrap values >= 2**63: check them
             return int_vector(value.tolist(), name)
-        return value.detach().to("cpu", torch.int64, copy=True)  # the mask owns its data
+        return value.to("cpu", torch.int64, copy=True)  # the mask owns its data
     if _is_array(value):
         import numpy as np  # only reached with an array in hand: numpy is installed
 
@@ -98,14 +106,33 @@ def int_vector(value: Any, name: str) -> Tensor:
         return torch.from_numpy(array.astype(np.int64, copy=True))
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be a list of ints or a 1-D integer tensor, got {value!r}")
-    if set(map(type, value)) == {int}:  # plain ints (not bool): one bulk conversion
-        try:
-            # Through an array: a quarter of torch.tensor's time on a list (docs/costs.md).
-            return torch.frombuffer(py_array("q", value), dtype=torch.int64)
-        except OverflowError:
-            pass  # a value outside int64: the per-value check below names it
+    plain = plain_ints([value])
+    if plain is not None:
+        return plain
     items = [check_int(v, f"{name}[{i}]") for i, v in enumerate(value)]
     return torch.tensor(items, dtype=torch.int64)
+
+
+def plain_ints(rows: Sequence[Any]) -> Tensor | None:
+    """Every row's values, one row after another, as one int64 CPU tensor, where each row is
+    a list or tuple of plain ints (not bools) within int64; None otherwise (``int_vector``
+    then checks each value and names a bad one).
+
+    One scan of the values' types and one conversion through an array: a quarter of
+    ``torch.tensor``'s time on a list, with no per-row tensors to concatenate
+    (docs/costs.md). ``array('q')`` alone would take bools and any ``__index__`` as ints.
+    """
+    if not all(type(row) in (list, tuple) for row in rows):
+        return None
+    if set(map(type, itertools.chain.from_iterable(rows))) != {int}:
+        return None  # empty, or some value is not a plain int
+    values = py_array("q")
+    try:
+        for row in rows:
+            values.fromlist(row if type(row) is list else list(row))
+    except OverflowError:
+        return None  # a value outside int64
+    return torch.frombuffer(values, dtype=torch.int64)
 
 
 def check_parents(

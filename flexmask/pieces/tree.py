@@ -76,7 +76,7 @@ class Tree(Piece):
     ranks where a block's ranks are not one run (``tree_tiles``): no tile evaluated.
     """
 
-    __slots__ = ("parents", "per_row", "_order")
+    __slots__ = ("_flat", "_lengths", "_parents", "per_row", "_order")
 
     settles_every_tile = True
     """``classify_tiles`` returns EMPTY, PARTIAL or FULL for every tile, never UNDECIDED
@@ -90,17 +90,32 @@ class Tree(Piece):
 
     def __init__(self, parents: Any) -> None:
         # The key and the checks only (``tree_keys``): a re-made tree that hits the cache
-        # never computes its order.
-        rows, per_row, digest = parent_rows(parents)
-        self.parents = rows
-        self.per_row = per_row
+        # never widens its parents to int64 nor computes its order.
+        made = parent_rows(parents)
+        self._flat = made.flat
+        self._lengths = made.lengths
+        self.per_row = made.per_row
+        self._parents: list[Tensor] | None = None
         self._order: tuple[list[Tensor], list[Tensor], list[bool]] | None = None
         super().__init__(
-            ("tree", digest, per_row),
-            rows=len(rows) if per_row else None,
+            ("tree", made.digest, made.per_row),
+            rows=len(made.lengths) if made.per_row else None,
             device=source_device(parents),
-            natural=max(p.numel() for p in rows),
+            natural=max(made.lengths),
         )
+
+    @property
+    def parents(self) -> list[Tensor]:
+        """Each row's parents as int64 on the CPU: widened from the narrow copy the key was
+        made of at the first build that reads them, then kept."""
+        if self._parents is not None:
+            return self._parents
+        exporting = _exporting()
+        with _outside_export() if exporting else contextlib.nullcontext():
+            parents = list(self._flat.to(torch.int64).split(self._lengths))
+        if exporting or not tracing():  # a trace's own tensors are never kept
+            self._parents = parents
+        return parents
 
     def _ordered(self) -> tuple[list[Tensor], list[Tensor], list[bool]]:
         """Each row's preorder rank, subtree end and whether it is laid out in preorder
@@ -117,11 +132,13 @@ class Tree(Piece):
 
     def __getstate__(self) -> dict[str, object]:
         state = super().__getstate__()
-        del state["_order"]  # derived from the parents: recomputed, never pickled
+        # Derived from the narrow copy: recomputed, never pickled.
+        del state["_parents"], state["_order"]
         return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
         super().__setstate__(state)
+        self._parents = None
         self._order = None
 
     @property
@@ -141,7 +158,7 @@ class Tree(Piece):
 
     def check(self, extent: Extent) -> None:
         super().check(extent)
-        longest = max(p.numel() for p in self.parents)
+        longest = self.natural_length  # read at every cache hit: never widens the parents
         if longest > extent.length:
             raise ValueError(
                 f"parents has {longest} tokens, more than the sequence length "
@@ -181,7 +198,7 @@ class Tree(Piece):
         return kept
 
     def classify_tiles(self, grid: TileGrid) -> Tensor:
-        longest = max(p.numel() for p in self.parents)
+        longest = self.natural_length
         if _least(grid.q_offset) >= longest or _least(grid.kv_offset) >= longest:
             # A side wholly past the tree: its queries attend nothing, or its keys are
             # nobody's ancestor. Every tile is EMPTY, with no lookups over the window's
@@ -205,8 +222,7 @@ class Tree(Piece):
         that is O(tree + Q + KV)."""
         if grid.lookup_window is None:
             return grid.length
-        longest = max(p.numel() for p in self.parents)
-        return max(_most(grid.q_end), _most(grid.kv_end), longest)
+        return max(_most(grid.q_end), _most(grid.kv_end), self.natural_length)
 
     def lower_at(self, length: int, device: torch.device, window: Window | None = None) -> Lowered:
         if window is not None:
@@ -252,9 +268,9 @@ class Tree(Piece):
 
     def __repr__(self) -> str:
         if self.per_row:
-            return f"tree(<{len(self.parents)} rows>)"
-        p = self.parents[0]
-        return f"tree({p.tolist()})" if p.numel() <= 16 else f"tree(<{p.numel()} tokens>)"
+            return f"tree(<{len(self._lengths)} rows>)"
+        n = self._lengths[0]
+        return f"tree({self._flat.tolist()})" if n <= 16 else f"tree(<{n} tokens>)"
 
 
 def _most(end: int | Tensor) -> int:

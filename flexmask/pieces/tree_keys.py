@@ -1,80 +1,160 @@
 """A tree's parents as the piece holds them: checked all rows at once, keyed by one digest.
 
 An RL step re-makes ``tree(parents)`` from its data every step, and a cache hit then costs
-what making the mask costs. So making one does only what the key and the checks need — a
-copy, a few vectorized passes over every row at once and one digest of the values — and leaves
-the order (preorder ranks, subtree ends, ``flexmask.pieces.tree_order``) to the first build.
+what making the mask costs. So making one does only what the key and the checks need — one
+narrowed copy of every row, a few vectorized passes over it and one digest of its bytes —
+and leaves the int64 parents and the order (preorder ranks, subtree ends,
+``flexmask.pieces.tree_order``) to the first build.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from flexmask._validate import check_parents, digest, int_vector, is_nested
+from flexmask._cores import others_busy
+from flexmask._validate import (
+    check_parents,
+    digest,
+    int_tensor,
+    int_vector,
+    is_nested,
+    plain_ints,
+)
+
+_BUSY = 0.5
+"""Other processes keeping this much of a core busy send the key's passes to one thread: a
+parallel pass then waits for a descheduled thread (milliseconds, against microseconds for the
+pass), as a build's do (``builders.threads.BUSY``)."""
 
 
-def parent_rows(parents: Any) -> tuple[list[Tensor], bool, str]:
-    """``(rows, per_row, digest)``: each row's parents as int64 on the CPU (the piece's own
-    copy), whether one was given per batch row, and the content digest of them all.
+class ParentRows(NamedTuple):
+    """A tree's parents as made: ``flat`` every row's parents one row after another in the
+    smallest integer type that holds ``[-1, longest)`` (the piece's own copy: later edits
+    of the user's tensor change nothing), each row's length, whether one was given per batch
+    row, and the content digest of them all."""
+
+    flat: Tensor
+    lengths: tuple[int, ...]
+    per_row: bool
+    digest: str
+
+
+def parent_rows(parents: Any) -> ParentRows:
+    """The tree's parents checked, narrowed and digested (``ParentRows``).
 
     Raises the errors ``check_parents`` raises, naming the first bad row (``parents[i]``) and
     value: an empty row, a parent that is not an earlier token or -1, non-integers.
     """
     per_row = is_nested(parents)
+    sources, lengths = _sources(parents, per_row)
+    with _one_thread_if_busy():
+        flat = _narrowed(sources, lengths)
+        if flat is None:
+            rows = sources[0].split(lengths) if len(sources) == 1 else sources
+            for i, row in enumerate(rows):  # the first bad row raises, named and explained
+                check_parents(row, _name(i, per_row))
+            raise RuntimeError("a tree's parents failed the vectorized check only")
+        # The lengths fix the narrow type and where each row starts: equal digests are equal
+        # rows, however they were given (lists, tensors, one table).
+        key = digest(torch.tensor(lengths), flat)
+    return ParentRows(flat, tuple(lengths), per_row, key)
+
+
+def _sources(parents: Any, per_row: bool) -> tuple[list[Tensor], list[int]]:
+    """The rows' integer values, checked for type and shape, and their lengths: one tensor
+    of every row (a table, or lists of plain ints) where it can, else one per row. A
+    tensor given is read in place (``_narrowed`` makes the copy)."""
     if per_row and isinstance(parents, Tensor):
-        # One copy of the whole table, checked and digested as one: its rows are its views.
         if parents.shape[0] == 0:
             raise ValueError("parents must hold at least one batch row, got a (0, n) tensor")
-        flat = int_vector(parents.reshape(-1), "parents")
-        rows = list(flat.view(parents.shape).unbind(0))
-    else:
-        given = list(parents) if per_row else [parents]
-        if not given:
-            raise ValueError("parents must hold at least one batch row, got an empty list")
-        rows = [int_vector(p, _name(i, per_row)) for i, p in enumerate(given)]
-        flat = rows[0] if len(rows) == 1 else torch.cat(rows)
-    lengths = [row.numel() for row in rows]
-    narrow = _narrowed(flat, lengths)
-    if narrow is None:
-        for i, row in enumerate(rows):  # the first bad row raises, named and explained
-            check_parents(row, _name(i, per_row))
-        raise RuntimeError("a tree's parents failed the vectorized check only")
-    # The lengths fix the narrow type and where each row starts: equal digests are equal
-    # rows, however they were given (lists, tensors, one table).
-    return rows, per_row, digest(torch.tensor(lengths), narrow)
+        rows, length = parents.shape
+        return [_row_values(parents.reshape(-1), "parents")], [length] * rows
+    given = list(parents) if per_row else [parents]
+    if not given:
+        raise ValueError("parents must hold at least one batch row, got an empty list")
+    plain = plain_ints(given)  # lists of ints: one scan, one conversion
+    if plain is not None:
+        return [plain], [len(row) for row in given]
+    sources = [_row_values(p, _name(i, per_row)) for i, p in enumerate(given)]
+    return sources, [s.numel() for s in sources]
+
+
+def _row_values(value: Any, name: str) -> Tensor:
+    """A row's values: a CPU integer tensor given, in place; anything else converted."""
+    if isinstance(value, Tensor):
+        values = int_tensor(value, name)
+        if values.device.type == "cpu" and values.dtype != torch.uint64:
+            return values
+    return int_vector(value, name)
 
 
 def _name(row: int, per_row: bool) -> str:
     return f"parents[{row}]" if per_row else "parents"
 
 
-def _narrowed(flat: Tensor, lengths: list[int]) -> Tensor | None:
-    """``flat`` (every row's parents, one row after another) in the smallest integer type
-    that holds ``[-1, longest)``, so the digest reads 2 or 4 bytes a token, not 8; None
-    where a row is empty or some parent is neither -1 nor an earlier token of its row.
+def narrow_type(longest: int) -> torch.dtype:
+    """The smallest integer type holding parents ``[-1, longest - 1]``, positions
+    ``[0, longest - 1]`` and their differences ``[-longest, longest - 1]``."""
+    for dtype in (torch.int16, torch.int32):
+        if longest - 1 <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
 
-    Three passes over the values whatever B is: their extremes (which also make the
-    narrowing lossless), the narrowing, and the greatest of parent less position (a
-    difference that fits the narrow type; torch's CPU compares into bools take several
-    times as long).
+
+def _narrowed(sources: list[Tensor], lengths: list[int]) -> Tensor | None:
+    """Every row's parents, one row after another, copied into ``narrow_type`` (the digest
+    then reads 2 or 4 bytes a token, not 8); None where a row is empty or some parent is
+    neither -1 nor an earlier token of its row.
+
+    Three passes over the values: their extremes (which make the narrowing lossless), the
+    narrowing copy, and the greatest of parent less position in the narrow type (torch's
+    CPU compares into bools take several times as long).
     """
     if min(lengths) == 0:
         return None
     longest = max(lengths)
-    low, high = (int(v) for v in flat.aminmax())
+    if len(sources) == 1:
+        low, high = (int(v) for v in sources[0].aminmax())
+    else:
+        extremes = torch.stack([v for source in sources for v in source.aminmax()])
+        low, high = int(extremes[0::2].min()), int(extremes[1::2].max())
     if low < -1 or high >= longest:
         return None
-    dtype = torch.int16 if longest <= torch.iinfo(torch.int16).max else torch.int32
-    if longest > torch.iinfo(torch.int32).max:
-        dtype = torch.int64
-    narrow = flat.to(dtype)
+    dtype = narrow_type(longest)
+    if len(sources) == 1:
+        flat = sources[0].to(dtype, copy=True)
+    else:  # copied and narrowed in one pass
+        flat = torch.cat(sources, out=torch.empty(sum(lengths), dtype=dtype))
+    positions = _positions(longest, dtype)
     if len(set(lengths)) == 1:  # rows of one length: compared as a table
-        ahead = narrow.view(len(lengths), longest) - torch.arange(longest, dtype=dtype)
+        ahead = (flat.view(len(lengths), longest) - positions).max()
     else:
-        counts = torch.tensor(lengths)
-        starts = (counts.cumsum(0) - counts).repeat_interleave(counts)
-        ahead = narrow - (torch.arange(flat.numel()) - starts).to(dtype)
-    return None if int(ahead.max()) >= 0 else narrow
+        rows = flat.split(lengths)
+        ahead = torch.stack([(row - positions[: row.numel()]).max() for row in rows]).max()
+    return None if ahead.item() >= 0 else flat
+
+
+@functools.lru_cache(maxsize=4)
+def _positions(length: int, dtype: torch.dtype) -> Tensor:
+    """``arange(length)`` in ``dtype``, kept for the next tree of that length (read only)."""
+    return torch.arange(length, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _one_thread_if_busy() -> Iterator[None]:
+    """One intra-op thread while other processes keep a core busy, else torch's own."""
+    previous = torch.get_num_threads()
+    if previous == 1 or not others_busy(busy=_BUSY):
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
