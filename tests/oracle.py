@@ -521,3 +521,35 @@ def _raw_scores(query: Tensor, key: Tensor, dense: Tensor, scale: float | None) 
     pair = allowed.unsqueeze(-1)
     products = torch.where(pair, q.unsqueeze(-2), 0.0) * torch.where(pair, k.unsqueeze(-3), 0.0)
     return scale * products.sum(-1)
+
+
+# ---------------------------------------------------------------------------- context parallel
+class FakeMesh:
+    """The three things torch's ``_create_cp_block_mask`` reads from a DeviceMesh: ranks in
+    one process."""
+
+    def __init__(self, world: int, rank: int) -> None:
+        self.world, self.rank, self.device_type = world, rank, "cpu"
+
+    def size(self) -> int:
+        return self.world
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+
+def torch_cp_shard(mask, B, H, S, world, rank, balancer, kv_len=None):
+    """torch's own ``_create_cp_block_mask`` of ``mask.mask_mod`` on rank ``rank`` of
+    ``world``, eager (its compile swapped for the eager build: the same blocks); without a
+    balancer, load balancing off. ``kv_len``: the key length where it is not S."""
+    import torch.distributed.tensor.experimental._context_parallel._attention as torch_cp
+
+    saved = torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance
+    torch_cp._compiled_create_block_mask = torch_create_block_mask
+    torch_cp._cp_options.enable_load_balance = balancer is not None
+    try:
+        return torch_cp._create_cp_block_mask(
+            mask.mask_mod, B, H, S, S if kv_len is None else kv_len, FakeMesh(world, rank), balancer
+        )
+    finally:
+        torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance = saved

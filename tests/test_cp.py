@@ -9,12 +9,10 @@ import random
 import numpy as np
 import pytest
 import torch
-import torch.distributed.tensor.experimental._context_parallel._attention as torch_cp
 from torch.distributed.tensor.experimental._attention import (
     _HeadTailLoadBalancer,
     _PerDocumentHeadTailLoadBalancer,
 )
-from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
 from flexmask.context_parallel import (
@@ -28,33 +26,6 @@ from flexmask.context_parallel import (
 )
 from tests import oracle
 from tests.ranks import spawn_ranks
-
-
-class FakeMesh:
-    """The three things _create_cp_block_mask reads from a DeviceMesh: ranks in one process."""
-
-    def __init__(self, world: int, rank: int) -> None:
-        self.world, self.rank, self.device_type = world, rank, "cpu"
-
-    def size(self) -> int:
-        return self.world
-
-    def get_local_rank(self) -> int:
-        return self.rank
-
-
-def torch_shard(mask, B, H, S, world, rank, balancer, kv_len=None):
-    """torch's own _create_cp_block_mask, eager (its compile swapped out: same blocks); without
-    a balancer, load balancing off. ``kv_len``: the key length where it is not S."""
-    saved = torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance
-    torch_cp._compiled_create_block_mask = torch_create_block_mask
-    torch_cp._cp_options.enable_load_balance = balancer is not None
-    try:
-        return torch_cp._create_cp_block_mask(
-            mask.mask_mod, B, H, S, S if kv_len is None else kv_len, FakeMesh(world, rank), balancer
-        )
-    finally:
-        torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance = saved
 
 
 def expanded(block_mask, B, H):
@@ -155,7 +126,7 @@ def test_shard_equals_torch_and_oracle(name, world):
         for rank in range(world):
             lb = make()
             ours = flexmask.shard(mask, 1, 2, S, world_size=world, rank=rank, balancer=lb)
-            reference = torch_shard(mask, 1, 2, S, world, rank, lb)
+            reference = oracle.torch_cp_shard(mask, 1, 2, S, world, rank, lb)
             oracle.assert_same_block_mask(
                 expanded(ours.block_mask, 1, 2),
                 reference,
@@ -373,7 +344,14 @@ def test_lazy_shard_pickles_its_recipe(balancer):
     S, lengths = 512, [256, 192, 64]
     mask = flexmask.causal() & flexmask.document(lengths)
     handle = lazy_shard(
-        mask, 1, 2, S, cache=ShardCache(), mesh=FakeMesh(2, 1), balancer=balancer, BLOCK_SIZE=64
+        mask,
+        1,
+        2,
+        S,
+        cache=ShardCache(),
+        mesh=oracle.FakeMesh(2, 1),
+        balancer=balancer,
+        BLOCK_SIZE=64,
     )
     built = handle.shard  # built before pickling: the pickle still holds only the recipe
     copy = pickle.loads(pickle.dumps(handle))

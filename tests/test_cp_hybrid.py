@@ -9,8 +9,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed.tensor.experimental._context_parallel._attention as torch_cp
-from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import flexmask
 from flexmask.context_parallel import (
@@ -21,32 +19,6 @@ from flexmask.context_parallel import (
     layer_imbalance,
 )
 from tests import oracle
-
-
-class FakeMesh:
-    """The three things _create_cp_block_mask reads from a DeviceMesh: ranks in one process."""
-
-    def __init__(self, world: int, rank: int) -> None:
-        self.world, self.rank, self.device_type = world, rank, "cpu"
-
-    def size(self) -> int:
-        return self.world
-
-    def get_local_rank(self) -> int:
-        return self.rank
-
-
-def torch_shard(mask, S, world, rank, balancer, B=1):
-    """torch's own _create_cp_block_mask (H = 1), eager: its compile swapped out."""
-    saved = torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance
-    torch_cp._compiled_create_block_mask = torch_create_block_mask
-    torch_cp._cp_options.enable_load_balance = True
-    try:
-        return torch_cp._create_cp_block_mask(
-            mask.mask_mod, B, 1, S, S, FakeMesh(world, rank), balancer
-        )
-    finally:
-        torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance = saved
 
 
 def mixed_documents(S: int, seed: int, unit: int) -> list[int]:
@@ -220,7 +192,7 @@ def test_every_mask_shard_equals_torch_cp_block_mask(world):
     for m, (mask, _) in enumerate(layers):
         for rank in range(world):
             ours = flexmask.shard(mask, 1, 1, S, world_size=world, rank=rank, balancer=lb)
-            theirs = torch_shard(mask, S, world, rank, lb)
+            theirs = oracle.torch_cp_shard(mask, 1, 1, S, world, rank, lb)
             oracle.assert_same_block_mask(
                 ours.block_mask, theirs, f"mask {m} rank {rank}", own_storage=False
             )
@@ -295,7 +267,7 @@ def test_grpo_trees_shard_equals_torch_under_every_balancer(world):
         assert lb.rows == (1 if name == "head_tail" else B)
         for rank in range(world):
             ours = flexmask.shard(mask, B, 1, S, world_size=world, rank=rank, balancer=lb)
-            theirs = torch_shard(mask, S, world, rank, lb, B=B)
+            theirs = oracle.torch_cp_shard(mask, B, 1, S, world, rank, lb)
             oracle.assert_same_block_mask(
                 ours.block_mask, theirs, f"{name} rank {rank}", own_storage=False
             )

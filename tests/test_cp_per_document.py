@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import create_mask
 import flexmask
 from flexmask.context_parallel import PerDocumentBalancer, per_document
 from tests import oracle
-from tests.test_cp import document_dense, torch_shard
+from tests.test_cp import document_dense
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def test_equals_torch_per_document_cp_block_mask(world, closed_form_only):
                 rank=rank,
                 balancer=PerDocumentBalancer([lengths], world),
             )
-            theirs = torch_shard(
+            theirs = oracle.torch_cp_shard(
                 mask,
                 1,
                 1,

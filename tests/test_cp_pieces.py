@@ -21,7 +21,6 @@ from tests.test_cp import (
     document_dense,
     expanded,
     random_lengths,
-    torch_shard,
 )
 
 SHARD = sys.modules["flexmask.builders.cp_shard"]
@@ -105,7 +104,7 @@ def test_head_tail_shards_from_pieces_equal_torch(name, pieces_only):
     for rank in range(world):
         lb = HeadTailBalancer(S, world)
         ours = flexmask.shard(mask, 1, 2, S, world_size=world, rank=rank, balancer=lb)
-        reference = torch_shard(mask, 1, 2, S, world, rank, lb)
+        reference = oracle.torch_cp_shard(mask, 1, 2, S, world, rank, lb)
         oracle.assert_same_block_mask(
             expanded(ours.block_mask, 1, 2), reference, f"rank {rank}", own_storage=False
         )

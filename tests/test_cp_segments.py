@@ -25,7 +25,6 @@ from tests.test_cp import (
     expanded,
     random_lengths,
     random_tree,
-    torch_shard,
 )
 
 SHARD = sys.modules["flexmask.builders.cp_shard"]
@@ -71,7 +70,7 @@ def test_per_document_shards_equal_torch(world, segments_only):
     for rank in range(world):
         lb = PerDocumentBalancer([lengths], world)
         ours = flexmask.shard(mask, 1, 2, S, world_size=world, rank=rank, balancer=lb)
-        reference = torch_shard(mask, 1, 2, S, world, rank, lb)
+        reference = oracle.torch_cp_shard(mask, 1, 2, S, world, rank, lb)
         oracle.assert_same_block_mask(
             expanded(ours.block_mask, 1, 2), reference, f"rank {rank}", own_storage=False
         )

@@ -25,12 +25,11 @@ from tests.test_cp import (
     expanded,
     random_lengths,
     random_tree,
-    torch_shard,
 )
 
 
 def torch_cp_block_mask(mask, B, H, Q, KV, world, rank, balancer=None):
-    return torch_shard(mask, B, H, Q, world, rank, balancer, kv_len=KV)
+    return oracle.torch_cp_shard(mask, B, H, Q, world, rank, balancer, kv_len=KV)
 
 
 def other_keys_case(name, Q, KV, rng):
@@ -171,7 +170,7 @@ def test_shard_with_ptrr_equals_torch(name):
     for rank in range(world):
         ours = flexmask.shard(mask, 1, 2, S, world_size=world, rank=rank, balancer="ptrr")
         assert torch.equal(ours.indices, theirs._generate_indices())
-        reference = torch_shard(mask, 1, 2, S, world, rank, theirs)
+        reference = oracle.torch_cp_shard(mask, 1, 2, S, world, rank, theirs)
         oracle.assert_same_block_mask(
             expanded(ours.block_mask, 1, 2), reference, f"rank {rank}", own_storage=False
         )

@@ -184,9 +184,8 @@ def test_torch_paged_attention_converts_a_handle(cache):
 
 @pytest.mark.parametrize("balanced", [False, True])
 def test_torch_context_parallel_buffers_take_a_handle(balanced, cache):
+    import torch.distributed.tensor.experimental._context_parallel._attention as torch_cp
     from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
-
-    from tests.test_cp import FakeMesh, torch_cp, torch_shard
 
     S, world = 512, 2
     mask = flexmask.causal() & flexmask.document([200, 180, 132])
@@ -198,9 +197,9 @@ def test_torch_context_parallel_buffers_take_a_handle(balanced, cache):
         for rank in range(world):
             handle = flexmask.lazy(mask, 1, 1, S, S, "cpu", cache=cache)
             (ours,) = torch_cp._context_parallel_buffers(
-                FakeMesh(world, rank), [handle], [2], balancer
+                oracle.FakeMesh(world, rank), [handle], [2], balancer
             )
-            expected = torch_shard(mask, 1, 1, S, world, rank, balancer)
+            expected = oracle.torch_cp_shard(mask, 1, 1, S, world, rank, balancer)
             oracle.assert_same_block_mask(ours, expected, f"rank {rank}", own_storage=False)
     finally:
         torch_cp._compiled_create_block_mask, torch_cp._cp_options.enable_load_balance = saved
