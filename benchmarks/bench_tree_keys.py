@@ -14,7 +14,10 @@ parents given two ways (a list of Python int lists; one ``(B, S)`` int64 tensor;
   when made, the denominator of the ratio;
 * fresh build: the same of a mask whose order is not known yet (since issue #32 the build
   computes it);
-* make + build: both, timed together (a miss from the data: the same work before and after).
+* make + build: both, timed together (a miss from the data: the same work before and after);
+* list → tensor (lists only): the exact conversion alone of the same new lists (a scan of
+  their types and one ``array('q')``, ``flexmask._validate.plain_ints``): the floor of
+  make + hit from Python lists, whatever the key does after.
 
 Repeats are interleaved (make + hit several times, then one of each build) and
 each column is the median: other processes load the machine, and a burst then hits every
@@ -50,6 +53,7 @@ from common import (
 )
 
 import flexmask
+from flexmask._validate import plain_ints
 
 LAYOUTS: dict[str, Callable[[int, int], list[int]]] = {
     "preorder": response_tree,
@@ -82,10 +86,18 @@ def case(S: int, B: int, layout: str, given: str, repeats: int, hits: int) -> di
 
     cache = flexmask.MaskCache()
     cache.get(flexmask.tree(parents()), B, 1, S, S, "cpu")
-    times: dict[str, list[float]] = {"make_hit": [], "build": [], "fresh": [], "make_build": []}
+    times: dict[str, list[float]] = {
+        "make_hit": [],
+        "build": [],
+        "fresh": [],
+        "make_build": [],
+        "convert": [],
+    }
     for _ in range(repeats):
         # The step's new data is made untimed: the timing is flexmask's part.
         times["make_hit"] += [timed(partial(make_hit, parents())) for _ in range(hits)]
+        if given == "lists":
+            times["convert"] += [timed(partial(plain_ints, parents())) for _ in range(hits)]
         ordered = flexmask.tree(parents())
         _ = ordered.preorder  # the order, computed (or, before issue #32, made with the mask)
         build = partial(flexmask.create_block_mask, ordered, B, 1, S, S, "cpu")
@@ -106,6 +118,7 @@ def case(S: int, B: int, layout: str, given: str, repeats: int, hits: int) -> di
         fresh_build_s=statistics.median(times["fresh"]),
         make_build_s=statistics.median(times["make_build"]),
         best_make_hit_s=min(times["make_hit"]),
+        convert_s=statistics.median(times["convert"]) if times["convert"] else None,
         best_build_s=min(times["build"]),
         load=os.getloadavg()[0],
     )
@@ -125,6 +138,8 @@ def result_table(rows: list[dict[str, Any]]) -> str:
             "(make + hit) / build",
             "best / best",
             "(make + hit) / (make + build)",
+            "list → tensor",
+            "(list → tensor) / build",
             "load",
         ],
         [
@@ -140,6 +155,8 @@ def result_table(rows: list[dict[str, Any]]) -> str:
                 ratio(r["make_hit_s"], r["build_s"], 3),
                 ratio(r["best_make_hit_s"], r["best_build_s"], 3),
                 ratio(r["make_hit_s"], r["make_build_s"], 3),
+                fmt_time(r["convert_s"]),
+                ratio(r["convert_s"], r["build_s"], 3),
                 f"{r['load']:.1f}",
             ]
             for r in rows
@@ -172,7 +189,13 @@ def main() -> None:
                     f"{fmt_time(row['make_hit_s']):>9} build {fmt_time(row['build_s']):>9} "
                     f"({ratio(row['make_hit_s'], row['build_s'], 3)}; best "
                     f"{ratio(row['best_make_hit_s'], row['best_build_s'], 3)}) "
-                    f"load {row['load']:.1f}",
+                    + (
+                        f"list → tensor {fmt_time(row['convert_s'])} "
+                        f"({ratio(row['convert_s'], row['build_s'], 3)}) "
+                        if row["convert_s"] is not None
+                        else ""
+                    )
+                    + f"load {row['load']:.1f}",
                     flush=True,
                 )
     print()

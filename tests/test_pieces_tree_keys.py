@@ -19,8 +19,8 @@ ROWS = [[-1, 0, 1, 0, 3], [-1, 0, 0, 2, -1], [-1, 0, -1, 1, 2]]  # the last not 
 
 
 @st.composite
-def parent_lists(draw, max_len: int = 40) -> list[int]:
-    n = draw(st.integers(1, max_len))
+def parent_lists(draw, max_len: int = 40, min_len: int = 1) -> list[int]:
+    n = draw(st.integers(min_len, max_len))
     return [draw(st.integers(-1, i - 1)) for i in range(n)]
 
 
@@ -80,7 +80,7 @@ def test_the_same_values_cut_into_other_rows_have_another_key():
 
 
 def test_trees_either_side_of_the_narrowed_digest_types_keep_distinct_keys():
-    # The digest reads int16 up to 32767 tokens and int32 past: long chains differing in
+    # The digest reads int16 up to 32768 tokens and int32 past: long chains differing in
     # their last parent, and a tree one token longer, are all other keys.
     for n in (32767, 32768, 32769):
         chain = [-1, *range(n - 1)]
@@ -88,6 +88,7 @@ def test_trees_either_side_of_the_narrowed_digest_types_keep_distinct_keys():
         assert flexmask.tree(chain).key != flexmask.tree(changed).key
         assert flexmask.tree(chain).key == flexmask.tree(torch.tensor(chain)).key
     assert flexmask.tree(list(range(-1, 32766))).key != flexmask.tree(list(range(-1, 32767))).key
+    assert flexmask.tree(list(range(-1, 32767))).key != flexmask.tree(list(range(-1, 32768))).key
 
 
 @settings(max_examples=60, deadline=None)
@@ -143,6 +144,7 @@ def test_a_hit_never_computes_the_order(monkeypatch):
     monkeypatch.setattr(importlib.import_module("flexmask.pieces.tree"), "ranks_and_ends", refuse)
     remade = flexmask.tree(torch.tensor(ROWS))
     assert cache.get(remade, 3, 1, 8, 8, "cpu", 4) is built
+    assert remade._parents is None  # nor widens its narrow copy to int64
     with pytest.raises(AssertionError, match="order was computed"):
         flexmask.create_block_mask(remade, 3, 1, 8, 8, "cpu", 4)  # a build needs it
 
@@ -167,3 +169,117 @@ def test_a_remade_tree_builds_the_same_block_mask_as_the_first(given_as):
     b = flexmask.create_block_mask(again, 3, 1, 41, 41, "cpu", 8)
     assert torch.equal(a.to_dense(), b.to_dense())
     assert torch.equal(first.to_dense(3, 1, 41, 41, "cpu"), again.to_dense(3, 1, 41, 41, "cpu"))
+
+
+# --- the piece's own copy, the narrowed key, exact list conversion --------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda rows: torch.tensor(rows),
+        lambda rows: torch.tensor(rows, dtype=torch.int16),
+        lambda rows: torch.tensor(rows).t().contiguous().t(),  # a non-contiguous table
+        lambda rows: [torch.tensor(r, dtype=torch.int32) for r in rows],
+    ],
+    ids=["table", "int16-table", "strided-table", "int32-rows"],
+)
+def test_later_edits_of_the_tensor_given_change_nothing(make):
+    given = make(ROWS)
+    mask = flexmask.tree(given)
+    cache = flexmask.MaskCache()
+    built = cache.get(mask, 3, 1, 8, 8, "cpu", 4)
+    for row in given if isinstance(given, list) else given.unbind(0):
+        row.fill_(-1)  # every token a root: another tree
+    assert mask.key == flexmask.tree([list(r) for r in ROWS]).key
+    assert [p.tolist() for p in mask.parents] == ROWS
+    assert cache.get(flexmask.tree(ROWS), 3, 1, 8, 8, "cpu", 4) is built
+    oracle = flexmask.tree([list(r) for r in ROWS]).to_dense(3, 1, 8, 8, "cpu")
+    assert torch.equal(mask.to_dense(3, 1, 8, 8, "cpu"), oracle)
+
+
+@st.composite
+def given_rows(draw) -> tuple[list[list[int]], str]:
+    """Rows of random parents and how they are given; a table needs rows of one length."""
+    how = draw(st.sampled_from(["lists", "tuples", "int64-rows", "int16-rows", "table"]))
+    if how == "table":
+        n = draw(st.integers(1, 30))
+        return draw(st.lists(parent_lists(n, n), min_size=1, max_size=4)), how
+    return draw(st.lists(parent_lists(max_len=30), min_size=1, max_size=4)), how
+
+
+def _give(rows: list[list[int]], how: str):
+    if how == "tuples":
+        return [tuple(r) for r in rows]
+    if how == "table":
+        return torch.tensor(rows)
+    if how.endswith("-rows"):
+        dtype = torch.int64 if how == "int64-rows" else torch.int16
+        return [torch.tensor(r, dtype=dtype) for r in rows]
+    return [list(r) for r in rows]
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=given_rows(), data=st.data())
+def test_one_value_changed_anywhere_is_another_key_however_given(case, data):
+    rows, how = case
+    key = flexmask.tree(_give(rows, how)).key
+    assert key == flexmask.tree([list(r) for r in rows]).key  # the oracle: plain lists
+    row = data.draw(st.integers(0, len(rows) - 1), label="row")
+    token = data.draw(st.integers(0, len(rows[row]) - 1), label="token")
+    parent = data.draw(st.integers(-1, token - 1).filter(lambda p: p != rows[row][token]))
+    changed = [list(r) for r in rows]
+    changed[row][token] = parent
+    assert flexmask.tree(_give(changed, how)).key != key
+    if how != "table":  # one token more or fewer in one row
+        longer = [list(r) for r in rows]
+        longer[row].append(-1)
+        assert flexmask.tree(_give(longer, how)).key != key
+        if len(rows[row]) > 1:
+            shorter = [list(r) for r in rows]
+            shorter[row].pop()
+            assert flexmask.tree(_give(shorter, how)).key != key
+
+
+@pytest.mark.parametrize(
+    ("parents", "error", "message"),
+    [
+        ([[-1, 0], [-1, True]], TypeError, r"parents\[1\]\[1\] must be an int, got True \(bool\)"),
+        ([[-1, 0], (-1, False)], TypeError, r"parents\[1\]\[1\] must be an int, got False"),
+        ([-1, 0.0], TypeError, r"parents\[1\] must be an int, got 0\.0 \(float\)"),
+        ([[-1], [-1, 1.5]], TypeError, r"parents\[1\]\[1\] must be an int, got 1\.5"),
+        ([[-1], [-1, None]], TypeError, r"parents\[1\]\[1\] must be an int, got None"),
+        ([[-1, 2**63]], ValueError, r"parents\[0\]\[1\] must fit in a signed 64-bit integer"),
+        ([-1, -(2**63) - 1], ValueError, r"parents\[1\] must fit in a signed 64-bit integer"),
+        ([[-1], [-1, 2**70]], ValueError, r"parents\[1\]\[1\] must fit in a signed 64-bit"),
+        ([[-1, 0], [-1, 2**63 - 1]], ValueError, r"parents\[1\]\[1\]=9223372036854775807 is not"),
+        ([[-1, 0], [-1, 2**32]], ValueError, r"parents\[1\]\[1\]=4294967296 is not a valid"),
+        ([[-1, 0], [-1, -(2**32)]], ValueError, r"parents\[1\]\[1\]=-4294967296 is not a valid"),
+        # The last token of the longest int16 tree: its own parent, a difference of 0.
+        ([-1, *range(32766), 32767], ValueError, r"parents\[32767\]=32767 is not a valid"),
+        (torch.tensor([-1, 0.0]), TypeError, r"parents must hold integers, got dtype"),
+        ([torch.tensor([-1]), torch.tensor([True])], TypeError, r"parents\[1\] must hold int"),
+        (torch.zeros(2, device="meta", dtype=torch.int64), ValueError, r"parents is a meta"),
+    ],
+)
+def test_bad_values_in_lists_and_tensors_are_named(parents, error, message):
+    with pytest.raises(error, match=message):
+        flexmask.tree(parents)
+
+
+def test_numpy_and_tensor_scalars_in_lists_are_read_as_their_ints():
+    rows = [[-1, np.int64(0), np.int32(1)], [-1, torch.tensor(0), 1]]
+    assert flexmask.tree(rows).key == flexmask.tree([[-1, 0, 1], [-1, 0, 1]]).key
+
+
+def test_the_parents_read_back_as_int64_rows_and_pickle_narrow():
+    rows = [[-1, *range(40)], [-1, 0, 0]]
+    mask = flexmask.tree(torch.tensor([-1, *range(40)], dtype=torch.int16))
+    assert mask.parents[0].dtype == torch.int64 and mask.parents[0].tolist() == rows[0]
+    per_row = flexmask.tree(rows)
+    assert [p.tolist() for p in per_row.parents] == rows
+    fresh = len(pickle.dumps(flexmask.tree(rows)))
+    flexmask.create_block_mask(per_row, 2, 1, 41, 41, "cpu", 8)  # widens, orders
+    assert len(pickle.dumps(per_row)) == fresh  # neither kept in a pickle
+    copy = pickle.loads(pickle.dumps(per_row))
+    assert copy == per_row and [p.tolist() for p in copy.parents] == rows

@@ -100,7 +100,8 @@ class Tree(Piece):
         super().__init__(
             ("tree", made.digest, made.per_row),
             rows=len(made.lengths) if made.per_row else None,
-            device=source_device(parents),
+            # A tensor's device, or a row's; never a scan of one list's every value.
+            device=source_device(parents) if made.per_row or isinstance(parents, Tensor) else None,
             natural=max(made.lengths),
         )
 
