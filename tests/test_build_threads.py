@@ -5,6 +5,9 @@ either way."""
 
 from __future__ import annotations
 
+import importlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -58,3 +61,76 @@ def test_the_tensors_do_not_depend_on_the_threads(monkeypatch, two_threads, busy
     ours = flexmask.create_block_mask(mask, 2, 1, 1024, 1024, "cpu", 64)
     want = oracle.torch_build(mask.to_dense(2, 1, 1024, 1024).numpy(), block=64)
     oracle.assert_same_block_mask(ours, want)
+
+
+def _side_by_side_cases() -> dict[str, flexmask.Mask]:
+    docs = [[700, 200, 124], [300, 724]]
+    return {
+        "closed form, rows": flexmask.causal() & flexmask.document(docs),
+        "closed form, one row copied out": flexmask.causal(),
+        "union": (flexmask.causal() & flexmask.document(docs)) | flexmask.prefix(100),
+        "tiles, insertion order": flexmask.tree(
+            [[-1, 0, 0, 1, *range(3, 1023)], [-1, *range(1023)]]
+        ),
+        "tiles, preorder": flexmask.tree(
+            [[-1, *range(499), 0, *range(500, 1023)], [-1, *range(300), 1, *range(301, 1023)]]
+        ),
+        "per head": flexmask.per_head(
+            flexmask.causal() & flexmask.document(docs), flexmask.sliding_window(200)
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_side_by_side_cases()))
+def test_sides_written_side_by_side_are_torchs(monkeypatch, two_threads, case):
+    """Long grids write their two sides on two threads (``blocks.pair``): forced on a small
+    grid here, the tensors are torch's."""
+    from flexmask.blocks import pair
+
+    started = []
+    real_thread = pair.threading.Thread
+
+    def counted(*args, **kwargs):
+        started.append(kwargs.get("name"))
+        return real_thread(*args, **kwargs)
+
+    monkeypatch.setattr(pair, "SPLIT_FROM", 1)
+    monkeypatch.setattr(pair, "threading", SimpleNamespace(Thread=counted))
+    # A tree's tiles in several chunks of q blocks, classified in two halves.
+    tree_module = importlib.import_module("flexmask.pieces.tree")
+    monkeypatch.setattr(tree_module, "_CHUNKED_FROM", 1 << 7)
+    monkeypatch.setattr(tree_module, "_CHUNK_TILES", 1 << 7)
+    monkeypatch.setenv("FLEXMASK_BUILD_THREADS", "2")
+    mask = _side_by_side_cases()[case]
+    heads = 2 if case == "per head" else 1
+    ours = flexmask.create_block_mask(mask, 2, heads, 1024, 1024, "cpu", 64)
+    assert started, "no side was written on a second thread"
+    assert torch.get_num_threads() == 2  # restored
+    want = oracle.torch_build(mask.to_dense(2, heads, 1024, 1024).numpy(), block=64)
+    oracle.assert_same_block_mask(ours, want)
+
+
+def test_an_error_on_the_second_thread_is_raised_on_the_first(monkeypatch, two_threads):
+    from flexmask.blocks.pair import side_by_side
+
+    monkeypatch.setattr("flexmask.blocks.pair.SPLIT_FROM", 1)
+
+    def fails() -> None:
+        raise ValueError("second side")
+
+    with pytest.raises(ValueError, match="second side"):
+        side_by_side(lambda: 1, fails, 2, torch.device("cpu"))
+    assert torch.get_num_threads() == 2
+    assert side_by_side(lambda: 1, lambda: 2, 2, torch.device("cpu")) == (1, 2)
+
+
+def test_the_second_thread_takes_the_callers_inference_mode(monkeypatch, two_threads):
+    """An in-place write of an inference tensor outside inference mode raises: the second
+    side runs in the caller's mode."""
+    from flexmask.blocks.pair import side_by_side
+
+    monkeypatch.setattr("flexmask.blocks.pair.SPLIT_FROM", 1)
+    with torch.inference_mode():
+        out = torch.zeros(4)
+        side_by_side(lambda: None, lambda: out.fill_(1), 2, torch.device("cpu"))
+    assert out.tolist() == [1, 1, 1, 1]

@@ -4,6 +4,7 @@
 * ``grid`` — validated arguments laid out as tiles: block sizes, device, query/kv offsets;
 * ``runs`` — runs of equal codes along a grid's lines, found, and runs expanded into values;
 * ``write`` — torch's eight tensors, byte-identical to its ``create_block_mask``;
+* ``pair`` — a long build's two sides written at once, one on a second thread;
 * ``read`` — the one reader of a BlockMask (codes, bytes, ``same_blocks``).
 """
 
@@ -20,6 +21,7 @@ from flexmask.blocks.codes import (
     or_codes,
 )
 from flexmask.blocks.grid import BlockGrid, block_sizes, offsets, per_row
+from flexmask.blocks.pair import side_by_side
 from flexmask.blocks.read import (
     BLOCK_FIELDS,
     WRITE_ORDER_FIELDS,
@@ -73,4 +75,5 @@ __all__ = [
     "q_side_from_codes",
     "q_side_from_line_runs",
     "same_blocks",
+    "side_by_side",
 ]

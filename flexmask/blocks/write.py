@@ -18,6 +18,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmask.algebra import MaskMod
 from flexmask.blocks.codes import FULL, PARTIAL
 from flexmask.blocks.grid import BlockGrid
+from flexmask.blocks.pair import side_by_side
 from flexmask.blocks.runs import CodeRuns, expand_runs, exporting, kv_runs, q_runs, q_runs_from_kv
 
 
@@ -129,11 +130,17 @@ def ordered_from_codes(codes: Tensor) -> tuple[Ordered, Ordered]:
     """torch's (kv side, q side) ordered tensors from final tile codes ``(R, Hh, nq, nkv)``.
 
     One pass per side finds the runs of equal codes (the q side's on the transposed int8
-    codes); the partial and the full tensors of that side are both placed from those runs."""
+    codes); the partial and the full tensors of that side are both placed from those runs.
+    The two sides are written side by side on long grids (``pair.side_by_side``)."""
     if codes.numel() == 0 or exporting():
         return ordered_from_flags(codes == PARTIAL, codes == FULL)
     grid = codes.reshape(-1, *codes.shape[-2:])
-    return _side(kv_runs(grid), codes, codes.shape), q_side_from_codes(codes)
+    return side_by_side(
+        lambda: _side(kv_runs(grid), codes, codes.shape),
+        lambda: q_side_from_codes(codes),
+        codes.numel(),
+        codes.device,
+    )
 
 
 def q_side_from_codes(codes: Tensor) -> Ordered:
@@ -263,17 +270,36 @@ def assemble(
     blocks = None
     if not flags.separate_full_blocks:
         kv, q, blocks = merged(kv, nkv)
-    fields: dict[str, Any] = {
-        "kv_num_blocks": whole(kv.partial_num, nq),
-        "kv_indices": whole(kv.partial_idx, nq, nkv),
-        "q_num_blocks": whole(q.partial_num, nkv),
-        "q_indices": whole(q.partial_idx, nkv, nq),
-    }
     full = flags.separate_full_blocks
-    fields["full_kv_num_blocks"] = whole(kv.full_num, nq) if full else None
-    fields["full_kv_indices"] = whole(kv.full_idx, nq, nkv) if full else None
-    fields["full_q_num_blocks"] = whole(q.full_num, nkv) if full else None
-    fields["full_q_indices"] = whole(q.full_idx, nkv, nq) if full else None
+
+    def side(o: Ordered, n: int, m: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        return (
+            whole(o.partial_num, n),
+            whole(o.partial_idx, n, m),
+            whole(o.full_num, n) if full else None,
+            whole(o.full_idx, n, m) if full else None,
+        )
+
+    # Sides built on a grid with B or H reduced to 1 are copied out, each on its own thread
+    # where the output is long.
+    copies = kv.partial_idx.shape[:2] != (b, h)
+    kv_out, q_out = side_by_side(
+        lambda: side(kv, nq, nkv),
+        lambda: side(q, nkv, nq),
+        b * h * nq * nkv if copies else 0,
+        kv.partial_idx.device,
+    )
+    fields: dict[str, Any] = {}
+    for prefix, values in (("kv", kv_out), ("q", q_out)):
+        num, idx, full_num, full_idx = values
+        fields.update(
+            {
+                f"{prefix}_num_blocks": num,
+                f"{prefix}_indices": idx,
+                f"full_{prefix}_num_blocks": full_num,
+                f"full_{prefix}_indices": full_idx,
+            }
+        )
     if flags.compute_dq_write_order:  # only torches that take the flag get here
         if blocks is None:
             blocks = listed(kv.partial_num, kv.partial_idx, nkv) | listed(

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from flexmask.algebra import Mask
-from flexmask.blocks import BlockGrid, Ordered, expand_runs
+from flexmask.blocks import BlockGrid, Ordered, expand_runs, side_by_side
 
 
 class Runs(NamedTuple):
@@ -241,29 +241,33 @@ def ordered_sides(
             )
     kv_p, q_p, kv_f, q_f = targets
     runs = row_runs(mask, grid)
-    cols = column_runs(runs, grid)
-    (kv_ps, kv_pl), (kv_fs, kv_fl) = line_runs(Runs(*(t.reshape(-1) for t in runs)), nkv)
-    (q_ps, q_pl), (q_fs, q_fl) = line_runs(Runs(*(t.reshape(-1) for t in cols)), nq)
-    for target, starts, lens in (
-        (kv_p, kv_ps, kv_pl),
-        (q_p, q_ps, q_pl),
-        (kv_f, kv_fs, kv_fl),
-        (q_f, q_fs, q_fl),
-    ):
-        if target.is_contiguous():
-            expand_runs(target.view(-1), starts, lens)
-            continue
-        # A head's slice of (R, H, n, m): each row's lines are contiguous, rows are not.
-        lines = target.shape[1]
-        for row in range(rows):
-            part = slice(row * lines, (row + 1) * lines)
-            expand_runs(target[row].view(-1), starts[part], lens[part])
-    counts = (
-        kv_pl[:, :2].sum(1, dtype=torch.int32).view(rows, 1, nq),
-        q_pl[:, :2].sum(1, dtype=torch.int32).view(rows, 1, nkv),
-        kv_fl[:, 0].to(torch.int32).view(rows, 1, nq),
-        q_fl[:, 0].to(torch.int32).view(rows, 1, nkv),
+
+    def side(partial: Tensor, full: Tensor, lines: Runs, m: int) -> tuple[Tensor, Tensor]:
+        """One side's two index tensors written, and its counts ``(R, 1, n)``."""
+        (p_starts, p_lens), (f_starts, f_lens) = line_runs(Runs(*(t.reshape(-1) for t in lines)), m)
+        for target, starts, lens in ((partial, p_starts, p_lens), (full, f_starts, f_lens)):
+            if target.is_contiguous():
+                expand_runs(target.view(-1), starts, lens)
+                continue
+            # A head's slice of (R, H, n, m): each row's lines are contiguous, rows are not.
+            n = target.shape[1]
+            for row in range(rows):
+                part = slice(row * n, (row + 1) * n)
+                expand_runs(target[row].view(-1), starts[part], lens[part])
+        return (
+            p_lens[:, :2].sum(1, dtype=torch.int32).view(rows, 1, -1),
+            f_lens[:, 0].to(torch.int32).view(rows, 1, -1),
+        )
+
+    # Each side written on its own thread where the grid is long (the q side's column runs
+    # with it).
+    (kv_pn, kv_fn), (q_pn, q_fn) = side_by_side(
+        lambda: side(kv_p, kv_f, runs, nkv),
+        lambda: side(q_p, q_f, column_runs(runs, grid), nq),
+        rows * nq * nkv,
+        dev,
     )
+    counts = (kv_pn, q_pn, kv_fn, q_fn)
     return (
         Ordered(counts[0], kv_p.unsqueeze(1), counts[2], kv_f.unsqueeze(1)),
         Ordered(counts[1], q_p.unsqueeze(1), counts[3], q_f.unsqueeze(1)),

@@ -69,6 +69,7 @@ from flexmask.blocks import (
     exporting,
     q_side_from_codes,
     q_side_from_line_runs,
+    side_by_side,
 )
 from flexmask.builders.closed_form import clipped, special_blocks
 
@@ -418,8 +419,13 @@ def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     kv_p, kv_f = (torch.empty((rows, nq, nkv), dtype=torch.int32, device=dev) for _ in range(2))
     runs = union_row_runs(*operands, grid, rows)
     segments = _segments(runs.starts.view(-1, 4), runs.stops.view(-1, 4), nkv)
-    kv_pn, kv_fn = _write_segments(segments, (kv_p, kv_f))
-    q = _q_side(segments, torch.Size((rows, 1, nq, nkv)))
+    # Each side on its own thread where the grid is long: the q side from the same segments.
+    (kv_pn, kv_fn), q = side_by_side(
+        lambda: _write_segments(segments, (kv_p, kv_f)),
+        lambda: _q_side(segments, torch.Size((rows, 1, nq, nkv))),
+        rows * nq * nkv,
+        dev,
+    )
     return (
         Ordered(
             kv_pn.view(rows, 1, nq), kv_p.unsqueeze(1), kv_fn.view(rows, 1, nq), kv_f.unsqueeze(1)

@@ -10,13 +10,14 @@ subtree end per position; the vectorized tests are in ``flexmask.pieces.tree_chu
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from flexmask.algebra import TileGrid
-from flexmask.blocks import CODE_DTYPE, EMPTY
+from flexmask.blocks import CODE_DTYPE, EMPTY, side_by_side
 from flexmask.pieces.tree_chunks import (
     band,
     chunk_parts,
@@ -84,12 +85,25 @@ def classify_preorder(grid: TileGrid, end: Tensor, tuning: Tuning) -> Tensor:
     chunks, step = _chunking(grid, rows, rows * nq * nkv <= 2 * tuning.chunked_from, tuning)
     parts = chunk_parts(tests, chunks, nq, tuning.narrow)
     codes = torch.empty(rows, nq, nkv, dtype=CODE_DTYPE, device=device)
-    work = work_buffers(rows * step * nkv, device, parts[0][0][0].dtype)
-    for (first, last, cols), part in zip(chunks, parts, strict=True):
-        codes[:, first:last, cols:] = EMPTY
-        if cols == 0:
-            continue
-        tested_codes(codes[:, first:last, :cols], part, work)
+
+    def classified(todo: range) -> None:
+        work = work_buffers(rows * step * nkv, device, parts[0][0][0].dtype)
+        for index in todo:
+            first, last, cols = chunks[index]
+            codes[:, first:last, cols:] = EMPTY
+            if cols:
+                tested_codes(codes[:, first:last, :cols], parts[index], work)
+
+    # Long grids: the chunks in two halves of about equal tiles, each on its own thread.
+    tiles = [(last - first) * cols for first, last, cols in chunks]
+    total = sum(tiles)
+    half = next(i for i, done in enumerate(accumulate(tiles), 1) if 2 * done >= total)
+    side_by_side(
+        lambda: classified(range(half)),
+        lambda: classified(range(half, len(chunks))),
+        rows * nq * nkv,
+        device,
+    )
     return codes.view(rows, 1, nq, nkv)
 
 
