@@ -58,7 +58,11 @@ def test_codes_written_as_runs_match_torch_order(shape, bands, seed, chunk):
     gen = torch.Generator().manual_seed(seed)
     codes = _banded(shape, gen, bands)
     # Small chunks: most runs begin inside one, and a tail is left over.
-    with mock.patch.object(runs, "_CHUNK", chunk), mock.patch.object(runs, "_CHUNKED_FROM", 0):
+    with (
+        mock.patch.object(runs, "_CHUNK", chunk),
+        mock.patch.object(runs, "_CHUNKED_FROM", 0),
+        mock.patch.object(runs, "_SEGMENT", 1 + chunk % 4),  # segments of 1 to 4 chunks
+    ):
         kv, q = write.ordered_from_codes(codes)
     got = [*kv, *q]
     names = ("kv_p_num", "kv_p", "kv_f_num", "kv_f", "q_p_num", "q_p", "q_f_num", "q_f")
@@ -125,7 +129,11 @@ def test_expand_runs_in_chunks_match_concatenated_ranges(lens, seed, chunk, dtyp
     starts = torch.randint(0, 1000, (len(lens),), generator=gen)
     want = [s + e for s, n in zip(starts.tolist(), lens, strict=True) for e in range(n)]
     out = torch.full((len(want),), -7, dtype=dtype)
-    with mock.patch.object(runs, "_CHUNK", chunk), mock.patch.object(runs, "_CHUNKED_FROM", 0):
+    with (
+        mock.patch.object(runs, "_CHUNK", chunk),
+        mock.patch.object(runs, "_CHUNKED_FROM", 0),
+        mock.patch.object(runs, "_SEGMENT", 1 + chunk % 4),  # segments of 1 to 4 chunks
+    ):
         runs.expand_runs(out, starts, torch.tensor(lens))
     assert out.tolist() == want
 
@@ -151,7 +159,11 @@ def test_expand_runs_that_carry_on_their_predecessor_match_concatenated_ranges(
             starts.append(int(torch.randint(0, 1000, (1,), generator=gen)))
     want = [s + e for s, n in zip(starts, lens, strict=True) for e in range(n)]
     out = torch.full((len(want),), -7, dtype=torch.int32)
-    with mock.patch.object(runs, "_CHUNK", chunk), mock.patch.object(runs, "_CHUNKED_FROM", 0):
+    with (
+        mock.patch.object(runs, "_CHUNK", chunk),
+        mock.patch.object(runs, "_CHUNKED_FROM", 0),
+        mock.patch.object(runs, "_SEGMENT", 1 + chunk % 4),  # segments of 1 to 4 chunks
+    ):
         runs.expand_runs(out, torch.tensor(starts), torch.tensor(lens), nonempty=True)
     assert out.tolist() == want
 

@@ -7,6 +7,7 @@ closed form expand them here too.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import NamedTuple
 
 import torch
@@ -285,6 +286,34 @@ _CHUNK = 16
 plus ``0..15``; chunks a run begins inside are then written again, whole."""
 
 
+_SEGMENT = 1 << 14
+"""Chunks per segment of ``_write_chunks`` on the CPU: a segment's entries (1 MiB of int32)
+are still in cache when the chunks a run begins inside are rewritten."""
+
+
+def _write_chunks(
+    rows: Tensor, base: Tensor, steps: Tensor, rewrite: tuple[Tensor, Tensor] | None
+) -> None:
+    """``rows`` (chunks, k) as ``base + steps`` (a broadcast add), then the chunks a run
+    begins inside (``rewrite``: their ascending indices and whole rows) written again. On
+    the CPU segment by segment (``_SEGMENT`` chunks), each segment's rewrite right after its
+    add: rewritten after the whole output, the rows had left the cache."""
+    chunks = rows.shape[0]
+    segment = _SEGMENT if rows.device.type == "cpu" else chunks
+    if rewrite is None or segment >= chunks:
+        torch.add(base, steps, out=rows)
+        if rewrite is not None:
+            rows.index_copy_(0, *rewrite)
+        return
+    which, table = rewrite
+    bounds = [*range(0, chunks, segment), chunks]
+    cuts = torch.searchsorted(which, which.new_tensor(bounds)).tolist()
+    for (lo, hi), (a, b) in zip(pairwise(bounds), pairwise(cuts), strict=True):
+        torch.add(base[lo:hi], steps, out=rows[lo:hi])
+        if b > a:
+            rows.index_copy_(0, which[a:b], table[a:b])
+
+
 def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
     """``expand_runs`` for runs that are all nonempty, in one write of ``out``: every chunk
     of ``_CHUNK`` entries takes the run of its first entry (found from a count of the runs
@@ -308,10 +337,9 @@ def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
         base = torch.full((chunks + 1,), k, dtype=wide, device=out.device)
         base[0] = 0
         base.scatter_add_(0, at_chunk, jump.to(wide))
-        base = base[:chunks].cumsum(0, dtype=wide)
+        base = base[:chunks].cumsum_(0)
         steps = torch.arange(k, dtype=out.dtype, device=out.device)
         rows = out[: chunks * k].view(chunks, k)
-        torch.add(base.to(out.dtype).view(chunks, 1), steps, out=rows)
         # Runs begun inside a chunk: entry j of that chunk is its first value plus j plus
         # the jumps of the runs begun inside it up to j. Each such chunk once, as a row of
         # a table: its first value, then 1 per entry and 1 + jump where a run begins (no
@@ -321,6 +349,7 @@ def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
         # by side in a line) leaves its chunk as the broadcast wrote it: an insertion-order
         # tree's lines hold many such runs.
         begun = ((inside != 0) & (jump != 0) & (first < chunks * k)).nonzero().squeeze(1)
+        rewrite = None
         if begun.numel():
             chunk = _div_mod(first.index_select(0, begun), k, mod=False)[0]
             which, row = torch.unique_consecutive(chunk, return_inverse=True)
@@ -331,7 +360,8 @@ def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
                 (row, inside.index_select(0, begun).to(torch.int64)),
                 jump.index_select(0, begun).to(wide).add_(1),
             )
-            rows.index_copy_(0, which, table.cumsum_(1).to(out.dtype))
+            rewrite = which, table.cumsum_(1).to(out.dtype)
+        _write_chunks(rows, base.to(out.dtype).view(chunks, 1), steps, rewrite)
     tail = chunks * k
     if tail < total:
         # The last partial chunk: the runs that reach into it, each from its first entry
