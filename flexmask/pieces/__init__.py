@@ -12,6 +12,7 @@ from flexmask.pieces.custom import FromMaskMod, VmappedMod, from_mask_mod
 from flexmask.pieces.document import Document, document
 from flexmask.pieces.padding import Padding, padding
 from flexmask.pieces.per_head import PerHead, per_head
+from flexmask.pieces.position_window import PositionWindow
 from flexmask.pieces.prefix import Prefix, prefix
 from flexmask.pieces.sliding_window import SlidingWindow, sliding_window
 from flexmask.pieces.spans import Spans, spans
@@ -28,6 +29,7 @@ __all__ = [
     "PerHead",
     "Piece",
     "PieceMod",
+    "PositionWindow",
     "Prefix",
     "SlidingWindow",
     "Spans",

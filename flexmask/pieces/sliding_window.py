@@ -20,6 +20,7 @@ from flexmask.algebra import (
 from flexmask.blocks import codes_from
 from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
+from flexmask.pieces.position_window import PositionWindow
 
 
 class SlidingWindow(RowValuePiece):
@@ -85,20 +86,29 @@ class SlidingWindowMod(PieceMod):
         return (q_idx - kv_idx).abs() < self._value(self.size, b)
 
 
-def sliding_window(size: Any) -> SlidingWindow:
+def sliding_window(size: Any, positions: Any = None) -> SlidingWindow | PositionWindow:
     """Local attention within ``size`` positions on either side: ``|q_idx - kv_idx| < size``.
 
-    Combine with ``causal()`` for causal local attention.
+    Combine with ``causal()`` for causal local attention. With ``positions``, distance is
+    measured in them, ``|positions[q_idx] - positions[kv_idx]| < size``: in a packed
+    shared-prefix tree a response's tokens sit after its siblings', far from its prompt in
+    packed positions but not in its own sequence, so a model's local layers take the tree's
+    depths (``pack_trees``' ``position_ids``): ``tree(parents) & sliding_window(w,
+    positions=position_ids)`` attends the ancestors less than ``w`` levels up.
 
     Args:
         size: window size >= 0, one int for every row or a list with one per batch row.
             0 attends nothing; a window at least the sequence length is full attention
             (any size up to ``2**63 - 1``, e.g. ``sys.maxsize`` for "no window"): clipped to
             the sequence, as every piece's lengths are (docs/algebra.md).
+        positions: None (packed positions), or every token's position: ints in
+            ``[0, 2**62)``, one sequence for every row or one per batch row (a ``(B, n)``
+            tensor), at least as many as the sequence is long.
 
     Raises:
-        ValueError: a negative size, or one that does not fit in int64.
-        TypeError: a size that is not an integer.
+        ValueError: a negative size, or one that does not fit in int64; positions out of
+            range, rows of different lengths, or (at a build) fewer than the sequence.
+        TypeError: a size or a position that is not an integer.
 
     Example:
         >>> import flexmask
@@ -108,4 +118,6 @@ def sliding_window(size: Any) -> SlidingWindow:
         ⬚ ■ ■ ⬚
         ⬚ ⬚ ■ ■
     """
+    if positions is not None:
+        return PositionWindow(size, positions)
     return SlidingWindow(size, "size")
