@@ -213,6 +213,17 @@ class Node:
             f"lines_at). Use flexmask.create_block_mask (flex_attention)",
         )
 
+    def line_breaks(self, *, transpose: bool) -> Tensor | None:
+        """Where this node's lines (``lines_at``, normalized) may change shape, as ``(R, D)``
+        int64 absolute line positions (any order, repeats and far positions allowed): between
+        two neighbouring ones every line has the same slots, empty or not, and each end moves
+        by 0 or 1 from one line to the next. The lowerings then ask ``lines_at`` about a few
+        lines per stretch instead of every line (``flexmask.formats._stretches``).
+
+        The default, None, says nothing: the lowerings read every line.
+        """
+        return None
+
     def varlen_part(self, length: int) -> VarlenPart:
         """What this node is as a factor of an ``&`` a varlen kernel runs: a rule (causal,
         a sliding window), a partition of positions ``0..length`` into sequences

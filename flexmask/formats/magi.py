@@ -11,6 +11,7 @@ from torch import Tensor
 
 from flexmask._validate import check_device
 from flexmask.algebra import Mask
+from flexmask.formats._stretches import STRETCHES_FROM, compressed, stretch_lines
 from flexmask.formats._structure import Window, lines, one_mask_for_all_heads, window
 
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3
@@ -113,9 +114,28 @@ def magi_of(mask: Mask, win: Window, device: torch.device | str | None = None) -
     """``to_magi`` of a window already checked against the mask (``window``, or
     ``validated_window`` for a call whose mask was validated once for its sizes)."""
     dev = check_device(device, mask.device)
-    lo, hi = lines(one_mask_for_all_heads(mask, "MagiAttention"), win, fmt="MagiAttention")
-    row, q, k, t = _slices(lo, hi)
-    rows = lo.shape[0]
+    one = one_mask_for_all_heads(mask, "MagiAttention")
+    asked = win.q_len * max(mask.rows or 1, win.q_offset.shape[0])  # lines read per token
+    stretches = None
+    if asked >= STRETCHES_FROM:
+        stretches = stretch_lines(one, win, transpose=False, fmt="MagiAttention")
+    if stretches is not None:  # slices read off stretches of queries, never every query
+        seg, n = stretches
+        rows, slots = seg.lo.shape[0], seg.lo.shape[-1]
+        lo, hi, line, taken_lo, taken_hi = compressed(seg, n)
+        row, q, k, t = _slices(lo, hi)
+        # Back to the window's queries and keys; rows of (row, slot) back to rows.
+        first, last = q[:, 0], q[:, 1] - 1
+        q = torch.stack([line[row, first], line[row, last] + 1], 1)
+        k = torch.stack([k[:, 0] + taken_lo[row, first], k[:, 1] + taken_hi[row, last]], 1)
+        row = row.div(slots, rounding_mode="floor")
+        if slots > 1:  # by row, first query, first key, as _slices orders them
+            order = torch.argsort((row * (n + 1) + q[:, 0]) * (1 << 31) + k[:, 0])
+            row, q, k, t = row[order], q[order], k[order], t[order]
+    else:
+        lo, hi = lines(one, win, fmt="MagiAttention")
+        row, q, k, t = _slices(lo, hi)
+        rows = lo.shape[0]
     if rows < win.batch:
         # Batch row b takes the slices of mask row min(b, R - 1): the last row's repeated.
         counts = torch.bincount(row, minlength=rows)

@@ -51,6 +51,9 @@ class Causal(Piece):
             return one_interval(pos, torch.full_like(pos, INF))
         return one_interval(torch.full_like(pos, -INF), pos)
 
+    def line_breaks(self, *, transpose: bool) -> Tensor:
+        return torch.zeros(1, 0, dtype=torch.int64)  # the same rule on every line
+
     def varlen_part(self, length: int) -> VarlenPart:
         return VarlenPart(causal=True)
 

@@ -49,6 +49,9 @@ class Full(Piece):
     def lines_at(self, pos: Tensor, *, transpose: bool, fmt: str) -> LineIntervals:
         return one_interval(torch.full_like(pos, -INF), torch.full_like(pos, INF))
 
+    def line_breaks(self, *, transpose: bool) -> Tensor:
+        return torch.zeros(1, 0, dtype=torch.int64)  # the same on every line
+
     def varlen_part(self, length: int) -> VarlenPart:
         return VarlenPart()  # no constraint
 
@@ -88,6 +91,9 @@ class Empty(Piece):
 
     def lines_at(self, pos: Tensor, *, transpose: bool, fmt: str) -> LineIntervals:
         return one_interval(torch.full_like(pos, INF), torch.full_like(pos, -INF))
+
+    def line_breaks(self, *, transpose: bool) -> Tensor:
+        return torch.zeros(1, 0, dtype=torch.int64)  # the same on every line
 
     def varlen_part(self, length: int) -> VarlenPart:
         return VarlenPart(attends_nowhere=True)

@@ -218,6 +218,11 @@ class Document(Piece):
         # Symmetric: a token's document, both ways; past the documents, nothing.
         return one_interval(*run_at(*self._lowering_bounds(pos.device), pos))
 
+    def line_breaks(self, *, transpose: bool) -> Tensor:
+        # A line's document changes at the documents' bounds (the last end: past them all).
+        starts, ends = self._lowering_bounds(torch.device("cpu"))
+        return torch.cat([starts, ends], 1)
+
     def varlen_part(self, length: int) -> VarlenPart:
         # One sequence per document: each position's document, -1 past them. A position's
         # document is the number of ends at or before it: a count of end marks, every row at

@@ -68,6 +68,9 @@ class Padding(RowValuePiece):
         inside = pos < size  # the same both ways: real tokens attend real tokens
         return one_interval(torch.where(inside, -INF, INF), torch.where(inside, size - 1, -INF))
 
+    def line_breaks(self, *, transpose: bool) -> Tensor:
+        return self._line_values()  # real tokens attend the real ones, padding nothing
+
     def varlen_part(self, length: int) -> VarlenPart:
         # One sequence per row: its real tokens (part 0), padding in none.
         pos = torch.arange(length + 1)

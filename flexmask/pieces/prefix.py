@@ -60,6 +60,12 @@ class Prefix(RowValuePiece):
             return one_interval(torch.where(inside, -INF, INF), torch.where(inside, INF, -INF))
         return one_interval(torch.full_like(pos, -INF), size - 1)
 
+    def line_breaks(self, *, transpose: bool) -> Tensor:
+        # Every query attends the prefix; transposed, the keys past it are attended by none.
+        if transpose:
+            return self._line_values()
+        return torch.zeros(1, 0, dtype=torch.int64)
+
     def varlen_part(self, length: int) -> VarlenPart:
         raise cannot_lower(
             self,

@@ -68,6 +68,9 @@ class SlidingWindow(RowValuePiece):
             torch.where(some, pos - size + 1, INF), torch.where(some, pos + size - 1, -INF)
         )
 
+    def line_breaks(self, *, transpose: bool) -> Tensor:
+        return torch.zeros(1, 0, dtype=torch.int64)  # each row's one band, on every line
+
     def varlen_part(self, length: int) -> VarlenPart:
         return VarlenPart(window=self.values.clamp(max=INF))
 

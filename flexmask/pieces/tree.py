@@ -29,7 +29,7 @@ from flexmask.blocks import EMPTY, constant_codes
 from flexmask.pieces._base import Piece, held_start, tracing, window_rows
 from flexmask.pieces.tree_chunks import search_subtrees
 from flexmask.pieces.tree_keys import parent_rows
-from flexmask.pieces.tree_lines import tree_lines
+from flexmask.pieces.tree_lines import tree_breaks, tree_lines
 from flexmask.pieces.tree_lookups import TreeMod, TreeWindowMod, position_lookups, window_lookups
 from flexmask.pieces.tree_order import ranks_and_ends
 from flexmask.pieces.tree_tiles import Tuning, classify_preorder, classify_ranked
@@ -258,6 +258,11 @@ class Tree(Piece):
         # Ancestor runs come sorted, disjoint and non-adjacent (root first): kept as they
         # are where their last slot is used somewhere (no slot to cut).
         return LineIntervals(lo, hi, not transpose and bool(lo[..., -1].ne(UNUSED).any()))
+
+    def line_breaks(self, *, transpose: bool) -> Tensor | None:
+        if transpose and not all(self.preorder):
+            return None  # lines_at refuses, naming the layout
+        return tree_breaks(self.parents, self.ends if transpose else None)
 
     def varlen_part(self, length: int) -> VarlenPart:
         raise cannot_lower(

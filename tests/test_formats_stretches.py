@@ -1,0 +1,219 @@
+"""``to_magi`` by stretches of queries (``flexmask.formats._stretches``) is exact: on random
+masks (every piece, ``&``, ``|``, ``~``, offsets on both axes, per-row offsets, B > 1) its
+slices give back the independent dense oracle through Magi's documented geometry
+(``magi_dense``), and they are the very slices of the per-query path (the greedy cut). The
+stretches themselves, written out line by line, are the per-query lines both ways (keys per
+query, queries per key), which checks every piece's ``line_breaks`` in both directions.
+
+Every test here lowers by stretches whatever the size (``STRETCHES_FROM`` set to 0); the
+benchmark's masks are a few of the cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flexmask
+from flexmask.formats import _stretches, magi, to_magi
+from flexmask.formats._structure import lines, window
+from tests.strategies import expressions, insertion_tree, negated_compounds, preorder_tree
+from tests.test_formats import magi_dense, windowed
+
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+BIG = 1 << 62
+
+
+@pytest.fixture(autouse=True)
+def by_stretches(monkeypatch):
+    """Every lowering here reads stretches, however few its lines."""
+    monkeypatch.setattr(magi, "STRETCHES_FROM", 0)
+
+
+def per_query(mask, *args, **offsets):
+    """``to_magi`` by the per-query path, as it runs below ``STRETCHES_FROM``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(magi, "STRETCHES_FROM", 1 << 62)
+        return to_magi(mask, *args, **offsets)
+
+
+def same_slices(got, want) -> None:
+    for name in ("q_ranges", "k_ranges", "attn_type_map"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert torch.equal(a, b), (name, a.tolist(), b.tolist())
+    assert (got.max_seqlen_q, got.max_seqlen_k) == (want.max_seqlen_q, want.max_seqlen_k)
+
+
+def written_out(stretches, n: int) -> list[list[list[tuple[int, int]]]]:
+    """Per row and line, the intervals the stretches say, walked plainly line by line."""
+    seg = stretches
+    rows = []
+    for r in range(seg.start.shape[0]):
+        starts = [s for s in seg.start[r].tolist() if s < n]
+        out = []
+        for m, s in enumerate(starts):
+            end = starts[m + 1] if m + 1 < len(starts) else n
+            for i in range(end - s):
+                line = []
+                for k in range(seg.lo.shape[-1]):
+                    lo = int(seg.lo[r, m, k]) + i * int(seg.dlo[r, m, k])
+                    hi = int(seg.hi[r, m, k]) + i * int(seg.dhi[r, m, k])
+                    if lo <= hi:
+                        line.append((lo, hi))
+                out.append(line)
+        assert len(out) == n
+        rows.append(out)
+    return rows
+
+
+def listed(lo, hi) -> list[list[list[tuple[int, int]]]]:
+    return [
+        [
+            [(a, b) for a, b in zip(lo[r, q].tolist(), hi[r, q].tolist(), strict=True) if a <= b]
+            for q in range(lo.shape[1])
+        ]
+        for r in range(lo.shape[0])
+    ]
+
+
+@st.composite
+def offsets(draw, batch: int):
+    """An offset: 0, one for every row, or one per row."""
+    kind = draw(st.sampled_from(["zero", "shared", "per_row"]))
+    if kind == "zero":
+        return 0
+    if kind == "shared":
+        return draw(st.integers(0, 6))
+    return [draw(st.integers(0, 6)) for _ in range(batch)]
+
+
+def _most(offset) -> int:
+    return max(offset) if isinstance(offset, list) else offset
+
+
+# ----------------------------------------------------------------- against the dense oracle
+@SETTINGS
+@given(
+    data=st.data(),
+    batch=st.integers(1, 3),
+    q_len=st.integers(1, 19),
+    kv_len=st.integers(1, 19),
+)
+def test_magi_by_stretches_equals_the_oracle_and_the_per_query_cut(data, batch, q_len, kv_len):
+    q_off, kv_off = data.draw(offsets(batch)), data.draw(offsets(batch))
+    n = max(_most(q_off) + q_len, _most(kv_off) + kv_len)
+    mask, dense = data.draw(expressions(batch, 1, n, max_leaves=4))
+    kwargs = {"q_offset": q_off, "kv_offset": kv_off}
+    try:
+        m = to_magi(mask, batch, q_len, kv_len, **kwargs)
+    except ValueError as error:
+        assert "from_mask_mod" in str(error), error
+        with pytest.raises(ValueError, match="from_mask_mod"):
+            per_query(mask, batch, q_len, kv_len, **kwargs)
+        return
+    want = windowed(lambda a, b: dense(a, b)[:, 0], batch, q_len, kv_len, q_off, kv_off)
+    np.testing.assert_array_equal(magi_dense(m, batch, q_len, kv_len), want, str(mask))
+    same_slices(m, per_query(mask, batch, q_len, kv_len, **kwargs))
+
+
+@SETTINGS
+@given(data=st.data(), batch=st.integers(1, 3), length=st.integers(1, 17))
+def test_negated_masks_by_stretches(data, batch, length):
+    mask, dense = data.draw(negated_compounds(batch, 1, length))
+    try:
+        m = to_magi(mask, batch, length, length)
+    except ValueError as error:
+        assert "from_mask_mod" in str(error), error
+        return
+    np.testing.assert_array_equal(
+        magi_dense(m, batch, length, length), dense(length, length)[:, 0], str(mask)
+    )
+    same_slices(m, per_query(mask, batch, length, length))
+
+
+@SETTINGS
+@given(data=st.data(), batch=st.integers(1, 3), length=st.integers(1, 24))
+def test_stretches_written_out_are_the_lines_both_ways(data, batch, length):
+    q_off, kv_off = data.draw(offsets(batch)), data.draw(offsets(batch))
+    q_len, kv_len = length, data.draw(st.integers(1, 24))
+    n = max(_most(q_off) + q_len, _most(kv_off) + kv_len)
+    mask, _ = data.draw(expressions(batch, 1, n, max_leaves=4))
+    try:
+        win = window(mask, batch, None, q_len, kv_len, q_off, kv_off)
+    except ValueError:
+        return  # heads that differ: nothing to lower
+    for transpose in (False, True):
+        try:
+            want = lines(mask, win, transpose=transpose)
+        except ValueError:
+            continue  # a mask_mod, or a tree out of preorder (transposed)
+        got = _stretches.stretch_lines(mask, win, transpose=transpose, fmt="test")
+        if got is None:  # a leaf that does not say where its lines change
+            continue
+        rows = written_out(*got)
+        expected = listed(want.lo, want.hi)
+        # A mask whose rows agree may be answered once for every row.
+        expected = (
+            expected * (len(rows) // len(expected)) if len(expected) < len(rows) else expected
+        )
+        rows = rows * (len(expected) // len(rows)) if len(rows) < len(expected) else rows
+        assert rows == expected, (str(mask), transpose)
+
+
+# ----------------------------------------------------------------- the benchmark's shapes
+def _documents(count: int, length: int, seed: int, empty: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    cuts = (torch.randperm(length - 1, generator=gen)[: count - 1].sort().values + 1).tolist()
+    bounds = [0, *cuts, length]
+    lens = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    for i in range(empty):  # empty samples between documents
+        lens.insert((7 * i) % len(lens), 0)
+    return lens
+
+
+@pytest.mark.parametrize("q_offset", [0, [0, 5, 17]])
+def test_per_row_documents_window_sinks_and_trees(q_offset):
+    batch, n = 3, 300
+    docs = [_documents(9 + r, n, r, empty=r) for r in range(batch)]
+    parents = [preorder_tree(n, r) for r in range(batch)]
+    shuffled = [insertion_tree(n, r, 4) for r in range(batch)]
+    masks = [
+        flexmask.causal() & flexmask.document(docs),
+        flexmask.causal() & flexmask.sliding_window(37),
+        flexmask.causal() & (flexmask.sliding_window(37) | flexmask.prefix([5, 0, 12])),
+        flexmask.tree(parents),
+        flexmask.tree(parents) & flexmask.padding([300, 250, 1]),
+        flexmask.tree(shuffled) | flexmask.prefix(3),
+        ~flexmask.document(docs) & flexmask.causal(),
+    ]
+    q_len = n - (max(q_offset) if isinstance(q_offset, list) else q_offset)
+    for mask in masks:
+        m = to_magi(mask, batch, q_len, n, q_offset=q_offset)
+        same_slices(m, per_query(mask, batch, q_len, n, q_offset=q_offset))
+
+
+def test_rows_attending_nothing_and_past_every_document():
+    mask = (
+        flexmask.causal() & flexmask.document([[3, 0, 2], [0], [10]]) & flexmask.padding([5, 9, 4])
+    )
+    m = to_magi(mask, 3, 12)
+    np.testing.assert_array_equal(
+        magi_dense(m, 3, 12, 12),
+        magi_dense(per_query(mask, 3, 12), 3, 12, 12),
+    )
+    same_slices(m, per_query(mask, 3, 12))
+
+
+def test_a_piece_that_does_not_say_takes_the_per_query_path():
+    # A leaf that does not say where its lines change (the default, None): the whole mask
+    # is read per query, and lowers all the same.
+    class Opaque(type(flexmask.causal())):
+        def line_breaks(self, *, transpose):
+            return None
+
+    mask = Opaque() & flexmask.document([4, 4])
+    win = window(mask, 1, None, 8, 8)
+    assert _stretches.stretch_lines(mask, win, transpose=False, fmt="test") is None
+    same_slices(to_magi(mask, 1, 8), to_magi(flexmask.causal() & flexmask.document([4, 4]), 1, 8))
