@@ -143,6 +143,26 @@ def test_tiles_whose_ranges_meet_but_no_pair_does_are_empty(size):
         oracle.assert_same_block_mask(ours, oracle.torch_build(want, 2, 1, 200, 200, block))
 
 
+@pytest.mark.parametrize("size", [1, 20, 41, 120])
+def test_tiles_of_several_runs_are_read_run_by_run(size):
+    """Tiles whose positions are two or three runs with gaps between (a branch ending inside
+    a block): their ranges overlap while their runs may all be apart, so such a tile is
+    empty for windows narrower than the runs' gaps and partial for wider ones."""
+    q_tiles = [
+        [*range(0, 8), *range(100, 108)],  # two runs around the key tile's
+        [*range(300, 305), *range(20, 25), *range(150, 156)],  # three, one near it
+        list(range(40, 56)),  # one run, inside
+        [*range(0, 4), *range(90, 94), *range(200, 204), *range(400, 404)],  # four: evaluated
+    ]
+    kv_tiles = [list(range(50, 66)), [*range(60, 68), *range(160, 168)]]
+    positions = [p for tile in q_tiles + kv_tiles for p in tile]
+    S = len(positions)
+    mask = flexmask.sliding_window(size, positions=positions)
+    want = dense_window([positions], [size], S, S)
+    ours = build(mask, 1, S, S, 16)
+    oracle.assert_same_block_mask(ours, oracle.torch_build(want, 1, 1, S, S, 16))
+
+
 @pytest.mark.parametrize("block", BLOCKS)
 def test_in_a_packed_tree_each_sequence_attends_its_own_window(block):
     """pack_trees' position_ids are depths: tree & sliding_window(w, positions=them) gives

@@ -8,18 +8,36 @@ positional encoding measures: ``sliding_window(size, positions=position_ids)``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from flexmask._validate import digest, int_vector, is_nested, scalar_or_rows, source_device
 from flexmask.algebra import Extent, Lowered, TileGrid, Window
-from flexmask.blocks import CODE_DTYPE, EMPTY, FULL, PARTIAL, UNDECIDED
+from flexmask.blocks import CODE_DTYPE, EMPTY, PARTIAL, UNDECIDED, codes_from
 from flexmask.pieces._base import Piece, PieceMod
 
 # Positions stay below this so that a difference of two never nears int64's edge.
 MAX_POSITION = 2**62
+# Runs per tile read exactly (``classify_tiles``): a tree's depths in preorder change run
+# only where a branch ends, once or twice in a block of most trees.
+RUNS = 3
+
+
+class _Runs(NamedTuple):
+    lo: Tensor
+    """``(r, n)`` each tile's least position."""
+    hi: Tensor
+    """``(r, n)`` its greatest."""
+    runs_lo: Tensor
+    """``(r, n, RUNS)`` each run's least position (the first run's again where it has fewer)."""
+    runs_hi: Tensor
+    """``(r, n, RUNS)`` each run's greatest, likewise."""
+    known: Tensor
+    """``(r, n)`` whether the tile has at most RUNS runs (else the last ones are merged)."""
+    one_run: Tensor
+    """``(r, n)`` whether it is one run (its range is then its positions, all of them)."""
 
 
 class PositionWindow(Piece):
@@ -78,7 +96,7 @@ class PositionWindow(Piece):
         table = self._on("positions", device)
         if table.shape[-1] < length:  # past the last token: the kernel never reads these
             table = torch.nn.functional.pad(table, (0, length - table.shape[-1]))
-        sizes = self._on("sizes", device)
+        sizes = self._on("sizes", device).clamp(max=MAX_POSITION)  # the same mask: see the mod
         if self.per_row:
             rows = max(table.shape[0], sizes.numel())
             mod = PositionWindowMod(table.expand(rows, -1), sizes.expand(rows), True)
@@ -87,41 +105,68 @@ class PositionWindow(Piece):
         return Lowered(mod, mod)
 
     def classify_tiles(self, grid: TileGrid) -> Tensor:
-        # Each tile's least and greatest position per side. A tile is full when the
-        # farthest pair is within the window, empty when the nearest possible one is not;
-        # in between it holds an attending pair for sure only where both sides' positions
-        # leave no integer out (then the nearest values are both there): else undecided,
-        # and the build evaluates the tile.
-        q_lo, q_hi, q_whole = self._tile_extremes(grid.q_first, grid.q_last, grid.q_block, grid)
-        kv_lo, kv_hi, kv_whole = self._tile_extremes(
+        # Each tile's positions, per side, as a few runs in token order whose steps are at
+        # most 1: each run holds every integer between its least and greatest, so the
+        # nearest pair of two tiles is the nearest pair of their runs' ranges. A tile is
+        # full when its farthest pair is within the window, empty when even its ranges'
+        # nearest is not; in between it is read from the runs (exact where each side has at
+        # most RUNS of them, else undecided: the build evaluates it).
+        q = self._tile_runs(grid.q_first, grid.q_last, grid.q_block, grid)
+        kv = self._tile_runs(
             grid.kv_first.transpose(-1, -2), grid.kv_last.transpose(-1, -2), grid.kv_block, grid
         )
-        kv_lo, kv_hi, kv_whole = (t.transpose(-1, -2) for t in (kv_lo, kv_hi, kv_whole))
-        size = self._on("sizes", grid.device).view(-1, 1, 1, 1)
-        zero = torch.zeros((), dtype=torch.int64, device=grid.device)
-        nearest = torch.maximum(torch.maximum(kv_lo - q_hi, q_lo - kv_hi), zero)
-        farthest = torch.maximum(q_hi - kv_lo, kv_hi - q_lo)
-        shape = torch.broadcast_shapes(nearest.shape, size.shape)
-        codes = torch.full(shape, UNDECIDED, dtype=CODE_DTYPE, device=grid.device)
-        codes.masked_fill_(q_whole & kv_whole, PARTIAL)
-        codes.masked_fill_(farthest < size, FULL)
-        codes.masked_fill_(nearest >= size, EMPTY)
-        return codes
+        # As comparisons of each key tile's bounds with bounds around the query tile's,
+        # made per tile: the passes over every pair of tiles write bools, not differences.
+        # Sizes are held below 2**62, as positions are: no bound wraps.
+        size = self._on("sizes", grid.device).clamp(max=MAX_POSITION).view(-1, 1)
+        kv_lo, kv_hi = kv.lo.unsqueeze(-2), kv.hi.unsqueeze(-2)  # (r, 1, nkv)
+        reach_hi = (q.hi + size).unsqueeze(-1)  # (r, nq, 1): keys below it may attend
+        reach_lo = (q.lo - size).unsqueeze(-1)  # keys above it may attend
+        some = (kv_lo < reach_hi) & (kv_hi > reach_lo) & (size > 0).unsqueeze(-1)
+        full = (kv_lo > (q.hi - size).unsqueeze(-1)) & (kv_hi < (q.lo + size).unsqueeze(-1))
+        codes = codes_from(some, full)
+        # Partial as its ranges say where both tiles are one run each (most tiles); the
+        # others' runs are read pair by pair.
+        one_run = q.one_run.unsqueeze(-1) & kv.one_run.unsqueeze(-2)
+        between = (some & ~full & ~one_run).nonzero()
+        if between.numel():
+            row, qi, ki = between.unbind(1)
+            q_row, kv_row = (
+                row.clamp(max=q.runs_lo.shape[0] - 1),
+                row.clamp(max=kv.runs_lo.shape[0] - 1),
+            )
+            a_lo, a_hi = q.runs_lo[q_row, qi].unsqueeze(-1), q.runs_hi[q_row, qi].unsqueeze(-1)
+            b_lo, b_hi = kv.runs_lo[kv_row, ki].unsqueeze(-2), kv.runs_hi[kv_row, ki].unsqueeze(-2)
+            gaps = torch.maximum(b_lo - a_hi, a_lo - b_hi).clamp_(min=0).flatten(1).amin(1)
+            size_at = size.view(-1)[row.clamp(max=size.numel() - 1)]
+            known = q.known[q_row, qi] & kv.known[kv_row, ki]
+            settled = torch.where(gaps < size_at, PARTIAL, EMPTY).to(CODE_DTYPE)
+            codes[row, qi, ki] = torch.where(known, settled, UNDECIDED).to(CODE_DTYPE)
+        return codes.unsqueeze(1)
 
-    def _tile_extremes(
-        self, first: Tensor, last: Tensor, block: int, grid: TileGrid
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Per tile ``[first, last]`` (``(1 | B, 1, n, 1)`` whole-mask positions): its least
-        and greatest position and whether its positions skip no integer between them — read
-        as a walk in token order whose every step is at most 1 (a sufficient test)."""
+    def _tile_runs(self, first: Tensor, last: Tensor, block: int, grid: TileGrid) -> _Runs:
+        """The runs of each tile ``[first, last]`` (``(1 | B, 1, n, 1)`` whole-mask
+        positions): maximal stretches of tokens whose positions step by at most 1."""
         table = self._on("positions", grid.device)
         rows = max(table.shape[0], first.shape[0])
         steps = torch.arange(block, device=grid.device)
         index = torch.minimum(first + steps, last)  # (r, 1, n, block): repeats past the end
         index = index.expand(rows, *index.shape[1:]).flatten(1)
-        values = table.expand(rows, -1).gather(1, index).view(rows, 1, -1, block)
-        whole = (values.diff(dim=-1).abs() <= 1).all(-1, keepdim=True)
-        return values.amin(-1, keepdim=True), values.amax(-1, keepdim=True), whole
+        values = table.expand(rows, -1).gather(1, index).view(rows, -1, block)
+        breaks = values.diff(dim=-1).abs_() > 1
+        run = torch.nn.functional.pad(breaks.cumsum(-1), (1, 0))  # run of each token
+        known = run[..., -1] < RUNS
+        one_run = run[..., -1] == 0
+        run = run.clamp_(max=RUNS - 1)
+        # A tile with fewer runs repeats its first in the others' slots: the nearest pair
+        # is the same, and no bound is ever a sentinel whose differences could wrap.
+        first_run = values[..., :1].expand(*values.shape[:-1], RUNS)
+        runs_lo = first_run.clone().scatter_reduce_(-1, run, values, "amin", include_self=False)
+        runs_hi = first_run.clone().scatter_reduce_(-1, run, values, "amax", include_self=False)
+        absent = run[..., -1:] < torch.arange(RUNS, device=grid.device)
+        runs_lo = torch.where(absent, runs_lo[..., :1], runs_lo)
+        runs_hi = torch.where(absent, runs_hi[..., :1], runs_hi)
+        return _Runs(values.amin(-1), values.amax(-1), runs_lo, runs_hi, known, one_run)
 
     def __repr__(self) -> str:
         sizes_per_row, positions_per_row = self._given_per_row
@@ -143,8 +188,15 @@ class PositionWindowMod(PieceMod):
         self.size = size
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        apart = self._lookup(self.positions, b, q_idx) - self._lookup(self.positions, b, kv_idx)
-        return apart.abs() < self._value(self.size, b)
+        # As bounds on the key's position around the query's: each side's lookups are the
+        # size of its own indices, and the one pass over every (q, kv) pair is two
+        # comparisons, not a difference, its abs and a comparison (a third of the time on
+        # a build's refined tiles). The size is held below 2**62 (every position is), so
+        # the bounds stay inside int64.
+        at = self._lookup(self.positions, b, q_idx)
+        size = self._value(self.size, b)
+        kv = self._lookup(self.positions, b, kv_idx)
+        return (kv > at - size) & (kv < at + size)
 
 
 def _positions(positions: Any) -> tuple[Tensor, bool]:
