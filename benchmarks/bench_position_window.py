@@ -1,0 +1,96 @@
+"""A window by depth over packed trees: the build of ``tree & sliding_window(w, positions=depths)``
+against the build of the tree alone and of ``tree & sliding_window(w)`` (packed distance),
+in one run.
+
+Trees from ``pack_trees`` of GRPO-like groups (a prompt of 200-2000 tokens, 8 responses of
+100-1500 each), ``w = 1024``, B rows of S tokens. Each row times the three builds
+interleaved (every cache cleared), medians and minimums of ``--repeat`` rounds, one thread
+unless ``FLEXMASK_BUILD_THREADS`` says otherwise, load printed.
+
+    python benchmarks/bench_position_window.py                   # 8k, 32k B=1; 131k B=8
+    python benchmarks/bench_position_window.py --quick           # 8k B=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE), str(_HERE.parent)]
+
+import numpy as np  # noqa: E402
+from common import machine, markdown_table  # noqa: E402
+
+import flexmask  # noqa: E402
+from flexmask.packing import pack_trees  # noqa: E402
+
+WINDOW = 1024
+
+
+def grpo_trees(S: int, B: int, seed: int = 0) -> flexmask.TreeBatch:
+    """At least B rows of S tokens of GRPO groups packed as trees (the first B kept)."""
+    rng = np.random.default_rng(seed)
+    sequences: list[list[int]] = []
+    while True:
+        prompt = rng.integers(1, 50, size=int(rng.integers(200, 2000))).tolist()
+        for _ in range(8):
+            sequences.append(
+                prompt + rng.integers(1, 50, size=int(rng.integers(100, 1500))).tolist()
+            )
+        if sum(len(s) for s in sequences) > 1.3 * S * B:
+            batch = pack_trees(sequences, max_tokens=S)
+            if batch.tokens.shape[0] >= B:
+                return batch
+
+
+def timed(mask: flexmask.Mask, B: int, S: int) -> float:
+    flexmask.cache_clear()
+    start = time.perf_counter()
+    flexmask.create_block_mask(mask, B, 1, S, S, "cpu")
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    shapes = [(8192, 1)] if args.quick else [(8192, 1), (32768, 1), (32768, 8), (131072, 8)]
+    print(f"# Window by depth over packed trees\n\n{machine()}\n")
+    rows = []
+    for S, B in shapes:
+        batch = grpo_trees(S, B)
+        parents = batch.parents[:B]
+        depths = batch.position_ids[:B]
+        tree = flexmask.tree(parents)
+        masks = {
+            "tree": tree,
+            "& window by depth": tree & flexmask.sliding_window(WINDOW, positions=depths),
+            "& window (packed)": tree & flexmask.sliding_window(WINDOW),
+        }
+        load = os.getloadavg()[0]
+        times: dict[str, list[float]] = {name: [] for name in masks}
+        for _ in range(args.repeat):
+            for name, mask in masks.items():
+                times[name].append(timed(mask, B, S))
+        base = statistics.median(times["tree"])
+        cells = []
+        for name in masks:
+            median = statistics.median(times[name])
+            cells.append(
+                f"{median * 1e3:.1f} ms ({median / base:.1f}x; min {min(times[name]) * 1e3:.1f})"
+            )
+        rows.append([f"{S:,}", B, *cells, f"{load:.1f}"])
+        print(rows[-1], flush=True)
+    print()
+    print(markdown_table(["S", "B", *masks, "load"], rows))
+    print(f"\nmedians of {args.repeat} interleaved rounds, caches cleared; w = {WINDOW}")
+
+
+if __name__ == "__main__":
+    main()
