@@ -5,8 +5,9 @@ slices give back the independent dense oracle through Magi's documented geometry
 stretches themselves, written out line by line, are the per-query lines both ways (keys per
 query, queries per key), which checks every piece's ``line_breaks`` in both directions.
 
-Every test here lowers by stretches whatever the size (``STRETCHES_FROM`` set to 0); the
-benchmark's masks are a few of the cases."""
+Every test here lowers by stretches whatever the size (``STRETCHES_FROM`` set to 0), both
+ways of cutting stretches joined by a usable step; the benchmark's masks are a few of the
+cases."""
 
 from __future__ import annotations
 
@@ -26,10 +27,14 @@ SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[Healt
 BIG = 1 << 62
 
 
-@pytest.fixture(autouse=True)
-def by_stretches(monkeypatch):
-    """Every lowering here reads stretches, however few its lines."""
+@pytest.fixture(autouse=True, params=["walk", "lines"])
+def by_stretches(request, monkeypatch):
+    """Every lowering here reads stretches, however few its lines; stretches joined by a
+    usable step cut by the walk over stretches, or (``lines``) by ``_slices`` over a few
+    lines of every stretch."""
     monkeypatch.setattr(magi, "STRETCHES_FROM", 0)
+    if request.param == "lines":
+        monkeypatch.setattr(magi, "_FEW_LINKED", -1)
 
 
 def per_query(mask, *args, **offsets):

@@ -151,7 +151,10 @@ def _stretches(
     breaks = mask.line_breaks(transpose=transpose)
     if breaks is None:
         raise _PerToken
-    starts = _starts(breaks.to(torch.int64) - line_first, n)
+    if breaks.shape[1]:
+        starts = _starts(breaks.to(torch.int64) - line_first, n)
+    else:  # the same shape on every line (a rule): one stretch
+        starts = torch.zeros(1, 1, dtype=torch.int64)
     pos = line_first + starts
     answer = mask.lines_at(torch.cat([pos, pos + 1], 1), transpose=transpose, fmt=fmt)
     lo, hi = answer.lo, answer.hi
@@ -250,27 +253,34 @@ def _crossings(
         kinds.append(bound_kind)
     v, s, ok = torch.cat(values, -1), torch.cat(steps, -1), torch.cat(real, -1)
     length = _lengths(starts, n)
-    pairs = s.unsqueeze(-1) - s.unsqueeze(-2) == 1
-    pairs &= ok.unsqueeze(-1) & ok.unsqueeze(-2)
-    pairs &= (length >= 2).view(*length.shape, 1, 1)
-    r, m, i, j = pairs.nonzero().unbind(1)
-    if not r.numel():
+    ok &= (length >= 2).unsqueeze(-1)  # a stretch of one line has nothing to cut
+    pairs = (s.unsqueeze(-1) - s.unsqueeze(-2) == 1).logical_and_(ok.unsqueeze(-1))
+    pairs &= ok.unsqueeze(-2)
+    flat = pairs.view(-1).nonzero().view(-1)
+    if not flat.numel():
         return None
+    # Flat indices of (R, M, E, E): x = (r, m, i), y = (r, m, j).
+    ends = v.shape[-1]
+    j = flat % ends
+    x = flat.div(ends, rounding_mode="floor")
+    stretch = x.div(ends, rounding_mode="floor")  # r * M + m
+    y = stretch * ends + j
     kind = torch.tensor(kinds)
     # x - y = d0 + line: ``<= t`` holds up to line t - d0, changes at t - d0 + 1.
-    d0 = (v[r, m, i] - v[r, m, j]).clamp(-n - 8, n + 8)
-    at = thresholds[kind[i], kind[j]] - d0.view(-1, 1) + 1
-    inside = (at > 0) & (at < length[r, m].view(-1, 1))
-    row = r.view(-1, 1).expand_as(at)[inside]
-    if not row.numel():
+    v = v.view(-1)
+    d0 = (v.index_select(0, x) - v.index_select(0, y)).clamp_(-n - 8, n + 8)
+    at = thresholds[kind[x % ends], kind[j]] - d0.unsqueeze(-1) + 1
+    inside = (at > 0) & (at < length.view(-1).index_select(0, stretch).unsqueeze(-1))
+    line = (starts.reshape(-1).index_select(0, stretch).unsqueeze(-1) + at)[inside]
+    if not line.numel():
         return None
-    line = (starts[r, m].view(-1, 1) + at)[inside]
+    row = stretch.div(starts.shape[1], rounding_mode="floor").unsqueeze(-1).expand_as(at)[inside]
+    # One row of cuts per row, padded past the lines (``_starts`` drops them).
     counts = torch.bincount(row, minlength=starts.shape[0])
     out = torch.full((starts.shape[0], int(counts.max())), n, dtype=torch.int64)
     order = torch.argsort(row, stable=True)
     row, line = row[order], line[order]
-    slot = torch.arange(row.numel()) - (counts.cumsum(0) - counts)[row]
-    out[row, slot] = line
+    out[row, torch.arange(row.numel()) - (counts.cumsum(0) - counts)[row]] = line
     return out
 
 
@@ -397,53 +407,43 @@ def compressed(seg: Stretches, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, 
     each line's place in the window ``(R * K, N')`` and what was taken off its ends (add
     back to a slice's first key at its first line, to its last at its last line)."""
     rows, count, slots = seg.lo.shape
-    length = _lengths(seg.start, n)
-    kept = length.clamp(max=_KEPT)
-    dropped = (length - kept).unsqueeze(-1)
-    # Taken off every line of a stretch before its drop: the drops of the stretches before.
-    before_lo = (seg.dlo * dropped).cumsum(1) - seg.dlo * dropped
+    length = _lengths(seg.start, n).unsqueeze(-1)  # (R, M, 1)
+    # Each stretch's lines j = 0..3 at their offsets in it (the last two after the drop).
+    j = torch.arange(_KEPT)
+    dropped = (length - _KEPT).clamp(min=0)
+    late = j >= 2
+    offset = j + late * dropped  # (R, M, 4)
+    kept = j < length
+    # Taken off every line: the drops of the stretches before, and its own past it.
+    own = late * dropped  # (R, M, 4)
+    before_lo = (seg.dlo * dropped).cumsum(1) - seg.dlo * dropped  # (R, M, K)
     before_hi = (seg.dhi * dropped).cumsum(1) - seg.dhi * dropped
-    flat_kept = kept.view(-1)
-    which = torch.repeat_interleave(torch.arange(flat_kept.numel()), flat_kept)
-    j = torch.arange(which.numel()) - (flat_kept.cumsum(0) - flat_kept).index_select(0, which)
-    late = j >= 2  # the last two lines: past the drop
-    span = length.view(-1).index_select(0, which)
-    offset = j + late * (span - kept.view(-1).index_select(0, which))
-    row = which.div(count, rounding_mode="floor")
-    per_row = kept.sum(1)
-    at = torch.arange(which.numel()) - (per_row.cumsum(0) - per_row).index_select(0, row)
-    width = max(int(per_row.max()), 1)
-
-    def laid(values: Tensor, fill: int) -> Tensor:  # (R, M, K) per line -> (R * K, N', 1)
-        out = torch.full((rows, width, slots), fill, dtype=torch.int64)
-        out[row, at] = values
-        return out.transpose(1, 2).reshape(rows * slots, width, 1)
-
-    def taken_off(dv: Tensor, before: Tensor) -> Tensor:
-        dv = dv.reshape(-1, slots)[which]
-        return before.reshape(-1, slots)[which] + dv * (late * dropped.view(-1)[which]).unsqueeze(
-            -1
-        )
-
-    def at_lines(v0: Tensor, dv: Tensor) -> Tensor:
-        v0, dv = v0.reshape(-1, slots)[which], dv.reshape(-1, slots)[which]
-        return v0 + dv * offset.unsqueeze(-1)
-
-    taken_lo, taken_hi = taken_off(seg.dlo, before_lo), taken_off(seg.dhi, before_hi)
+    taken_lo = before_lo.unsqueeze(2) + seg.dlo.unsqueeze(2) * own.unsqueeze(-1)  # (R, M, 4, K)
+    taken_hi = before_hi.unsqueeze(2) + seg.dhi.unsqueeze(2) * own.unsqueeze(-1)
     # Ends moved back unequally could leave a start past its end: every start of a row's
     # slot moves back by as much more as its ends ever lead (steps unchanged).
-    lead = (taken_hi - taken_lo).view(-1, slots)
-    ahead = torch.zeros(rows, slots, dtype=torch.int64)
-    ahead.scatter_reduce_(0, row.view(-1, 1).expand_as(lead), lead, "amax")
-    taken_lo = taken_lo + ahead[row]
-    lo = at_lines(seg.lo, seg.dlo) - taken_lo
-    hi = at_lines(seg.hi, seg.dhi) - taken_hi
-    line = torch.full((rows, width), n, dtype=torch.int64)
-    line[row, at] = seg.start.reshape(-1)[which] + offset
+    lead = (taken_hi - taken_lo) * kept.unsqueeze(-1)
+    taken_lo = taken_lo + lead.amax((1, 2), keepdim=True)
+    at = offset.unsqueeze(-1)
+    lo = seg.lo.unsqueeze(2) + seg.dlo.unsqueeze(2) * at - taken_lo
+    hi = seg.hi.unsqueeze(2) + seg.dhi.unsqueeze(2) * at - taken_hi
+    line = seg.start.unsqueeze(-1) + offset
+    # Each row's kept lines first, in order (a line left out would break a run).
+    kept = kept.view(rows, -1)
+    width = max(int(kept.sum(1).max()), 1)
+    order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)[:, :width]
+    used = kept.gather(1, order)
+    pick_lines = order.unsqueeze(-1).expand(-1, -1, slots)
+
+    def laid(values: Tensor, fill: int) -> Tensor:  # (R, M, 4, K) -> (R * K, N', 1)
+        out = values.reshape(rows, -1, slots).gather(1, pick_lines)
+        out = torch.where(used.unsqueeze(-1), out, fill)
+        return out.transpose(1, 2).reshape(rows * slots, width, 1)
+
     return (
         laid(lo, _BIG),
         laid(hi, -_BIG),
-        line.repeat_interleave(slots, 0),
+        line.view(rows, -1).gather(1, order).repeat_interleave(slots, 0),
         laid(taken_lo, 0)[..., 0],
         laid(taken_hi, 0)[..., 0],
     )

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from flexmask._validate import check_device
 from flexmask.algebra import Mask
-from flexmask.formats._stretches import STRETCHES_FROM, compressed, stretch_lines
+from flexmask.formats._stretches import STRETCHES_FROM, Stretches, compressed, stretch_lines
 from flexmask.formats._structure import Window, lines, one_mask_for_all_heads, window
 
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3
@@ -120,18 +120,8 @@ def magi_of(mask: Mask, win: Window, device: torch.device | str | None = None) -
     if asked >= STRETCHES_FROM:
         stretches = stretch_lines(one, win, transpose=False, fmt="MagiAttention")
     if stretches is not None:  # slices read off stretches of queries, never every query
-        seg, n = stretches
-        rows, slots = seg.lo.shape[0], seg.lo.shape[-1]
-        lo, hi, line, taken_lo, taken_hi = compressed(seg, n)
-        row, q, k, t = _slices(lo, hi)
-        # Back to the window's queries and keys; rows of (row, slot) back to rows.
-        first, last = q[:, 0], q[:, 1] - 1
-        q = torch.stack([line[row, first], line[row, last] + 1], 1)
-        k = torch.stack([k[:, 0] + taken_lo[row, first], k[:, 1] + taken_hi[row, last]], 1)
-        row = row.div(slots, rounding_mode="floor")
-        if slots > 1:  # by row, first query, first key, as _slices orders them
-            order = torch.argsort((row * (n + 1) + q[:, 0]) * (1 << 31) + k[:, 0])
-            row, q, k, t = row[order], q[order], k[order], t[order]
+        rows = stretches[0].lo.shape[0]
+        row, q, k, t = _stretch_slices(*stretches)
     else:
         lo, hi = lines(one, win, fmt="MagiAttention")
         row, q, k, t = _slices(lo, hi)
@@ -237,6 +227,139 @@ def _slices(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     q = torch.stack([q_start, q_start + (end - start) + 1], 1)[order]
     k = torch.stack([k_start, last.index_select(0, end) + 1], 1).to(torch.int64)[order]
     return row[order], q, k, seg_kind[order]
+
+
+_FEW_LINKED = 256
+"""Up to this many stretches joined to a neighbour by a usable step, their slices are cut by
+a walk over Python lists; beyond, every stretch's few lines go through ``_slices``."""
+
+
+def _stretch_slices(seg: Stretches, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``_slices`` of stretches of lines (``_stretches``): the same slices, same order.
+
+    A step from one stretch to the next that no run can take (an end moving by other than
+    0 or 1, or a slot empty on one side) ends every run, so a stretch with no usable step
+    to either neighbour is one slice of its own (all its steps are one kind). Stretches
+    joined by usable steps (a shared prompt's slot across responses, a one-token document
+    stepping into the next) are cut as the greedy walk cuts them: a few by a walk over
+    stretches in Python, many by ``_slices`` over four lines a stretch (``compressed``)."""
+    rows, count, slots = seg.lo.shape
+    start = seg.start.repeat_interleave(slots, 0) if slots > 1 else seg.start
+    lo, hi, dlo, dhi = (t.transpose(1, 2).reshape(rows * slots, count) for t in seg[1:])
+    length = torch.cat([start[:, 1:], torch.full_like(start[:, :1], n)], 1) - start
+    real = (lo <= hi) & (length > 0)
+    linked = torch.zeros_like(real)
+    if count > 1:
+        last_lo, last_hi = lo + dlo * (length - 1), hi + dhi * (length - 1)
+        step_lo, step_hi = lo[:, 1:] - last_lo[:, :-1], hi[:, 1:] - last_hi[:, :-1]
+        usable = real[:, 1:] & real[:, :-1]
+        usable &= (torch.bitwise_or(step_lo, step_hi) & -2) == 0
+        linked[:, 1:] |= usable
+        linked[:, :-1] |= usable
+    chained = int(linked.sum())
+    if chained > _FEW_LINKED:
+        return _compressed_slices(seg, n)
+    line, m = (real & ~linked).nonzero().unbind(1)
+    q0, size, k0, d_hi = start[line, m], length[line, m], lo[line, m], dhi[line, m]
+    k1 = hi[line, m] + d_hi * (size - 1) + 1
+    kind = (dlo[line, m] * 2 + d_hi) * (size > 1)  # one query: full, as the walk says
+    if chained:
+        walked = _walk_chains(linked, usable, start, length, lo, hi, dlo, dhi)
+        line = torch.cat([line, walked[:, 0]])
+        q0, size = torch.cat([q0, walked[:, 1]]), torch.cat([size, walked[:, 2]])
+        k0, k1 = torch.cat([k0, walked[:, 3]]), torch.cat([k1, walked[:, 4]])
+        kind = torch.cat([kind, walked[:, 5]])
+    row = line.div(slots, rounding_mode="floor") if slots > 1 else line
+    q, k = torch.stack([q0, q0 + size], 1), torch.stack([k0, k1], 1)
+    if slots > 1 or chained:  # by row, first query, first key
+        order = torch.argsort((row * (n + 1) + q0) * (1 << 31) + k0)
+        row, q, k, kind = row[order], q[order], k[order], kind[order]
+    return row, q, k, kind
+
+
+def _walk_chains(
+    linked: Tensor,
+    usable: Tensor,
+    start: Tensor,
+    length: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    dlo: Tensor,
+    dhi: Tensor,
+) -> Tensor:
+    """The greedy walk's runs over chains of stretches joined by usable steps, a stretch at
+    a time: ``(S, 6)`` line, first query, queries, first key, key end, type."""
+    line, m = linked.nonzero().unbind(1)
+    nxt = torch.zeros_like(line, dtype=torch.bool)
+    inner = m < usable.shape[1]
+    nxt[inner] = usable[line[inner], m[inner]]
+    table = torch.stack(
+        [line, start[line, m], length[line, m], lo[line, m], hi[line, m], dlo[line, m]]
+        + [dhi[line, m], nxt.long()],
+        1,
+    ).tolist()
+    found: list[list[int]] = []
+    chain: list[list[int]] = []
+    for entry in table:
+        chain.append(entry)
+        if not entry[7]:  # no usable step to the next: the chain ends here
+            found += _chain_runs(chain)
+            chain = []
+    return torch.tensor(found, dtype=torch.int64).view(-1, 6)
+
+
+def _chain_runs(chain: list[list[int]]) -> list[list[int]]:
+    """The greedy walk (``_slices``) over one chain of stretches ``[line, start, length, lo,
+    hi, dlo, dhi, _]``: a run takes steps while they are of its first step's kind; the next
+    starts on the line after it. Within a stretch every step is its own kind, so a run
+    crosses a stretch in one move."""
+    out = []
+    a, q = 0, chain[0][1]
+    while True:
+        first_a, first_q, shape = a, q, None
+        while True:
+            _, s, size, lo, hi, dlo, dhi, _ = chain[a]
+            last = s + size - 1
+            if q < last:
+                if shape is not None and shape != (dlo, dhi):
+                    break
+                shape, q = (dlo, dhi), last
+                continue
+            if a + 1 == len(chain):
+                break
+            nxt = chain[a + 1]  # the step onto the next stretch (usable in a chain)
+            step = (nxt[3] - lo - dlo * (size - 1), nxt[4] - hi - dhi * (size - 1))
+            if shape is not None and step != shape:
+                break
+            shape, a, q = step, a + 1, nxt[1]
+        here, there = chain[first_a], chain[a]
+        k0 = here[3] + here[5] * (first_q - here[1])
+        k1 = there[4] + there[6] * (q - there[1]) + 1
+        kind = 0 if shape is None else 2 * shape[0] + shape[1]
+        out.append([here[0], first_q, q - first_q + 1, k0, k1, kind])
+        _, s, size, *_ = chain[a]
+        if q < s + size - 1:
+            q += 1
+        elif a + 1 < len(chain):
+            a, q = a + 1, chain[a + 1][1]
+        else:
+            return out
+
+
+def _compressed_slices(seg: Stretches, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``_slices`` of every stretch's few lines (``compressed``), back in the window's."""
+    slots = seg.lo.shape[-1]
+    lo, hi, line, taken_lo, taken_hi = compressed(seg, n)
+    row, q, k, t = _slices(lo, hi)
+    # Back to the window's queries and keys; rows of (row, slot) back to rows.
+    first, last = q[:, 0], q[:, 1] - 1
+    q = torch.stack([line[row, first], line[row, last] + 1], 1)
+    k = torch.stack([k[:, 0] + taken_lo[row, first], k[:, 1] + taken_hi[row, last]], 1)
+    row = row.div(slots, rounding_mode="floor")
+    if slots > 1:  # by row, first query, first key, as _slices orders them
+        order = torch.argsort((row * (n + 1) + q[:, 0]) * (1 << 31) + k[:, 0])
+        row, q, k, t = row[order], q[order], k[order], t[order]
+    return row, q, k, t
 
 
 def _padded_lines(x: Tensor, dtype: torch.dtype) -> Tensor:

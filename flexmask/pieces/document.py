@@ -219,9 +219,9 @@ class Document(Piece):
         return one_interval(*run_at(*self._lowering_bounds(pos.device), pos))
 
     def line_breaks(self, *, transpose: bool) -> Tensor:
-        # A line's document changes at the documents' bounds (the last end: past them all).
-        starts, ends = self._lowering_bounds(torch.device("cpu"))
-        return torch.cat([starts, ends], 1)
+        # A line's document changes where one ends (the next starts there; the first at 0,
+        # the last end is past them all): the same both ways.
+        return self._lowering_bounds(torch.device("cpu"))[1]
 
     def varlen_part(self, length: int) -> VarlenPart:
         # One sequence per document: each position's document, -1 past them. A position's
