@@ -284,6 +284,8 @@ def _gaps_of(
     """Per row, by position, the positions in ``[0, length)`` outside every span
     ``[start, end)`` of that row (the spans of first calls, which do not overlap; row -1:
     every row, ``None`` in ``rows``)."""
+    if int((end - start).sum()) == length * len(rows):
+        return ()  # disjoint spans inside the rows that add up to them: no gap (documents)
     order = torch.argsort((row + 1) * (length + 1) + start)
     row, start, end = row[order], start[order], end[order]
     opens = torch.ones_like(row, dtype=torch.bool)  # the first span of its row
