@@ -1,8 +1,11 @@
-"""``to_magi`` by stretches of queries (``flexmask.formats._stretches``) is exact: on random
+"""``to_magi`` by stretches of queries (``flexmask.formats._stretches``), and ``to_flashmask``
+by stretches of key columns, are exact: on random
 masks (every piece, ``&``, ``|``, ``~``, offsets on both axes, per-row offsets, B > 1) its
 slices give back the independent dense oracle through Magi's documented geometry
 (``magi_dense``), and they are the very slices of the per-query path (the greedy cut). The
-stretches themselves, written out line by line, are the per-query lines both ways (keys per
+FlashMask's causal one-bound form read off stretches of columns gives back the oracle through
+paddle's ``flashmask_to_densemask`` and is the per-column path's tensor. The stretches
+themselves, written out line by line, are the per-query lines both ways (keys per
 query, queries per key), which checks every piece's ``line_breaks`` in both directions.
 
 Every test here lowers by stretches whatever the size (``STRETCHES_FROM`` set to 0), both
@@ -18,10 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flexmask
-from flexmask.formats import _stretches, magi, to_magi
+from flexmask.formats import _stretches, flashmask, magi, to_flashmask, to_magi
 from flexmask.formats._structure import lines, window
 from tests.strategies import expressions, insertion_tree, negated_compounds, preorder_tree
-from tests.test_formats import magi_dense, windowed
+from tests.test_formats import flashmask_dense, magi_dense, windowed
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BIG = 1 << 62
@@ -33,6 +36,7 @@ def by_stretches(request, monkeypatch):
     usable step cut by the walk over stretches, or (``lines``) by ``_slices`` over a few
     lines of every stretch."""
     monkeypatch.setattr(magi, "STRETCHES_FROM", 0)
+    monkeypatch.setattr(flashmask, "STRETCHES_FROM", 0)
     if request.param == "lines":
         monkeypatch.setattr(magi, "_FEW_LINKED", -1)
 
@@ -124,6 +128,40 @@ def test_magi_by_stretches_equals_the_oracle_and_the_per_query_cut(data, batch, 
 
 
 @SETTINGS
+@given(data=st.data(), batch=st.integers(1, 3), heads=st.sampled_from([1, 2]))
+def test_flashmask_by_stretches_equals_the_oracle_and_the_per_column_path(data, batch, heads):
+    length = data.draw(st.integers(1, 19))
+    q_off, kv_off = data.draw(offsets(batch)), data.draw(offsets(batch))
+    n = max(_most(q_off), _most(kv_off)) + length
+    mask, dense = data.draw(expressions(batch, heads, n, max_leaves=4))
+    kwargs = {"q_offset": q_off, "kv_offset": kv_off}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flashmask, "STRETCHES_FROM", 1 << 62)
+        try:
+            want = to_flashmask(mask, batch, heads, length, **kwargs)
+        except ValueError:
+            with pytest.raises(ValueError):
+                patch.undo()
+                to_flashmask(mask, batch, heads, length, **kwargs)
+            return
+    got = to_flashmask(mask, batch, heads, length, **kwargs)
+    assert got.causal == want.causal
+    assert torch.equal(got.startend_row_indices, want.startend_row_indices), str(mask)
+    oracle = np.stack(
+        [
+            windowed(lambda a, b, h=h: dense(a, b)[:, h], batch, length, length, q_off, kv_off)
+            for h in range(heads)
+        ],
+        1,
+    )
+    s = got.startend_row_indices
+    assert s.dtype == torch.int32
+    np.testing.assert_array_equal(
+        np.broadcast_to(flashmask_dense(s, got.causal, length), oracle.shape), oracle, str(mask)
+    )
+
+
+@SETTINGS
 @given(data=st.data(), batch=st.integers(1, 3), length=st.integers(1, 17))
 def test_negated_masks_by_stretches(data, batch, length):
     mask, dense = data.draw(negated_compounds(batch, 1, length))
@@ -197,6 +235,17 @@ def test_per_row_documents_window_sinks_and_trees(q_offset):
     for mask in masks:
         m = to_magi(mask, batch, q_len, n, q_offset=q_offset)
         same_slices(m, per_query(mask, batch, q_len, n, q_offset=q_offset))
+        if q_offset != 0 or mask is masks[5]:  # FlashMask: square, trees in preorder
+            continue
+        got = to_flashmask(mask, batch, 1, n)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(flashmask, "STRETCHES_FROM", 1 << 62)
+            want = to_flashmask(mask, batch, 1, n)
+        assert got.causal == want.causal
+        assert torch.equal(got.startend_row_indices, want.startend_row_indices), str(mask)
+    # The documents and the tree take the columns' stretches (FlashMask's first form).
+    for mask in masks[0], masks[3]:
+        assert flashmask._causal_columns(mask, window(mask, batch, 1, n, n)) is not None
 
 
 def test_rows_attending_nothing_and_past_every_document():

@@ -51,11 +51,16 @@ two ends (each within ``INF`` of a position) overflows int64."""
 _NEVER = 1 << 40  # a threshold no difference reaches: pads the tables below
 
 
-def _thresholds(same: list[int], lo_hi: list[int], hi_lo: list[int]) -> Tensor:
+def _thresholds(same: list[int], lo_hi: list[int], hi_lo: list[int], ties: int) -> Tensor:
+    """``(2, 2, T + 1)``: per kinds of ``x`` and ``y`` (0 a start, 1 an end) the ``t`` to
+    cut at, padded with ``_NEVER``, and last the lines a same-kind cut must leave after it
+    (``ties``: 1 where only which of two is greater matters, so a tie on a stretch's last
+    line needs no cut of its own)."""
     width = max(len(same), len(lo_hi), len(hi_lo))
-    table = torch.full((2, 2, width), _NEVER, dtype=torch.int64)
+    table = torch.full((2, 2, width + 1), _NEVER, dtype=torch.int64)
     for (i, j), ts in (((0, 0), same), ((1, 1), same), ((0, 1), lo_hi), ((1, 0), hi_lo)):
         table[i, j, : len(ts)] = torch.tensor(ts)
+        table[i, j, -1] = ties if i == j else 0
     return table
 
 
@@ -63,11 +68,13 @@ def _thresholds(same: list[int], lo_hi: list[int], hi_lo: list[int]) -> Tensor:
 # ``x`` and ``y`` (a start ``lo`` or an end ``hi``; the window's first line is a start, its
 # last an end). An intersection, a union or a clip, normalized, is unique given which
 # intervals are empty (``lo - hi <= 0``), which overlap or touch (``lo - hi <= 1``) and
-# which start is least and which end greatest (``<= 0``: where two are equal either
-# gives the same value); a complement adds its gaps at the window's ends (``hi - last <=
-# -1``). ``hi - lo <= t`` is ``lo - hi <= -t - 1`` read from the other side.
-_JOIN = _thresholds([0], [0, 1], [-2, -1])
-_GAPS = _thresholds([-1, 0, 1], [-1, 0, 1, 2], [-3, -2, -1, 0])
+# which start is least and which end greatest: there only the value matters, equal where
+# the two tie, so the cut goes where ``x`` (stepping up) reaches ``y`` (``<= -1``), and
+# none where that is a stretch's last line. A complement adds its gaps at the window's ends
+# (``hi - last <= -1``), where a tie does matter. ``hi - lo <= t`` is ``lo - hi <= -t - 1``
+# read from the other side.
+_JOIN = _thresholds([-1], [0, 1], [-2, -1], ties=1)
+_GAPS = _thresholds([-1, 0, 1], [-1, 0, 1, 2], [-3, -2, -1, 0], ties=0)
 
 Pair = tuple[Tensor, Tensor]
 
@@ -269,8 +276,10 @@ def _crossings(
     # x - y = d0 + line: ``<= t`` holds up to line t - d0, changes at t - d0 + 1.
     v = v.view(-1)
     d0 = (v.index_select(0, x) - v.index_select(0, y)).clamp_(-n - 8, n + 8)
-    at = thresholds[kind[x % ends], kind[j]] - d0.unsqueeze(-1) + 1
-    inside = (at > 0) & (at < length.view(-1).index_select(0, stretch).unsqueeze(-1))
+    table = thresholds[kind[x % ends], kind[j]]
+    at = table[:, :-1] - d0.unsqueeze(-1) + 1
+    room = length.view(-1).index_select(0, stretch) - table[:, -1]
+    inside = (at > 0) & (at < room.unsqueeze(-1))
     line = (starts.reshape(-1).index_select(0, stretch).unsqueeze(-1) + at)[inside]
     if not line.numel():
         return None

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from flexmask._validate import check_device
 from flexmask.algebra import Mask
+from flexmask.formats._stretches import STRETCHES_FROM, stretch_lines
 from flexmask.formats._structure import Window, head_masks, lines, window
 
 
@@ -86,8 +87,14 @@ def to_flashmask(
     win = window(mask, B, heads, Q_LEN, KV_LEN, q_offset, kv_offset)
     dev = check_device(device, mask.device)
     distinct, which = head_masks(mask, heads)
-    columns = [_attending(m, win) for m in distinct]
     square = win.q_len == win.kv_len
+    asked = win.kv_len * max(mask.rows or 1, win.kv_offset.shape[0])  # columns per token
+    if square and len(distinct) == 1 and asked >= STRETCHES_FROM:
+        lts = _causal_columns(distinct[0], win)
+        if lts is not None:  # the first form, read off stretches of columns
+            out = lts[:, None, :, None].expand(win.batch, 1, -1, 1)
+            return FlashMask(out.contiguous().to(dev), True)
+    columns = [_attending(m, win) for m in distinct]
     for causal, width in ((True, 1), (True, 2), (False, 2), (False, 4)):
         if causal and not square:
             continue
@@ -123,6 +130,33 @@ def _attending(mask: Mask, win: Window) -> tuple[Tensor, Tensor]:
     they are made, not computed again for every batch row), each column's queries."""
     lo, hi = lines(mask, win, transpose=True, fmt="FlashMask")
     return lo, hi
+
+
+def _causal_columns(mask: Mask, win: Window) -> Tensor | None:
+    """``(R, KV)`` int32 the causal one-bound form's ``LTS`` (what ``_bounds(..., True, 1)``
+    gives), read off stretches of key columns (``_stretches``), or None where the mask's
+    columns do not say where they change or do not fit that form (the per-column path then
+    tries every form). A column attended by the queries ``[j, LTS)`` or by none (``LTS =
+    j``) fits: on a stretch, its first attending query is the column itself throughout."""
+    found = stretch_lines(mask, win, transpose=True, fmt="FlashMask")
+    if found is None or found[0].lo.shape[-1] != 1:
+        return None  # a column attended by two runs of queries: another form
+    seg, n = found
+    start = seg.start
+    lo, hi, dlo, dhi = (t[..., 0] for t in seg[1:])
+    length = torch.cat([start[:, 1:], torch.full_like(start[:, :1], n)], 1) - start
+    real = (lo <= hi) & (length > 0)
+    if not bool((~real | (lo == start) & ((dlo == 1) | (length == 1))).all()):
+        return None
+    # Per stretch: LTS at its first column and its step; none attending: LTS = j.
+    step = torch.where(real, dhi, 1)
+    base = (torch.where(real, hi + 1, start) - step * start).to(torch.int32)
+    # Each column's stretch: a count of the stretches' starts (padding ones past the row).
+    marks = torch.zeros(start.shape[0], n + 1, dtype=torch.int64)
+    marks.scatter_(1, start[:, 1:], 1)
+    which = marks[:, :n].cumsum_(1)
+    column = torch.arange(n, dtype=torch.int32)
+    return base.gather(1, which).add_(step.to(torch.int32).gather(1, which).mul_(column))
 
 
 def _masked(lo: Tensor, hi: Tensor, q_len: int) -> tuple[Tensor, Tensor]:

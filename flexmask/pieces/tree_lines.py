@@ -112,9 +112,9 @@ def tree_breaks(parents: list[Tensor], ends: list[Tensor] | None) -> Tensor:
     if ends is None:
         at = _runs(parents, base).start
     else:
-        change = torch.cat([torch.ones(1, dtype=torch.bool)] + [e[1:] != e[:-1] for e in ends])
-        # Row starts (one per row; each row's first compare is with the row before).
-        change[base[base < change.numel()]] = True
+        # Each row's first column starts a stretch; then where the subtree end changes.
+        first = torch.ones(1, dtype=torch.bool)
+        change = torch.cat([torch.cat([first, e[1:] != e[:-1]]) for e in ends])
         at = change.nonzero().view(-1)
     row = torch.searchsorted(base, at, right=True) - 1
     if len(parents) == 1:
