@@ -1,11 +1,19 @@
 """A window by depth over packed trees: the build of ``tree & sliding_window(w, positions=depths)``
 against the build of the tree alone and of ``tree & sliding_window(w)`` (packed distance),
-in one run.
+in one run; and a transformers sliding layer over packed documents.
 
 Trees from ``pack_trees`` of GRPO-like groups (a prompt of 200-2000 tokens, 8 responses of
 100-1500 each), ``w = 1024``, B rows of S tokens. Each row times the three builds
 interleaved (every cache cleared), medians and minimums of ``--repeat`` rounds, one thread
 unless ``FLEXMASK_BUILD_THREADS`` says otherwise, load printed.
+
+The second table: the sliding layer ``flexmask.integrations.transformers`` builds for a
+packed batch of documents (``pack``, positions restarting in every document), as
+``attention_masks`` builds it for a PackedBatch (a window of offsets, closed form) and as
+``layer_mask`` builds it from the position_ids (the one-sided window of positions), against
+the same window written as a plain mask_mod over the positions (``from_mask_mod``, every tile
+the documents leave open evaluated: what the integration built before) and the documents'
+mask alone.
 
     python benchmarks/bench_position_window.py                   # 8k, 32k B=1; 131k B=8
     python benchmarks/bench_position_window.py --quick           # 8k B=1
@@ -24,10 +32,12 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from common import machine, markdown_table  # noqa: E402
 
 import flexmask  # noqa: E402
-from flexmask.packing import pack_trees  # noqa: E402
+from flexmask.integrations.transformers import layer_mask  # noqa: E402
+from flexmask.packing import pack, pack_trees  # noqa: E402
 
 WINDOW = 1024
 
@@ -46,6 +56,13 @@ def grpo_trees(S: int, B: int, seed: int = 0) -> flexmask.TreeBatch:
             batch = pack_trees(sequences, max_tokens=S)
             if batch.tokens.shape[0] >= B:
                 return batch
+
+
+def packed_documents(S: int, B: int, seed: int = 0) -> flexmask.PackedBatch:
+    """About B rows of S tokens of documents of 50-4000 tokens, packed by ``pack``."""
+    rng = np.random.default_rng(seed)
+    docs = [list(range(int(n))) for n in rng.integers(50, 4000, size=B * S // 2100)]
+    return pack(docs, S)
 
 
 def timed(mask: flexmask.Mask, B: int, S: int) -> float:
@@ -90,6 +107,40 @@ def main() -> None:
     print()
     print(markdown_table(["S", "B", *masks, "load"], rows))
     print(f"\nmedians of {args.repeat} interleaved rounds, caches cleared; w = {WINDOW}")
+    print("\n# A transformers sliding layer over packed documents\n")
+    rows = []
+    for S, B in [(8192, 1)] if args.quick else [(8192, 1), (32768, 1), (32768, 4)]:
+        batch = packed_documents(S, B)
+        B = batch.num_rows
+        pos = batch.position_ids.clone()
+        size = torch.tensor(WINDOW)
+
+        def within(b, h, q_idx, kv_idx, pos=pos, size=size):  # type: ignore[no-untyped-def]
+            return pos[b, q_idx] - pos[b, kv_idx] < size
+
+        plain = flexmask.from_mask_mod(within, key=("bench window", S, B))
+        masks = {
+            "documents": batch.mask,
+            "offsets (PackedBatch)": layer_mask(
+                "sliding_attention", batch.mask, None, sliding=WINDOW
+            ),
+            "positions (layer_mask)": layer_mask(
+                "sliding_attention", batch.mask, batch.position_ids, sliding=WINDOW
+            ),
+            "mask_mod (before)": batch.mask & plain,
+        }
+        load = os.getloadavg()[0]
+        times = {name: [] for name in masks}
+        for _ in range(args.repeat):
+            for name, mask in masks.items():
+                times[name].append(timed(mask, B, S))
+        base = statistics.median(times["documents"])
+        medians = {name: statistics.median(times[name]) for name in masks}
+        cells = [f"{medians[n] * 1e3:.1f} ms ({medians[n] / base:.1f}x)" for n in masks]
+        rows.append([f"{S:,}", B, *cells, f"{load:.1f}"])
+        print(rows[-1], flush=True)
+    print()
+    print(markdown_table(["S", "B", *masks, "load"], rows))
 
 
 if __name__ == "__main__":

@@ -17,20 +17,22 @@ from hypothesis import strategies as st
 import flexmask
 from flexmask.formats import to_magi, to_varlen
 from flexmask.packing import pack_trees
+from flexmask.pieces import PositionWindow
 from tests import oracle
 
 BLOCKS = [16, 32, 128, (16, 64), (64, 16)]
 
 
-def dense_window(positions, sizes, q_len, kv_len, q_off=0, kv_off=0):
-    """(B, 1, Q, KV) ``|pos[q] - pos[kv]| < size`` at whole-mask positions q_off + q, ...,
-    written from the definition: one row of positions and one size per batch row."""
+def dense_window(positions, sizes, q_len, kv_len, q_off=0, kv_off=0, keys_ahead=False):
+    """(B, 1, Q, KV) ``|pos[q] - pos[kv]| < size`` (``pos[q] - pos[kv] < size`` with
+    ``keys_ahead``) at whole-mask positions q_off + q, ..., written from the definition: one
+    row of positions and one size per batch row."""
     out = []
     for pos, size in zip(positions, sizes, strict=True):
         pos = np.asarray(pos, dtype=np.int64)
         q = pos[q_off : q_off + q_len][:, None]
         kv = pos[kv_off : kv_off + kv_len][None, :]
-        out.append(np.abs(q - kv) < size)
+        out.append((q - kv < size) if keys_ahead else (np.abs(q - kv) < size))
     return np.stack(out)[:, None]
 
 
@@ -86,19 +88,34 @@ def cases(draw):
     positions = torch.tensor(rows) if per_row_positions else rows[0]
     size = sizes if per_row_sizes else sizes[0]
     block = draw(st.sampled_from(BLOCKS))
+    keys_ahead = draw(st.booleans())
     return dict(
+        keys_ahead=keys_ahead,
         B=B, q_len=q_len, kv_len=kv_len, q_off=q_off, kv_off=kv_off, rows=rows, sizes=sizes,
         positions=positions, size=size, block=block,
     )  # fmt: skip
 
 
+def window_of(case):
+    """The piece a case draws: sliding_window(size, positions=...), or its one-sided form."""
+    if case["keys_ahead"]:
+        return PositionWindow(case["size"], case["positions"], keys_ahead=True)
+    return flexmask.sliding_window(case["size"], positions=case["positions"])
+
+
 @settings(max_examples=60, deadline=None)
 @given(cases())
 def test_the_block_mask_is_torchs_of_the_dense_oracle(case):
-    mask = flexmask.sliding_window(case["size"], positions=case["positions"])
+    mask = window_of(case)
     offsets = dict(q_offset=case["q_off"], kv_offset=case["kv_off"])
     want = dense_window(
-        case["rows"], case["sizes"], case["q_len"], case["kv_len"], case["q_off"], case["kv_off"]
+        case["rows"],
+        case["sizes"],
+        case["q_len"],
+        case["kv_len"],
+        case["q_off"],
+        case["kv_off"],
+        keys_ahead=case["keys_ahead"],
     )
     args = (case["B"], case["q_len"], case["kv_len"], case["block"])
     ours = build(mask, *args, **offsets)
@@ -112,8 +129,8 @@ def test_the_block_mask_is_torchs_of_the_dense_oracle(case):
 @given(cases(), st.sampled_from(["& causal", "| causal", "~", "~(& causal)", "& document"]))
 def test_compounds_equal_torchs_build_of_their_dense_oracle(case, how):
     B, q_len, kv_len, block = case["B"], case["q_len"], case["kv_len"], case["block"]
-    window = flexmask.sliding_window(case["size"], positions=case["positions"])
-    dense = dense_window(case["rows"], case["sizes"], q_len, kv_len)
+    window = window_of(case)
+    dense = dense_window(case["rows"], case["sizes"], q_len, kv_len, keys_ahead=case["keys_ahead"])
     below = np.tril(np.ones((q_len, kv_len), dtype=bool))
     docs = [37, 50, 41, 200]
     if how == "& causal":
@@ -143,8 +160,9 @@ def test_tiles_whose_ranges_meet_but_no_pair_does_are_empty(size):
         oracle.assert_same_block_mask(ours, oracle.torch_build(want, 2, 1, 200, 200, block))
 
 
+@pytest.mark.parametrize("keys_ahead", [False, True])
 @pytest.mark.parametrize("size", [1, 20, 41, 120])
-def test_tiles_of_several_runs_are_read_run_by_run(size):
+def test_tiles_of_several_runs_are_read_run_by_run(size, keys_ahead):
     """Tiles whose positions are two or three runs with gaps between (a branch ending inside
     a block): their ranges overlap while their runs may all be apart, so such a tile is
     empty for windows narrower than the runs' gaps and partial for wider ones."""
@@ -157,8 +175,8 @@ def test_tiles_of_several_runs_are_read_run_by_run(size):
     kv_tiles = [list(range(50, 66)), [*range(60, 68), *range(160, 168)]]
     positions = [p for tile in q_tiles + kv_tiles for p in tile]
     S = len(positions)
-    mask = flexmask.sliding_window(size, positions=positions)
-    want = dense_window([positions], [size], S, S)
+    mask = PositionWindow(size, positions, keys_ahead=keys_ahead)
+    want = dense_window([positions], [size], S, S, keys_ahead=keys_ahead)
     ours = build(mask, 1, S, S, 16)
     oracle.assert_same_block_mask(ours, oracle.torch_build(want, 1, 1, S, S, 16))
 
@@ -239,6 +257,7 @@ def test_equal_positions_make_equal_masks_however_given():
     assert as_list != flexmask.sliding_window(8, positions=[0, 1, 2, 1, 3])
     assert as_list != flexmask.sliding_window(7, positions=[0, 1, 2, 1, 2])
     assert as_list != flexmask.sliding_window(8)
+    assert as_list != PositionWindow(8, [0, 1, 2, 1, 2], keys_ahead=True)
     rows = flexmask.sliding_window([8, 8], positions=[[0, 1, 2, 1, 2]] * 2)
     assert rows != as_list and rows == pickle.loads(pickle.dumps(rows))
     again = pickle.loads(pickle.dumps(as_list))

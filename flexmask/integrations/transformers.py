@@ -170,14 +170,13 @@ def layer_mask(
             # after the query (a bidirectional image, an encoder prefix) stay visible
             # whatever their distance; sliding_window(window) alone would cut them at it.
             return base & (pieces.sliding_window(window) | ~pieces.causal())
-        size = torch.tensor(window)  # 0-d: a new window size does not recompile
-
-        def within_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return pos[b, q_idx] - pos[b, kv_idx] < size
-
-        return base & pieces.from_mask_mod(
-            within_window, key=("positions_window", digest(pos), window), head_dependent=False
-        )
+        # position[q] - position[kv] < window, one-sided likewise, from the positions'
+        # structure (each tile's runs of positions): a mask_mod alone would be evaluated on
+        # every tile the base leaves open. Windows are differences: positions below 0 (left
+        # padding counted from the first real token) are shifted, which changes none.
+        least = int(pos.min()) if pos.numel() else 0
+        shifted = pos - least if least < 0 else pos
+        return base & pieces.PositionWindow(window, shifted, keys_ahead=True)
     if layer_type == "chunked_attention":
         chunk_size = _size(chunk, "a chunk size (config.attention_chunk_size)", layer_type)
         if pos is None:
@@ -256,12 +255,16 @@ def attention_masks(
         )
     base, positions, batch_size, seq_len = _batch_parts(batch, shape, position_ids)
     layer_types = list(dict.fromkeys(getattr(text, "layer_types", None) or ["full_attention"]))
+    # A PackedBatch's positions count from the start of each document, which its mask
+    # (causal() & document) never crosses: a window of positions is there a window of
+    # offsets, which builds in closed form.
+    window_positions = None if isinstance(batch, PackedBatch) else positions
     masks = {}
     for layer_type in layer_types:
         mask = layer_mask(
             layer_type,
             base,
-            positions,
+            window_positions if layer_type == "sliding_attention" else positions,
             sliding=getattr(text, "sliding_window", None),
             chunk=getattr(text, "attention_chunk_size", None),
         )

@@ -41,7 +41,9 @@ class _Runs(NamedTuple):
 
 
 class PositionWindow(Piece):
-    """``|positions[q_idx] - positions[kv_idx]| < size``.
+    """``|positions[q_idx] - positions[kv_idx]| < size``; with ``keys_ahead``,
+    ``positions[q_idx] - positions[kv_idx] < size`` (keys at later positions attend whatever
+    their distance: transformers' one-sided ``sliding_window_overlay``).
 
     ::
 
@@ -53,14 +55,14 @@ class PositionWindow(Piece):
                  ⬚ ■ ■ ■ ■
     """
 
-    __slots__ = ("sizes", "positions", "per_row", "_given_per_row")
+    __slots__ = ("sizes", "positions", "per_row", "keys_ahead", "_given_per_row")
     _arg = "positions"
 
     @property
     def carries_batch_data(self) -> bool:
         return True
 
-    def __init__(self, size: Any, positions: Any) -> None:
+    def __init__(self, size: Any, positions: Any, *, keys_ahead: bool = False) -> None:
         sizes, sizes_per_row = scalar_or_rows(size, "size", minimum=0)
         table, positions_per_row = _positions(positions)
         given = ((sizes.numel(), sizes_per_row), (table.shape[0], positions_per_row))
@@ -74,9 +76,16 @@ class PositionWindow(Piece):
         self._given_per_row = (sizes_per_row, positions_per_row)
         self.sizes = sizes
         self.positions = table
+        self.keys_ahead = bool(keys_ahead)
         size_key = tuple(sizes.tolist()) if sizes_per_row else int(sizes[0])
         super().__init__(
-            ("sliding_window_positions", size_key, tuple(table.shape), digest(table)),
+            (
+                "sliding_window_positions",
+                size_key,
+                self.keys_ahead,
+                tuple(table.shape),
+                digest(table),
+            ),
             rows=rows.pop() if rows else None,
             device=source_device(positions),
             natural=table.shape[-1],
@@ -99,9 +108,11 @@ class PositionWindow(Piece):
         sizes = self._on("sizes", device).clamp(max=MAX_POSITION)  # the same mask: see the mod
         if self.per_row:
             rows = max(table.shape[0], sizes.numel())
-            mod = PositionWindowMod(table.expand(rows, -1), sizes.expand(rows), True)
+            mod = PositionWindowMod(
+                table.expand(rows, -1), sizes.expand(rows), True, self.keys_ahead
+            )
         else:
-            mod = PositionWindowMod(table[0], sizes[0], False)
+            mod = PositionWindowMod(table[0], sizes[0], False, self.keys_ahead)
         return Lowered(mod, mod)
 
     def classify_tiles(self, grid: TileGrid) -> Tensor:
@@ -122,8 +133,14 @@ class PositionWindow(Piece):
         kv_lo, kv_hi = kv.lo.unsqueeze(-2), kv.hi.unsqueeze(-2)  # (r, 1, nkv)
         reach_hi = (q.hi + size).unsqueeze(-1)  # (r, nq, 1): keys below it may attend
         reach_lo = (q.lo - size).unsqueeze(-1)  # keys above it may attend
-        some = (kv_lo < reach_hi) & (kv_hi > reach_lo) & (size > 0).unsqueeze(-1)
-        full = (kv_lo > (q.hi - size).unsqueeze(-1)) & (kv_hi < (q.lo + size).unsqueeze(-1))
+        some = kv_hi > reach_lo
+        full = kv_lo > (q.hi - size).unsqueeze(-1)
+        if self.keys_ahead:
+            # One-sided, a tile attends somewhere iff its least query position less its
+            # greatest key position is below the size: its ranges say it exactly.
+            return codes_from(some, full).unsqueeze(1)
+        some &= (kv_lo < reach_hi) & (size > 0).unsqueeze(-1)  # nor keys too far ahead
+        full &= kv_hi < (q.lo + size).unsqueeze(-1)
         codes = codes_from(some, full)
         # Partial as its ranges say where both tiles are one run each (most tiles); the
         # others' runs are read pair by pair.
@@ -173,19 +190,22 @@ class PositionWindow(Piece):
         size = self.sizes.tolist() if sizes_per_row else int(self.sizes[0])
         rows, n = self.positions.shape
         shape = f"{rows} x {n}" if positions_per_row else f"{n}"
-        return f"sliding_window({size}, positions=<{shape} positions {self.key[-1][:8]}>)"
+        ahead = ", keys_ahead=True" if self.keys_ahead else ""
+        return f"sliding_window({size}, positions=<{shape} positions {self.key[-1][:8]}>{ahead})"
 
 
 class PositionWindowMod(PieceMod):
-    """The mask_mod: ``|positions[b, q_idx] - positions[b, kv_idx]| < size[b]``."""
+    """The mask_mod: ``|positions[b, q_idx] - positions[b, kv_idx]| < size[b]`` (with
+    ``keys_ahead``, ``positions[b, q_idx] - positions[b, kv_idx] < size[b]``)."""
 
-    __slots__ = ("positions", "size")
+    __slots__ = ("positions", "size", "keys_ahead")
     _name = "sliding_window_positions"
 
-    def __init__(self, positions: Tensor, size: Tensor, per_row: bool) -> None:
+    def __init__(self, positions: Tensor, size: Tensor, per_row: bool, keys_ahead: bool) -> None:
         super().__init__(per_row)
         self.positions = positions
         self.size = size
+        self.keys_ahead = keys_ahead
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         # As bounds on the key's position around the query's: each side's lookups are the
@@ -196,6 +216,8 @@ class PositionWindowMod(PieceMod):
         at = self._lookup(self.positions, b, q_idx)
         size = self._value(self.size, b)
         kv = self._lookup(self.positions, b, kv_idx)
+        if self.keys_ahead:
+            return kv > at - size
         return (kv > at - size) & (kv < at + size)
 
 
