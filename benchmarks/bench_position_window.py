@@ -7,13 +7,14 @@ Trees from ``pack_trees`` of GRPO-like groups (a prompt of 200-2000 tokens, 8 re
 interleaved (every cache cleared), medians and minimums of ``--repeat`` rounds, one thread
 unless ``FLEXMASK_BUILD_THREADS`` says otherwise, load printed.
 
-The second table: the sliding layer ``flexmask.integrations.transformers`` builds for a
-packed batch of documents (``pack``, positions restarting in every document), as
-``attention_masks`` builds it for a PackedBatch (a window of offsets, closed form) and as
-``layer_mask`` builds it from the position_ids (the one-sided window of positions), against
-the same window written as a plain mask_mod over the positions (``from_mask_mod``, every tile
-the documents leave open evaluated: what the integration built before) and the documents'
-mask alone.
+The second table: the sliding and chunked layers ``flexmask.integrations.transformers``
+builds for a packed batch of documents (``pack``, positions restarting in every document),
+as ``attention_masks`` builds them for a PackedBatch (a window of offsets; documents cut
+every chunk from their starts: closed forms) and the window as ``layer_mask`` builds it from
+the position_ids (the one-sided window of positions), against each written as a plain
+mask_mod over the positions (``from_mask_mod``, every tile the documents leave open
+evaluated: what the integration built before) and the documents' mask alone; window and
+chunk 1024.
 
     python benchmarks/bench_position_window.py                   # 8k, 32k B=1; 131k B=8
     python benchmarks/bench_position_window.py --quick           # 8k B=1
@@ -36,7 +37,7 @@ import torch  # noqa: E402
 from common import machine, markdown_table  # noqa: E402
 
 import flexmask  # noqa: E402
-from flexmask.integrations.transformers import layer_mask  # noqa: E402
+from flexmask.integrations.transformers import _packed_layer_mask, layer_mask  # noqa: E402
 from flexmask.packing import pack, pack_trees  # noqa: E402
 
 WINDOW = 1024
@@ -107,7 +108,7 @@ def main() -> None:
     print()
     print(markdown_table(["S", "B", *masks, "load"], rows))
     print(f"\nmedians of {args.repeat} interleaved rounds, caches cleared; w = {WINDOW}")
-    print("\n# A transformers sliding layer over packed documents\n")
+    print("\n# transformers' sliding and chunked layers over packed documents\n")
     rows = []
     for S, B in [(8192, 1)] if args.quick else [(8192, 1), (32768, 1), (32768, 4)]:
         batch = packed_documents(S, B)
@@ -118,16 +119,24 @@ def main() -> None:
         def within(b, h, q_idx, kv_idx, pos=pos, size=size):  # type: ignore[no-untyped-def]
             return pos[b, q_idx] - pos[b, kv_idx] < size
 
+        def same_chunk(b, h, q_idx, kv_idx, pos=pos, size=size):  # type: ignore[no-untyped-def]
+            return pos[b, q_idx] // size == pos[b, kv_idx] // size
+
         plain = flexmask.from_mask_mod(within, key=("bench window", S, B))
+        chunks = flexmask.from_mask_mod(same_chunk, key=("bench chunks", S, B))
+        packed = {
+            kind: _packed_layer_mask(kind, batch, sliding=WINDOW, chunk=WINDOW)
+            for kind in ("sliding_attention", "chunked_attention")
+        }
         masks = {
             "documents": batch.mask,
-            "offsets (PackedBatch)": layer_mask(
-                "sliding_attention", batch.mask, None, sliding=WINDOW
-            ),
-            "positions (layer_mask)": layer_mask(
+            "window (PackedBatch)": packed["sliding_attention"],
+            "window (positions)": layer_mask(
                 "sliding_attention", batch.mask, batch.position_ids, sliding=WINDOW
             ),
-            "mask_mod (before)": batch.mask & plain,
+            "window mask_mod (before)": batch.mask & plain,
+            "chunks (PackedBatch)": packed["chunked_attention"],
+            "chunks mask_mod (before)": batch.mask & chunks,
         }
         load = os.getloadavg()[0]
         times = {name: [] for name in masks}

@@ -207,25 +207,27 @@ def test_layer_masks_match_a_position_walk_and_torchs_blocks(kind, size):
     oracle.assert_same_block_mask(ours, oracle.torch_build(dense, block=4), f"{kind} {size}")
 
 
+@pytest.mark.parametrize("kind", ["sliding_attention", "chunked_attention"])
 @pytest.mark.parametrize("size", [1, 5, 37, 300])
-def test_packed_batches_take_the_window_of_offsets_with_the_same_blocks(size):
-    """A PackedBatch's sliding layers are built as a window of offsets (closed form, its
-    positions restart in every document its mask keeps apart): the same blocks as the window
-    of its position_ids (layer_mask, as model_inputs' check builds it) and as torch's build of
-    the position walk."""
+def test_packed_batches_take_closed_forms_with_the_same_blocks(kind, size):
+    """A PackedBatch's sliding and chunked layers are built from its documents (a window of
+    offsets; each document cut every ``size`` tokens from its start: closed forms, as its
+    positions restart in every document its mask keeps apart): the same blocks as the layer
+    of its position_ids (layer_mask, as model_inputs' check builds it) and as torch's build
+    of the position walk."""
     lens = [[60, 11, 130, 40], [250], [3, 90, 90, 17]]
     batch = pack([list(range(n)) for row in lens for n in row], 256)
-    config = Qwen2Config(
-        num_hidden_layers=2, use_sliding_window=True, sliding_window=size, max_window_layers=1
-    )
     B, S = batch.num_rows, batch.max_len
-    built = attention_masks(config, batch, implementation="flex_attention", block_size=16)
-    by_positions = layer_mask("sliding_attention", batch.mask, batch.position_ids, sliding=size)
-    want = flexmask.create_block_mask(by_positions, B, 1, S, S, BLOCK_SIZE=16)
-    oracle.assert_same_block_mask(built["sliding_attention"], want, own_storage=False)
-    dense = oracle.stack(
-        [positions_oracle("sliding_attention", size, row, S) for row in batch.seq_lens]
+    config = SimpleNamespace(
+        layer_types=["full_attention", kind],
+        sliding_window=size,
+        attention_chunk_size=size,
     )
+    built = attention_masks(config, batch, implementation="flex_attention", block_size=16)
+    by_positions = layer_mask(kind, batch.mask, batch.position_ids, sliding=size, chunk=size)
+    want = flexmask.create_block_mask(by_positions, B, 1, S, S, BLOCK_SIZE=16)
+    oracle.assert_same_block_mask(built[kind], want, own_storage=False)
+    dense = oracle.stack([positions_oracle(kind, size, row, S) for row in batch.seq_lens])
     oracle.assert_same_block_mask(want, oracle.torch_build(dense, block=16))
 
 

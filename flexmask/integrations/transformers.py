@@ -194,6 +194,25 @@ def layer_mask(
     )
 
 
+def _packed_layer_mask(
+    layer_type: str, batch: PackedBatch, *, sliding: int | None, chunk: int | None
+) -> Mask:
+    """``layer_mask`` of a PackedBatch, in closed forms. Its positions count from the start of
+    each document, which its mask (``causal() & document(seq_lens)``) never crosses: a
+    window of positions is there a window of offsets, and a chunk of positions a piece of a
+    document cut every ``chunk`` tokens from its start — a document of its own."""
+    if layer_type == "sliding_attention":
+        return layer_mask(layer_type, batch.mask, None, sliding=sliding)
+    if layer_type == "chunked_attention":
+        size = _size(chunk, "a chunk size (config.attention_chunk_size)", layer_type)
+        pieces_of = [
+            [min(size, n - start) for n in row for start in range(0, n, size)]
+            for row in batch.seq_lens
+        ]
+        return pieces.causal() & pieces.document(pieces_of)
+    return layer_mask(layer_type, batch.mask, batch.position_ids)
+
+
 def attention_masks(
     config: Any,
     batch: Any,
@@ -255,19 +274,14 @@ def attention_masks(
         )
     base, positions, batch_size, seq_len = _batch_parts(batch, shape, position_ids)
     layer_types = list(dict.fromkeys(getattr(text, "layer_types", None) or ["full_attention"]))
-    # A PackedBatch's positions count from the start of each document, which its mask
-    # (causal() & document) never crosses: a window of positions is there a window of
-    # offsets, which builds in closed form.
-    window_positions = None if isinstance(batch, PackedBatch) else positions
     masks = {}
     for layer_type in layer_types:
-        mask = layer_mask(
-            layer_type,
-            base,
-            window_positions if layer_type == "sliding_attention" else positions,
-            sliding=getattr(text, "sliding_window", None),
-            chunk=getattr(text, "attention_chunk_size", None),
-        )
+        sliding = getattr(text, "sliding_window", None)
+        chunk = getattr(text, "attention_chunk_size", None)
+        if isinstance(batch, PackedBatch):
+            mask = _packed_layer_mask(layer_type, batch, sliding=sliding, chunk=chunk)
+        else:
+            mask = layer_mask(layer_type, base, positions, sliding=sliding, chunk=chunk)
         masks[layer_type] = _materialise(mask, kind, batch_size, seq_len, block_size, device, dtype)
     if layer_types == ["full_attention"]:
         return masks["full_attention"]
