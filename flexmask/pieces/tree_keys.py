@@ -52,8 +52,8 @@ def parent_rows(parents: Any) -> ParentRows:
     value: an empty row, a parent that is not an earlier token or -1, non-integers.
     """
     per_row = is_nested(parents)
-    values, lengths = _values(parents, per_row)
     with _one_thread_if_busy():
+        values, lengths = _values(parents, per_row)
         flat = _narrowed(values, lengths)
         if flat is None:
             for i, row in enumerate(values.split(lengths)):  # the first bad row raises
