@@ -283,3 +283,28 @@ def test_the_parents_read_back_as_int64_rows_and_pickle_narrow():
     assert len(pickle.dumps(per_row)) == fresh  # neither kept in a pickle
     copy = pickle.loads(pickle.dumps(per_row))
     assert copy == per_row and [p.tolist() for p in copy.parents] == rows
+
+
+def test_busy_cores_key_on_one_thread_and_give_torchs_threads_back(monkeypatch):
+    tree_keys = importlib.import_module("flexmask.pieces.tree_keys")
+    rows = [[-1, *range(99)], [-1, *([0] * 99)]]
+    quiet = flexmask.tree(torch.tensor(rows)).key
+    seen = []
+    real_narrowed = tree_keys._narrowed
+
+    def narrowed(values, lengths):
+        seen.append(torch.get_num_threads())
+        return real_narrowed(values, lengths)
+
+    monkeypatch.setattr(tree_keys, "others_busy", lambda busy: True)
+    monkeypatch.setattr(tree_keys, "_narrowed", narrowed)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert flexmask.tree(torch.tensor(rows)).key == quiet
+        assert seen == [1] and torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match=r"parents\[1\]\[2\]=5"):
+            flexmask.tree([[-1, 0, 1], [-1, 0, 5]])
+        assert torch.get_num_threads() == 2  # given back after an error too
+    finally:
+        torch.set_num_threads(before)
