@@ -88,9 +88,10 @@ LOWERINGS: dict[str, Callable[[flexmask.Mask, int, int], Any]] = {
 
 
 def intervals(mask: flexmask.Mask, B: int, S: int) -> Any:
-    """The pass ``to_magi``, ``to_flashmask`` and the slices backend all start with (and
-    ``to_varlen`` checks against where queries and keys are not the same positions): every
-    query's attended keys as a few intervals, read from the mask's structure."""
+    """Every query's attended keys as a few intervals, read from the mask's structure
+    (``lines``): the pass ``to_magi``, ``to_flashmask`` and the slices backend start with
+    below 32k lines, and ``to_varlen``'s check; from 32k lines (queries times rows that
+    differ) they read stretches of queries instead (``formats/_stretches.py``)."""
     return lines(mask, validated_window(B if (mask.rows or 1) > 1 else 1, S, S))
 
 
@@ -187,7 +188,8 @@ def main() -> None:
         f"medians of {args.repeat} interleaved rounds, caches cleared before each call; "
         "ratios to the build's median (min: fastest to fastest, what bursts of load leave "
         "alone); floor: copying the lowering's output tensors; intervals: every query's "
-        "attended keys as intervals, the pass to_magi, to_flashmask and slices start with"
+        "attended keys as intervals, the pass to_magi, to_flashmask and slices start with "
+        "below 32k lines (from 32k they read stretches of queries)"
     )
 
 
