@@ -16,17 +16,19 @@ same run; "vs floor" is the build over it (the target is within 2x); it runs on 
 thread count (``FLEXMASK_BUILD_THREADS``, default 1). Allocation is left out
 of the floor: whether the allocator hands out fresh pages (a page fault per 4 KiB) or reuses
 resident ones swings it by 100x at 131k within one run, and it is the same for any builder.
-"fresh write" allocates and fills the eight tensors of the BlockMask as a build does (fresh
-pages where the allocator maps them: at 131k B=8 it is most of any build's cost), and "vs fresh
-write" is the build over it. "vs document-causal" is the build over the document-causal closed
-form of the same shape (B, H, S), measured in the same run (always measured, also when
-``--masks`` leaves it out); each row's line also prints the load average when it finished.
-Each row calls its build, the document-causal build and the fresh write in turn (at least
-5 rounds), so a change of load on a shared machine falls on all three: both ratios are
-given of the minimums and of the medians.
-"ops" counts the torch operator calls of one build (views included) and "ops x small op" is
-that count times one call on a one-element tensor measured in the same run: a lower bound
-on any build made of that many eager torch calls, whatever their size.
+"fresh write" allocates and fills the eight tensors of the BlockMask as a build does (fresh pages
+where the allocator maps them: at 131k B=8 it is most of any build's cost), and "vs fresh write" is
+the build over it. Outputs of 1M entries or more are also written again from the runs the build
+expanded them from (``runs_write``: fresh tensors, the kv pair beside the q pair, as a build writes
+them): "runs write" is that over the fresh write, and the build over it what the build's own passes
+(classification, run finding, ranks) add to its write. "vs document-causal" is the build over the
+document-causal closed form of the same shape (B, H, S), measured in the same run (always measured,
+also when ``--masks`` leaves it out); each row's line also prints the load average when it
+finished. Each row calls its build, the document-causal build and the fresh write in turn (at least
+5 rounds), so a change of load on a shared machine falls on all three: both ratios are given of the
+minimums and of the medians. "ops" counts the torch operator calls of one build (views included)
+and "ops x small op" is that count times one call on a one-element tensor measured in the same run:
+a lower bound on any build made of that many eager torch calls, whatever their size.
 
 ``--device cuda`` (or any ``--device``) measures another table instead (``run_device``): at
 S = 32k, 131k, 524k and 1M (B = 1, H = 1), flexmask's build on that device against torch's compiled
@@ -65,10 +67,12 @@ from common import (
     save_json,
     settle_allocator,
 )
+from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexmask
+from flexmask.blocks import runs, side_by_side  # runs: its writers, recorded (runs_write)
 from flexmask.builders import make_grid
 from flexmask.builders.create import build_counted
 from flexmask.builders.sides import in_closed_form
@@ -184,6 +188,50 @@ def fresh_write_once(B: int, H: int, nq: int, nkv: int) -> None:
             )
         ]
         del out
+
+
+def runs_write(build: Callable[[], Any], entries: int) -> Callable[[], None] | None:
+    """The write floor of a build made of runs: its four index tensors (``entries`` each)
+    written again from the runs the build expanded them from (recorded on one build), into
+    fresh tensors, the kv pair beside the q pair as a build writes them
+    (``blocks.pair.side_by_side``); None where the build wrote them otherwise (row by row, a
+    copy of a reduced row). What is over it is the build's own passes: classification, run
+    finding, ranks."""
+    recorded: list[tuple[Callable[..., None], Tensor, Tensor]] = []
+    real = {name: getattr(runs, name) for name in ("_expand_runs_chunked", "_expand_runs_cumsum")}
+
+    def recording(name: str) -> Callable[..., None]:
+        def call(out: Tensor, starts: Tensor, lens: Tensor) -> None:
+            if out.numel() == entries:
+                recorded.append((real[name], starts.clone(), lens.clone()))
+            real[name](out, starts, lens)
+
+        return call
+
+    try:
+        for name in real:
+            setattr(runs, name, recording(name))
+        build()
+    finally:
+        for name, fn in real.items():
+            setattr(runs, name, fn)
+    if len(recorded) != 4:
+        return None
+
+    def write_pair(pair: list[tuple[Callable[..., None], Tensor, Tensor]]) -> None:
+        for fn, starts, lens in pair:
+            fn(torch.empty(entries, dtype=torch.int32), starts, lens)
+
+    def write() -> None:
+        with cpu_threads(torch.device("cpu")):  # the builds' thread count
+            side_by_side(
+                lambda: write_pair(recorded[:2]),
+                lambda: write_pair(recorded[2:]),
+                entries,
+                torch.device("cpu"),
+            )
+
+    return write
 
 
 def interleaved(fns: list[Callable[[], Any]], repeat: int) -> list[list[float]]:
@@ -641,10 +689,19 @@ def main() -> None:
                     fresh_write_once(B, H, nq, nkv)
 
                 # The build, the document-causal build and the fresh write in turn, so a
-                # change of load falls on all three: ratios of minimums and of medians.
-                times = interleaved([build, document, write], repeat=max(repeat, 5))
-                ours, document_s[H], fresh = (min(t) for t in times)
-                ours_median, document_median, fresh_median = (statistics.median(t) for t in times)
+                # change of load falls on all three: ratios of minimums and of medians. Long
+                # builds also against the write of their own runs (``runs_write``).
+                entries = B * H * grid.num_q_blocks * grid.num_kv_blocks
+                from_runs = runs_write(build, entries) if entries >= 1 << 20 else None
+                fns: list[Callable[[], Any]] = [build, document, write]
+                fns += [from_runs] if from_runs else []
+                times = interleaved(fns, repeat=max(repeat, 5))
+                ours, document_s[H], fresh = (min(t) for t in times[:3])
+                ours_median, document_median, fresh_median = (
+                    statistics.median(t) for t in times[:3]
+                )
+                runs_s = min(times[3]) if from_runs else None
+                runs_median = statistics.median(times[3]) if from_runs else None
                 ours_mem, _ = peak_extra_bytes(build)
                 floor = write_floor(B, H, grid.num_q_blocks, grid.num_kv_blocks, repeat)
                 ops = count_ops(build)
@@ -671,6 +728,8 @@ def main() -> None:
                     flexmask_median_s=ours_median,
                     document_median_s=document_median,
                     fresh_median_s=fresh_median,
+                    runs_write_s=runs_s,
+                    runs_write_median_s=runs_median,
                 )
                 if args.eager_limit_gb * 2**30 >= 10 * B * H * S * S:
                     row["eager_s"] = best_time(
@@ -705,7 +764,15 @@ def main() -> None:
                     f"(median {ratio(ours_median, document_median)}) "
                     f"vs fresh write {ratio(ours, fresh)} ({fmt_time(fresh)}; "
                     f"median {ratio(ours_median, fresh_median)}) "
-                    f"eager {fmt_time(row['eager_s']):>9} compiled {fmt_time(row['compiled_s']):>9}"
+                    + (
+                        f"runs write {ratio(runs_s, fresh)} of the fresh write (median "
+                        f"{ratio(runs_median, fresh_median)}), the build {ratio(ours, runs_s)} "
+                        f"of it (median {ratio(ours_median, runs_median)}) "
+                        if runs_s
+                        else ""
+                    )
+                    + f"eager {fmt_time(row['eager_s']):>9} "
+                    f"compiled {fmt_time(row['compiled_s']):>9}"
                     f" refined {refined}/{row['tiles']} floor {fmt_time(floor)}"
                     f" ({ratio(ours, floor)}) ops {ops} x small op {fmt_time(ops * small_op)}"
                     f" load {os.getloadavg()[0]:.1f}",
