@@ -26,6 +26,7 @@ from flexmask._validate import (
     is_nested,
     plain_ints,
 )
+from flexmask.pieces._base import tracing
 
 _BUSY = 0.5
 """Other processes keeping this much of a core busy send the key's passes to one thread: a
@@ -124,7 +125,8 @@ def _narrowed(values: Tensor, lengths: list[int]) -> Tensor | None:
         return None
     dtype = narrow_type(longest)
     flat = values.to(dtype, copy=True)  # the piece's own copy, whoever holds ``values``
-    positions = _positions(longest, dtype)
+    # A trace's own tensors are never kept (``pieces._base.tracing``).
+    positions = torch.arange(longest, dtype=dtype) if tracing() else _positions(longest, dtype)
     if len(set(lengths)) == 1:  # rows of one length: compared as a table
         ahead = (flat.view(len(lengths), longest) - positions).max()
     else:
