@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import flexmask
 from flexmask.formats import _stretches, flashmask, magi, to_flashmask, to_magi
 from flexmask.formats._structure import lines, window
+from tests import oracle
 from tests.strategies import expressions, insertion_tree, negated_compounds, preorder_tree
 from tests.test_formats import flashmask_dense, magi_dense, windowed
 
@@ -271,3 +272,41 @@ def test_a_piece_that_does_not_say_takes_the_per_query_path():
     win = window(mask, 1, None, 8, 8)
     assert _stretches.stretch_lines(mask, win, transpose=False, fmt="test") is None
     same_slices(to_magi(mask, 1, 8), to_magi(flexmask.causal() & flexmask.document([4, 4]), 1, 8))
+
+
+def test_sequences_are_one_slice_each_read_off_their_segments():
+    """A mask a varlen kernel runs with no window (causal or not, documents, chunks, padding)
+    takes one slice per sequence from its segments, no lines read: the slices of the
+    per-query cut and of the dense oracle. A sequence of one token leaves it to the lines
+    (the cut joins it to its neighbour's first token), so a mask's slices never depend on
+    its size."""
+    batch, n = 3, 120
+    docs = [[30, 2, 47, 41], [120], [5, 60, 9, 20]]
+    cases = [
+        (flexmask.causal() & flexmask.document(docs), lambda b: oracle.causal(n, n)
+         & oracle.document(docs[b], n, n)),
+        (flexmask.document(docs), lambda b: oracle.document(docs[b], n, n)),
+        (flexmask.causal() & flexmask.chunked(8) & flexmask.padding([120, 100, 3]),
+         lambda b: oracle.causal(n, n) & oracle.chunked(8, n, n)
+         & oracle.padding([120, 100, 3][b], n, n)),
+    ]  # fmt: skip
+    for mask, rows in cases:
+        assert magi._sequence_slices(mask, window(mask, batch, None, n, n)) is not None
+        m = to_magi(mask, batch, n)
+        same_slices(m, per_query(mask, batch, n, n))
+        want = np.stack([rows(b) for b in range(batch)])
+        np.testing.assert_array_equal(magi_dense(m, batch, n, n), want, str(mask))
+        # FlashMask's causal form, from the same sequences where they are causal.
+        causal = mask is not cases[1][0]
+        assert (flashmask._sequence_columns(mask, window(mask, batch, 1, n, n)) is None) != causal
+        got = to_flashmask(mask, batch, 1, n)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(flashmask, "STRETCHES_FROM", 1 << 62)
+            per_column = to_flashmask(mask, batch, 1, n)
+        assert got.causal == per_column.causal
+        assert torch.equal(got.startend_row_indices, per_column.startend_row_indices)
+        dense = flashmask_dense(got.startend_row_indices, got.causal, n)[:, 0]
+        np.testing.assert_array_equal(dense, want, str(mask))
+    one_token = flexmask.causal() & flexmask.document([[30, 1, 89]] * batch)
+    assert magi._sequence_slices(one_token, window(one_token, batch, None, n, n)) is None
+    same_slices(to_magi(one_token, batch, n), per_query(one_token, batch, n, n))

@@ -353,6 +353,43 @@ def varlen_plan(mask: Mask, length: int) -> VarlenPlan:
     return VarlenPlan(ids, causal, size, piece)
 
 
+class Sequences(NamedTuple):
+    """The sequences of a mask a varlen kernel runs with no window (``sequences``)."""
+
+    causal: bool
+    ids: Tensor
+    """``(R, L)`` each position's sequence (equal ids one contiguous run), -1 in none."""
+    row: Tensor
+    """Each sequence's row, in row-major order (as ``first`` and ``last``)."""
+    first: Tensor
+    """Its first position."""
+    last: Tensor
+    """Its last position (inclusive)."""
+
+
+def sequences(mask: Mask, win: Window) -> Sequences | None:
+    """The sequences of ``mask`` on a square window at position 0, where it is an ``&`` of
+    causal and partitions (documents, chunks, padding) with no sliding window
+    (``varlen_plan``): Magi's slices and FlashMask's columns are then read off their runs of
+    ids, a few passes over the positions, not off every line. None for any other mask or
+    window."""
+    if win.q_len != win.kv_len or bool(win.q_offset.any()) or bool(win.kv_offset.any()):
+        return None
+    try:
+        plan = varlen_plan(mask, win.q_len)
+    except ValueError:
+        return None
+    if plan.window is not None:
+        return None
+    ids = torch.stack([i[: win.q_len] for i in plan.segment_ids])
+    edge = torch.full_like(ids[:, :1], -1)
+    begins = (ids != torch.cat([edge, ids[:, :-1]], 1)) & (ids >= 0)
+    ends = (ids != torch.cat([ids[:, 1:], edge], 1)) & (ids >= 0)
+    row, first = begins.nonzero().unbind(1)
+    last = ends.nonzero()[:, 1]  # row-major both: the i-th run's end is the i-th end
+    return Sequences(plan.causal, ids, row, first, last)
+
+
 def _window_size(windows: list[Tensor], window_piece: Mask | None) -> int | None:
     """The one window every row and window factor agrees on (their least), None for none;
     a ValueError where it differs between rows (a varlen call takes one)."""

@@ -11,7 +11,7 @@ from torch import Tensor
 from flexmask._validate import check_device
 from flexmask.algebra import Mask
 from flexmask.formats._stretches import STRETCHES_FROM, stretch_lines
-from flexmask.formats._structure import Window, head_masks, lines, window
+from flexmask.formats._structure import Window, head_masks, lines, sequences, window
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,7 +90,9 @@ def to_flashmask(
     square = win.q_len == win.kv_len
     asked = win.kv_len * max(mask.rows or 1, win.kv_offset.shape[0])  # columns per token
     if square and len(distinct) == 1 and asked >= STRETCHES_FROM:
-        lts = _causal_columns(distinct[0], win)
+        lts = _sequence_columns(distinct[0], win)
+        if lts is None:
+            lts = _causal_columns(distinct[0], win)
         if lts is not None:  # the first form, read off stretches of columns
             out = lts[:, None, :, None].expand(win.batch, 1, -1, 1)
             return FlashMask(out.contiguous().to(dev), True)
@@ -130,6 +132,27 @@ def _attending(mask: Mask, win: Window) -> tuple[Tensor, Tensor]:
     they are made, not computed again for every batch row), each column's queries."""
     lo, hi = lines(mask, win, transpose=True, fmt="FlashMask")
     return lo, hi
+
+
+def _sequence_columns(mask: Mask, win: Window) -> Tensor | None:
+    """``(R, KV)`` int32 the causal one-bound form's ``LTS`` of a causal mask a varlen kernel
+    runs with no window (``sequences``): a column of a sequence is attended by the queries
+    from it to the sequence's end, a column in none by no query (``LTS = j``). None for any
+    other mask or window."""
+    found = sequences(mask, win)
+    if found is None or not found.causal:
+        return None
+    inside = found.ids >= 0
+    # Each position's sequence, counted over the rows laid end to end (row-major, as the
+    # sequences are listed): the sequence ends read by it.
+    begins = torch.zeros_like(found.ids)
+    begins[found.row, found.first] = 1
+    which = (begins.flatten().cumsum(0) - 1).view_as(found.ids).clamp_(min=0)
+    ends = (found.last + 1).to(torch.int32)
+    column = torch.arange(found.ids.shape[1], dtype=torch.int32).expand_as(found.ids)
+    if not ends.numel():
+        return column.contiguous()
+    return torch.where(inside, ends[which], column)
 
 
 def _causal_columns(mask: Mask, win: Window) -> Tensor | None:

@@ -12,7 +12,7 @@ from torch import Tensor
 from flexmask._validate import check_device
 from flexmask.algebra import Mask
 from flexmask.formats._stretches import STRETCHES_FROM, Stretches, compressed, stretch_lines
-from flexmask.formats._structure import Window, lines, one_mask_for_all_heads, window
+from flexmask.formats._structure import Window, lines, one_mask_for_all_heads, sequences, window
 
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3
 """MagiAttention's ``attn_type_map`` values (``AttnMaskType.to_int_type``)."""
@@ -117,9 +117,12 @@ def magi_of(mask: Mask, win: Window, device: torch.device | str | None = None) -
     one = one_mask_for_all_heads(mask, "MagiAttention")
     asked = win.q_len * max(mask.rows or 1, win.q_offset.shape[0])  # lines read per token
     stretches = None
-    if asked >= STRETCHES_FROM:
+    sequences = _sequence_slices(one, win) if asked >= STRETCHES_FROM else None
+    if sequences is None and asked >= STRETCHES_FROM:
         stretches = stretch_lines(one, win, transpose=False, fmt="MagiAttention")
-    if stretches is not None:  # slices read off stretches of queries, never every query
+    if sequences is not None:
+        rows, (row, q, k, t) = sequences
+    elif stretches is not None:  # slices read off stretches of queries, never every query
         rows = stretches[0].lo.shape[0]
         row, q, k, t = _stretch_slices(*stretches)
     else:
@@ -148,6 +151,25 @@ def magi_of(mask: Mask, win: Window, device: torch.device | str | None = None) -
         total_q=win.batch * win.q_len,
         total_k=win.batch * win.kv_len,
     )
+
+
+def _sequence_slices(
+    mask: Mask, win: Window
+) -> tuple[int, tuple[Tensor, Tensor, Tensor, Tensor]] | None:
+    """``(rows, (row, q, k, type))`` of a mask a varlen kernel runs with no window
+    (``sequences``): one slice per sequence, causal or full, where the lines' algebra would
+    run per stretch (per document). None for any other mask or window: the lines say."""
+    found = sequences(mask, win)
+    if found is None:
+        return None
+    if bool((found.last == found.first).any()):
+        # A sequence of one token: the greedy cut joins it to its neighbour's first token
+        # (a bi-causal diagonal of two), where one slice a sequence would not. The lines
+        # cut it, so that a mask's slices do not depend on its size.
+        return None
+    q = torch.stack([found.first, found.last + 1], 1)
+    kind = torch.full_like(found.first, CAUSAL if found.causal else FULL)
+    return found.ids.shape[0], (found.row, q, q.clone(), kind)
 
 
 def _slices(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
