@@ -4,9 +4,11 @@ chooses: ``builders.threads``, ``backends.threads``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -95,3 +97,18 @@ def others_busy(load: CoreLoad = CORES, busy: float = BUSY_CORES, unknown: bool 
         return unknown
     cores = len(load.cpus) if load.cpus is not None else os.cpu_count() or 1
     return cores - others < min(torch.get_num_threads(), cores) - busy
+
+
+@contextlib.contextmanager
+def at_most_threads(count: int) -> Iterator[None]:
+    """At most ``count`` intra-op threads in this thread (OpenMP's count is per thread),
+    torch's setting restored after; nothing changed where it is ``count`` or fewer."""
+    previous = torch.get_num_threads()
+    if count >= previous:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -9,11 +9,11 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
-from flexmask._cores import CORES, CoreLoad
+from flexmask._cores import CORES, CoreLoad, at_most_threads
 from flexmask._cores import others_busy as cores_busy
 
 # ``workers`` for run_groups: choose per call between the two ways (see ThreadChoice).
@@ -214,18 +214,9 @@ def in_this_thread(one: Callable[[int], None], count: int) -> None:
         one(index)
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
+def one_thread() -> contextlib.AbstractContextManager[None]:
     """One intra-op thread in this thread (OpenMP's count is per thread), restored after."""
-    previous = torch.get_num_threads()
-    if previous == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+    return at_most_threads(1)
 
 
 def kernel_workers(threads: int | None, device: torch.device) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from flexmask._cores import others_busy
+from flexmask._cores import at_most_threads, others_busy
 from flexmask._validate import env_int
 
 ENV_BUILD_THREADS = "FLEXMASK_BUILD_THREADS"
@@ -44,11 +44,5 @@ def cpu_threads(device: torch.device) -> Iterator[None]:
     if wanted is None:
         busy = device.type == "cpu" and previous > 1 and others_busy(busy=BUSY, unknown=True)
         wanted = 1 if busy else previous
-    if device.type != "cpu" or wanted >= previous:
+    with at_most_threads(wanted) if device.type == "cpu" else contextlib.nullcontext():
         yield
-        return
-    torch.set_num_threads(wanted)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

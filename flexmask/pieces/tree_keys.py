@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from flexmask._cores import others_busy
+from flexmask._cores import at_most_threads, others_busy
 from flexmask._validate import (
     check_parents,
     digest,
@@ -141,15 +140,7 @@ def _positions(length: int, dtype: torch.dtype) -> Tensor:
     return torch.arange(length, dtype=dtype)
 
 
-@contextlib.contextmanager
-def _one_thread_if_busy() -> Iterator[None]:
+def _one_thread_if_busy() -> contextlib.AbstractContextManager[None]:
     """One intra-op thread while other processes keep a core busy, else torch's own."""
-    previous = torch.get_num_threads()
-    if previous == 1 or not others_busy(busy=_BUSY):
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+    busy = torch.get_num_threads() > 1 and others_busy(busy=_BUSY)
+    return at_most_threads(1) if busy else contextlib.nullcontext()
