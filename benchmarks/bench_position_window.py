@@ -10,8 +10,9 @@ unless ``FLEXMASK_BUILD_THREADS`` says otherwise, load printed.
 The second table: the sliding and chunked layers ``flexmask.integrations.transformers``
 builds for a packed batch of documents (``pack``, positions restarting in every document),
 as ``attention_masks`` builds them for a PackedBatch (a window of offsets; documents cut
-every chunk from their starts: closed forms) and the window as ``layer_mask`` builds it from
-the position_ids (the one-sided window of positions), against each written as a plain
+every chunk from their starts: closed forms) and as ``layer_mask`` builds them from the
+position_ids (the one-sided window of positions; a window of 1 over chunk ids), against
+each written as a plain
 mask_mod over the positions (``from_mask_mod``, every tile the documents leave open
 evaluated: what the integration built before) and the documents' mask alone; window and
 chunk 1024.
@@ -136,6 +137,9 @@ def main() -> None:
             ),
             "window mask_mod (before)": batch.mask & plain,
             "chunks (PackedBatch)": packed["chunked_attention"],
+            "chunks (positions)": layer_mask(
+                "chunked_attention", batch.mask, batch.position_ids, chunk=WINDOW
+            ),
             "chunks mask_mod (before)": batch.mask & chunks,
         }
         load = os.getloadavg()[0]

@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask import pieces
-from flexmask._validate import check_device, check_int, digest
+from flexmask._validate import check_device, check_int
 from flexmask.algebra import Mask
 from flexmask.attention import flex_attention
 from flexmask.builders import create_block_mask
@@ -181,14 +181,12 @@ def layer_mask(
         chunk_size = _size(chunk, "a chunk size (config.attention_chunk_size)", layer_type)
         if pos is None:
             return base & pieces.chunked(chunk_size)
-        per_chunk = torch.tensor(chunk_size)
-
-        def same_chunk(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return pos[b, q_idx] // per_chunk == pos[b, kv_idx] // per_chunk
-
-        return base & pieces.from_mask_mod(
-            same_chunk, key=("positions_chunk", digest(pos), chunk_size), head_dependent=False
-        )
+        # Same chunk: chunk ids (position // chunk, floored as torch's // is) less than 1
+        # apart, a window of 1 over them; ids step by 0 or 1 where positions step by 1, so
+        # the window's tiles read their runs as for positions. Shifted to start at 0.
+        ids = torch.div(pos, chunk_size, rounding_mode="floor")
+        least = int(ids.min()) if ids.numel() else 0
+        return base & pieces.PositionWindow(1, ids - least if least < 0 else ids)
     raise ValueError(
         f"layer_type must be one of {', '.join(map(repr, LAYER_TYPES))}; got {layer_type!r}"
     )
