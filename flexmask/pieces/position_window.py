@@ -122,9 +122,15 @@ class PositionWindow(Piece):
         # full when its farthest pair is within the window, empty when even its ranges'
         # nearest is not; in between it is read from the runs (exact where each side has at
         # most RUNS of them, else undecided: the build evaluates it).
-        q = self._tile_runs(grid.q_first, grid.q_last, grid.q_block, grid)
+        # One-sided, the tiles' extremes say it all (below): no runs read.
+        runs = not self.keys_ahead
+        q = self._tile_runs(grid.q_first, grid.q_last, grid.q_block, grid, runs)
         kv = self._tile_runs(
-            grid.kv_first.transpose(-1, -2), grid.kv_last.transpose(-1, -2), grid.kv_block, grid
+            grid.kv_first.transpose(-1, -2),
+            grid.kv_last.transpose(-1, -2),
+            grid.kv_block,
+            grid,
+            runs,
         )
         # As comparisons of each key tile's bounds with bounds around the query tile's,
         # made per tile: the passes over every pair of tiles write bools, not differences.
@@ -161,15 +167,22 @@ class PositionWindow(Piece):
             codes[row, qi, ki] = torch.where(known, settled, UNDECIDED).to(CODE_DTYPE)
         return codes.unsqueeze(1)
 
-    def _tile_runs(self, first: Tensor, last: Tensor, block: int, grid: TileGrid) -> _Runs:
+    def _tile_runs(
+        self, first: Tensor, last: Tensor, block: int, grid: TileGrid, runs: bool
+    ) -> _Runs:
         """The runs of each tile ``[first, last]`` (``(1 | B, 1, n, 1)`` whole-mask
-        positions): maximal stretches of tokens whose positions step by at most 1."""
+        positions): maximal stretches of tokens whose positions step by at most 1. Without
+        ``runs``, its extremes only (the run fields are the extremes again, none known)."""
         table = self._on("positions", grid.device)
         rows = max(table.shape[0], first.shape[0])
         steps = torch.arange(block, device=grid.device)
         index = torch.minimum(first + steps, last)  # (r, 1, n, block): repeats past the end
         index = index.expand(rows, *index.shape[1:]).flatten(1)
         values = table.expand(rows, -1).gather(1, index).view(rows, -1, block)
+        lo, hi = values.amin(-1), values.amax(-1)
+        if not runs:
+            none = torch.zeros_like(lo, dtype=torch.bool)
+            return _Runs(lo, hi, lo.unsqueeze(-1), hi.unsqueeze(-1), none, none)
         breaks = values.diff(dim=-1).abs_() > 1
         run = torch.nn.functional.pad(breaks.cumsum(-1), (1, 0))  # run of each token
         known = run[..., -1] < RUNS
@@ -183,7 +196,7 @@ class PositionWindow(Piece):
         absent = run[..., -1:] < torch.arange(RUNS, device=grid.device)
         runs_lo = torch.where(absent, runs_lo[..., :1], runs_lo)
         runs_hi = torch.where(absent, runs_hi[..., :1], runs_hi)
-        return _Runs(values.amin(-1), values.amax(-1), runs_lo, runs_hi, known, one_run)
+        return _Runs(lo, hi, runs_lo, runs_hi, known, one_run)
 
     def __repr__(self) -> str:
         sizes_per_row, positions_per_row = self._given_per_row
@@ -224,25 +237,28 @@ class PositionWindowMod(PieceMod):
 def _positions(positions: Any) -> tuple[Tensor, bool]:
     """``(R, n)`` int64 positions (R = 1 shared) and whether they were given per row."""
     if isinstance(positions, Tensor) and positions.dim() == 2:
-        rows = [int_vector(row, f"positions[{i}]") for i, row in enumerate(positions.unbind(0))]
-        per_row = True
-    elif is_nested(positions):
-        rows = [int_vector(row, f"positions[{i}]") for i, row in enumerate(positions)]
+        # One copy of the whole table (a batch's position_ids), checked as one.
+        table = int_vector(positions.reshape(-1), "positions").view(positions.shape)
         per_row = True
     else:
-        rows = [int_vector(positions, "positions")]
-        per_row = False
-    if not rows:
+        per_row = is_nested(positions)
+        if per_row:
+            rows = [int_vector(row, f"positions[{i}]") for i, row in enumerate(positions)]
+        else:
+            rows = [int_vector(positions, "positions")]
+        if not rows:
+            raise ValueError("positions must hold at least one batch row, got none")
+        lengths = {row.numel() for row in rows}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"positions must give every batch row the same number of positions, got "
+                f"{sorted(lengths)}: one position per token of the padded batch"
+            )
+        table = torch.stack(rows)
+    if table.shape[0] == 0:
         raise ValueError("positions must hold at least one batch row, got none")
-    lengths = {row.numel() for row in rows}
-    if len(lengths) > 1:
-        raise ValueError(
-            f"positions must give every batch row the same number of positions, got "
-            f"{sorted(lengths)}: one position per token of the padded batch"
-        )
-    if 0 in lengths:
+    if table.shape[1] == 0:
         raise ValueError("positions must hold at least one position per row, got an empty row")
-    table = torch.stack(rows)
     low, high = int(table.min()), int(table.max())
     if low < 0 or high >= MAX_POSITION:
         name = "positions" if not per_row else "positions[...]"
