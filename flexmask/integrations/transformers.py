@@ -160,9 +160,9 @@ def layer_mask(
     """
     if layer_type == "full_attention":
         return base
-    # A copy: the caller's position_ids may change after the mask is made (a reused buffer,
-    # an in-place op), and the mask (and the BlockMask cached on its key) must not.
-    pos = None if positions is None else positions.detach().to(torch.int64, copy=True)
+    # The caller's position_ids may change after the mask is made (a reused buffer, an
+    # in-place op): the mask's piece keeps its own copy (PositionWindow), so none here.
+    pos = None if positions is None else positions.detach()
     if layer_type == "sliding_attention":
         window = _size(sliding, "a window (config.sliding_window)", layer_type)
         if pos is None:
