@@ -75,6 +75,10 @@ O_WINDOW_ROWS = _per_row(
 )
 O_PAD_ROWS = _per_row(lambda q, k: oracle.padding(33, q, k), lambda q, k: oracle.padding(50, q, k))
 O_PREFIX = _shared(lambda q, k: oracle.prefix(7, q, k))
+POSITIONS = [i % 9 + i // 20 for i in range(64)]  # runs that restart: a window by position
+O_POSITIONS = _shared(
+    lambda q, k: np.abs(np.array(POSITIONS[:q])[:, None] - np.array(POSITIONS[:k])[None]) < 4
+)
 
 CASES = {
     "causal": (flexmask.causal(), O_CAUSAL),
@@ -98,6 +102,7 @@ CASES = {
     ),
     "sliding_window": (flexmask.sliding_window(5), O_WINDOW),
     "sliding_window_rows": (flexmask.sliding_window([3, 9]), O_WINDOW_ROWS),
+    "sliding_window_positions": (flexmask.sliding_window(4, positions=POSITIONS), O_POSITIONS),
     "full": (flexmask.full(), _shared(lambda q, k: np.ones((q, k), dtype=bool))),
     "empty": (flexmask.empty(), _shared(lambda q, k: np.zeros((q, k), dtype=bool))),
     "from_mask_mod": (flexmask.from_mask_mod(checkerboard), _checkerboard_rows),
@@ -204,6 +209,7 @@ EVERY_PIECE = {
     "prefix": flexmask.prefix(7),
     "sliding_window": flexmask.sliding_window([3, 9]),
     "chunked": flexmask.chunked(8),
+    "sliding_window_positions": flexmask.sliding_window(4, positions=POSITIONS),
     "spans": flexmask.spans([0, 0, 0, -1, 1, 1, 2, 2, 2, 2]),
     "tree": flexmask.tree([RANDOM, PREORDER]),
     "per_head": flexmask.per_head(flexmask.causal(), flexmask.prefix(4)),
