@@ -16,9 +16,12 @@ same run; "vs floor" is the build over it (the target is within 2x); it runs on 
 thread count (``FLEXMASK_BUILD_THREADS``, default 1). Allocation is left out
 of the floor: whether the allocator hands out fresh pages (a page fault per 4 KiB) or reuses
 resident ones swings it by 100x at 131k within one run, and it is the same for any builder.
-"fresh write" allocates and fills the eight tensors of the BlockMask as a build does (fresh pages
-where the allocator maps them: at 131k B=8 it is most of any build's cost), and "vs fresh write" is
-the build over it. Outputs of 1M entries or more are also written again from the runs the build
+"fresh write" allocates and fills the eight tensors of the BlockMask on the pages the allocator
+hands out (fresh small pages where it maps them: at 131k B=8 it is most of any build's cost), and "vs fresh write" is
+the build over it. Where builds advise their outputs onto huge pages (``blocks.memory``, on
+Linux unless FLEXMASK_HUGE_PAGES=0), "fresh write, huge pages" is the same write into memory
+advised so, and "vs it" the build over that: the floor such a build is held to. Outputs of 1M
+entries or more are also written again from the runs the build
 expanded them from (``runs_write``: fresh tensors, the kv pair beside the q pair, as a build writes
 them): "runs write" is that over the fresh write, and the build over it what the build's own passes
 (classification, run finding, ranks) add to its write. "vs document-causal" is the build over the
@@ -72,7 +75,13 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexmask
-from flexmask.blocks import runs, side_by_side  # runs: its writers, recorded (runs_write)
+from flexmask.blocks import (  # runs: its writers, recorded (runs_write)
+    huge_pages_on,
+    index_tensors,
+    runs,
+    side_by_side,
+)
+from flexmask.blocks.memory import ADVISED_FROM
 from flexmask.builders import make_grid
 from flexmask.builders.create import build_counted
 from flexmask.builders.sides import in_closed_form
@@ -169,24 +178,26 @@ def write_floor(B: int, H: int, nq: int, nkv: int, repeat: int) -> float:
     return best_time(write, repeat=max(repeat, 20))
 
 
-def fresh_write_once(B: int, H: int, nq: int, nkv: int) -> None:
+def fresh_write_once(B: int, H: int, nq: int, nkv: int, huge: bool = False) -> None:
     """Allocates and fills torch's eight BlockMask tensors of a build's shape (four counts,
-    four indices, int32) once, as a build allocates them: whatever pages the allocator
-    hands out (at 131k B=8, 32 MiB each, fresh ones from the OS)."""
+    four indices, int32) once: whatever pages the allocator hands out (at 131k B=8, 32 MiB
+    each, fresh ones from the OS), or with ``huge`` as a build allocates them
+    (``blocks.index_tensors``: large ones advised onto huge pages, where the build does)."""
     with cpu_threads(torch.device("cpu")):  # the builds' thread count
-        out = [
-            torch.empty(shape, dtype=torch.int32).fill_(1)
-            for shape in (
-                (B, H, nq),
-                (B, H, nq, nkv),
-                (B, H, nkv),
-                (B, H, nkv, nq),
-                (B, H, nq),
-                (B, H, nq, nkv),
-                (B, H, nkv),
-                (B, H, nkv, nq),
-            )
+        shapes = [
+            (B, H, nq),
+            (B, H, nq, nkv),
+            (B, H, nkv),
+            (B, H, nkv, nq),
+            (B, H, nq),
+            (B, H, nq, nkv),
+            (B, H, nkv),
+            (B, H, nkv, nq),
         ]
+        if huge:
+            out = [t.fill_(1) for t in index_tensors(shapes, torch.device("cpu"))]
+        else:
+            out = [torch.empty(shape, dtype=torch.int32).fill_(1) for shape in shapes]
         del out
 
 
@@ -220,7 +231,8 @@ def runs_write(build: Callable[[], Any], entries: int) -> Callable[[], None] | N
 
     def write_pair(pair: list[tuple[Callable[..., None], Tensor, Tensor]]) -> None:
         for fn, starts, lens in pair:
-            fn(torch.empty(entries, dtype=torch.int32), starts, lens)
+            (out,) = index_tensors([(entries,)], torch.device("cpu"))  # as the build's
+            fn(out, starts, lens)
 
     def write() -> None:
         with cpu_threads(torch.device("cpu")):  # the builds' thread count
@@ -324,6 +336,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             "vs floor",
             "fresh write",
             "vs fresh write",
+            "fresh write, huge pages",
+            "vs it",
             "vs document-causal",
             "vs doc-causal (medians)",
             "vs fresh write (medians)",
@@ -350,6 +364,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                 ratio(r["flexmask_s"], r.get("floor_s")),
                 fmt_time(r.get("fresh_s")),
                 ratio(r["flexmask_s"], r.get("fresh_s")),
+                fmt_time(r.get("fresh_huge_s")),
+                ratio(r["flexmask_s"], r.get("fresh_huge_s")),
                 ratio(r["flexmask_s"], r.get("document_s")),
                 ratio(r.get("flexmask_median_s"), r.get("document_median_s")),
                 ratio(r.get("flexmask_median_s"), r.get("fresh_median_s")),
@@ -688,20 +704,30 @@ def main() -> None:
                 ) -> None:
                     fresh_write_once(B, H, nq, nkv)
 
+                def write_huge(
+                    B: int = B,
+                    H: int = H,
+                    nq: int = grid.num_q_blocks,
+                    nkv: int = grid.num_kv_blocks,
+                ) -> None:
+                    fresh_write_once(B, H, nq, nkv, huge=True)
+
                 # The build, the document-causal build and the fresh write in turn, so a
                 # change of load falls on all three: ratios of minimums and of medians. Long
                 # builds also against the write of their own runs (``runs_write``).
                 entries = B * H * grid.num_q_blocks * grid.num_kv_blocks
                 from_runs = runs_write(build, entries) if entries >= 1 << 20 else None
-                fns: list[Callable[[], Any]] = [build, document, write]
-                fns += [from_runs] if from_runs else []
-                times = interleaved(fns, repeat=max(repeat, 5))
+                # Where builds advise huge pages (``blocks.memory``), the same write into them.
+                huge = huge_pages_on() and entries * 4 >= ADVISED_FROM
+                extra = [f for f in (write_huge if huge else None, from_runs) if f is not None]
+                times = interleaved([build, document, write, *extra], repeat=max(repeat, 5))
                 ours, document_s[H], fresh = (min(t) for t in times[:3])
                 ours_median, document_median, fresh_median = (
                     statistics.median(t) for t in times[:3]
                 )
-                runs_s = min(times[3]) if from_runs else None
-                runs_median = statistics.median(times[3]) if from_runs else None
+                fresh_huge = min(times[3]) if huge else None
+                runs_s = min(times[-1]) if from_runs else None
+                runs_median = statistics.median(times[-1]) if from_runs else None
                 ours_mem, _ = peak_extra_bytes(build)
                 floor = write_floor(B, H, grid.num_q_blocks, grid.num_kv_blocks, repeat)
                 ops = count_ops(build)
@@ -717,6 +743,7 @@ def main() -> None:
                     flexmask_bytes=ours_mem,
                     floor_s=floor,
                     fresh_s=fresh,
+                    fresh_huge_s=fresh_huge,
                     ops=ops,
                     ops_s=ops * small_op,
                     eager_s=None,
@@ -764,6 +791,12 @@ def main() -> None:
                     f"(median {ratio(ours_median, document_median)}) "
                     f"vs fresh write {ratio(ours, fresh)} ({fmt_time(fresh)}; "
                     f"median {ratio(ours_median, fresh_median)}) "
+                    + (
+                        f"vs fresh write on huge pages {ratio(ours, fresh_huge)} "
+                        f"({fmt_time(fresh_huge)}) "
+                        if fresh_huge
+                        else ""
+                    )
                     + (
                         f"runs write {ratio(runs_s, fresh)} of the fresh write (median "
                         f"{ratio(runs_median, fresh_median)}), the build {ratio(ours, runs_s)} "

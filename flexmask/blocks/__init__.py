@@ -4,6 +4,7 @@
 * ``grid`` — validated arguments laid out as tiles: block sizes, device, query/kv offsets;
 * ``runs`` — runs of equal codes along a grid's lines, found, and runs expanded into values;
 * ``write`` — torch's eight tensors, byte-identical to its ``create_block_mask``;
+* ``memory`` — the tensors a build writes into, large ones on huge pages;
 * ``pair`` — a long build's two sides written at once, one on a second thread;
 * ``read`` — the one reader of a BlockMask (codes, bytes, ``same_blocks``).
 """
@@ -21,6 +22,7 @@ from flexmask.blocks.codes import (
     or_codes,
 )
 from flexmask.blocks.grid import BlockGrid, block_sizes, offsets, per_row
+from flexmask.blocks.memory import advise_huge_pages, huge_pages_on, index_tensors
 from flexmask.blocks.pair import side_by_side
 from flexmask.blocks.read import (
     BLOCK_FIELDS,
@@ -55,6 +57,7 @@ __all__ = [
     "TORCH_DEFAULTS",
     "UNDECIDED",
     "WRITE_ORDER_FIELDS",
+    "advise_huge_pages",
     "and_codes",
     "assemble",
     "block_mask_nbytes",
@@ -64,6 +67,8 @@ __all__ = [
     "empty_sides",
     "expand_runs",
     "exporting",
+    "huge_pages_on",
+    "index_tensors",
     "kv_codes",
     "not_codes",
     "offsets",

@@ -18,6 +18,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmask.algebra import MaskMod
 from flexmask.blocks.codes import FULL, PARTIAL
 from flexmask.blocks.grid import BlockGrid
+from flexmask.blocks.memory import index_tensors
 from flexmask.blocks.pair import side_by_side
 from flexmask.blocks.runs import CodeRuns, expand_runs, exporting, kv_runs, q_runs, q_runs_from_kv
 
@@ -87,7 +88,7 @@ def _listed_from_runs(
     rank = rank.to(torch.int64)  # index_copy_ takes int64 indices only
     ranked_col = torch.empty_like(col).index_copy_(0, rank, col)
     ranked_length = torch.empty_like(length).index_copy_(0, rank, length)
-    indices = torch.empty(shape, dtype=torch.int32, device=line.device)
+    (indices,) = index_tensors([shape], line.device)
     expand_runs(indices.view(-1), ranked_col, ranked_length, nonempty=True)
     return count.to(torch.int32).view(shape[:-1]), indices
 
@@ -121,7 +122,7 @@ def _ranked(blocks: Tensor) -> tuple[Tensor, Tensor]:
     # One-based rank: a set column is the ones-th; an unset one follows all `count` set ones
     # and the (col1 - ones) unset ones up to it.
     rank = torch.where(blocks, ones, (count + col1) - ones).to(torch.int64).sub_(1)
-    indices = torch.empty(blocks.shape, dtype=torch.int32, device=blocks.device)
+    (indices,) = index_tensors([blocks.shape], blocks.device)
     indices.scatter_(-1, rank, (col1 - 1).expand(blocks.shape))
     return count.squeeze(-1).contiguous(), indices
 
@@ -265,7 +266,10 @@ def assemble(
     b, h, nq, nkv = grid.batch, grid.heads, grid.num_q_blocks, grid.num_kv_blocks
 
     def whole(t: Tensor, *shape: int) -> Tensor:
-        return t.expand(b, h, *shape).contiguous()
+        if t.shape == (b, h, *shape) and t.is_contiguous():
+            return t
+        (out,) = index_tensors([(b, h, *shape)], t.device, t.dtype)
+        return out.copy_(t.expand(b, h, *shape))
 
     blocks = None
     if not flags.separate_full_blocks:

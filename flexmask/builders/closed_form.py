@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from flexmask.algebra import Mask
-from flexmask.blocks import BlockGrid, Ordered, expand_runs, side_by_side
+from flexmask.blocks import BlockGrid, Ordered, expand_runs, index_tensors, side_by_side
 
 
 class Runs(NamedTuple):
@@ -228,11 +228,7 @@ def ordered_sides(
     # The outputs first: allocated before the build's temporaries, they do not land on
     # memory the temporaries just returned to the system (fewer fresh pages on the CPU).
     shapes = ((nq, nkv), (nkv, nq), (nq, nkv), (nkv, nq))
-    targets = (
-        [torch.empty((rows, n, m), dtype=torch.int32, device=dev) for n, m in shapes]
-        if out is None
-        else list(out)
-    )
+    targets = index_tensors([(rows, n, m) for n, m in shapes], dev) if out is None else list(out)
     for target, (n, m) in zip(targets, shapes, strict=True):
         if target.shape != (rows, n, m) or not _rows_contiguous(target):
             raise ValueError(

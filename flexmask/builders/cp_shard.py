@@ -42,6 +42,7 @@ from flexmask.blocks import (
     FULL,
     BlockGrid,
     Ordered,
+    index_tensors,
     ordered_from_codes,
     ordered_from_flags,
     ordered_lines,
@@ -215,7 +216,7 @@ def _closed_form_sides(
     kv_blocks = keys.blocks.to(whole.device)
     shapes = ((rows, nq, nkv), (rows, nq, nkv), (rows, nkv, nq), (rows, nkv, nq))
     if into is None:
-        into = tuple(torch.empty(shape, dtype=torch.int32, device=whole.device) for shape in shapes)
+        into = tuple(index_tensors(shapes, whole.device))
     kv_p, kv_f, q_p, q_f = (t.view(shape) for t, shape in zip(into, shapes, strict=True))
     num_pieces = keys.pieces[1].numel()
     if num_pieces <= nkv * PIECES_PER_BLOCK:
@@ -452,10 +453,9 @@ def build_shard(
     outputs = None
     if closed_form and num_rows > 1:  # each row writes its slice: no copy to join them
         nq, nkv = math.ceil(local_len / q_block), whole.num_kv_blocks
-        outputs = [
-            torch.empty((num_rows, 1, n, m), dtype=torch.int32, device=device)
-            for n, m in ((nq, nkv), (nq, nkv), (nkv, nq), (nkv, nq))
-        ]
+        outputs = index_tensors(
+            [(num_rows, 1, n, m) for n, m in ((nq, nkv), (nq, nkv), (nkv, nq), (nkv, nq))], device
+        )
     sides = []
     for row in range(num_rows):
         keep = None if num_rows == 1 else (row if mask.batch_dependent else 0)

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.blocks import Ordered
+from flexmask.blocks import Ordered, index_tensors
 
 # Tile widths ``write_runs`` picks from, widest first: a wider tile is fewer template rows
 # to copy, a narrower one fewer tiles cut by a run boundary (computed apart).
@@ -274,7 +274,7 @@ def side(
     for k, listed in enumerate((is_partial, is_full)):
         num = torch.zeros(rows * num_lines, dtype=torch.int64).index_add_(0, line, length * listed)
         placed = _listed_first(line, listed, line_start)
-        idx = torch.empty((rows, num_lines, m), dtype=torch.int32) if out is None else out[k]
+        idx = index_tensors([(rows, num_lines, m)], line.device)[0] if out is None else out[k]
         write_runs(idx.view(-1), at.index_select(0, placed), length.index_select(0, placed))
         made += [num.to(torch.int32).view(rows, num_lines), idx]
     return made[0], made[1], made[2], made[3]

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from flexmask.algebra import Mask
-from flexmask.blocks import BlockGrid, Ordered, empty_sides, ordered_from_codes
+from flexmask.blocks import BlockGrid, Ordered, empty_sides, index_tensors, ordered_from_codes
 from flexmask.builders import closed_form, unions
 from flexmask.builders.classify import classify_blocks
 
@@ -60,10 +60,7 @@ def _by_head(mask: Mask, parts: tuple[tuple[Mask, ...], list[Tensor]], grid: Blo
     rows = grid.reduced(mask)[0]
     nq, nkv = grid.num_q_blocks, grid.num_kv_blocks
     shapes = ((nq,), (nq, nkv), (nq,), (nq, nkv), (nkv,), (nkv, nq), (nkv,), (nkv, nq))
-    out = [
-        torch.empty((rows, grid.heads, *shape), dtype=torch.int32, device=grid.device)
-        for shape in shapes
-    ]
+    out = index_tensors([(rows, grid.heads, *shape) for shape in shapes], grid.device)
     refined = 0
     for part, index in zip(masks, heads, strict=True):
         head_list = index.tolist()

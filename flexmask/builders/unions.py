@@ -67,6 +67,7 @@ from flexmask.blocks import (
     codes_from,
     expand_runs,
     exporting,
+    index_tensors,
     q_side_from_codes,
     q_side_from_line_runs,
     side_by_side,
@@ -416,7 +417,7 @@ def union_sides(mask: Mask, grid: BlockGrid) -> tuple[Ordered, Ordered]:
     rows, _ = grid.reduced(mask)
     nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
     # The outputs first (closed_form.ordered_sides says why).
-    kv_p, kv_f = (torch.empty((rows, nq, nkv), dtype=torch.int32, device=dev) for _ in range(2))
+    kv_p, kv_f = index_tensors([(rows, nq, nkv)] * 2, dev)
     runs = union_row_runs(*operands, grid, rows)
     segments = _segments(runs.starts.view(-1, 4), runs.stops.view(-1, 4), nkv)
     # Each side on its own thread where the grid is long: the q side from the same segments.
@@ -491,9 +492,8 @@ def _union_sides_by_columns(
     intervals at every query (``union_column_runs``), written together (``ordered_runs``):
     nothing whose shape follows values, so ``torch.export`` traces it."""
     nq, nkv, dev = grid.num_q_blocks, grid.num_kv_blocks, grid.device
-    kv_p, q_p, kv_f, q_f = (
-        torch.empty((rows, n, m), dtype=torch.int32, device=dev)
-        for n, m in ((nq, nkv), (nkv, nq), (nq, nkv), (nkv, nq))
+    kv_p, q_p, kv_f, q_f = index_tensors(
+        [(rows, n, m) for n, m in ((nq, nkv), (nkv, nq), (nq, nkv), (nkv, nq))], dev
     )
     queries = _queries(a, b, grid, rows)
     runs = union_row_runs(a, b, grid, rows, queries)

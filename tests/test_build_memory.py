@@ -1,0 +1,152 @@
+"""The memory a build writes into (``flexmask.blocks.memory``): large CPU outputs advised onto
+transparent huge pages (FLEXMASK_HUGE_PAGES=0 turns it off), the tensors the same either way
+and each with a storage of its own, as torch's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexmask
+from flexmask.blocks import memory
+from tests import oracle
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    """The kernel's THP mode (the bracketed word), or None where there is none to read."""
+    try:
+        text = THP.read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else None
+
+
+def _huge_kib(tensor: torch.Tensor) -> int:
+    """AnonHugePages (KiB) of the mappings that overlap ``tensor``'s memory, from
+    /proc/self/smaps: read from the kernel, not from flexmask. (The advice splits a mapping
+    at the first whole huge page: the tensor's first bytes lie in the part before it.)"""
+    begin = tensor.data_ptr()
+    end = begin + tensor.numel() * tensor.element_size()
+    total, overlaps = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            overlaps = lo < end and begin < hi
+        elif overlaps and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+class _Recorder:
+    """Stands in for libc's madvise: records (start, length, advice), answers 0."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+
+    def __call__(self, start: int, length: int, advice: int) -> int:
+        self.calls.append((start, length, advice))
+        return 0
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    fake = _Recorder()
+    monkeypatch.setattr(memory, "_madvise", lambda: fake)
+    monkeypatch.delenv("FLEXMASK_HUGE_PAGES", raising=False)
+    return fake
+
+
+def test_the_advice_covers_whole_huge_pages_inside_the_tensor(recorder):
+    out = memory.index_tensors([(4, 1024, 1024), (4, 1024), (8,)], torch.device("cpu"))
+    assert [t.shape for t in out] == [(4, 1024, 1024), (4, 1024), (8,)]
+    assert all(t.dtype == torch.int32 for t in out)
+    (start, length, advice), *rest = recorder.calls
+    assert rest == [], "only outputs of ADVISED_FROM bytes or more are advised"
+    assert advice == 14  # MADV_HUGEPAGE
+    assert start % memory.HUGE_PAGE == 0 and length % memory.HUGE_PAGE == 0 and length > 0
+    begin, end = out[0].data_ptr(), out[0].data_ptr() + out[0].numel() * 4
+    assert begin <= start and start + length <= end  # nothing beside the tensor changes
+    assert start - begin < memory.HUGE_PAGE and end - (start + length) < memory.HUGE_PAGE
+
+
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_the_setting_turns_it_on_and_off(monkeypatch, recorder, value):
+    monkeypatch.setenv("FLEXMASK_HUGE_PAGES", value)
+    assert memory.huge_pages_on() == (value == "1")
+    memory.index_tensors([(1 << 22,)], torch.device("cpu"))
+    assert len(recorder.calls) == int(value)
+
+
+def test_a_bad_setting_is_named(monkeypatch):
+    monkeypatch.setenv("FLEXMASK_HUGE_PAGES", "-1")
+    with pytest.raises(ValueError, match="FLEXMASK_HUGE_PAGES"):
+        flexmask.create_block_mask(flexmask.causal(), 1, 1, 256, 256, "cpu")
+
+
+def test_small_and_foreign_tensors_are_left_alone(recorder):
+    assert not memory.advise_huge_pages(
+        torch.empty(memory.ADVISED_FROM // 4 - 1, dtype=torch.int32)
+    )
+    assert not memory.advise_huge_pages(torch.empty(1 << 22, device="meta"))
+    assert recorder.calls == []
+
+
+def test_without_a_libc_nothing_is_advised(monkeypatch):
+    monkeypatch.setattr(memory, "_madvise", lambda: None)
+    monkeypatch.delenv("FLEXMASK_HUGE_PAGES", raising=False)
+    assert not memory.huge_pages_on()
+    assert not memory.advise_huge_pages(torch.empty(1 << 22, dtype=torch.int32))
+
+
+def test_builds_are_the_same_on_and_off_and_each_tensor_has_its_storage(monkeypatch):
+    """16 MiB index tensors (B = 16, S = 8192 in blocks of 16): equal tensor for tensor with
+    huge pages on and off; at 1,024 tokens (the same mask's first rows) equal to torch's."""
+    masks = {}
+    for value in ("1", "0"):
+        monkeypatch.setenv("FLEXMASK_HUGE_PAGES", value)
+        rows = [[3000, 5192], [8192], [100, 8092], [4096] * 2] * 4
+        mask = flexmask.causal() & flexmask.document(rows)
+        masks[value] = flexmask.create_block_mask(mask, 16, 1, 8192, 8192, "cpu", 16)
+    oracle.assert_same_block_mask(masks["1"], masks["0"], "huge pages on against off")
+    small = flexmask.causal() & flexmask.document([[300, 724], [1024]])
+    monkeypatch.setenv("FLEXMASK_HUGE_PAGES", "1")
+    monkeypatch.setattr(memory, "ADVISED_FROM", 1 << 12)  # advise these small ones too
+    ours = flexmask.create_block_mask(small, 2, 1, 1024, 1024, "cpu", 16)
+    want = oracle.torch_build(small.to_dense(2, 1, 1024, 1024).numpy(), block=16)
+    oracle.assert_same_block_mask(ours, want)
+
+
+def test_a_long_build_advises_its_four_index_tensors(recorder):
+    rows = [[3000, 5192], [8192], [100, 8092], [4096] * 2] * 4
+    mask = flexmask.causal() & flexmask.document(rows)
+    built = flexmask.create_block_mask(mask, 16, 1, 8192, 8192, "cpu", 16)
+    advised = {start for start, _, _ in recorder.calls}
+    for name in ("kv_indices", "full_kv_indices", "q_indices", "full_q_indices"):
+        tensor = getattr(built, name)
+        first = -(-tensor.data_ptr() // memory.HUGE_PAGE) * memory.HUGE_PAGE
+        assert first in advised, name
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or _thp_mode() not in ("madvise", "always"),
+    reason="needs Linux with transparent huge pages (madvise or always)",
+)
+def test_the_kernel_takes_the_advice(monkeypatch):
+    """40 MiB: above glibc's largest mmap threshold (32 MiB), so fresh pages from the kernel
+    whatever this process allocated before (smaller blocks may reuse heap pages already
+    faulted in small, which advice no longer changes)."""
+    monkeypatch.delenv("FLEXMASK_HUGE_PAGES", raising=False)
+    (advised,) = memory.index_tensors([(10 << 20,)], torch.device("cpu"))
+    advised.fill_(1)
+    assert _huge_kib(advised) >= 2048
+    if _thp_mode() == "madvise":  # unadvised memory stays on small pages there
+        monkeypatch.setenv("FLEXMASK_HUGE_PAGES", "0")
+        (plain,) = memory.index_tensors([(10 << 20,)], torch.device("cpu"))
+        plain.fill_(1)
+        assert _huge_kib(plain) == 0
