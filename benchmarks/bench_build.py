@@ -17,13 +17,13 @@ thread count (``FLEXMASK_BUILD_THREADS``, default 1). Allocation is left out
 of the floor: whether the allocator hands out fresh pages (a page fault per 4 KiB) or reuses
 resident ones swings it by 100x at 131k within one run, and it is the same for any builder.
 "fresh write" allocates and fills the eight tensors of the BlockMask on the pages the allocator
-hands out (fresh small pages where it maps them: at 131k B=8 it is most of any build's cost),
-and "vs fresh write" is the build over it. Where builds advise their outputs onto huge pages (``blocks.memory``, on
-Linux unless FLEXMASK_HUGE_PAGES=0), "fresh write, huge pages" is the same write into memory
-advised so, and "vs it" the build over that: the floor such a build is held to. Outputs of 1M
-entries or more are also written again from the runs the build
-expanded them from (``runs_write``: fresh tensors, the kv pair beside the q pair, as a build writes
-them): "runs write" is that over the fresh write, and the build over it what the build's own passes
+hands out (fresh small pages where it maps them: at 131k B=8 it is most of any build's cost), and
+"vs fresh write" is the build over it. Where builds advise their outputs onto huge pages
+(``blocks.memory``, on Linux unless FLEXMASK_HUGE_PAGES=0), "fresh write, huge pages" is the same
+write into memory advised so, and "vs it" the build over that: the floor such a build is held to.
+Outputs of 1M entries or more are also written again from the runs the build expanded them from
+(``runs_write``: fresh tensors, the kv pair beside the q pair, as a build writes them): "runs
+write" is that over the fresh write, and the build over it what the build's own passes
 (classification, run finding, ranks) add to its write. "vs document-causal" is the build over the
 document-causal closed form of the same shape (B, H, S), measured in the same run (always measured,
 also when ``--masks`` leaves it out); each row's line also prints the load average when it
