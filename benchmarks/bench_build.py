@@ -686,7 +686,13 @@ def main() -> None:
                 # What the build did: the closed form (no tiles) or tiles, some refined.
                 grid = make_grid(mask, B, H, S, S, "cpu", 128)
                 _, refined = build_counted(mask, grid)
-                path = "closed form" if in_closed_form(mask) else "tiles"
+                path = (
+                    "closed form"
+                    if in_closed_form(mask)
+                    else "columns"
+                    if mask.block_columns(grid) is not None
+                    else "tiles"
+                )
 
                 def build(m: flexmask.Mask = mask, B: int = B, H: int = H, S: int = S) -> None:
                     flexmask.create_block_mask(m, B, H, S, S, "cpu")

@@ -72,9 +72,14 @@ def _side_by_side_cases() -> dict[str, flexmask.Mask]:
         "tiles, insertion order": flexmask.tree(
             [[-1, 0, 0, 1, *range(3, 1023)], [-1, *range(1023)]]
         ),
-        "tiles, preorder": flexmask.tree(
+        # A tree alone is written from its columns; with a window its tiles are classified.
+        "columns, preorder": flexmask.tree(
             [[-1, *range(499), 0, *range(500, 1023)], [-1, *range(300), 1, *range(301, 1023)]]
         ),
+        "tiles, preorder": flexmask.tree(
+            [[-1, *range(499), 0, *range(500, 1023)], [-1, *range(300), 1, *range(301, 1023)]]
+        )
+        & flexmask.sliding_window(600),
         "per head": flexmask.per_head(
             flexmask.causal() & flexmask.document(docs), flexmask.sliding_window(200)
         ),

@@ -20,10 +20,11 @@ from flexmask.algebra.lines import (
 )
 from flexmask.algebra.mask import And, Composite, Leaf, Mask, MaskMod, Not, Or, ShiftedMod
 from flexmask.algebra.mods import Lowered, MaskModFn
-from flexmask.algebra.protocol import Extent, Intervals, TileGrid, Window
+from flexmask.algebra.protocol import BlockColumns, Extent, Intervals, TileGrid, Window
 
 __all__ = [
     "And",
+    "BlockColumns",
     "Composite",
     "Extent",
     "INF",

@@ -82,6 +82,19 @@ class Intervals(NamedTuple):
     """Last kv attended by each queried position."""
 
 
+class BlockColumns(NamedTuple):
+    """Per kv block column ``(R, nkv)``: the q blocks whose tiles there attend somewhere,
+    one run ``[first, last]`` (empty when first > last), and those that attend everywhere,
+    one run ``[full_first, full_last]`` inside it (empty when full_first > full_last) — a
+    piece's tiles as runs down the columns (``Leaf.block_columns``), before torch's edge
+    tiles are made partial (the builder does that, as for classified tiles)."""
+
+    first: Tensor
+    last: Tensor
+    full_first: Tensor
+    full_last: Tensor
+
+
 class TileGrid(Protocol):
     """The tiles of one build, as a piece reads them (``flexmask.blocks.grid.BlockGrid``).
 
@@ -221,6 +234,16 @@ class Node:
         lines per stretch instead of every line (``flexmask.formats._stretches``).
 
         The default, None, says nothing: the lowerings read every line.
+        """
+        return None
+
+    def block_columns(self, grid: TileGrid) -> BlockColumns | None:
+        """This node's tiles on ``grid`` as runs down the columns, where every kv block
+        column is one run of attending q blocks with one full run inside (a tree in
+        preorder: a key is attended by its subtree, one run of positions). The build then
+        writes both sides from them with no tile grid (``flexmask.builders.columns``).
+
+        The default, None, says nothing: the build classifies tiles.
         """
         return None
 

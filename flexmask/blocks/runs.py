@@ -167,11 +167,12 @@ def q_runs(grid: Tensor) -> CodeRuns | None:
     return _q_runs_at(starts, grid.view(-1).index_select(0, starts), grid.shape)
 
 
-def q_runs_from_kv(kv: CodeRuns, shape: torch.Size) -> CodeRuns | None:
+def q_runs_from_kv(kv: CodeRuns, shape: torch.Size, *, few: bool = True) -> CodeRuns | None:
     """The runs down the columns of a ``(G, rows, cols)`` grid of codes (the q side's)
     from its runs along the rows (``kv``: in line order, each line's first at column 0,
     none empty; equal neighbours may stay apart), without the grid: None when they are
-    many (over one in eight tiles, as ``_run_starts``).
+    many (over one in eight tiles, as ``_run_starts``) and ``few`` asks for few (a caller
+    with a grid to rank instead).
 
     A q-side run starts at tile (i, j) iff i is a plane's first row or rows i - 1 and i
     hold different codes at j. Both rows are constant between their run starts, so they
@@ -206,7 +207,7 @@ def q_runs_from_kv(kv: CodeRuns, shape: torch.Size) -> CodeRuns | None:
     kept = (differs & (spans > 0)).nonzero().squeeze(1)
     spans, first_rows = spans.index_select(0, kept), g_rows * cols
     count = int(spans.sum()) + first_rows
-    if count * 8 > total:
+    if few and count * 8 > total:
         return None
     starts = torch.empty(count, dtype=narrow, device=dev)
     plane_first = torch.arange(g_rows, dtype=narrow, device=dev).mul_(rows * cols).view(-1, 1)

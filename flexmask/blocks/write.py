@@ -157,15 +157,17 @@ def q_side_from_codes(codes: Tensor) -> Ordered:
 
 
 def q_side_from_line_runs(
-    line: Tensor, col: Tensor, length: Tensor, value: Tensor, shape: torch.Size
+    line: Tensor, col: Tensor, length: Tensor, value: Tensor, shape: torch.Size, *, few: bool = True
 ) -> Ordered | None:
     """torch's q side alone from the runs of codes along the block rows of a grid of
     ``shape`` ``(R, Hh, nq, nkv)`` — int64 ``line`` (block row, counted over R and Hh),
     ``col``, ``length`` and ``value`` (the code), in line order, none empty — with no grid
-    of codes (``q_runs_from_kv``); None where the q side's runs are many (the caller ranks
-    its codes instead). For builds whose rows come as runs (``unions``)."""
+    of codes (``q_runs_from_kv``); None where the q side's runs are many and ``few`` asks
+    for few (the caller ranks its codes instead). For builds whose rows come as runs
+    (``unions``), or whose columns do (``builders.columns``, with no codes to rank: any
+    number of runs)."""
     grid = torch.Size((shape[:-2].numel(), shape[-2], shape[-1]))
-    runs = q_runs_from_kv(CodeRuns(line, col, length, value), grid)
+    runs = q_runs_from_kv(CodeRuns(line, col, length, value), grid, few=few)
     if runs is None:
         return None
     return _side(runs, None, torch.Size((*shape[:-2], shape[-1], shape[-2])))

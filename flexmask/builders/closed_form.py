@@ -204,6 +204,26 @@ def line_runs(runs: Runs, m: int) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, 
     return partial, full
 
 
+def write_lines(partial: Tensor, full: Tensor, lines: Runs, m: int) -> tuple[Tensor, Tensor]:
+    """One side's two index tensors ``(R, n, m)`` (int32, every row contiguous) written in
+    place from its lines' runs ``(R, n)`` (``line_runs``), and its counts ``(R, 1, n)``."""
+    rows = partial.shape[0]
+    (p_starts, p_lens), (f_starts, f_lens) = line_runs(Runs(*(t.reshape(-1) for t in lines)), m)
+    for target, starts, lens in ((partial, p_starts, p_lens), (full, f_starts, f_lens)):
+        if target.is_contiguous():
+            expand_runs(target.view(-1), starts, lens)
+            continue
+        # A head's slice of (R, H, n, m): each row's lines are contiguous, rows are not.
+        n = target.shape[1]
+        for row in range(rows):
+            part = slice(row * n, (row + 1) * n)
+            expand_runs(target[row].view(-1), starts[part], lens[part])
+    return (
+        p_lens[:, :2].sum(1, dtype=torch.int32).view(rows, 1, -1),
+        f_lens[:, 0].to(torch.int32).view(rows, 1, -1),
+    )
+
+
 def ordered_sides(
     mask: Mask, grid: BlockGrid, out: Sequence[Tensor] | None = None
 ) -> tuple[Ordered, Ordered]:
@@ -237,29 +257,11 @@ def ordered_sides(
             )
     kv_p, q_p, kv_f, q_f = targets
     runs = row_runs(mask, grid)
-
-    def side(partial: Tensor, full: Tensor, lines: Runs, m: int) -> tuple[Tensor, Tensor]:
-        """One side's two index tensors written, and its counts ``(R, 1, n)``."""
-        (p_starts, p_lens), (f_starts, f_lens) = line_runs(Runs(*(t.reshape(-1) for t in lines)), m)
-        for target, starts, lens in ((partial, p_starts, p_lens), (full, f_starts, f_lens)):
-            if target.is_contiguous():
-                expand_runs(target.view(-1), starts, lens)
-                continue
-            # A head's slice of (R, H, n, m): each row's lines are contiguous, rows are not.
-            n = target.shape[1]
-            for row in range(rows):
-                part = slice(row * n, (row + 1) * n)
-                expand_runs(target[row].view(-1), starts[part], lens[part])
-        return (
-            p_lens[:, :2].sum(1, dtype=torch.int32).view(rows, 1, -1),
-            f_lens[:, 0].to(torch.int32).view(rows, 1, -1),
-        )
-
     # Each side written on its own thread where the grid is long (the q side's column runs
     # with it).
     (kv_pn, kv_fn), (q_pn, q_fn) = side_by_side(
-        lambda: side(kv_p, kv_f, runs, nkv),
-        lambda: side(q_p, q_f, column_runs(runs, grid), nq),
+        lambda: write_lines(kv_p, kv_f, runs, nkv),
+        lambda: write_lines(q_p, q_f, column_runs(runs, grid), nq),
         rows * nq * nkv,
         dev,
     )

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from flexmask.algebra import Mask
 from flexmask.blocks import BlockGrid, Ordered, empty_sides, index_tensors, ordered_from_codes
-from flexmask.builders import closed_form, unions
+from flexmask.builders import closed_form, columns, unions
 from flexmask.builders.classify import classify_blocks
 
 
@@ -33,7 +33,8 @@ class Sides(NamedTuple):
 def ordered_sides(mask: Mask, grid: BlockGrid) -> Sides:
     """Both sides' ordered tensors: in closed form from the intervals at block edges where
     the mask's intervals are monotone (``closed_form``) or it is an ``|`` of two such
-    (``unions``), else from the classified tiles."""
+    (``unions``), from a piece's runs down its columns where it gives them (``columns``: a
+    tree in preorder), else from the classified tiles."""
     if grid.num_q_blocks == 0 or grid.num_kv_blocks == 0:
         return Sides(*empty_sides(*grid.reduced(mask), grid), 0)
     if mask.has_monotone_intervals():
@@ -43,6 +44,9 @@ def ordered_sides(mask: Mask, grid: BlockGrid) -> Sides:
     parts = mask.head_parts(grid.heads)
     if parts is not None:
         return _by_head(mask, parts, grid)
+    by_columns = mask.block_columns(grid)
+    if by_columns is not None:
+        return Sides(*columns.ordered_sides(by_columns, grid), 0)
     codes, refined = classify_blocks(mask, grid)
     return Sides(*ordered_from_codes(codes), refined)
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from flexmask._validate import source_device
 from flexmask.algebra import (
     UNUSED,
+    BlockColumns,
     Extent,
     LineIntervals,
     Lowered,
@@ -32,7 +33,7 @@ from flexmask.pieces.tree_keys import parent_rows
 from flexmask.pieces.tree_lines import tree_breaks, tree_lines
 from flexmask.pieces.tree_lookups import TreeMod, TreeWindowMod, position_lookups, window_lookups
 from flexmask.pieces.tree_order import ranks_and_ends
-from flexmask.pieces.tree_tiles import Tuning, classify_preorder, classify_ranked
+from flexmask.pieces.tree_tiles import Tuning, classify_preorder, classify_ranked, preorder_columns
 
 # How the tile classification and the lowerings' lines cut their work, read at every call
 # (so a test may set them here to take the chunked, wide, tensor or counted paths on small
@@ -214,6 +215,20 @@ class Tree(Piece):
         # but a few passes, so mixed batches take it for every row.
         end_by_rank = self._end_by_rank(length, grid.device)
         return classify_ranked(grid, self.parents, rank, end, end_by_rank, tuning)
+
+    def block_columns(self, grid: TileGrid) -> BlockColumns | None:
+        # In preorder a key attends the queries of its subtree, one run of positions: each
+        # kv block column is one run of q blocks (``preorder_columns``). Other layouts, and
+        # the cases ``classify_tiles`` settles without lookups, take the tiles.
+        if not all(self.preorder):
+            return None
+        if not isinstance(grid.q_offset, int) or not isinstance(grid.kv_offset, int):
+            return None  # per-row offsets: a row of q blocks each
+        longest = self.natural_length
+        if grid.q_offset >= longest or grid.kv_offset >= longest:
+            return None
+        _, end = self._lookups(self._tile_length(grid), grid.device)
+        return preorder_columns(grid, end)
 
     def _tile_length(self, grid: TileGrid) -> int:
         """Positions the tile lookups cover: the grid's length, shared with its mask_mod's

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.algebra import TileGrid
+from flexmask.algebra import BlockColumns, TileGrid
 from flexmask.blocks import CODE_DTYPE, EMPTY, side_by_side
 from flexmask.pieces.tree_chunks import (
     band,
@@ -105,6 +105,38 @@ def classify_preorder(grid: TileGrid, end: Tensor, tuning: Tuning) -> Tensor:
         device,
     )
     return codes.view(rows, 1, nq, nkv)
+
+
+def preorder_columns(grid: TileGrid, end: Tensor) -> BlockColumns:
+    """``classify_preorder``'s tiles as runs down the columns, from the same four tests.
+
+    Each test compares a kv block's value with a q block's bound, and the q blocks' bounds
+    grow down the column: so the q blocks that pass both tests of a kind are one run, found
+    by a binary search per column — nonempty from the first q block whose last query
+    reaches the kv block's first key to the last whose first query is below the block's
+    largest subtree end; full from the first whose first query is at or past the block's
+    last key to the last whose last query is below its smallest subtree end. O(rows x kv
+    blocks x log q blocks): no tile is classified. Scalar offsets only (``q_first`` one
+    row of q blocks)."""
+    rows, length = end.shape[0], end.shape[1] - 1
+    nq, nkv, kv_block = grid.num_q_blocks, grid.num_kv_blocks, grid.kv_block
+    end = end[:, grid.kv_offset : grid.kv_end]
+    pad = nkv * kv_block - grid.kv_len
+    max_end = torch.nn.functional.pad(end, (0, pad), value=0) if pad else end
+    max_end = max_end.reshape(rows, nkv, kv_block).amax(-1).to(torch.int64)
+    min_end = torch.nn.functional.pad(end, (0, pad), value=length + 1) if pad else end
+    min_end = min_end.reshape(rows, nkv, kv_block).amin(-1).to(torch.int64)
+    q_first, q_last = grid.q_first.reshape(nq), grid.q_last.reshape(nq)
+    kv_first = grid.kv_first.reshape(1, nkv).expand(rows, nkv)
+    kv_last = grid.kv_last.reshape(1, nkv).expand(rows, nkv)
+    # The first q block passing "q_last >= kv_first", one past the last passing
+    # "q_first <= max_end - 1"; then the full tests' "q_first >= kv_last" and
+    # "q_last <= min_end - 1".
+    first = torch.searchsorted(q_last, kv_first.contiguous())
+    stop = torch.searchsorted(q_first, max_end - 1, right=True)
+    full_first = torch.searchsorted(q_first, kv_last.contiguous())
+    full_stop = torch.searchsorted(q_last, min_end - 1, right=True)
+    return BlockColumns(first, stop - 1, full_first, full_stop - 1)
 
 
 def _by_block(values: Tensor, first: int, last: int, n: int, size: int, fill: int) -> Tensor:
