@@ -6,7 +6,7 @@ either way."""
 from __future__ import annotations
 
 import importlib
-from types import SimpleNamespace
+import threading
 
 import pytest
 import torch
@@ -86,21 +86,30 @@ def _side_by_side_cases() -> dict[str, flexmask.Mask]:
     }
 
 
+class _Sent:
+    """The second-side thread's queue, counting what builds send it."""
+
+    def __init__(self, tasks) -> None:
+        self.tasks, self.count = tasks, 0
+
+    def put(self, task) -> None:
+        self.count += 1
+        self.tasks.put(task)
+
+    def get(self):
+        return self.tasks.get()
+
+
 @pytest.mark.parametrize("case", list(_side_by_side_cases()))
 def test_sides_written_side_by_side_are_torchs(monkeypatch, two_threads, case):
     """Long grids write their two sides on two threads (``blocks.pair``): forced on a small
     grid here, the tensors are torch's."""
     from flexmask.blocks import pair
 
-    started = []
-    real_thread = pair.threading.Thread
-
-    def counted(*args, **kwargs):
-        started.append(kwargs.get("name"))
-        return real_thread(*args, **kwargs)
-
+    worker = pair._the_worker()
+    sent = _Sent(worker.tasks)
+    monkeypatch.setattr(worker, "tasks", sent)
     monkeypatch.setattr(pair, "SPLIT_FROM", 1)
-    monkeypatch.setattr(pair, "threading", SimpleNamespace(Thread=counted))
     # A tree's tiles in several chunks of q blocks, classified in two halves.
     tree_module = importlib.import_module("flexmask.pieces.tree")
     monkeypatch.setattr(tree_module, "_CHUNKED_FROM", 1 << 7)
@@ -109,7 +118,7 @@ def test_sides_written_side_by_side_are_torchs(monkeypatch, two_threads, case):
     mask = _side_by_side_cases()[case]
     heads = 2 if case == "per head" else 1
     ours = flexmask.create_block_mask(mask, 2, heads, 1024, 1024, "cpu", 64)
-    assert started, "no side was written on a second thread"
+    assert sent.count, "no side was written on the second thread"
     assert torch.get_num_threads() == 2  # restored
     want = oracle.torch_build(mask.to_dense(2, heads, 1024, 1024).numpy(), block=64)
     oracle.assert_same_block_mask(ours, want)
@@ -139,3 +148,75 @@ def test_the_second_thread_takes_the_callers_inference_mode(monkeypatch, two_thr
         out = torch.zeros(4)
         side_by_side(lambda: None, lambda: out.fill_(1), 2, torch.device("cpu"))
     assert out.tolist() == [1, 1, 1, 1]
+
+
+def test_the_second_side_runs_on_the_long_lived_thread(monkeypatch, two_threads):
+    """One thread, started once, runs every build's second side; the first stays here."""
+    from flexmask.blocks.pair import side_by_side
+
+    monkeypatch.setattr("flexmask.blocks.pair.SPLIT_FROM", 1)
+    names = [
+        side_by_side(
+            lambda: threading.current_thread().name,
+            lambda: (threading.current_thread().name, threading.get_ident()),
+            2,
+            torch.device("cpu"),
+        )
+        for _ in range(3)
+    ]
+    assert {first for first, _ in names} == {threading.current_thread().name}
+    assert {second for _, second in names} == {names[0][1]}  # the same thread each time
+    assert names[0][1][0] == "flexmask-side"
+
+
+def test_builds_from_two_threads_at_once_are_torchs(monkeypatch, two_threads):
+    """Two user threads building at once: one build's second side takes the long-lived
+    thread, the other's a thread of its own; both are torch's tensors."""
+    monkeypatch.setattr("flexmask.blocks.pair.SPLIT_FROM", 1)
+    monkeypatch.setenv("FLEXMASK_BUILD_THREADS", "2")
+    cases = _side_by_side_cases()
+    names = ["closed form, rows", "union", "tiles, insertion order", "columns, preorder"]
+    built: dict[str, object] = {}
+    barrier = threading.Barrier(len(names))
+
+    def build(name: str) -> None:
+        barrier.wait()
+        for _ in range(3):
+            built[name] = flexmask.create_block_mask(cases[name], 2, 1, 1024, 1024, "cpu", 64)
+
+    workers = [threading.Thread(target=build, args=(name,)) for name in names]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    for name in names:
+        want = oracle.torch_build(cases[name].to_dense(2, 1, 1024, 1024).numpy(), block=64)
+        oracle.assert_same_block_mask(built[name], want, name)
+
+
+def test_a_forked_child_starts_its_own_second_side_thread(two_threads):
+    """After fork the child has no second-side thread (only the forking one survives): the
+    hook forgets the parent's, and the child's first long build starts its own. (The child
+    runs no torch op on two threads: GNU OpenMP hangs a forked child that does, which is why
+    DataLoader workers run on one.)"""
+    import multiprocessing
+
+    from flexmask.blocks import pair
+
+    pair._the_worker()  # the parent's, started before the fork
+    context = multiprocessing.get_context("fork")
+    with context.Pool(1) as pool:
+        fresh, name = pool.apply_async(_child_worker).get(timeout=60)
+    assert fresh, "the child kept the parent's second-side thread"
+    assert name == "flexmask-side"
+
+
+def _child_worker() -> tuple[bool, str]:
+    import queue
+
+    from flexmask.blocks import pair
+
+    fresh = pair._worker is None
+    done: queue.SimpleQueue[str] = queue.SimpleQueue()
+    pair._the_worker().tasks.put(lambda: done.put(threading.current_thread().name))
+    return fresh, done.get(timeout=30)
