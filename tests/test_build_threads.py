@@ -114,6 +114,7 @@ def test_sides_written_side_by_side_are_torchs(monkeypatch, two_threads, case):
     tree_module = importlib.import_module("flexmask.pieces.tree")
     monkeypatch.setattr(tree_module, "_CHUNKED_FROM", 1 << 7)
     monkeypatch.setattr(tree_module, "_CHUNK_TILES", 1 << 7)
+    monkeypatch.setattr(tree_module, "_COLUMNS_FROM", 0)  # a tree alone from its columns
     monkeypatch.setenv("FLEXMASK_BUILD_THREADS", "2")
     mask = _side_by_side_cases()[case]
     heads = 2 if case == "per head" else 1
@@ -173,6 +174,7 @@ def test_builds_from_two_threads_at_once_are_torchs(monkeypatch, two_threads):
     """Two user threads building at once: one build's second side takes the long-lived
     thread, the other's a thread of its own; both are torch's tensors."""
     monkeypatch.setattr("flexmask.blocks.pair.SPLIT_FROM", 1)
+    monkeypatch.setattr(importlib.import_module("flexmask.pieces.tree"), "_COLUMNS_FROM", 0)
     monkeypatch.setenv("FLEXMASK_BUILD_THREADS", "2")
     cases = _side_by_side_cases()
     names = ["closed form, rows", "union", "tiles, insertion order", "columns, preorder"]

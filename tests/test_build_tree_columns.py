@@ -8,6 +8,7 @@ ones, B and H > 1 with a tree per row; other layouts take the tiles."""
 
 from __future__ import annotations
 
+import sys
 from unittest import mock
 
 import numpy as np
@@ -32,11 +33,15 @@ def _counting(counts: dict[str, int]):
     return spy
 
 
+TREE = sys.modules["flexmask.pieces.tree"]  # the package re-exports a function tree
+
+
 @pytest.fixture
 def taken(monkeypatch):
-    """Counts the builds written from columns."""
+    """Counts the builds written from columns, taken from any size."""
     counts = {"columns": 0}
     monkeypatch.setattr(columns, "ordered_sides", _counting(counts))
+    monkeypatch.setattr(TREE, "_COLUMNS_FROM", 0)
     return counts
 
 
@@ -68,7 +73,10 @@ def test_preorder_trees_from_columns_match_torch(data, batch, heads, block):
     q_len = data.draw(st.integers(1, longest + 40 - q_off), label="q_len")
     kv_len = data.draw(st.integers(max(1, longest - kv_off), longest + 40 - kv_off), label="kv_len")
     mask = flexmask.tree(trees if per_row else trees[0])
-    with mock.patch.object(columns, "ordered_sides", _counting(counts)):
+    with (
+        mock.patch.object(columns, "ordered_sides", _counting(counts)),
+        mock.patch.object(TREE, "_COLUMNS_FROM", 0),
+    ):
         ours = flexmask.create_block_mask(
             mask, batch, heads, q_len, kv_len, "cpu", block, q_offset=q_off, kv_offset=kv_off
         )
@@ -113,3 +121,15 @@ def test_per_row_offsets_build_each_row_from_its_columns(taken):
         want = oracle.torch_build(_window(trees, 1, 1, 60, 100, q_off, 0), block=16)
         oracle.assert_same_block_mask(ours[row : row + 1], want, f"row {row}", own_storage=False)
     assert taken == {"columns": 2}  # a row's window at a time
+
+
+@pytest.mark.parametrize(("length", "batch", "path"), [(1024, 1, 0), (2048, 8, 0), (4096, 8, 1)])
+def test_small_grids_classify_their_tiles(monkeypatch, length, batch, path):
+    """Below ``_COLUMNS_FROM`` tiles the columns' fixed calls cost more than classifying."""
+    counts = {"columns": 0}
+    monkeypatch.setattr(columns, "ordered_sides", _counting(counts))
+    trees = [preorder_tree(length, seed) for seed in range(batch)]
+    ours = flexmask.create_block_mask(flexmask.tree(trees), batch, 1, length, length, "cpu")
+    want = oracle.torch_build(_window(trees, batch, 1, length, length, 0, 0), block=128)
+    oracle.assert_same_block_mask(ours, want)
+    assert counts["columns"] == path

@@ -47,6 +47,11 @@ _CHUNKED_FROM = 1 << 18
 _NARROW = torch.iinfo(torch.int16).max
 """Chunks whose q-side values span less than this are compared as int16."""
 
+_COLUMNS_FROM = 1 << 12
+"""Grids of at least this many tiles (rows x q blocks x kv blocks) in preorder are written
+from their columns (``block_columns``); smaller ones classify their tiles, whose few calls
+cost less than the columns' searches and sort (docs/costs.md, "The thresholds in the code")."""
+
 _search_subtrees = search_subtrees
 """The exact search of the tiles the extremes leave open (rank space)."""
 
@@ -226,6 +231,9 @@ class Tree(Piece):
             return None  # per-row offsets: a row of q blocks each
         longest = self.natural_length
         if grid.q_offset >= longest or grid.kv_offset >= longest:
+            return None
+        rows = len(self.parents) if self.per_row else 1
+        if rows * grid.num_q_blocks * grid.num_kv_blocks < _COLUMNS_FROM:
             return None
         _, end = self._lookups(self._tile_length(grid), grid.device)
         return preorder_columns(grid, end)
