@@ -53,7 +53,8 @@ def build_section(data: dict[str, Any]) -> list[str]:
         'compile) and the peak extra memory of one build. "—": skipped, too large for this '
         "machine (eager needs ~10 bytes × B × S² of temporaries) or too slow (compiled). "
         '"path": *closed form* — an `&` of interval pieces, written from the intervals at block '
-        "edges with no tile grid ([how](blocks.md#6-the-closed-form-for-intervals)); *tiles* — "
+        "edges with no tile grid ([how](blocks.md#6-the-closed-form-for-intervals)); *columns* — "
+        "a tree in preorder, written from its kv block columns, no tile grid either; *tiles* — "
         'every tile classified from structure, "tiles evaluated" of them refined by evaluating '
         "the mask.",
         "",
