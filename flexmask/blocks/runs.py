@@ -271,6 +271,9 @@ def _expand_runs_cumsum(out: Tensor, starts: Tensor, lens: Tensor) -> None:
     total = out.numel()
     if total == 0:
         return
+    # In the output's dtype, whose entries the values are: an int32 run ending at
+    # 2**31 - 1 stops past int32, and its wrapped jump would be wrong in an int64 output.
+    starts, lens = starts.to(out.dtype), lens.to(out.dtype)
     first_entry = lens.cumsum(0) - lens
     # A run's jump: its start less the value the run before it stopped at (1 before the
     # first: the cumsum of the ones alone would start there).
@@ -320,50 +323,52 @@ def _expand_runs_chunked(out: Tensor, starts: Tensor, lens: Tensor) -> None:
     of ``_CHUNK`` entries takes the run of its first entry (found from a count of the runs
     begun by then), as a broadcast add that runs as fast as a fill; the chunks a run begins
     inside are then rewritten whole, from a small table of them (a row per such chunk:
-    its first value, 1 per entry and each run's jump where it begins, summed along the
-    row), and the last partial chunk entry by entry. No cumsum over the output."""
+    its first value, then 1 per entry plus each run's jump where it begins, summed along
+    the row), and the last partial chunk entry by entry. No cumsum over the output."""
     total = out.numel()
     k = _CHUNK
-    first = lens.cumsum(0, dtype=lens.dtype).sub_(lens)
+    # Every start is an entry of out and every position is below total: both fit the
+    # output's dtype where total does (int32: the passes over the runs read half the bytes).
+    wide = out.dtype if total < (1 << 31) else torch.int64
+    starts, lens = starts.to(wide), lens.to(wide)
+    first = lens.cumsum(0, dtype=wide).sub_(lens)
     offset = starts - first  # entry p of run r holds p + offset[r]
     jump = torch.diff(offset, prepend=offset.new_zeros(1))
     chunks = total // k
+    tail = chunks * k
     if chunks:
         # Chunk c's first entry c*k holds c*k + offset[r], r the last run begun by then (the
         # last with ceil(first/k) <= c): a running sum of k per chunk and each run's jump in
-        # offset at the chunk it takes over — one cumsum over the chunks, in the output's
-        # dtype where its values fit (they are the output's values: entries of out).
-        wide = out.dtype if total < (1 << 31) else torch.int64
+        # offset at the chunk it takes over — one cumsum over the chunks.
         at_chunk = _div_mod(first.add(k - 1), k, mod=False)[0].clamp_(max=chunks)
         base = torch.full((chunks + 1,), k, dtype=wide, device=out.device)
         base[0] = 0
-        base.scatter_add_(0, at_chunk, jump.to(wide))
+        base.scatter_add_(0, at_chunk.to(torch.int64), jump)
         base = base[:chunks].cumsum_(0)
-        steps = torch.arange(k, dtype=out.dtype, device=out.device)
-        rows = out[: chunks * k].view(chunks, k)
         # Runs begun inside a chunk: entry j of that chunk is its first value plus j plus
-        # the jumps of the runs begun inside it up to j. Each such chunk once, as a row of
-        # a table: its first value, then 1 per entry and 1 + jump where a run begins (no
-        # two runs begin at one entry: they are nonempty), summed along the row.
+        # the jumps of the runs begun inside it up to j. A run that carries on its
+        # predecessor's values (no jump: two unlisted runs side by side in a line) leaves
+        # its chunk as the broadcast wrote it: an insertion-order tree's lines hold many.
         inside = _div_mod(first, k, div=False)[1]
-        # A run that carries on its predecessor's values (no jump: two unlisted runs side
-        # by side in a line) leaves its chunk as the broadcast wrote it: an insertion-order
-        # tree's lines hold many such runs.
-        begun = ((inside != 0) & (jump != 0) & (first < chunks * k)).nonzero().squeeze(1)
+        rewritten = (jump != 0).logical_and_(inside != 0)
+        if tail < total:
+            rewritten.logical_and_(first < tail)
+        begun = rewritten.nonzero().squeeze(1)
         rewrite = None
         if begun.numel():
             chunk = _div_mod(first.index_select(0, begun), k, mod=False)[0]
             which, row = torch.unique_consecutive(chunk, return_inverse=True)
             which = which.to(torch.int64)  # index_copy_ takes int64 indices only
             table = torch.ones((which.numel(), k), dtype=wide, device=out.device)
-            table[:, 0] = base.index_select(0, which)
-            table.index_put_(
-                (row, inside.index_select(0, begun).to(torch.int64)),
-                jump.index_select(0, begun).to(wide).add_(1),
-            )
+            table.view(-1)[::k] = base.index_select(0, which)
+            # Flat positions in the table: no two runs begin at one entry (they are
+            # nonempty), so each entry takes at most one jump.
+            flat = row.mul_(k).add_(inside.index_select(0, begun))
+            table.view(-1).scatter_add_(0, flat, jump.index_select(0, begun))
             rewrite = which, table.cumsum_(1).to(out.dtype)
+        steps = torch.arange(k, dtype=out.dtype, device=out.device)
+        rows = out[:tail].view(chunks, k)
         _write_chunks(rows, base.to(out.dtype).view(chunks, 1), steps, rewrite)
-    tail = chunks * k
     if tail < total:
         # The last partial chunk: the runs that reach into it, each from its first entry
         # there (fewer than ``_CHUNK`` entries in all).
