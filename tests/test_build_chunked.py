@@ -31,7 +31,6 @@ def small_chunks(request, monkeypatch):
     hundred tiles (many chunks, some reaching no kv block)."""
     monkeypatch.setattr(runs, "_CHUNKED_FROM", 0)
     monkeypatch.setattr(runs, "_CHUNK", request.param)
-    monkeypatch.setattr(runs, "_SEGMENT", 5)  # the broadcast and its rewrites in segments
     monkeypatch.setattr(tree_module, "_CHUNKED_FROM", 0)
     monkeypatch.setattr(tree_module, "_CHUNK_TILES", 300)
     monkeypatch.setattr(unions, "_FROM_RUNS_FROM", 0)  # a union's q side from its rows' runs

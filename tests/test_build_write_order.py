@@ -61,7 +61,6 @@ def test_codes_written_as_runs_match_torch_order(shape, bands, seed, chunk):
     with (
         mock.patch.object(runs, "_CHUNK", chunk),
         mock.patch.object(runs, "_CHUNKED_FROM", 0),
-        mock.patch.object(runs, "_SEGMENT", 1 + chunk % 4),  # segments of 1 to 4 chunks
     ):
         kv, q = write.ordered_from_codes(codes)
     got = [*kv, *q]
@@ -132,7 +131,6 @@ def test_expand_runs_in_chunks_match_concatenated_ranges(lens, seed, chunk, dtyp
     with (
         mock.patch.object(runs, "_CHUNK", chunk),
         mock.patch.object(runs, "_CHUNKED_FROM", 0),
-        mock.patch.object(runs, "_SEGMENT", 1 + chunk % 4),  # segments of 1 to 4 chunks
     ):
         runs.expand_runs(out, starts, torch.tensor(lens))
     assert out.tolist() == want
@@ -162,7 +160,6 @@ def test_expand_runs_that_carry_on_their_predecessor_match_concatenated_ranges(
     with (
         mock.patch.object(runs, "_CHUNK", chunk),
         mock.patch.object(runs, "_CHUNKED_FROM", 0),
-        mock.patch.object(runs, "_SEGMENT", 1 + chunk % 4),  # segments of 1 to 4 chunks
     ):
         runs.expand_runs(out, torch.tensor(starts), torch.tensor(lens), nonempty=True)
     assert out.tolist() == want
