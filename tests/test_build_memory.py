@@ -26,41 +26,41 @@ def _thp_mode() -> str | None:
     return text[text.index("[") + 1 : text.index("]")] if "[" in text else None
 
 
-def _huge_kib(tensor: torch.Tensor) -> int:
-    """AnonHugePages (KiB) of the mappings that overlap ``tensor``'s memory, from
-    /proc/self/smaps: read from the kernel, not from flexmask. (The advice splits a mapping
-    at the first whole huge page: the tensor's first bytes lie in the part before it.)"""
-    begin = tensor.data_ptr()
-    end = begin + tensor.numel() * tensor.element_size()
-    total, overlaps = 0, False
+def _mappings(begin: int, end: int) -> list[dict[str, str]]:
+    """The /proc/self/smaps entries of the mappings that overlap ``[begin, end)``: each its
+    fields by name, its first line under "range". Read from the kernel, not from flexmask.
+    (The advice splits a mapping at the first whole huge page: a tensor spans several.)"""
+    found: list[dict[str, str]] = []
+    entry: dict[str, str] | None = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
-            overlaps = lo < end and begin < hi
-        elif overlaps and head == "AnonHugePages:":
-            total += int(line.split()[1])
-    return total
+            entry = {"range": line} if lo < end and begin < hi else None
+            if entry is not None:
+                found.append(entry)
+        elif entry is not None:
+            entry[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    return found
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    begin = tensor.data_ptr()
+    return begin, begin + tensor.numel() * tensor.element_size()
+
+
+def _huge_kib(tensor: torch.Tensor) -> int:
+    """AnonHugePages (KiB) of the mappings under ``tensor``'s memory."""
+    return sum(int(m["AnonHugePages"].split()[0]) for m in _mappings(*_span(tensor)))
 
 
 def _diagnosis(tensor: torch.Tensor) -> str:
     """What the kernel says of ``tensor``'s memory, for a failure's message."""
-    begin = tensor.data_ptr()
-    end = begin + tensor.numel() * tensor.element_size()
-    lines, keep = [], False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            keep = lo < end and begin < hi
-        if keep and (
-            head[0].isdigit()
-            or head[0] in "abcdef"
-            or head in ("AnonHugePages:", "Rss:", "THPeligible:", "VmFlags:")
-        ):
-            lines.append(line)
+    begin, end = _span(tensor)
+    fields = ("range", "Rss", "AnonHugePages", "THPeligible", "VmFlags")
+    said = [" ".join(m.get(f, "") for f in fields) for m in _mappings(begin, end)]
     status = [x for x in Path("/proc/self/status").read_text().splitlines() if "THP" in x]
-    return f"tensor at {begin:#x}-{end:#x}; " + " | ".join(lines + status)
+    return f"tensor at {begin:#x}-{end:#x}: " + " | ".join(said + status)
 
 
 class _Recorder:
@@ -153,23 +153,6 @@ def test_a_long_build_advises_its_four_index_tensors(recorder):
         assert first in advised, name
 
 
-def _mapping_at(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping holding ``address`` (its first line under
-    "range")."""
-    found: dict[str, str] = {}
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            if found:
-                break
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            if lo <= address < hi:
-                found["range"] = line
-        elif found:
-            found[head.rstrip(":")] = line.split(":", 1)[1].strip()
-    return found
-
-
 @pytest.mark.skipif(
     not sys.platform.startswith("linux") or _thp_mode() not in ("madvise", "always"),
     reason="needs Linux with transparent huge pages (madvise or always)",
@@ -183,7 +166,7 @@ def test_the_kernel_takes_the_advice(monkeypatch):
     monkeypatch.delenv("FLEXMASK_HUGE_PAGES", raising=False)
     (advised,) = memory.index_tensors([(10 << 20,)], torch.device("cpu"))
     middle = advised.data_ptr() + advised.numel() * 2
-    before = _mapping_at(middle)
+    (before,) = _mappings(middle, middle + 1)
     assert "hg" in before["VmFlags"].split(), before
     advised.fill_(1)
     if before["Rss"] == "0 kB":
