@@ -141,7 +141,8 @@ def test_a_hit_never_computes_the_order(monkeypatch):
         raise AssertionError("the order was computed for a hit")
 
     # The module, not the package's ``tree`` function of the same name.
-    monkeypatch.setattr(importlib.import_module("flexmask.pieces.tree"), "ranks_and_ends", refuse)
+    tree_module = importlib.import_module("flexmask.pieces.tree")
+    monkeypatch.setattr(tree_module, "ranks_and_ends_rows", refuse)
     remade = flexmask.tree(torch.tensor(ROWS))
     assert cache.get(remade, 3, 1, 8, 8, "cpu", 4) is built
     assert remade._parents is None  # nor widens its narrow copy to int64

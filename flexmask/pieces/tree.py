@@ -32,7 +32,7 @@ from flexmask.pieces.tree_chunks import search_subtrees
 from flexmask.pieces.tree_keys import parent_rows
 from flexmask.pieces.tree_lines import tree_breaks, tree_lines
 from flexmask.pieces.tree_lookups import TreeMod, TreeWindowMod, position_lookups, window_lookups
-from flexmask.pieces.tree_order import ranks_and_ends
+from flexmask.pieces.tree_order import ranks_and_ends_rows
 from flexmask.pieces.tree_tiles import Tuning, classify_preorder, classify_ranked, preorder_columns
 
 # How the tile classification and the lowerings' lines cut their work, read at every call
@@ -131,8 +131,7 @@ class Tree(Piece):
             return self._order
         exporting = _exporting()
         with _outside_export() if exporting else contextlib.nullcontext():
-            ranks, ends, preorder = zip(*(ranks_and_ends(p) for p in self.parents), strict=True)
-        order = list(ranks), list(ends), list(preorder)
+            order = ranks_and_ends_rows(self.parents)
         if exporting or not tracing():  # a trace's own tensors are never kept
             self._order = order
         return order
