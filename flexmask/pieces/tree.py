@@ -30,10 +30,12 @@ from flexmask.blocks import EMPTY, constant_codes
 from flexmask.pieces._base import Piece, held_start, tracing, window_rows
 from flexmask.pieces.tree_chunks import search_subtrees
 from flexmask.pieces.tree_keys import parent_rows
-from flexmask.pieces.tree_lines import tree_breaks, tree_lines
+from flexmask.pieces.tree_lines import Runs, forest_runs, tree_breaks, tree_lines
 from flexmask.pieces.tree_lookups import TreeMod, TreeWindowMod, position_lookups, window_lookups
 from flexmask.pieces.tree_order import ranks_and_ends_rows
 from flexmask.pieces.tree_tiles import Tuning, classify_preorder, classify_ranked, preorder_columns
+
+_CPU = torch.device("cpu")
 
 # How the tile classification and the lowerings' lines cut their work, read at every call
 # (so a test may set them here to take the chunked, wide, tensor or counted paths on small
@@ -276,7 +278,8 @@ class Tree(Piece):
                 "only when the tokens are laid out in preorder (as flexmask.pack_tree lays "
                 "them out). Reorder the tokens, or use to_magi / create_block_mask",
             )
-        lo, hi = tree_lines(self.parents, self.ends, pos, transpose, _FEW_RUNS)
+        runs = None if transpose else self._line_runs()
+        lo, hi = tree_lines(self.parents, self.ends, pos, transpose, _FEW_RUNS, runs)
         # Ancestor runs come sorted, disjoint and non-adjacent (root first): kept as they
         # are where their last slot is used somewhere (no slot to cut).
         return LineIntervals(lo, hi, not transpose and bool(lo[..., -1].ne(UNUSED).any()))
@@ -284,7 +287,22 @@ class Tree(Piece):
     def line_breaks(self, *, transpose: bool) -> Tensor | None:
         if transpose and not all(self.preorder):
             return None  # lines_at refuses, naming the layout
-        return tree_breaks(self.parents, self.ends if transpose else None)
+        if transpose:
+            return tree_breaks(self.parents, self.ends)
+        return tree_breaks(self.parents, None, self._line_runs())
+
+    def _line_runs(self) -> Runs:
+        """The rows' runs of consecutive positions laid end to end (``forest_runs``): kept
+        with the lookups (never pickled), as the order is, since a lowering reads them
+        twice and a re-lowering of the same tree again."""
+        if tracing():
+            return forest_runs(self.parents)
+        names = (("line runs start", _CPU), ("line runs up", _CPU))
+        start, up = (self._placed.get(name) for name in names)
+        if start is None or up is None:
+            start, up = forest_runs(self.parents)
+            self._placed[names[0]], self._placed[names[1]] = start, up
+        return Runs(start, up)
 
     def varlen_part(self, length: int) -> VarlenPart:
         raise cannot_lower(

@@ -12,7 +12,12 @@ from flexmask.algebra import INF, UNUSED, pick
 
 
 def tree_lines(
-    parents: list[Tensor], ends: list[Tensor], pos: Tensor, transpose: bool, few_runs: int
+    parents: list[Tensor],
+    ends: list[Tensor],
+    pos: Tensor,
+    transpose: bool,
+    few_runs: int,
+    runs: Runs | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(R, N, k) intervals of the tree at absolute line positions ``pos`` ((R, N)): the
     ancestor runs of each query, or (``transpose``, laid out in preorder) the subtree of
@@ -23,7 +28,8 @@ def tree_lines(
 
     Every row at once: the rows' trees laid end to end as one forest (each row's roots stay
     roots), each row's lines read at its own offset, so the reads are one pass, not one per
-    row (a lowering's ~30 small torch calls a row cost more than the reads)."""
+    row (a lowering's ~30 small torch calls a row cost more than the reads). ``runs``: the
+    forest's runs (``forest_runs``) where the caller keeps them."""
     rows = max(len(parents), pos.shape[0])
     if not transpose and pos.shape[-1] * 4 > max(p.numel() for p in parents):
         return _row_by_row(parents, pos, rows, few_runs)
@@ -41,7 +47,7 @@ def tree_lines(
         lo = torch.where(inside, p, INF)
         hi = torch.where(inside, last.view(at.shape) - offset, -INF)
         return lo.unsqueeze(-1), hi.unsqueeze(-1)
-    lo, hi = ancestor_runs(_runs(parents, base), at.view(-1), total, few_runs)
+    lo, hi = ancestor_runs(runs or _runs(parents, base), at.view(-1), total, few_runs)
     if len(parents) > 1:  # back to each row's positions (slot-major: contiguous passes)
         real = lo <= hi
         shift = offset.expand(rows, pos.shape[-1]).reshape(-1)
@@ -86,6 +92,14 @@ class Runs(NamedTuple):
     up: Tensor
 
 
+def forest_runs(parents: list[Tensor]) -> Runs:
+    """The runs of the rows' trees laid end to end (``tree_lines``, ``tree_breaks``): what
+    a tree keeps for its lowerings, which read them twice each (its lines and where they
+    change)."""
+    sizes = torch.tensor([p.numel() for p in parents])
+    return _runs(parents, sizes.cumsum(0) - sizes)
+
+
 def _runs(parents: list[Tensor], base: Tensor) -> Runs:
     """A run continues while a token's parent is the token before it; each row's first
     token starts one. One comparison per token, no per-token offsets (only the runs' own
@@ -102,15 +116,18 @@ def _runs(parents: list[Tensor], base: Tensor) -> Runs:
     return Runs(start, up)
 
 
-def tree_breaks(parents: list[Tensor], ends: list[Tensor] | None) -> Tensor:
+def tree_breaks(
+    parents: list[Tensor], ends: list[Tensor] | None, runs: Runs | None = None
+) -> Tensor:
     """``(R, D)`` the positions where a tree's lines change shape (``Tree.line_breaks``),
     padded with ``INF``: where a run starts (its ancestors outside the run change) or,
     transposed (``ends`` given, laid out in preorder), where the subtree end changes; and
-    each row's length (past the tree, none). Every row at once, as ``tree_lines`` reads."""
+    each row's length (past the tree, none). Every row at once, as ``tree_lines`` reads.
+    ``runs``: the forest's runs (``forest_runs``) where the caller keeps them."""
     sizes = torch.tensor([p.numel() for p in parents])
     base = sizes.cumsum(0) - sizes
     if ends is None:
-        at = _runs(parents, base).start
+        at = (runs or _runs(parents, base)).start
     else:
         # Each row's first column starts a stretch; then where the subtree end changes.
         first = torch.ones(1, dtype=torch.bool)
