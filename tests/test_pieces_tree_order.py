@@ -100,3 +100,32 @@ def test_long_chains_take_the_runs(monkeypatch):
     assert searched == [] and preorder == [True, True]
     rank, end, _ = _walk(parents)
     assert ranks[1].tolist() == rank and ends[1].tolist() == end
+
+
+def test_lowerings_keep_the_runs_and_lower_the_same(monkeypatch):
+    """The rows' runs (``tree_lines.forest_runs``) are made once per tree, at its first
+    lowering, and kept with its lookups: a second lowering reads them and cuts the same
+    slices, and a fresh tree of the same parents cuts them too."""
+    import sys
+
+    import flexmask
+    from flexmask.formats import to_magi
+
+    tree_module = sys.modules["flexmask.pieces.tree"]
+    made = []
+    real = tree_module.forest_runs
+
+    def counted(parents):
+        made.append(len(parents))
+        return real(parents)
+
+    monkeypatch.setattr(tree_module, "forest_runs", counted)
+    rows = [preorder_tree(40000, seed) for seed in range(2)]  # 80k lines: the stretches
+    mask = flexmask.tree(rows)
+    first, again = to_magi(mask, 2, 40000), to_magi(mask, 2, 40000)
+    fresh = to_magi(flexmask.tree(rows), 2, 40000)
+    assert made == [2, 2]  # once per tree
+    for other in (again, fresh):
+        assert torch.equal(first.q_ranges, other.q_ranges)
+        assert torch.equal(first.k_ranges, other.k_ranges)
+        assert torch.equal(first.attn_type_map, other.attn_type_map)
