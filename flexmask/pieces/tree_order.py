@@ -146,21 +146,8 @@ def ranks_and_ends(parents: Tensor) -> tuple[Tensor, Tensor, bool]:
     binary lifting find that u for all v in O(N log N). The layout is a preorder iff every
     token lies inside its parent's run. Otherwise an O(N) depth-first walk renumbers it.
     """
-    n = parents.numel()
-    levels = max(1, (n + 1).bit_length())
-    padded = torch.full((n + 1 + (1 << levels),), -2, dtype=torch.int64)
-    padded[:n] = parents
-    table = [padded]
-    for k in range(1, levels):
-        prev = table[-1]
-        half = 1 << (k - 1)
-        table.append(torch.minimum(prev[:-half], prev[half:]))
-    v = torch.arange(n, dtype=torch.int64)
-    pos = v + 1
-    for k in range(levels - 1, -1, -1):
-        stay_inside = table[k][pos] >= v
-        pos = torch.where(stay_inside, pos + (1 << k), pos)
-    end = pos.clamp(max=n)
+    v = torch.arange(parents.numel(), dtype=torch.int64)
+    end = _first_below(parents, v)
     child = parents >= 0
     if bool((v[child] < end[parents[child]]).all()):
         return v, end, True
