@@ -127,11 +127,13 @@ def side_by_side(
             threading.Thread(target=_sided(run), name="flexmask-side-extra", daemon=True).start()
         value = first()
     finally:
-        finished.wait()
-        if own:
-            worker.busy.release()
-        _inside.side = False
-        torch.set_num_threads(threads)
+        try:
+            finished.wait()
+        finally:  # an interrupt while waiting still frees the worker for later builds
+            if own:
+                worker.busy.release()
+            _inside.side = False
+            torch.set_num_threads(threads)
     if "error" in done:
         raise done["error"]
     return value, done["value"]
