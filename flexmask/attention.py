@@ -264,13 +264,17 @@ def _check_fits(mask: Any, query: Any, key: Any) -> None:
         return
     device: torch.device | None
     if isinstance(mask, LazyBlockMask):  # its recipe: reading a BlockMask field would build
-        lengths = (mask.Q_LEN, mask.KV_LEN)
+        lengths, dims = (mask.Q_LEN, mask.KV_LEN), (mask.spec.batch, mask.spec.heads)
         device = None if mask.device is None else torch.device(mask.device)  # None: query's
+        structure: Mask | None = mask.mask
     elif isinstance(mask, BlockMask):
         lengths, device = (mask.seq_lengths[0], mask.seq_lengths[1]), mask.kv_num_blocks.device
+        dims = tuple(mask.kv_num_blocks.shape[:2])
+        structure = built_from(mask)
     else:
         return
-    check_fits(lengths, device, query, key)
+    per_row = structure is not None and structure.batch_dependent
+    check_fits(lengths, device, query, key, dims, per_row)
 
 
 def explain(

@@ -448,6 +448,22 @@ class CaseSpec:
     def q_heads(self) -> int:
         return self.kv_heads * self.group
 
+    @property
+    def mask_fits(self) -> bool:
+        """Whether the call is valid for the mask's batch and head dims, by torch's rule as
+        flexmask keeps it: a BlockMask or handle of B and H each 1 or the query's; per-row
+        data (whether in a Mask built for the call, a handle or a BlockMask) given for
+        exactly the query's rows, as the mask_mod reads row b of it."""
+        if self.form == "none":
+            return True
+        if self.mask.rows is not None and self.mask.rows != self.batch:
+            return False
+        if self.form == "mask":
+            return True
+        mask_batch = self.batch if self.mask_batch is None else self.mask_batch
+        mask_heads = self.q_heads if self.mask_heads is None else self.mask_heads
+        return mask_batch in (1, self.batch) and mask_heads in (1, self.q_heads)
+
 
 @dataclass(frozen=True, eq=False)
 class AttentionCase:
@@ -569,7 +585,12 @@ def build_case(spec: CaseSpec) -> AttentionCase:
     """The tensors, the mask as passed and the dense mask of ``spec``."""
     batch, q_heads, kv_heads = spec.batch, spec.q_heads, spec.kv_heads
     value_dim = spec.head_dim if spec.value_dim is None else spec.value_dim
-    dense = spec.mask.to_dense(batch, q_heads, spec.q_len, spec.kv_len)
+    # The mask's own rows (per-row data of another batch size: a call to be refused), the
+    # dense reference of a valid call broadcast over the query's rows as torch does.
+    rows = batch if spec.mask.rows is None else spec.mask.rows
+    dense = spec.mask.to_dense(rows, q_heads, spec.q_len, spec.kv_len)
+    if spec.mask_fits:
+        dense = dense.expand(batch, *dense.shape[1:])
     gen = torch.Generator().manual_seed(spec.seed)
     shapes = {
         "q": (batch, q_heads, spec.q_len, spec.head_dim),
@@ -593,7 +614,7 @@ def build_case(spec: CaseSpec) -> AttentionCase:
         placed.append(f"{p.tensor}[{b}, {h}, {s}, {d}]={p.value}")
     q, k, v = (views[name]().detach().requires_grad_(spec.requires_grad) for name in "qkv")
 
-    mask_batch = batch if spec.mask_batch is None else spec.mask_batch
+    mask_batch = rows if spec.mask_batch is None else spec.mask_batch
     mask_heads = q_heads if spec.mask_heads is None else spec.mask_heads
     build = (spec.mask, mask_batch, mask_heads, spec.q_len, spec.kv_len)
     if spec.form == "mask":
@@ -695,11 +716,14 @@ def case_specs(
     forms=st.sampled_from(FORMS),  # noqa: B008
     gqa_flags=st.sampled_from((False, True, "truthy")),  # noqa: B008
     mask_kinds=COMMON_MASKS,
+    other_dims=st.sampled_from((False, False, False, True)),  # noqa: B008
 ):
     """A ``CaseSpec`` drawn from every axis; each keyword narrows one axis (a strategy).
     ``gqa_flags``: ``enable_gqa`` as a bool (True wherever heads differ) or, for "truthy",
     any truthy (falsy where the heads match) value of another type. ``mask_kinds``: names of
-    ``MASK_KINDS``."""
+    ``MASK_KINDS``. ``other_dims``: whether the mask is made for a batch and heads of its
+    own (per-row data of 1-3 rows, a handle or BlockMask of B and H 1, the query's or
+    another): ``CaseSpec.mask_fits`` says whether the call is then valid."""
     q_len = draw(LENGTHS, label="q_len")
     kv_len = q_len if draw(st.booleans(), label="same length") else draw(LENGTHS, label="kv_len")
     batch = draw(st.integers(1, 3), label="batch")
@@ -721,10 +745,21 @@ def case_specs(
         enable_gqa = True if group > 1 else flag
     longest = max(q_len, kv_len)
     length = longest if draw(st.booleans()) else draw(st.integers(1, longest))
-    mask = draw(attention_masks(batch, heads, group, length, mask_kinds), label="mask")
+    other = draw(other_dims, label="mask of its own B and H")
+    rows = draw(st.integers(1, 3), label="mask rows") if other else batch
+    mask = draw(attention_masks(rows, heads, group, length, mask_kinds), label="mask")
     form = draw(forms, label="form")
     if mask == flexmask.full() and draw(st.booleans()):
         form = "none"
+    if other:
+        # B and H a handle or BlockMask of this mask can be made for: per-row data fixes B,
+        # per-head masks need a multiple of their heads.
+        mask_batch = mask.rows or draw(st.integers(1, 4), label="mask B")
+        head_choices = (heads, 2 * heads) if mask.head_dependent else (1, heads, heads + 1)
+        mask_heads = draw(st.sampled_from(head_choices), label="mask H")
+    else:
+        mask_batch = None if mask.batch_dependent or draw(st.booleans()) else 1
+        mask_heads = None if mask.head_dependent or draw(st.booleans()) else 1
     head_dim = draw(st.sampled_from((8, 16, 4, 1, 3, 24)), label="head_dim")
     value_dim = None if draw(st.integers(0, 3)) else draw(st.sampled_from((1, 5, 16)))
     return CaseSpec(
@@ -739,8 +774,8 @@ def case_specs(
         dtype=draw(dtypes, label="dtype"),
         form=form,
         block_size=draw(st.sampled_from((128, 128, 64, (32, 64), 16)), label="block_size"),
-        mask_batch=None if mask.batch_dependent or draw(st.booleans()) else 1,
-        mask_heads=None if mask.head_dependent or draw(st.booleans()) else 1,
+        mask_batch=mask_batch,
+        mask_heads=mask_heads,
         layouts=draw(layouts, label="layouts"),
         scale=draw(scales, label="scale"),
         enable_gqa=enable_gqa,

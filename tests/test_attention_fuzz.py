@@ -18,6 +18,7 @@ derandomized run reproduces); the slow test shrinks.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ from tests.strategies import (
     NON_FINITE,
     PLACES,
     SPECIAL_SCALES,
+    AttentionCase,
     CaseSpec,
     Placement,
     build_case,
@@ -70,6 +72,8 @@ and others not, twice as often."""
 BOOLS = st.booleans()
 """enable_gqa as a bool (True wherever the heads differ)."""
 FINITE = st.just(())
+NO = st.just(False)
+"""A mask made for the call's batch and heads (or broadcast over them)."""
 
 
 def backend_names() -> list[str]:
@@ -105,6 +109,8 @@ def check_case(spec: CaseSpec, threads: int | None = 1) -> None:
 
 def _check_case(spec: CaseSpec) -> None:
     case = build_case(spec)
+    if not spec.mask_fits:
+        return _check_refused(case)
     want = case.reference()
     inputs = tuple(t.detach().contiguous().clone() for t in case.tensors)
     assert case.explain("block_sparse").backend == "block_sparse", (
@@ -130,6 +136,25 @@ def _check_case(spec: CaseSpec) -> None:
     assert not failures, "\n".join([repr(case), *failures])
 
 
+def _check_refused(case: AttentionCase) -> None:
+    """A mask made for another batch or other heads: every backend, ``explain`` and
+    ``flex_attention`` refuse the call with one ValueError, before any kernel runs."""
+    outcomes = {}
+    for name in [*backends.TABLE, "auto", "flex_attention", "explain"]:
+        try:
+            if name == "explain":
+                case.explain()
+            else:
+                case.call(name)
+            outcomes[name] = ("ran", "")
+        except ValueError as error:
+            outcomes[name] = ("ValueError", str(error))
+    first = outcomes["auto"]
+    assert first[0] == "ValueError", (case, outcomes)
+    assert re.search(r"batch|B=|rows", first[1]), first
+    assert all(got == first for got in outcomes.values()), (case, outcomes)
+
+
 # ------------------------------------------------------------------ the CI tests, one per axis
 
 _DOC = flexmask.causal() & flexmask.document([70, 60])
@@ -146,6 +171,7 @@ _PADDED_DOC = flexmask.causal() & flexmask.document([30, 40]) & flexmask.padding
         placements=FINITE,
         dtypes=st.just(torch.float64),
         gqa_flags=BOOLS,
+        other_dims=NO,
     )
 )
 def test_layouts(spec):
@@ -163,6 +189,7 @@ def test_layouts(spec):
         scales=st.sampled_from(SPECIAL_SCALES),
         layouts=st.just(CONTIGUOUS),
         gqa_flags=BOOLS,
+        other_dims=NO,
         placements=FINITE,
         # Plain causal and no lse half the time: the backends' SDPA is_causal path.
         mask_kinds=st.sampled_from((*MASK_KINDS, *["causal"] * len(MASK_KINDS))),
@@ -191,6 +218,7 @@ def test_scales(spec):
         scales=BENIGN_SCALES,
         layouts=st.just(CONTIGUOUS),
         gqa_flags=BOOLS,
+        other_dims=NO,
         placements=st.lists(PARTIAL_MORE, min_size=1, max_size=2).map(tuple),
     )
 )
@@ -206,12 +234,38 @@ def test_non_finite_values(spec):
         scales=BENIGN_SCALES,
         layouts=st.just(CONTIGUOUS),
         gqa_flags=BOOLS,
+        other_dims=NO,
         placements=FINITE,
         requires_grad=st.just(True),
     )
 )
 def test_gradients(spec):
     """Gradients of q, k and v against the reference's autograd gradients."""
+    check_case(spec)
+
+
+_TWO_ROWS = flexmask.causal() & flexmask.document([[100, 156], [256]])
+
+
+@settings(CI, max_examples=60)
+@example(CaseSpec(_TWO_ROWS, 256, 256, batch=3, kv_heads=2, form="lazy", mask_batch=2))
+@example(CaseSpec(_TWO_ROWS, 256, 256, batch=3, kv_heads=2, form="block_mask", mask_batch=2))
+@example(CaseSpec(flexmask.causal(), 64, 64, batch=2, form="lazy", mask_batch=3))
+@example(CaseSpec(flexmask.causal(), 64, 64, kv_heads=2, form="block_mask", mask_heads=3))
+@example(CaseSpec(_TWO_ROWS, 256, 256, batch=1, form="lazy", mask_batch=2))
+@given(
+    case_specs(
+        scales=BENIGN_SCALES,
+        layouts=st.just(CONTIGUOUS),
+        placements=FINITE,
+        other_dims=st.just(True),
+    )
+)
+def test_mask_dims(spec):
+    """Masks made for a batch and heads of their own: per-row data of 1-3 rows, handles and
+    BlockMasks of B and H 1, the query's or another. Where each is 1 or the query's the call
+    gives the reference (broadcast); otherwise every backend refuses it alike (the slices
+    backend once ran a mask of 2 rows under 3 query rows, row 2 with row 1's documents)."""
     check_case(spec)
 
 

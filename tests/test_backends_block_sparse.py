@@ -760,7 +760,7 @@ def test_bad_inputs_name_the_argument(change, error, match):
 def test_block_mask_with_too_many_heads_is_rejected():
     arguments = _valid_inputs()
     arguments["block_mask"] = create_block_mask(causal, 1, 3, 40, 50, device="cpu", BLOCK_SIZE=16)
-    with pytest.raises(ValueError, match="batch and head dims must be 1 or match"):
+    with pytest.raises(ValueError, match="batch and head dims must each be 1 or match"):
         block_sparse_attention(**arguments)
 
 

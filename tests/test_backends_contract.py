@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import flexmask
 from flexmask import backends
@@ -260,6 +261,80 @@ def test_the_refusals_name_the_argument_and_what_is_right():
         flexmask.attention(q, k, v, mask, block_mask=mask)
 
 
+_TWO_ROWS = flexmask.causal() & flexmask.document([[100, 156], [256]])
+OTHER_DIMS = {
+    # The issue's repro: a handle of 2 rows under 3 query rows ran on slices (row 2 got
+    # row 1's documents); the other way round was a bare KeyError.
+    "handle of 2 rows, query of 3": (lambda: flexmask.lazy(_TWO_ROWS, 2, 2, 256, 256), 3, 2),
+    "handle of 3 rows, query of 2": (
+        lambda: flexmask.lazy(flexmask.causal(), 3, 2, 256, 256),
+        2,
+        2,
+    ),
+    "BlockMask of 2 rows, query of 3": (
+        lambda: flexmask.create_block_mask(_TWO_ROWS, 2, 2, 256, 256, "cpu"),
+        3,
+        2,
+    ),
+    "BlockMask of 3 heads, query of 2": (
+        lambda: flexmask.create_block_mask(flexmask.causal(), 1, 3, 256, 256, "cpu"),
+        1,
+        2,
+    ),
+    "torch's BlockMask of 2 rows, query of 3": (
+        lambda: torch.nn.attention.flex_attention.create_block_mask(
+            lambda b, h, q, kv: q >= kv, 2, 1, 256, 256, "cpu"
+        ),
+        3,
+        2,
+    ),
+    "Mask of 2 rows, query of 3": (lambda: _TWO_ROWS, 3, 2),
+    "per-row handle of B=1, query of 3": (
+        lambda: flexmask.lazy(flexmask.causal() & flexmask.document([[100, 156]]), 1, 1, 256, 256),
+        3,
+        2,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OTHER_DIMS))
+def test_every_backend_refuses_a_mask_of_another_batch_or_heads(case):
+    """A mask made for other B or H than the query's (each must be 1 or the query's, as
+    torch's flex_attention checks; per-row data exactly the query's rows): refused by every
+    backend, explain and flex_attention with one ValueError, not run with another row's
+    mask nor failed with a bare KeyError."""
+    make, batch, heads = OTHER_DIMS[case]
+    q, k, v = qkv(b=batch, h=heads, q_len=256, kv_len=256)
+    mask = make()
+    outcomes = {
+        name: _outcome(lambda name=name: flexmask.attention(q, k, v, mask, name))
+        for name in backends.TABLE
+    }
+    outcomes["auto"] = _outcome(lambda: flexmask.attention(q, k, v, mask))
+    outcomes["explain"] = _outcome(lambda: flexmask.explain(q, k, v, mask))
+    outcomes["flex_attention"] = _outcome(lambda: flexmask.flex_attention(q, k, v, mask))
+    first = outcomes["auto"]
+    assert first[0] == "ValueError" and f"B={batch}" in first[1], first
+    assert all(got == first for got in outcomes.values()), outcomes
+
+
+@pytest.mark.parametrize("given", ["handle", "BlockMask"])
+def test_a_mask_of_one_row_and_head_serves_every_row_and_head(given):
+    """B = 1 and H = 1 broadcast, as torch's: every taking backend gives the reference of
+    the mask repeated over the query's rows and heads."""
+    mask = MASKS["document-causal"]
+    make = flexmask.lazy if given == "handle" else flexmask.create_block_mask
+    passed = make(mask, 1, 1, S, S, "cpu")
+    q, k, v = qkv(b=3, h=2)
+    want, _ = oracle.attention(q, k, v, dense_of(mask, 1, 1, S, S).expand(3, 2, S, S))
+    names = taking(q, k, v, passed)
+    assert {"block_sparse", "slices"} <= set(names), names
+    for name in names:
+        torch.testing.assert_close(
+            flexmask.attention(q, k, v, passed, name).double(), want, atol=2e-5, rtol=0, msg=name
+        )
+
+
 GOOD_CALLS = {
     "enable_gqa=1": ({}, {"enable_gqa": 1}),
     "enable_gqa='yes' with GQA": ({"gqa": 2}, {"enable_gqa": "yes"}),
@@ -427,7 +502,7 @@ def test_explain_names_the_kernel_that_runs(monkeypatch, mask_name, backend, gra
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(case_specs())
+@given(case_specs(other_dims=st.just(False)))
 def test_explain_names_the_kernel_that_runs_on_every_fuzz_case(monkeypatch, spec):
     """For the differential fuzz's cases (tests/test_attention_fuzz.py): every backend that
     takes the call runs the kernel ``explain`` names for it, and nothing else."""

@@ -39,7 +39,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmask.backends.flash import DTYPES, flash_ops
 from flexmask.backends.flash import shape_problem as _shape_problem
 from flexmask.backends.mod_eval import call_mod
-from flexmask.backends.request import Request
+from flexmask.backends.request import Request, dims_problem
 from flexmask.backends.threads import one_thread, others_busy
 from flexmask.blocks import EMPTY, FULL, PARTIAL, kv_codes
 from flexmask.runtime import on_cache_clear
@@ -167,14 +167,7 @@ def kernel_name(request: Request) -> str:
 
 
 def _dims_problem(block_mask: BlockMask, query: Tensor) -> str | None:
-    mask_batch, mask_heads = block_mask.kv_num_blocks.shape[:2]
-    batch, heads = query.shape[:2]
-    if mask_batch not in (1, batch) or mask_heads not in (1, heads):
-        return (
-            f"block_mask's batch and head dims must be 1 or match query's ({batch}, {heads}), "
-            f"got ({mask_batch}, {mask_heads})"
-        )
-    return None
+    return dims_problem(tuple(block_mask.kv_num_blocks.shape[:2]), query)
 
 
 def additive_mask(block_mask: BlockMask, batch: int, heads: int, dtype: torch.dtype) -> Lowered:

@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.backends.request import check_fits, check_scale, check_tensors
+from flexmask.backends.request import check_fits, check_scale, check_tensors, dims_problem
 from flexmask.blocks import EMPTY, PARTIAL, kv_codes
+from flexmask.builders import built_from
 
 MOD_EVALS = ("auto", "broadcast", "vmap")
 
@@ -90,11 +91,12 @@ def make_plan(
     # read into codes, a block listed both partial and full counting once, as full.
     kinds = kv_codes(block_mask, checked=True)
     mask_batch, mask_heads = kinds.shape[:2]
-    if mask_batch not in (1, batch) or mask_heads not in (1, q_heads):
-        raise ValueError(
-            f"block_mask's batch and head dims must be 1 or match query's ({batch}, "
-            f"{q_heads}), got ({mask_batch}, {mask_heads})"
-        )
+    built = built_from(block_mask)
+    problem = dims_problem(
+        (mask_batch, mask_heads), query, built is not None and built.batch_dependent
+    )
+    if problem is not None:
+        raise ValueError(problem)
     listed = (kinds != EMPTY).flatten(0, 1).any(dim=0).cpu()
     partial = (kinds == PARTIAL).flatten(0, 1).any(dim=0).cpu()
     # Heads split as (Hkv, G) so a per-query-head map lines up with grouped kv heads.

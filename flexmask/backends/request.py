@@ -39,12 +39,46 @@ class Deferred:
         return self._value
 
 
+def dims_problem(dims: tuple[int, int], query: Tensor, per_row: bool = False) -> str | None:
+    """Why a mask made for ``dims`` (its batch and head dims) cannot serve ``query``, or None:
+    each must be 1 (shared by every row or head) or the query's (B, Hq). torch's GPU kernels
+    index a BlockMask's rows by ``b % B_mask`` and run any size; a mask of 2 rows under 3
+    query rows would give row 2 row 0's documents, so every flexmask backend refuses it,
+    through this one check. ``per_row``: the mask's data is given per batch row (its
+    mask_mod reads row ``b`` of it), so a B of 1 cannot stand for other rows either."""
+    mask_batch, mask_heads = (int(d) for d in dims)
+    batch, heads = query.shape[:2]
+    if per_row and mask_batch != batch:
+        return (
+            f"block_mask was built from per-row data for {mask_batch} batch row(s), but query "
+            f"has B={batch}: its mask_mod reads row b of that data, so it serves only "
+            f"{mask_batch} row(s); give the data for B={batch} rows"
+        )
+    if mask_batch in (1, batch) and mask_heads in (1, heads):
+        return None
+    return (
+        f"block_mask's batch and head dims must each be 1 or match query's (B, Hq) = "
+        f"({batch}, {heads}), got ({mask_batch}, {mask_heads}): build the mask for this "
+        f"batch (B={batch} or 1) and these heads (H={heads} or 1)"
+    )
+
+
 def check_fits(
-    lengths: tuple[int, int], device: torch.device | None, query: Tensor, key: Tensor
+    lengths: tuple[int, int],
+    device: torch.device | None,
+    query: Tensor,
+    key: Tensor,
+    dims: tuple[int, int] | None = None,
+    per_row: bool = False,
 ) -> None:
-    """A BlockMask made for ``lengths`` (Q_LEN, KV_LEN) on ``device`` (None: any) must be
-    used with a query and key of those lengths on that device, as torch's flex_attention
-    requires; raises ValueError naming both otherwise."""
+    """A BlockMask made for ``lengths`` (Q_LEN, KV_LEN) on ``device`` (None: any) and, where
+    given, for ``dims`` (its B and H; ``per_row``: see ``dims_problem``) must be used with a
+    query and key of those lengths on that device, as torch's flex_attention requires;
+    raises ValueError naming both otherwise."""
+    if dims is not None:
+        problem = dims_problem(dims, query, per_row)
+        if problem is not None:
+            raise ValueError(problem)
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if tuple(lengths) != (q_len, kv_len):
         raise ValueError(
