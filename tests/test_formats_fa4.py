@@ -225,3 +225,44 @@ def test_fa4_kernel_matches_dense_attention():
         *(t.transpose(1, 2).float() for t in (q, k, v)), attn_mask=dense
     ).transpose(1, 2)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+# Documents of 6 tokens in row 0, one of 12 in row 1: at blocks of 6 (or 12, or 1) every tile
+# is full or empty, so FA4's lists name no partial block and mask_mod is never read.
+_DOCS = torch.tensor([[0] * 6 + [1] * 6, [0] * 12])
+
+
+def _docs_by_row(b, h, q_idx, kv_idx):
+    return _DOCS[b, q_idx] == _DOCS[b, kv_idx]
+
+
+@pytest.mark.parametrize("block", [(6, 6), (3, 6), (6, 2), (1, 1)])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        flexmask.from_mask_mod(_docs_by_row, key="fa4 docs by row"),
+        flexmask.from_mask_mod(_docs_by_row, key="fa4 docs by row, once", head_dependent=False),
+        flexmask.full(),
+        flexmask.document([[6, 6], [12]]),
+    ],
+    ids=["mask_mod by row", "mask_mod, heads broadcast", "full", "documents"],
+)
+def test_no_partial_tile_lists_full_and_empty_blocks_only(mask, block):
+    """A user mask_mod that reads its row (vmapped) raised IndexError at 13fda44 when no tile
+    was partial. The reference is written from the documents, not from flexmask."""
+    batch, heads, length = 2, 2, 12
+    f = to_fa4(mask, batch, heads, length, length, q_block=block[0], kv_block=block[1])
+    check_layout(f, batch, heads)
+    if isinstance(mask, type(flexmask.full())):
+        want = np.ones((batch, heads, length, length), dtype=bool)
+    else:
+        docs = _DOCS.numpy()
+        want = np.broadcast_to(
+            (docs[:, None, :, None] == docs[:, None, None, :]), (batch, heads, length, length)
+        )
+    np.testing.assert_array_equal(fa4_dense(f, batch, heads), want)
+    assert int(f.mask_block_cnt.sum()) == int(f.mask_block_cnt_bwd.sum()) == 0
+    assert torch.equal(bwd_codes(f), fwd_codes(f))
+    # Tile 0 only: what FA4's mask_mod would read for an unlisted block, attending nothing.
+    assert f.aux_tensors[1].shape == (1, *block) and not bool(f.aux_tensors[1].any())
+    assert not bool(f.aux_tensors[0].any())

@@ -194,6 +194,11 @@ def _partial_tiles(
     n = index[b, h, m, slot]
     tile_of = torch.zeros(*index.shape[:3], num_kv, dtype=torch.int32, device=dev)
     tile_of[b, h, m, n] = torch.arange(1, b.numel() + 1, dtype=torch.int32, device=dev)
+    if b.numel() == 0:
+        # Every tile full or empty: nothing for mask_mod to read but tile 0. A mask_mod that
+        # indexes by row (vmapped, as torch evaluates one) cannot be called on no tiles.
+        tiles = torch.zeros(1, q_block, kv_block, dtype=torch.bool, device=dev)
+        return tile_of.expand(B, H, -1, -1).contiguous(), tiles
     q = m.view(-1, 1, 1) * q_block + torch.arange(q_block, device=dev).view(1, -1, 1)
     kv = n.view(-1, 1, 1) * kv_block + torch.arange(kv_block, device=dev).view(1, 1, -1)
     inside = (q < q_len) & (kv < kv_len)
