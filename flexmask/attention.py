@@ -269,7 +269,7 @@ def _check_fits(mask: Any, query: Any, key: Any) -> None:
         structure: Mask | None = mask.mask
     elif isinstance(mask, BlockMask):
         lengths, device = (mask.seq_lengths[0], mask.seq_lengths[1]), mask.kv_num_blocks.device
-        dims = tuple(mask.kv_num_blocks.shape[:2])
+        dims = (mask.kv_num_blocks.size(0), mask.kv_num_blocks.size(1))
         structure = built_from(mask)
     else:
         return

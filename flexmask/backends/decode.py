@@ -167,7 +167,8 @@ def kernel_name(request: Request) -> str:
 
 
 def _dims_problem(block_mask: BlockMask, query: Tensor) -> str | None:
-    return dims_problem(tuple(block_mask.kv_num_blocks.shape[:2]), query)
+    mask_batch, mask_heads = block_mask.kv_num_blocks.shape[:2]
+    return dims_problem((mask_batch, mask_heads), query)
 
 
 def additive_mask(block_mask: BlockMask, batch: int, heads: int, dtype: torch.dtype) -> Lowered:
