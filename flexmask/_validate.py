@@ -283,6 +283,28 @@ def env_int(
     return value
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """A boolean environment variable: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (any
+    case; unset or empty: ``default``), or a ValueError naming the variable and those
+    values. The FLEXMASK_* switches read through this, so each takes the same spellings."""
+    raw = os.environ.get(name, "")
+    text = raw.strip().lower()
+    if not text:
+        return default
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(
+        f"environment variable {name}={raw!r} must be 1/0, true/false, yes/no or on/off "
+        f"(or unset it)"
+    )
+
+
 @functools.lru_cache(maxsize=1)
 def host_memory() -> int | None:
     """Bytes this process can hold on the CPU: the machine's RAM, or its cgroup's limit when

@@ -103,10 +103,39 @@ def test_the_setting_turns_it_on_and_off(monkeypatch, recorder, value):
     assert len(recorder.calls) == int(value)
 
 
-def test_a_bad_setting_is_named(monkeypatch):
-    monkeypatch.setenv("FLEXMASK_HUGE_PAGES", "-1")
-    with pytest.raises(ValueError, match="FLEXMASK_HUGE_PAGES"):
+# The spellings every FLEXMASK_* switch documents (1/0, true/false, yes/no, on/off, any
+# case, spaces around), written out here rather than taken from flexmask's parser.
+SPELLINGS = {
+    "1": True, "true": True, "True": True, "yes": True, "on": True, " ON ": True,
+    "0": False, "false": False, "FALSE": False, "no": False, "off": False, "Off": False,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("value", sorted(SPELLINGS))
+def test_the_setting_takes_every_switchs_spellings(monkeypatch, recorder, value):
+    """``true``/``off`` were refused at 13fda44 (read as an integer), while FLEXMASK_CHECK
+    and FLEXMASK_COMPILE take them: one parser for every switch."""
+    monkeypatch.setenv("FLEXMASK_HUGE_PAGES", value)
+    assert memory.huge_pages_on() is SPELLINGS[value]
+    memory.index_tensors([(1 << 22,)], torch.device("cpu"))
+    assert len(recorder.calls) == int(SPELLINGS[value])
+    # The same word means the same to FLEXMASK_CHECK.
+    monkeypatch.setenv("FLEXMASK_CHECK", value)
+    assert flexmask.packing.check_enabled(None) is SPELLINGS[value]
+
+
+@pytest.mark.parametrize("value", ["-1", "2", "maybe", "enabled"])
+def test_a_bad_setting_is_named(monkeypatch, value):
+    monkeypatch.setenv("FLEXMASK_HUGE_PAGES", value)
+    with pytest.raises(ValueError, match=r"FLEXMASK_HUGE_PAGES=.*true/false"):
         flexmask.create_block_mask(flexmask.causal(), 1, 1, 256, 256, "cpu")
+
+
+def test_unset_or_empty_is_on(monkeypatch):
+    monkeypatch.setenv("FLEXMASK_HUGE_PAGES", "")
+    assert memory.huge_pages_on() is (memory._madvise() is not None)
+    monkeypatch.delenv("FLEXMASK_HUGE_PAGES")
+    assert memory.huge_pages_on() is (memory._madvise() is not None)
 
 
 def test_small_and_foreign_tensors_are_left_alone(recorder):

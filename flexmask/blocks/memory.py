@@ -1,6 +1,6 @@
 """The memory a build writes its BlockMask tensors into: on Linux, large CPU outputs are
-advised onto transparent huge pages before their first write (``FLEXMASK_HUGE_PAGES=0``
-turns it off).
+advised onto transparent huge pages before their first write (``FLEXMASK_HUGE_PAGES=0``,
+``false`` or ``off`` turns it off).
 
 A long build is mostly its first write of fresh pages: at 131k, B = 8 the four index
 tensors are 128 MiB, and the kernel faults them in 4 KiB at a time (32,768 faults, each
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from flexmask._validate import env_int
+from flexmask._validate import env_bool
 
 ENV_HUGE_PAGES = "FLEXMASK_HUGE_PAGES"
 
@@ -51,9 +51,10 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 
 
 def huge_pages_on() -> bool:
-    """Whether builds advise their outputs onto huge pages: FLEXMASK_HUGE_PAGES (1 by
-    default, 0 off), read at every build, and a Linux libc to ask."""
-    return bool(env_int(ENV_HUGE_PAGES, 1, minimum=0)) and _madvise() is not None
+    """Whether builds advise their outputs onto huge pages: FLEXMASK_HUGE_PAGES (on by
+    default; 0/false/no/off turns it off, as every FLEXMASK_* switch), read at every build,
+    and a Linux libc to ask."""
+    return env_bool(ENV_HUGE_PAGES, True) and _madvise() is not None
 
 
 def advise_huge_pages(tensor: Tensor) -> bool:
