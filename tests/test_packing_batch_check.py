@@ -7,10 +7,13 @@ the inputs, the check's verdict is also compared with each document run alone th
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
 
 import flexmask
@@ -593,3 +596,245 @@ def test_model_inputs_check_every_layer_type(implementation):
     report = check_inputs(model, dropped, batch=batch)
     assert "sliding_attention" in report.first.inputs[0]
     assert (report.first.row, report.first.token) == (0, 3)  # token 3 reads token 0
+
+
+# ---------------------------------------------------------------------- issue #39
+def _doc_ids(lengths, seq_len):
+    """Per token, its document's number; padding past the documents -1."""
+    ids = torch.full((seq_len,), -1)
+    start = 0
+    for number, n in enumerate(lengths):
+        ids[start : start + n] = number
+        start += n
+    return ids
+
+
+def _doc_causal_dense(rows, seq_len):
+    """(B, S, S) causal attention inside each row's documents, written plainly."""
+    out = torch.zeros(len(rows), seq_len, seq_len, dtype=torch.bool)
+    for b, lengths in enumerate(rows):
+        ids = _doc_ids(lengths, seq_len)
+        for q in range(seq_len):
+            for kv in range(q + 1):
+                out[b, q, kv] = bool(ids[q] >= 0 and ids[q] == ids[kv])
+    return out
+
+
+def _q_side_dense(bm, batch):
+    """(B, S, S) what torch's backward attends (dK and dV): per kv block, the q blocks its
+    ``full_q_indices`` list whole and its ``q_indices`` list through mask_mod; no others."""
+    q_len, kv_len = bm.seq_lengths
+    q_block, kv_block = bm.BLOCK_SIZE
+    out = torch.zeros(batch, q_len, kv_len, dtype=torch.bool)
+    for b in range(batch):
+        bb = min(b, bm.q_num_blocks.shape[0] - 1)
+        for n in range(bm.q_num_blocks.shape[-1]):
+            k0, k1 = n * kv_block, min((n + 1) * kv_block, kv_len)
+            for m in bm.full_q_indices[bb, 0, n, : int(bm.full_q_num_blocks[bb, 0, n])].tolist():
+                out[b, m * q_block : (m + 1) * q_block, k0:k1] = True
+            for m in bm.q_indices[bb, 0, n, : int(bm.q_num_blocks[bb, 0, n])].tolist():
+                for q in range(m * q_block, min((m + 1) * q_block, q_len)):
+                    for kv in range(k0, k1):
+                        out[b, q, kv] = bool(
+                            bm.mask_mod(
+                                torch.tensor(b), torch.tensor(0), torch.tensor(q), torch.tensor(kv)
+                            )
+                        )
+    return out
+
+
+def _with_q_side(kv_from, q_from):
+    """torch's BlockMask with ``kv_from``'s kv side and mask_mod and ``q_from``'s q side."""
+    return BlockMask(
+        kv_from.seq_lengths,
+        kv_from.kv_num_blocks,
+        kv_from.kv_indices,
+        kv_from.full_kv_num_blocks,
+        kv_from.full_kv_indices,
+        q_from.q_num_blocks,
+        q_from.q_indices,
+        q_from.full_q_num_blocks,
+        q_from.full_q_indices,
+        BLOCK_SIZE=kv_from.BLOCK_SIZE,
+        mask_mod=kv_from.mask_mod,
+    )
+
+
+@pytest.mark.parametrize(
+    ("rows", "seq_len", "block"),
+    [([[5, 7]], 12, 4), ([[3, 9], [12]], 12, 4), ([[10, 20, 3]], 40, 8), ([[6, 6]], 13, 5)],
+)
+@pytest.mark.parametrize("q_side", ["causal only", "other documents", "none listed"])
+def test_a_block_mask_whose_q_side_disagrees(rows, seq_len, block, q_side):
+    """Item 7: torch's GPU backward reads the q side for dK and dV. A BlockMask with the
+    documents' kv side and another q side — causal only over the packed documents, other
+    documents, or nothing — is named at the first pair the backward attends otherwise,
+    found by reading its q side plainly against the documents; one that lists other tiles
+    but attends the same pairs passes."""
+    batch = len(rows)
+    ids = torch.stack([_doc_ids(r, seq_len) for r in rows])
+    # The same lengths in reverse order, and a row of one document cut in two.
+    others = torch.stack(
+        [_doc_ids(r[::-1] if len(r) > 1 else [5, r[0] - 5], seq_len) for r in rows]
+    )
+
+    def documents(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (ids[b, q_idx] == ids[b, kv_idx]) & (ids[b, q_idx] >= 0)
+
+    def other(b, h, q_idx, kv_idx):
+        if q_side == "causal only":
+            return q_idx >= kv_idx
+        if q_side == "other documents":
+            return (q_idx >= kv_idx) & (others[b, q_idx] == others[b, kv_idx])
+        return q_idx < 0
+
+    right = torch_block_mask(documents, batch, 1, seq_len, seq_len, "cpu", BLOCK_SIZE=block)
+    wrong = torch_block_mask(other, batch, 1, seq_len, seq_len, "cpu", BLOCK_SIZE=block)
+    given = _with_q_side(right, wrong)
+    mask = flexmask.causal() & flexmask.document(rows)
+    assert check_batch(mask=mask, shape=(batch, seq_len), block_mask=right).ok
+    report = check_batch(mask=mask, shape=(batch, seq_len), block_mask=given)
+    real = ids >= 0
+    expected = first_pair(_doc_causal_dense(rows, seq_len), _q_side_dense(given, batch), real)
+    if expected is None:
+        # Other tiles, the same pairs: partial tiles go through mask_mod, which keeps the
+        # documents apart, so the backward attends what the forward does.
+        assert q_side == "other documents"
+        assert report.ok, str(report)
+        return
+    row, q, kv = expected
+    assert not report.ok
+    assert (report.first.row, report.first.token) == (row, q), str(report)
+    assert report.first.inputs[0] == "block_mask's q side"
+    assert f"attend token {kv}" in report.first.message
+    assert "backward" in report.first.message
+    # The kv side alone is right: torch's own q side made from it passes.
+    rebuilt = BlockMask.from_kv_blocks(
+        given.kv_num_blocks,
+        given.kv_indices,
+        given.full_kv_num_blocks,
+        given.full_kv_indices,
+        BLOCK_SIZE=given.BLOCK_SIZE,
+        mask_mod=given.mask_mod,
+        seq_lengths=given.seq_lengths,
+    )
+    assert check_batch(mask=mask, shape=(batch, seq_len), block_mask=rebuilt).ok
+
+
+def test_a_block_mask_without_a_q_side_is_read_for_the_forward():
+    """``from_kv_blocks(compute_q_blocks=False)`` has no q side (forward only): its kv side
+    is checked, nothing else is claimed."""
+    mask = flexmask.causal() & flexmask.document([5, 7])
+    bm = torch_block_mask(mask.mask_mod, 1, 1, 12, 12, "cpu", BLOCK_SIZE=4)
+    forward = BlockMask.from_kv_blocks(
+        bm.kv_num_blocks,
+        bm.kv_indices,
+        bm.full_kv_num_blocks,
+        bm.full_kv_indices,
+        BLOCK_SIZE=bm.BLOCK_SIZE,
+        mask_mod=bm.mask_mod,
+        seq_lengths=bm.seq_lengths,
+        compute_q_blocks=False,
+    )
+    assert forward.q_num_blocks is None
+    assert check_batch(mask=mask, shape=(1, 12), block_mask=forward).ok
+
+
+# transformers' additive masks: 0 attends; masked is finfo(dtype).min (masking_utils) or,
+# in its legacy extended masks, (1 - mask) * -10000.0.
+def _additive(allowed, masked, dtype):
+    value = torch.finfo(dtype).min if masked == "finfo.min" else float(masked)
+    return torch.where(allowed, 0.0, value).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("masked", ["-10000.0", "finfo.min", "-inf"])
+def test_transformers_additive_4d_masks(dtype, masked):
+    rows, seq_len = [[4, 5], [9]], 9
+    allowed = _doc_causal_dense(rows, seq_len).unsqueeze(1)
+    mask = flexmask.causal() & flexmask.document(rows)
+    right = check_batch(mask=mask, attention_mask=_additive(allowed, masked, dtype))
+    assert right.ok, str(right)
+    causal_only = torch.ones(seq_len, seq_len, dtype=torch.bool).tril().expand(2, 1, -1, -1)
+    report = check_batch(mask=mask, attention_mask=_additive(causal_only, masked, dtype))
+    real = torch.ones(2, seq_len, dtype=torch.bool)
+    row, q, kv = first_pair(allowed[:, 0], causal_only[:, 0], real)
+    assert (row, q, kv) == (0, 4, 0)
+    assert (report.first.row, report.first.token) == (row, q)
+    assert f"lets token {q} attend token {kv}" in report.first.message
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.int8])
+def test_integer_4d_masks_read_as_0_1(dtype):
+    rows, seq_len = [[3, 6]], 9
+    allowed = _doc_causal_dense(rows, seq_len).unsqueeze(1)
+    mask = flexmask.causal() & flexmask.document(rows)
+    assert check_batch(mask=mask, attention_mask=allowed.to(dtype)).ok
+    causal_only = torch.ones(1, 1, seq_len, seq_len, dtype=dtype).tril()
+    report = check_batch(mask=mask, attention_mask=causal_only)
+    row, q, kv = first_pair(allowed[:, 0], causal_only[:, 0].bool(), torch.ones(1, 9).bool())
+    assert (report.first.row, report.first.token) == (row, q) == (0, 3)
+    assert f"attend token {kv}" in report.first.message
+    not_01 = allowed.to(dtype) * 2
+    with pytest.raises(ValueError, match=r"attention_mask is an integer mask with value 2"):
+        check_batch(mask=mask, attention_mask=not_01)
+
+
+def test_one_row_of_position_ids_is_read_for_every_row_of_shape():
+    """``(1, S)`` position_ids with ``shape=(2, S)``: read for both rows (transformers
+    broadcasts them), so row 1's one document of 8 disagrees with the restart at token 4."""
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    report = check_batch(position_ids=positions, seq_lens=[[4, 4], [8]], shape=(2, 8))
+    assert [(d.row, d.token) for d in report.disagreements] == [(1, 4)], str(report)
+    assert set(report.first.inputs) == {"position_ids", "seq_lens"}
+    assert check_batch(position_ids=positions, seq_lens=[[4, 4], [4, 4]], shape=(2, 8)).ok
+    # A block mask of two rows is compared on both.
+    two_rows = flexmask.create_block_mask(
+        flexmask.causal() & flexmask.document([[4, 4], [8]]), 2, 1, 8, 8, BLOCK_SIZE=4
+    )
+    report = check_batch(position_ids=positions, block_mask=two_rows, shape=(2, 8))
+    assert (report.first.row, report.first.token) == (1, 4)
+
+
+@pytest.mark.parametrize(
+    ("given", "words"),
+    [
+        ({"input_ids": torch.zeros(3, 8, dtype=torch.long)}, r"rows: shape=\(2, 8\), input_ids"),
+        ({"position_ids": torch.arange(9).unsqueeze(0)}, r"tokens per row: shape=\(2, 8\)"),
+        (
+            {"position_ids": torch.arange(8).expand(3, 8), "labels": torch.zeros(2, 8).long()},
+            r"rows: shape=\(2, 8\), position_ids has shape \(3, 8\)",
+        ),
+    ],
+)
+def test_a_shape_that_disagrees_with_a_tensor_is_refused(given, words):
+    with pytest.raises(ValueError, match=words):
+        check_batch(shape=(2, 8), labels_shifted=True, **given)
+
+
+@pytest.mark.parametrize(
+    "seq_lens",
+    [
+        [10, -2],
+        [3.5, 4.5],
+        [[4, 4], [9, -1]],
+        [[4.0, 4], [8]],
+        torch.tensor([4.5, 3.5]),
+        torch.tensor([[4, -4], [8, 0]]),
+        [True, 7],
+        "48",
+    ],
+)
+def test_seq_lens_that_are_not_lengths_are_refused(seq_lens):
+    with pytest.raises((ValueError, TypeError), match="seq_lens"):
+        check_batch(seq_lens=seq_lens, shape=(2, 8))
+
+
+def test_a_q_side_pointing_outside_the_blocks_is_named():
+    mask = flexmask.causal() & flexmask.document([5, 7])
+    bm = torch_block_mask(mask.mask_mod, 1, 1, 12, 12, "cpu", BLOCK_SIZE=4)
+    broken = bm.q_indices.clone()
+    broken[0, 0, 0, 0] = 3  # 12 tokens in blocks of 4: q blocks 0..2
+    given = _with_q_side(bm, types.SimpleNamespace(**{**vars(bm), "q_indices": broken}))
+    with pytest.raises(ValueError, match=r"block_mask.q_indices points outside the 3 q blocks"):
+        check_batch(mask=mask, shape=(1, 12), block_mask=given)

@@ -6,7 +6,7 @@
 * ``write`` — torch's eight tensors, byte-identical to its ``create_block_mask``;
 * ``memory`` — the tensors a build writes into, large ones on huge pages;
 * ``pair`` — a long build's two sides written at once, one on a second thread;
-* ``read`` — the one reader of a BlockMask (codes, bytes, ``same_blocks``).
+* ``read`` — the one reader of a BlockMask (either side's codes, bytes, ``same_blocks``).
 """
 
 from flexmask.blocks.codes import (
@@ -29,6 +29,7 @@ from flexmask.blocks.read import (
     WRITE_ORDER_FIELDS,
     block_mask_nbytes,
     kv_codes,
+    q_codes,
     same_blocks,
 )
 from flexmask.blocks.runs import expand_runs, exporting
@@ -70,6 +71,7 @@ __all__ = [
     "huge_pages_on",
     "index_tensors",
     "kv_codes",
+    "q_codes",
     "not_codes",
     "offsets",
     "or_codes",

@@ -64,54 +64,108 @@ def kv_codes(
     """
     q_len, kv_len = block_mask.seq_lengths
     q_block, kv_block = (int(size) for size in block_mask.BLOCK_SIZE)
-    num_q, num_kv = -(-q_len // q_block), -(-kv_len // kv_block)
     lists = kv_lists(block_mask)
     if at is not None:
         b, h = at
         lists = [(n[b : b + 1, h : h + 1], i[b : b + 1, h : h + 1], x, c) for n, i, x, c in lists]
+    return _codes(lists, (q_len, q_block, "Q_LEN"), (kv_len, kv_block, "KV_LEN"), checked)
+
+
+def q_lists(block_mask: BlockMask) -> list[tuple[Tensor, Tensor, str, int]] | None:
+    """The q side's block lists as ``(counts, indices, name of the indices, code)``, as
+    :func:`kv_lists`; None where the BlockMask has no q side (``from_kv_blocks(...,
+    compute_q_blocks=False)``: forward only)."""
+    if block_mask.q_num_blocks is None or block_mask.q_indices is None:
+        return None
+    lists = [(block_mask.q_num_blocks, block_mask.q_indices, "q_indices", PARTIAL)]
+    if block_mask.full_q_num_blocks is not None and block_mask.full_q_indices is not None:
+        lists.append(
+            (block_mask.full_q_num_blocks, block_mask.full_q_indices, "full_q_indices", FULL)
+        )
+    return lists
+
+
+def q_codes(block_mask: BlockMask, *, checked: bool = False) -> Tensor | None:
+    """Every tile's code as the BlockMask's q side lists it — what torch's backward reads
+    for dK and dV — laid out as :func:`kv_codes` lays out the kv side's, ``(B, H,
+    num_q_blocks, num_kv_blocks)``, so the two compare with ``torch.equal``; None without a
+    q side. ``checked`` as for :func:`kv_codes`.
+
+    Torch writes the q side as the kv side's transpose (``BlockMask.from_kv_blocks``); one
+    written otherwise makes the backward disagree with the forward, silently.
+    """
+    lists = q_lists(block_mask)
+    if lists is None:
+        return None
+    q_len, kv_len = block_mask.seq_lengths
+    q_block, kv_block = (int(size) for size in block_mask.BLOCK_SIZE)
+    codes = _codes(lists, (kv_len, kv_block, "KV_LEN"), (q_len, q_block, "Q_LEN"), checked)
+    return codes.transpose(-1, -2)
+
+
+def _codes(
+    lists: list[tuple[Tensor, Tensor, str, int]],
+    lines: tuple[int, int, str],
+    listed_along: tuple[int, int, str],
+    checked: bool,
+) -> Tensor:
+    """``(B, H, num_lines, num_listed)`` codes from one side's lists: each line (a q block on
+    the kv side, a kv block on the q side) lists blocks along the other axis. ``lines`` and
+    ``listed_along`` are (length, block size, torch's name of the length)."""
+    line_len, line_block, line_name = lines
+    other_len, other_block, other_name = listed_along
+    num_lines, num_other = -(-line_len // line_block), -(-other_len // other_block)
     if checked:
-        _check_shapes(lists, q_len, q_block, num_q)
+        _check_shapes(lists, line_len, line_block, num_lines, line_name)
     batch, heads = lists[0][1].shape[:2]
     device = lists[0][1].device
     # One spare column takes the unlisted entries; it is dropped at the end.
-    codes = torch.zeros(batch, heads, num_q, num_kv + 1, dtype=CODE_DTYPE, device=device)
+    codes = torch.zeros(batch, heads, num_lines, num_other + 1, dtype=CODE_DTYPE, device=device)
     for num_blocks, indices, name, code in lists:
-        count = num_blocks[:, :, :num_q].long()
-        index = indices[:, :, :num_q].long()
+        count = num_blocks[:, :, :num_lines].long()
+        index = indices[:, :, :num_lines].long()
         slots = index.shape[-1]
         listed = torch.arange(slots, device=device) < count.unsqueeze(-1)
         if checked:
             if count.numel() and (int(count.min()) < 0 or int(count.max()) > slots):  # B=0
                 raise ValueError(f"block_mask's counts for {name} must lie in [0, {slots}]")
-            if bool((listed & ((index < 0) | (index >= num_kv))).any()):
+            if bool((listed & ((index < 0) | (index >= num_other))).any()):
+                side = "kv" if other_name == "KV_LEN" else "q"
                 raise ValueError(
-                    f"block_mask.{name} points outside the {num_kv} kv blocks of KV_LEN={kv_len}"
+                    f"block_mask.{name} points outside the {num_other} {side} blocks of "
+                    f"{other_name}={other_len}"
                 )
         if slots:
-            codes.scatter_(-1, torch.where(listed, index, num_kv), code)
-    return codes[..., :num_kv]
+            codes.scatter_(-1, torch.where(listed, index, num_other), code)
+    return codes[..., :num_other]
 
 
 def _check_shapes(
-    lists: list[tuple[Tensor, Tensor, str, int]], q_len: int, q_block: int, num_q: int
+    lists: list[tuple[Tensor, Tensor, str, int]],
+    line_len: int,
+    line_block: int,
+    num_lines: int,
+    line_name: str,
 ) -> None:
     dims: set[tuple[int, int]] = set()
+    side = "q" if line_name == "Q_LEN" else "kv"
+    listed = "kv" if side == "q" else "q"
     for num, idx, name, _ in lists:
         if num.dim() != 3 or idx.dim() != 4 or idx.shape[:3] != num.shape:
             raise ValueError(
-                f"block_mask.{name} must be (B, H, q_blocks, max_blocks), got shape "
+                f"block_mask.{name} must be (B, H, {side}_blocks, max_blocks), got shape "
                 f"{tuple(idx.shape)} with counts of shape {tuple(num.shape)}"
             )
         dims.add((idx.shape[0], idx.shape[1]))
-        if idx.shape[2] < num_q:
+        if idx.shape[2] < num_lines:
             raise ValueError(
-                f"block_mask.{name} has {idx.shape[2]} q blocks but Q_LEN={q_len} needs "
-                f"{num_q} of size {q_block}"
+                f"block_mask.{name} has {idx.shape[2]} {side} blocks but {line_name}={line_len} "
+                f"needs {num_lines} of size {line_block}"
             )
     if len(dims) != 1:
         raise ValueError(
-            "block_mask's kv_indices and full_kv_indices must have the same batch and head dims, "
-            f"got {sorted(dims)}"
+            f"block_mask's {listed}_indices and full_{listed}_indices must have the same batch "
+            f"and head dims, got {sorted(dims)}"
         )
 
 

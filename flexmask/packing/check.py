@@ -12,17 +12,16 @@ the row, the token, the inputs that disagree, and what each says.
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask._validate import env_bool
 from flexmask.algebra import Mask
 from flexmask.formats import FlashMask, MagiMask, VarlenMask
-from flexmask.packing import kernel_args, segments
+from flexmask.packing import inputs, kernel_args, segments
 from flexmask.packing.segments import Claim, Disagreement, previous
 from flexmask.pieces import causal, document
 from flexmask.runtime import LazyBlockMask
@@ -93,12 +92,7 @@ def check_enabled(check: bool | None) -> bool:
         if not isinstance(check, bool):
             raise TypeError(f"check must be True, False or None, got {check!r}")
         return check
-    raw = os.environ.get(ENV_CHECK, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"environment variable {ENV_CHECK}={raw!r} must be 1/0, true/false or on/off")
+    return env_bool(ENV_CHECK, False)
 
 
 def check_batch(
@@ -143,10 +137,12 @@ def check_batch(
     * no label crosses a document: a token trained on (``labels != ignore_index``, or
       ``loss_mask``) is predicted from a token of its own document, never at padding;
     * every kernel argument attends exactly what the batch's mask attends, on every real
-      query row: a ``block_mask`` (or a 4-D ``attention_mask``, dense bool or additive) is
-      for these lengths, tiled as ``kernel`` takes it, and lists the same blocks with the
-      same elements; ``varlen``, ``flashmask`` and ``magi`` arguments, and ``cu_seqlens``
-      under a kernel that is causal or not (``causal_kernel``), attend the same pairs;
+      query row: a ``block_mask`` (or a 4-D ``attention_mask``: bool, 0/1 integer or
+      additive float) is for these lengths, tiled as ``kernel`` takes it, and lists the same
+      blocks with the same elements — a BlockMask on both sides, its kv side (the forward)
+      and its q side (``q_indices``/``full_q_indices``: what torch's backward reads for dK
+      and dV); ``varlen``, ``flashmask`` and ``magi`` arguments, and ``cu_seqlens`` under a
+      kernel that is causal or not (``causal_kernel``), attend the same pairs;
     * no real token's row of the mask attends nothing.
 
     The batch's mask is ``mask`` (or ``batch.mask``); without one, causal attention inside
@@ -162,11 +158,14 @@ def check_batch(
             documents, and lazy handle), a :class:`~flexmask.TreeBatch` or
             :class:`~flexmask.TreePack`.
         input_ids: ``(B, S)`` token ids: the batch's shape, and how ``labels`` are aligned.
-        position_ids: ``(B, S)`` (or ``(1, S)``) positions given to the model.
+        position_ids: ``(B, S)`` (or ``(1, S)``, read for every row) positions given to the
+            model.
         attention_mask: a 2-D ``(B, S)`` mask (0 at padding; values above 1 are segment ids,
             one per document), or what a model's attention reads: a 4-D ``(B, 1 or H, S, S)``
-            bool (True attends) or additive float mask, or a BlockMask.
-            A 0/1 one is read as transformers reads it: one sequence per row.
+            bool (True attends), 0/1 integer (1 attends) or additive float mask (0 attends;
+            a value at or below -1000 masks: transformers' ``finfo.min``, ``-inf`` and its
+            legacy ``-10000.0``), or a BlockMask.
+            A 2-D 0/1 one is read as transformers reads it: one sequence per row.
         padding_mask: ``(B, S)``, True (or 1) at real tokens, False at padding, and nothing
             about documents (TransformerEngine's THD slots, padded rows).
         labels: ``(B, S)`` targets, ``ignore_index`` where nothing is trained.
@@ -177,7 +176,8 @@ def check_batch(
             read off ``input_ids`` (the convention under which more labels equal their token).
         ignore_index: the label of untrained positions.
         seq_lens: document lengths, one list per row (or one list for every row), back to
-            back from token 0 as ``flexmask.document`` takes them.
+            back from token 0 as ``flexmask.document`` takes them: whole numbers >= 0 (a
+            TypeError or ValueError naming the entry otherwise).
         seq_idx: ``(B, S)`` document index of every token (Mamba kernels' ``seq_idx``).
         cu_seqlens: cumulative real lengths over the ``B * S`` tokens laid end to end.
         cu_seqlens_padded: cumulative padded lengths (TransformerEngine's THD layout).
@@ -193,11 +193,19 @@ def check_batch(
         kernel: the kernel the BlockMask goes to: ``"flex"`` (torch's Triton kernel: block
             sizes that are multiples of 128) or ``"flexmask"`` (any block size). None: no
             block-size check.
-        shape: ``(B, S)``, when no per-token tensor gives it.
+        shape: ``(B, S)``. Needed when no per-token tensor gives it; given with them, it
+            must agree with each (a ``(1, S)`` tensor is read for each of its B rows), else
+            ValueError.
         raise_on_error: raise ValueError at the first disagreement (for training loops).
 
     Returns:
         A :class:`BatchReport`; ``report.ok`` when everything agrees.
+
+    Raises:
+        TypeError, ValueError: an input that cannot be read as its argument says (a shape
+            or dtype it cannot take, ``seq_lens`` that are not lengths, per-token inputs or
+            ``shape`` that disagree on B or S, a 4-D integer mask with values other than
+            0/1), naming it; ValueError at the first disagreement with ``raise_on_error``.
 
     Example:
         >>> import torch, flexmask
@@ -236,7 +244,7 @@ class _Inputs:
     # ------------------------------------------------------------------ the pipeline
     def run(self) -> BatchReport:
         g = self.given
-        shape = _shape(g)
+        shape = inputs.shape_of(g)
         mask: Mask | None = g["mask"]
         mask_name = g.get("mask_name", "mask")
         self._read_claims(shape)
@@ -284,7 +292,7 @@ class _Inputs:
     def _read_claims(self, shape: tuple[int, int]) -> None:
         g = self.given
         if g["seq_lens"] is not None:
-            rows = _length_rows(g["seq_lens"])
+            rows = inputs.length_rows(g["seq_lens"])
             claim, issues = segments.from_lengths(g.get("seq_lens_name", "seq_lens"), rows, shape)
             self._add(claim, issues)
         if g["padding_mask"] is not None:
@@ -300,7 +308,7 @@ class _Inputs:
             self._add(segments.from_seq_idx(seq_idx), [])
         tree = g["mask"] is not None and segments.has_tree(g["mask"])
         if g["position_ids"] is not None and not tree:  # a tree's positions are depths
-            positions = _positions(g["position_ids"], shape)
+            positions = inputs.positions(g["position_ids"], shape)
             self._add(segments.from_positions(positions), [])
         elif g["position_ids"] is not None:
             self.checked.append("position_ids")
@@ -382,7 +390,7 @@ class _Inputs:
     ) -> None:
         if self.given["position_ids"] is None:
             return
-        positions = _positions(self.given["position_ids"], shape)
+        positions = inputs.positions(self.given["position_ids"], shape)
         depth = segments.tree_depths(mask, shape) if mask is not None else None
         if depth is not None:
             wrong = (positions != depth) & (depth >= 0) & real
@@ -532,48 +540,5 @@ def _from_batch(batch: Any, given: dict[str, Any]) -> None:
         given["block_mask"] = handle
 
 
-def _length_rows(seq_lens: Any) -> list[Tensor]:
-    if isinstance(seq_lens, Tensor):
-        return [seq_lens.view(-1)] if seq_lens.dim() <= 1 else list(seq_lens)
-    items = list(seq_lens)
-    if items and isinstance(items[0], (Sequence, Tensor)) and not isinstance(items[0], str):
-        return [torch.as_tensor(list(r) if not isinstance(r, Tensor) else r) for r in items]
-    return [torch.as_tensor(items, dtype=torch.int64)]
-
-
 def _is_2d(value: Any) -> bool:
     return isinstance(value, Tensor) and value.dim() <= 2
-
-
-def _positions(value: Tensor, shape: tuple[int, int]) -> Tensor:
-    if isinstance(value, Tensor) and value.dim() == 3:  # multimodal RoPE: (3, B, S)
-        value = value[0]
-    return segments.integer(segments.as_rows(value, "position_ids", shape), "position_ids")
-
-
-def _shape(given: dict[str, Any]) -> tuple[int, int]:
-    for name in (
-        "input_ids",
-        "labels",
-        "position_ids",
-        "attention_mask",
-        "padding_mask",
-        "loss_mask",
-        "seq_idx",
-    ):
-        value = given.get(name)
-        if isinstance(value, Tensor) and value.dim() == 2:
-            return int(value.shape[0]), int(value.shape[1])
-    if given["shape"] is not None:
-        batch, seq_len = given["shape"]
-        return int(batch), int(seq_len)
-    for name in ("block_mask", "attention_mask"):
-        value = given.get(name)
-        if isinstance(value, (BlockMask, LazyBlockMask)) or (
-            isinstance(value, Tensor) and value.dim() == 4
-        ):
-            return kernel_args.batch_shape(value)
-    raise TypeError(
-        "check_batch needs the batch's shape: give input_ids (or another (B, S) tensor), a "
-        "block_mask, or shape=(B, S)"
-    )

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.algebra import Mask
-from flexmask.blocks import kv_codes
+from flexmask.blocks import kv_codes, q_codes
 from flexmask.builders import create_block_mask
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # the codes flexmask.blocks.kv_codes reads
@@ -64,6 +64,16 @@ def block_mask_side(block_mask: BlockMask) -> Side:
     """A BlockMask as a kernel reads it: listed FULL tiles attended whole, listed partial
     tiles through its mask_mod, unlisted tiles not at all."""
     codes = kv_codes(block_mask, checked=True)
+    block = (int(block_mask.BLOCK_SIZE[0]), int(block_mask.BLOCK_SIZE[1]))
+    return Side(codes, _broadcasting(block_mask.mask_mod), block, codes.shape[1])
+
+
+def block_mask_q_side(block_mask: BlockMask) -> Side | None:
+    """A BlockMask's q side as torch's backward reads it for dK and dV: the tiles its q lists
+    name, partial ones through the same mask_mod; None where it has no q side."""
+    codes = q_codes(block_mask, checked=True)
+    if codes is None:
+        return None
     block = (int(block_mask.BLOCK_SIZE[0]), int(block_mask.BLOCK_SIZE[1]))
     return Side(codes, _broadcasting(block_mask.mask_mod), block, codes.shape[1])
 

@@ -203,6 +203,24 @@ def _block_mask(
         mask_name,
         issues,
     )
+    # The backward reads the other side (dK and dV walk the q blocks of each kv block): a
+    # q side that lists other tiles than the kv side trains on other pairs than the forward
+    # attends. One equal to the kv side is covered by the comparison above.
+    q_side = compare.block_mask_q_side(value)
+    if q_side is None or (
+        q_side.codes is not None and got.codes is not None and torch.equal(q_side.codes, got.codes)
+    ):
+        return
+    found = compare.first_difference(expected, q_side, batch, seq_len, real, device)
+    if found is not None:
+        report(f"{name}'s q side", found, mask_name, issues)
+        issue = issues[-1]
+        issues[-1] = issue._replace(
+            message=issue.message
+            + f" (its q side, q_num_blocks/q_indices and full_q_*, is what torch's backward "
+            f"reads for dK and dV; it lists other tiles than {name}'s kv side: rebuild it "
+            f"from the kv side with BlockMask.from_kv_blocks)"
+        )
 
 
 def _dense(
@@ -226,7 +244,7 @@ def _dense(
             )
         )
         return
-    attends = value if value.dtype == torch.bool else value > torch.finfo(value.dtype).min / 2
+    attends = _dense_attends(name, value)
     rows, heads = attends.shape[0], attends.shape[1]
 
     def rule(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
@@ -241,6 +259,37 @@ def _dense(
         mask_name,
         issues,
     )
+
+
+ADDITIVE_MASKED_AT = -1000.0
+"""An additive float mask masks a pair whose value is at or below this. transformers writes
+masked pairs as ``torch.finfo(dtype).min`` and, in its legacy extended masks, as
+``(1 - mask) * -10000.0``; a bias this low leaves a weight of ``exp(-1000)``, 0 in every float
+dtype (float64 underflows below ``exp(-745)``), so the pair is masked in effect."""
+
+
+def _dense_attends(name: str, value: Tensor) -> Tensor:
+    """Where a 4-D mask attends: a bool one where True; an integer one where 1 (0/1 only,
+    as transformers takes them); an additive float one where its value is above
+    :data:`ADDITIVE_MASKED_AT` (0 attends; ``finfo.min``, ``-inf`` and the legacy ``-10000.0``
+    mask)."""
+    if value.dtype == torch.bool:
+        return value
+    if value.dtype.is_complex:
+        raise TypeError(
+            f"{name} must be a bool, 0/1 integer or additive float mask, got dtype {value.dtype}"
+        )
+    if value.dtype.is_floating_point:
+        return value > ADDITIVE_MASKED_AT
+    bad = (value != 0) & (value != 1)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{name} is an integer mask with value {int(value[where])} at {list(where)}: an "
+            f"integer 4-D mask must hold 0 (masked) and 1 (attends) only; pass an additive "
+            f"mask as a float tensor (0 attends, finfo.min or -10000.0 masks)"
+        )
+    return value != 0
 
 
 def _pair(block: Any) -> tuple[int, int]:
