@@ -92,8 +92,8 @@ def check_cases(batch, handle) -> dict[str, dict]:
         "+ its varlen and Magi lowerings": {
             "batch": batch,
             "block_mask": handle,
-            "varlen": flexmask.to_varlen(batch.mask, B, S),
-            "magi": flexmask.to_magi(batch.mask, B, S),
+            "varlen": flexmask.to_varlen(batch.mask, B, 1, S, S),
+            "magi": flexmask.to_magi(batch.mask, B, 1, S, S),
         },
         "flattened (transformers): ids, positions, labels": {
             "input_ids": batch.tokens,

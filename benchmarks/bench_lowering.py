@@ -80,8 +80,8 @@ def _slices(mask: flexmask.Mask, B: int, S: int) -> Any:
 
 
 LOWERINGS: dict[str, Callable[[flexmask.Mask, int, int], Any]] = {
-    "to_varlen": lambda m, B, S: to_varlen(m, B, S),
-    "to_magi": lambda m, B, S: to_magi(m, B, S),
+    "to_varlen": lambda m, B, S: to_varlen(m, B, 1, S, S),
+    "to_magi": lambda m, B, S: to_magi(m, B, 1, S, S),
     "to_flashmask": lambda m, B, S: to_flashmask(m, B, 1, S),
     "slices": _slices,
 }

@@ -264,7 +264,9 @@ def _check_fits(mask: Any, query: Any, key: Any) -> None:
         return
     device: torch.device | None
     if isinstance(mask, LazyBlockMask):  # its recipe: reading a BlockMask field would build
-        lengths, dims = (mask.Q_LEN, mask.KV_LEN), (mask.spec.batch, mask.spec.heads)
+        # The dims of the BlockMask it builds: B (H) is 1 where the mask ignores the row (head).
+        built = mask.spec.reduced()
+        lengths, dims = (mask.Q_LEN, mask.KV_LEN), (built.batch, built.heads)
         device = None if mask.device is None else torch.device(mask.device)  # None: query's
         structure: Mask | None = mask.mask
     elif isinstance(mask, BlockMask):

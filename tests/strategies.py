@@ -462,6 +462,9 @@ class CaseSpec:
             return True
         mask_batch = self.batch if self.mask_batch is None else self.mask_batch
         mask_heads = self.q_heads if self.mask_heads is None else self.mask_heads
+        if self.form == "lazy":  # a handle builds B (H) of 1 where the mask ignores the row (head)
+            mask_batch = mask_batch if self.mask.batch_dependent else 1
+            mask_heads = mask_heads if self.mask.head_dependent else 1
         return mask_batch in (1, self.batch) and mask_heads in (1, self.q_heads)
 
 

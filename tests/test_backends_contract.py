@@ -267,8 +267,15 @@ OTHER_DIMS = {
     # row 1's documents); the other way round was a bare KeyError.
     "handle of 2 rows, query of 3": (lambda: flexmask.lazy(_TWO_ROWS, 2, 2, 256, 256), 3, 2),
     "handle of 3 rows, query of 2": (
-        lambda: flexmask.lazy(flexmask.causal(), 3, 2, 256, 256),
+        lambda: flexmask.lazy(flexmask.causal() & flexmask.padding([256, 200, 100]), 3, 2, 256),
         2,
+        2,
+    ),
+    "handle of 3 heads, query of 2": (
+        lambda: flexmask.lazy(
+            flexmask.per_head(flexmask.causal(), flexmask.full(), flexmask.causal()), 1, 3, 256
+        ),
+        1,
         2,
     ),
     "BlockMask of 2 rows, query of 3": (
@@ -318,13 +325,15 @@ def test_every_backend_refuses_a_mask_of_another_batch_or_heads(case):
     assert all(got == first for got in outcomes.values()), outcomes
 
 
-@pytest.mark.parametrize("given", ["handle", "BlockMask"])
+@pytest.mark.parametrize("given", ["handle", "BlockMask", "handle of other B and H"])
 def test_a_mask_of_one_row_and_head_serves_every_row_and_head(given):
     """B = 1 and H = 1 broadcast, as torch's: every taking backend gives the reference of
-    the mask repeated over the query's rows and heads."""
+    the mask repeated over the query's rows and heads. A handle of a mask that ignores the
+    row and head builds B = H = 1 whatever its recipe says, and serves any query."""
     mask = MASKS["document-causal"]
-    make = flexmask.lazy if given == "handle" else flexmask.create_block_mask
-    passed = make(mask, 1, 1, S, S, "cpu")
+    make = flexmask.create_block_mask if given == "BlockMask" else flexmask.lazy
+    dims = (5, 7) if given == "handle of other B and H" else (1, 1)
+    passed = make(mask, *dims, S, S, "cpu")
     q, k, v = qkv(b=3, h=2)
     want, _ = oracle.attention(q, k, v, dense_of(mask, 1, 1, S, S).expand(3, 2, S, S))
     names = taking(q, k, v, passed)

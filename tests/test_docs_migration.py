@@ -215,7 +215,7 @@ def _varlen_mask(rows: list[list[int]]):
 def _varlen_lowering(case):
     rows, S = case["rows"], case["S"]
     B = len(rows)
-    v = to_varlen(_varlen_mask(rows), B, S)
+    v = to_varlen(_varlen_mask(rows), B, 1, S, S)
     return v, B, S
 
 
@@ -401,7 +401,7 @@ def check_magi_cu_seqlens(case):
     ranges = torch.stack([cu[:-1], cu[1:]], 1)
     hand_types = [1] * len(ranges)  # AttnMaskType.CAUSAL
     mask = causal() & document(rows)
-    m = to_magi(mask, B, S)
+    m = to_magi(mask, B, 1, S, S)
     assert (m.total_q, m.total_k) == (int(cu[-1]), int(cu[-1]))
     same(
         magi_dense(ranges.tolist(), ranges.tolist(), hand_types, B, S, S),
@@ -472,7 +472,7 @@ def check_magi_rl(case):
         parents.append(packed.parents.tolist())
     before = magi_dense(q_ranges, k_ranges, types, B, S, S)
     mask = tree(parents)
-    m = to_magi(mask, B, S)
+    m = to_magi(mask, B, 1, S, S)
     after = magi_dense(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), B, S, S)
     same(before, after, "magi RL slices")
     same(before, ours(mask, B, 1, S)[:, 0], "tree")
@@ -607,7 +607,7 @@ ROWS = [
         FORMATS,
         "`cu_seqlens = F.pad(torch.cumsum(seq_lens, 0), (1, 0))`, `max_seqlen = max(seq_lens)`, "
         "`causal=True`, an unpad/pad by `attention_mask.nonzero()`",
-        "`v = to_varlen(causal() & document(seq_lens) & padding(lens), B, S)`; "
+        "`v = to_varlen(causal() & document(seq_lens) & padding(lens), B, 1, S, S)`; "
         "`v.flash_attn_kwargs()`, `v.pack_q(q)`, `v.unpack(out)`",
         check_flash_varlen,
         VARLEN_CASES,
@@ -653,14 +653,14 @@ ROWS = [
     Row(
         FORMATS,
         "Magi: `infer_attn_mask_from_cu_seqlens(cu_seqlens, cu_seqlens, causal=True)`",
-        "`m = to_magi(causal() & document(seq_lens), B, S)`; `m.flex_flash_attn_kwargs()`",
+        "`m = to_magi(causal() & document(seq_lens), B, 1, S, S)`; `m.flex_flash_attn_kwargs()`",
         check_magi_cu_seqlens,
         MAGI_CASES,
     ),
     Row(
         FORMATS,
         "Magi: q/k ranges for an RL prompt and its responses, by hand",
-        "`to_magi(tree(parents), B, S)` (parents from `flexmask.pack_tree`)",
+        "`to_magi(tree(parents), B, 1, S, S)` (parents from `flexmask.pack_tree`)",
         check_magi_rl,
         RL_CASES,
     ),

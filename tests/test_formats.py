@@ -167,7 +167,7 @@ def test_varlen_equals_the_oracle_or_refuses(data, batch):
     span = max(q_len + (max(q_off) if isinstance(q_off, list) else q_off), kv_len)
     mask, dense = data.draw(intersections(batch, span + 2, VARLEN_KINDS))
     try:
-        v = to_varlen(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
+        v = to_varlen(mask, batch, None, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
     except ValueError as error:
         # Windows that differ by row; or, with keys past the last query (kv_len > q_len from
         # position 0), a bidirectional window reaching them, which bottom-right alignment
@@ -206,7 +206,7 @@ def test_varlen_packed_documents_never_refused(data, batch, causal):
         size = data.draw(st.integers(1, 9))
         mask = mask & flexmask.sliding_window(size)
         dense = lambda q, kv, a=dense, w=size: a(q, kv) & oracle.sliding_window(w, q, kv)  # noqa: E731
-    v = to_varlen(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
+    v = to_varlen(mask, batch, None, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
     want = windowed(dense, batch, q_len, kv_len, q_off, kv_off)
     np.testing.assert_array_equal(varlen_dense(v, v.window_size, v.causal), want, str(mask))
 
@@ -214,7 +214,7 @@ def test_varlen_packed_documents_never_refused(data, batch, causal):
 def test_varlen_decode_keeps_bottom_right_alignment():
     # One query per row at the end of a 7-token cache: it sees its whole document.
     mask = flexmask.causal() & flexmask.document([[4, 3], [2, 5]])
-    v = to_varlen(mask, 2, 1, 7, q_offset=6, kv_offset=0)
+    v = to_varlen(mask, 2, None, 1, 7, q_offset=6, kv_offset=0)
     assert v.cu_seqlens_q.tolist() == [0, 1, 2] and v.cu_seqlens_k.tolist() == [0, 3, 8]
     assert v.k_index.tolist() == [4, 5, 6, 9, 10, 11, 12, 13]
     assert v.causal and v.window_size == (-1, -1)
@@ -228,7 +228,7 @@ def test_varlen_gather_scatter_matches_dense_attention():
     lens = [[3, 4, 2], [5, 1]]
     mask = flexmask.causal() & flexmask.document(lens) & flexmask.sliding_window(3)
     B, S, H, D = 2, 11, 2, 4
-    v = to_varlen(mask, B, S)
+    v = to_varlen(mask, B, None, S, S)
     q, k, val = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(3))
     pq, pk, pv = v.pack_q(q), v.pack_kv(k), v.pack_kv(val)
     packed = torch.zeros_like(pq)
@@ -282,22 +282,22 @@ def test_varlen_gather_scatter_matches_dense_attention():
 )
 def test_varlen_refuses_naming_the_piece(mask, piece):
     with pytest.raises(ValueError, match=piece):
-        to_varlen(mask, 2, 6)
+        to_varlen(mask, 2, None, 6, 6)
 
 
 def test_varlen_refuses_queries_past_their_keys():
     # 8 queries over 5 keys, causal: queries 5..7 see all 5 keys, which bottom-right
     # alignment (query i sees keys up to i - 3) cannot give.
     with pytest.raises(ValueError, match=r"causal\(\) cannot be lowered to varlen.*bottom-right"):
-        to_varlen(flexmask.causal(), 1, 8, 5)
+        to_varlen(flexmask.causal(), 1, None, 8, 5)
     # Bidirectional documents have no alignment: the same window lowers.
-    v = to_varlen(flexmask.document([8]), 1, 8, 5)
+    v = to_varlen(flexmask.document([8]), 1, None, 8, 5)
     assert v.cu_seqlens_q.tolist() == [0, 8] and v.cu_seqlens_k.tolist() == [0, 5]
 
 
 def test_per_head_with_one_mask_lowers():
     mask = flexmask.per_head(flexmask.causal(), flexmask.causal()) & flexmask.document([3, 3])
-    assert to_varlen(mask, 1, 6).causal
+    assert to_varlen(mask, 1, None, 6, 6).causal
 
 
 # ----------------------------------------------------------------- FlashMask
@@ -418,7 +418,7 @@ def test_magi_equals_the_oracle_or_refuses(data, batch, q_len, kv_len):
     n = max(q_off + q_len, kv_off + kv_len)
     mask, dense = data.draw(expressions(batch, heads, n, max_leaves=3))
     try:
-        m = to_magi(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
+        m = to_magi(mask, batch, None, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
     except ValueError as error:
         # Only what Magi cannot take: a mask_mod flexmask cannot read, heads that differ.
         assert "from_mask_mod" in str(error) or "heads attend differently" in str(error), error
@@ -437,14 +437,14 @@ def test_magi_trees_and_spans_never_refused(data, batch, length):
     if data.draw(st.booleans()):
         other, other_ref = data.draw(intersections(batch, length, kinds, max_leaves=2))
         mask, dense = mask | other, (lambda q, kv, a=dense, b=other_ref: a(q, kv) | b(q, kv))
-    m = to_magi(mask, batch, length, length)
+    m = to_magi(mask, batch, None, length, length)
     np.testing.assert_array_equal(magi_dense(m, batch, length, length), dense(length, length))
 
 
 def test_magi_rl_group_is_a_prefix_block_and_causal_responses():
     # A 5-token prompt and three 4-token responses, packed in preorder (flexmask.pack_tree).
     parents = [-1, 0, 1, 2, 3] + [4, 5, 6, 7] + [4, 9, 10, 11] + [4, 13, 14, 15]
-    m = to_magi(flexmask.tree(parents), 1, 17)
+    m = to_magi(flexmask.tree(parents), 1, None, 17, 17)
     slices = list(
         zip(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), strict=True)
     )
@@ -460,7 +460,9 @@ def test_magi_rl_group_is_a_prefix_block_and_causal_responses():
 
 
 def test_magi_sliding_window_is_a_causal_head_and_a_bicausal_body():
-    m = to_magi(flexmask.causal() & flexmask.sliding_window(3) & flexmask.padding([9, 7]), 2, 9)
+    m = to_magi(
+        flexmask.causal() & flexmask.sliding_window(3) & flexmask.padding([9, 7]), 2, None, 9, 9
+    )
     slices = list(
         zip(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), strict=True)
     )
@@ -475,7 +477,7 @@ def test_magi_sliding_window_is_a_causal_head_and_a_bicausal_body():
 
 def test_magi_refuses_differing_heads_and_mask_mods():
     with pytest.raises(ValueError, match=r"per_head.*cannot be lowered to MagiAttention"):
-        to_magi(flexmask.per_head(flexmask.causal(), flexmask.full()), 1, 4)
+        to_magi(flexmask.per_head(flexmask.causal(), flexmask.full()), 1, None, 4, 4)
     custom = flexmask.from_mask_mod(lambda b, h, q, kv: q >= kv, key="mine")
     with pytest.raises(ValueError, match=r"from_mask_mod"):
-        to_magi(custom & flexmask.causal(), 1, 4)
+        to_magi(custom & flexmask.causal(), 1, None, 4, 4)

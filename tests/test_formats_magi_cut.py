@@ -93,7 +93,7 @@ def old_to_magi(mask, B, Q_LEN, KV_LEN=None, *, q_offset=0, kv_offset=0):
 
 
 def assert_same_as_old(mask, B, q_len, kv_len=None, **offsets):
-    got = to_magi(mask, B, q_len, kv_len, **offsets)
+    got = to_magi(mask, B, None, q_len, kv_len, **offsets)
     want = old_to_magi(mask, B, q_len, kv_len, **offsets)
     for name, value in want.items():
         mine = getattr(got, name)
@@ -248,7 +248,7 @@ def test_random_masks_lower_as_before(way, data, batch, q_len):
             old_to_magi(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
         except ValueError as error:
             with pytest.raises(ValueError, match="cannot be lowered"):
-                to_magi(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
+                to_magi(mask, batch, None, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
             assert "cannot be lowered" in str(error)
             return
         assert_same_as_old(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)

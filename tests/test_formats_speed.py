@@ -78,7 +78,7 @@ def test_varlen_per_row_offsets_equal_the_oracle_or_refuse(data, batch, aligned)
     length = max(max(q_off) + q_len, max(kv_off) + kv_len)
     mask, dense = data.draw(masks(batch, length + 2))
     try:
-        v = to_varlen(mask, batch, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
+        v = to_varlen(mask, batch, None, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
     except ValueError as error:
         assert not aligned or "differs between rows" in str(error), (mask, error)
         return
@@ -97,10 +97,10 @@ def test_varlen_per_row_offsets_equal_the_oracle_or_refuse(data, batch, aligned)
 
 def test_varlen_rows_that_attend_nothing_leave_no_sequence():
     mask = flexmask.causal() & flexmask.document([[3, 2], [4]]) & flexmask.padding([0, 4])
-    v = to_varlen(mask, 2, 6)
+    v = to_varlen(mask, 2, None, 6, 6)
     assert v.cu_seqlens_q.tolist() == [0, 4] and v.q_index.tolist() == [6, 7, 8, 9]
     assert v.k_index.tolist() == [6, 7, 8, 9]
-    nothing = to_varlen(flexmask.empty() & flexmask.document([3, 2]), 3, 5)
+    nothing = to_varlen(flexmask.empty() & flexmask.document([3, 2]), 3, None, 5, 5)
     assert nothing.num_sequences == 0 and nothing.q_index.numel() == 0
     assert nothing.cu_seqlens_q.tolist() == [0] and nothing.max_seqlen_q == 0
 
@@ -118,7 +118,7 @@ def test_varlen_many_per_row_documents_match_a_loop():
             out.append(n)
             total += n
         rows.append(out)
-    v = to_varlen(flexmask.causal() & flexmask.document(rows), 8, 2048)
+    v = to_varlen(flexmask.causal() & flexmask.document(rows), 8, None, 2048, 2048)
     want = [0]
     for lens in rows:
         for n in lens:
@@ -269,7 +269,7 @@ def reference_first(spans, length):
 
 def reference_lowered(mask, batch, q_len, kv_len):
     per_row = mask.rows is not None and mask.rows > 1
-    magi = to_magi(mask, batch if per_row else 1, q_len, kv_len)
+    magi = to_magi(mask, batch if per_row else 1, None, q_len, kv_len)
     calls = reference_calls(magi, q_len, kv_len, per_row)
     ordered = sorted(calls, key=lambda c: (-1 if c[0] is None else c[0], c[1], c[3]))
     first = reference_first([c[:3] for c in ordered], q_len)
@@ -306,7 +306,7 @@ def test_slices_lowering_equals_the_call_by_call_reference(few, data, batch, len
         slice_calls.FEW_SLICES = saved
         slices._lowered.cache_clear()
     assert got == reference_lowered(mask, batch, length, kv_len), mask
-    magi = to_magi(mask, batch if (mask.rows or 1) > 1 else 1, length, kv_len)
+    magi = to_magi(mask, batch if (mask.rows or 1) > 1 else 1, None, length, kv_len)
     per_row = (mask.rows or 1) > 1
     table = slice_calls._call_table(magi, length, kv_len, per_row)
     assert slice_calls._as_calls(table) == slices.kernel_calls(magi, length, kv_len, per_row)
@@ -337,9 +337,9 @@ def test_a_document_running_past_int_bounds_starts_where_it_starts():
     """A document longer than any sequence (lengths up to 2**63 - 1 are clipped to it) starts
     after the ones before it: its queries attend only its own keys."""
     mask = flexmask.causal() & flexmask.document([5, 2**62])
-    m = to_magi(mask, 1, 9)
+    m = to_magi(mask, 1, None, 9, 9)
     assert m.q_ranges.tolist() == [[0, 5], [5, 9]] == m.k_ranges.tolist()
-    assert to_varlen(mask, 1, 9).cu_seqlens_q.tolist() == [0, 5, 9]
+    assert to_varlen(mask, 1, None, 9, 9).cu_seqlens_q.tolist() == [0, 5, 9]
     f = to_flashmask(mask, 1, 1, 9)
     assert f.startend_row_indices.view(-1).tolist() == [5] * 5 + [9] * 4
 

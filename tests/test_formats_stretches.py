@@ -42,11 +42,12 @@ def by_stretches(request, monkeypatch):
         monkeypatch.setattr(magi, "_FEW_LINKED", -1)
 
 
-def per_query(mask, *args, **offsets):
-    """``to_magi`` by the per-query path, as it runs below ``STRETCHES_FROM``."""
+def per_query(mask, batch, *lengths, **offsets):
+    """``to_magi(mask, batch, 1, *lengths)`` by the per-query path, as it runs below
+    ``STRETCHES_FROM``."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(magi, "STRETCHES_FROM", 1 << 62)
-        return to_magi(mask, *args, **offsets)
+        return to_magi(mask, batch, None, *lengths, *lengths[-1:] * (2 - len(lengths)), **offsets)
 
 
 def same_slices(got, want) -> None:
@@ -117,7 +118,7 @@ def test_magi_by_stretches_equals_the_oracle_and_the_per_query_cut(data, batch, 
     mask, dense = data.draw(expressions(batch, 1, n, max_leaves=4))
     kwargs = {"q_offset": q_off, "kv_offset": kv_off}
     try:
-        m = to_magi(mask, batch, q_len, kv_len, **kwargs)
+        m = to_magi(mask, batch, None, q_len, kv_len, **kwargs)
     except ValueError as error:
         assert "from_mask_mod" in str(error), error
         with pytest.raises(ValueError, match="from_mask_mod"):
@@ -167,7 +168,7 @@ def test_flashmask_by_stretches_equals_the_oracle_and_the_per_column_path(data, 
 def test_negated_masks_by_stretches(data, batch, length):
     mask, dense = data.draw(negated_compounds(batch, 1, length))
     try:
-        m = to_magi(mask, batch, length, length)
+        m = to_magi(mask, batch, None, length, length)
     except ValueError as error:
         assert "from_mask_mod" in str(error), error
         return
@@ -234,7 +235,7 @@ def test_per_row_documents_window_sinks_and_trees(q_offset):
     ]
     q_len = n - (max(q_offset) if isinstance(q_offset, list) else q_offset)
     for mask in masks:
-        m = to_magi(mask, batch, q_len, n, q_offset=q_offset)
+        m = to_magi(mask, batch, None, q_len, n, q_offset=q_offset)
         same_slices(m, per_query(mask, batch, q_len, n, q_offset=q_offset))
         if q_offset != 0 or mask is masks[5]:  # FlashMask: square, trees in preorder
             continue
@@ -253,7 +254,7 @@ def test_rows_attending_nothing_and_past_every_document():
     mask = (
         flexmask.causal() & flexmask.document([[3, 0, 2], [0], [10]]) & flexmask.padding([5, 9, 4])
     )
-    m = to_magi(mask, 3, 12)
+    m = to_magi(mask, 3, None, 12, 12)
     np.testing.assert_array_equal(
         magi_dense(m, 3, 12, 12),
         magi_dense(per_query(mask, 3, 12), 3, 12, 12),
@@ -271,7 +272,10 @@ def test_a_piece_that_does_not_say_takes_the_per_query_path():
     mask = Opaque() & flexmask.document([4, 4])
     win = window(mask, 1, None, 8, 8)
     assert _stretches.stretch_lines(mask, win, transpose=False, fmt="test") is None
-    same_slices(to_magi(mask, 1, 8), to_magi(flexmask.causal() & flexmask.document([4, 4]), 1, 8))
+    same_slices(
+        to_magi(mask, 1, None, 8, 8),
+        to_magi(flexmask.causal() & flexmask.document([4, 4]), 1, None, 8, 8),
+    )
 
 
 def test_sequences_are_one_slice_each_read_off_their_segments():
@@ -292,7 +296,7 @@ def test_sequences_are_one_slice_each_read_off_their_segments():
     ]  # fmt: skip
     for mask, rows in cases:
         assert magi._sequence_slices(mask, window(mask, batch, None, n, n)) is not None
-        m = to_magi(mask, batch, n)
+        m = to_magi(mask, batch, None, n, n)
         same_slices(m, per_query(mask, batch, n, n))
         want = np.stack([rows(b) for b in range(batch)])
         np.testing.assert_array_equal(magi_dense(m, batch, n, n), want, str(mask))
@@ -309,4 +313,4 @@ def test_sequences_are_one_slice_each_read_off_their_segments():
         np.testing.assert_array_equal(dense, want, str(mask))
     one_token = flexmask.causal() & flexmask.document([[30, 1, 89]] * batch)
     assert magi._sequence_slices(one_token, window(one_token, batch, None, n, n)) is None
-    same_slices(to_magi(one_token, batch, n), per_query(one_token, batch, n, n))
+    same_slices(to_magi(one_token, batch, None, n, n), per_query(one_token, batch, n, n))

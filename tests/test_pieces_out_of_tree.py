@@ -274,7 +274,7 @@ def test_to_varlen_is_one_sequence_per_visible_document(seq_lens, batch, length,
     want = reference(rows_of(seq_lens, batch), length, length)
     if causal:
         want &= np.tril(np.ones((length, length), dtype=bool))
-    v = to_varlen(mask, batch, length)
+    v = to_varlen(mask, batch, None, length, length)
     assert np.array_equal(varlen_dense(v, v.window_size, v.causal), want)
     assert np.array_equal(torch_varlen_dense(v), want)
     starts = [np.cumsum([0, *lens])[:-1] for lens in rows_of(seq_lens, batch)]
@@ -292,9 +292,9 @@ def test_to_varlen_refuses_what_varlen_cannot_run_naming_it():
         ValueError,
         match=r"~every_other_document\(\[3, 2, 3\]\) cannot be lowered to varlen: a complement",
     ):
-        to_varlen(~piece, 1, 8)
+        to_varlen(~piece, 1, None, 8, 8)
     with pytest.raises(ValueError, match=r"cannot be lowered to varlen: a union"):
-        to_varlen(flexmask.causal() | piece, 1, 8)
+        to_varlen(flexmask.causal() | piece, 1, None, 8, 8)
 
 
 @pytest.mark.parametrize("combine", ["alone", "causal &", "causal |", "~"])
@@ -310,7 +310,7 @@ def test_to_flashmask_and_to_magi_are_the_reference(seq_lens, batch, length, com
     want = mask.to_dense(batch, 1, length, length)[:, 0].numpy()
     for q_off, q_len in ((0, length), (length // 3, length - length // 3)):  # and a window
         window = want[:, q_off : q_off + q_len]
-        magi = to_magi(mask, batch, q_len, length, q_offset=q_off)
+        magi = to_magi(mask, batch, None, q_len, length, q_offset=q_off)
         assert np.array_equal(magi_dense(magi, batch, q_len, length), window)
         flash = to_flashmask(mask, batch, 1, q_len, length, q_offset=q_off)
         got = flashmask_dense(flash.startend_row_indices, flash.causal, q_len)[:, 0]
@@ -370,7 +370,7 @@ class OddDiagonalMod(PieceMod):
 def test_a_piece_without_answers_is_refused_naming_it_and_the_format():
     mask = flexmask.causal() & OddDiagonal()
     for lower, fmt in (
-        (lambda m: to_magi(m, 1, 8), "MagiAttention"),
+        (lambda m: to_magi(m, 1, None, 8, 8), "MagiAttention"),
         (lambda m: to_flashmask(m, 1, 1, 8), "FlashMask"),
     ):
         with pytest.raises(
@@ -381,7 +381,7 @@ def test_a_piece_without_answers_is_refused_naming_it_and_the_format():
     with pytest.raises(
         ValueError, match=r"odd_diagonal\(\) cannot be lowered to varlen: varlen takes an &"
     ):
-        to_varlen(mask, 1, 8)
+        to_varlen(mask, 1, None, 8, 8)
     q, k, v = (torch.randn(1, 1, 70, 8) for _ in range(3))
     with pytest.raises(ValueError, match=r"odd_diagonal\(\) cannot be lowered to MagiAttention"):
         flexmask.attention(q, k, v, mask, backend="slices")

@@ -315,7 +315,7 @@ def test_too_few_positions_or_rows_fail_at_the_build():
 
 def test_lowerings_refuse_naming_it_and_attention_runs_it():
     mask = flexmask.causal() & flexmask.sliding_window(3, positions=[0, 1, 2, 1, 2, 3, 2, 3])
-    for lower in (lambda: to_magi(mask, 1, 8), lambda: to_varlen(mask, 1, 8)):
+    for lower in (lambda: to_magi(mask, 1, None, 8, 8), lambda: to_varlen(mask, 1, None, 8, 8)):
         with pytest.raises(ValueError, match="sliding_window"):
             lower()
     q, k, v = (torch.randn(2, 2, 8, 16, dtype=torch.float64) for _ in range(3))

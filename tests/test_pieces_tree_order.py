@@ -122,8 +122,8 @@ def test_lowerings_keep_the_runs_and_lower_the_same(monkeypatch):
     monkeypatch.setattr(tree_module, "forest_runs", counted)
     rows = [preorder_tree(40000, seed) for seed in range(2)]  # 80k lines: the stretches
     mask = flexmask.tree(rows)
-    first, again = to_magi(mask, 2, 40000), to_magi(mask, 2, 40000)
-    fresh = to_magi(flexmask.tree(rows), 2, 40000)
+    first, again = to_magi(mask, 2, None, 40000, 40000), to_magi(mask, 2, None, 40000, 40000)
+    fresh = to_magi(flexmask.tree(rows), 2, None, 40000, 40000)
     assert made == [2, 2]  # once per tree
     for other in (again, fresh):
         assert torch.equal(first.q_ranges, other.q_ranges)

@@ -17,6 +17,7 @@ large data as a strong digest of dtype, shape and bytes), never tensor or closur
 from __future__ import annotations
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -225,8 +226,8 @@ class Mask(Node, ABC):
         self,
         B: int | None = None,
         H: int | None = None,
-        Q_LEN: int = 1,
-        KV_LEN: int = 1,
+        Q_LEN: int | None = None,
+        KV_LEN: int | None = None,
         device: torch.device | str | None = None,
     ) -> Tensor:
         """The boolean ``(B, H, Q_LEN, KV_LEN)`` mask, for debugging and tests (O(Q·KV) memory).
@@ -235,11 +236,30 @@ class Mask(Node, ABC):
         SDPA backend's dense mask of its BlockMask is the same tensor; attention over such a
         row gives 0 and zero gradients (the one rule: ``flexmask.algebra.dense``).
 
+        The shape is in torch's order, as every flexmask entry takes it: ``KV_LEN`` None is
+        ``Q_LEN``, and ``Q_LEN`` is required where ``B`` or ``H`` is given
+        (``to_dense(512, 512)`` would be 512 rows and heads of one query, not 512 x 512).
+
         Example:
             >>> import flexmask
             >>> flexmask.sliding_window(2).to_dense(1, 1, 3, 3)[0, 0].int().tolist()
             [[1, 1, 0], [1, 1, 1], [0, 1, 1]]
         """
+        if Q_LEN is None:
+            if B is not None or H is not None:
+                raise TypeError(
+                    f"to_dense takes (B, H, Q_LEN, KV_LEN) in torch's order, got B={B!r}, "
+                    f"H={H!r} and no Q_LEN: for a {B!r} x {H!r} mask of one row and head call "
+                    f"to_dense(1, 1, {B!r}, {H!r}); for {B!r} rows and {H!r} heads pass Q_LEN"
+                )
+            warnings.warn(
+                "to_dense() without Q_LEN is deprecated: this release gives the old 1 x 1, "
+                "the next raises; pass to_dense(B, H, Q_LEN, KV_LEN)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            Q_LEN = 1
+        KV_LEN = Q_LEN if KV_LEN is None else KV_LEN
         grid = self._extent(B, H, Q_LEN, KV_LEN, device)
         evaluate = self.lower_at(grid.length, grid.device).evaluate
         dev = grid.device

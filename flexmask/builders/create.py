@@ -27,8 +27,10 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
+from flexmask._shapes import lengths
 from flexmask._validate import check_device, check_int
 from flexmask.algebra import Mask, MaskMod, ShiftedMod
+from flexmask.algebra.interval_mods import mask_mod_at
 from flexmask.blocks import (
     TORCH_DEFAULTS,
     BlockGrid,
@@ -77,7 +79,7 @@ def build_counted(
     """``build``, and how many tiles it refined (what benchmarks report)."""
     with cpu_threads(torch.device(grid.device)):
         # The lookups the mask_mod keeps are allocated before the build's temporaries.
-        lowered = mask.lower_at(grid.length, grid.device, grid.lookup_window).mask_mod
+        lowered = mask_mod_at(mask, grid.length, grid.device, grid.lookup_window)
         mask_mod = window_mask_mod(lowered, grid)
         kv, q, refined = build_sides(mask, grid)
         block_mask = assemble(kv, q, grid, mask_mod, flags)
@@ -90,8 +92,8 @@ def create_block_mask(
     mask: Mask | MaskMod,
     B: int | None = None,
     H: int | None = None,
-    Q_LEN: int = 128,
-    KV_LEN: int = 128,
+    Q_LEN: int | None = None,
+    KV_LEN: int | None = None,
     device: torch.device | str | None = None,
     BLOCK_SIZE: int | tuple[int, int] = 128,
     *,
@@ -117,7 +119,9 @@ def create_block_mask(
         mask: a flexmask expression, or any mask_mod (forwarded to torch unchanged).
         B: batch size (None: 1, or the row count of per-row data).
         H: number of heads (None: 1).
-        Q_LEN: query length. KV_LEN: key/value length. Neither needs to be a block multiple.
+        Q_LEN: query length (required, as torch requires it; omitted, the pre-0.2 default
+            128 with a DeprecationWarning). KV_LEN: key/value length (None: Q_LEN).
+            Neither needs to be a block multiple.
         device: where to build (None: the device of the mask's tensors, else torch's default).
         BLOCK_SIZE: tile size, an int or a (Q, KV) pair.
         q_offset, kv_offset: build the window of queries ``[q_offset, q_offset + Q_LEN)`` and
@@ -155,6 +159,7 @@ def create_block_mask(
         >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
         ([[[1, 1, 3, 2]]], [[[0, 1, 0, 0]]])
     """
+    Q_LEN, KV_LEN = lengths(Q_LEN, KV_LEN, "create_block_mask")
     if not isinstance(mask, Mask):
         _check_mask_mod(mask, q_offset, kv_offset)
         build_flags(flags)  # torch's errors for unknown keywords, before any work

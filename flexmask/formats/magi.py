@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flexmask._shapes import torch_order
 from flexmask._validate import check_device
 from flexmask.algebra import Mask
 from flexmask.formats._stretches import STRETCHES_FROM, Stretches, compressed, stretch_lines
@@ -66,9 +67,11 @@ class MagiMask:
         )
 
 
+@torch_order
 def to_magi(
     mask: Mask,
     B: int | None,
+    H: int | None,
     Q_LEN: int,
     KV_LEN: int | None = None,
     *,
@@ -92,7 +95,10 @@ def to_magi(
     Args:
         mask: the mask.
         B: batch size (None: the mask's rows, else 1). Rows are laid end to end.
-        Q_LEN, KV_LEN: query and key lengths of the window (KV_LEN None: Q_LEN).
+        H: number of heads (None: 1); the mask must be one for every head.
+        Q_LEN, KV_LEN: query and key lengths of the window (KV_LEN None: Q_LEN). The order
+            is torch's ``(mask, B, H, Q_LEN, KV_LEN)``; the pre-0.2 ``(mask, B, Q_LEN)``
+            warns, and ``(mask, B, Q_LEN, KV_LEN)`` with Q_LEN != KV_LEN raises.
         q_offset, kv_offset: the window's first query and key position, an int or one per row.
         device: where the returned tensors live (None: the mask's device, else CPU).
 
@@ -102,11 +108,11 @@ def to_magi(
     Example:
         >>> import flexmask
         >>> from flexmask.formats import to_magi
-        >>> m = to_magi(flexmask.causal() & flexmask.document([3, 2]), 2, 5)
+        >>> m = to_magi(flexmask.causal() & flexmask.document([3, 2]), 2, 1, 5, 5)
         >>> m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist()
         ([[0, 3], [3, 5], [5, 8], [8, 10]], [[0, 3], [3, 5], [5, 8], [8, 10]], [1, 1, 1, 1])
     """
-    win = window(mask, B, None, Q_LEN, KV_LEN, q_offset, kv_offset)
+    win = window(mask, B, H, Q_LEN, KV_LEN, q_offset, kv_offset)
     return magi_of(mask, win, device)
 
 

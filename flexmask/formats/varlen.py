@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flexmask._shapes import torch_order
 from flexmask._validate import check_device
 from flexmask.algebra import INF, Mask
 from flexmask.formats._structure import (
@@ -113,9 +114,11 @@ def _flat(x: Tensor, batch: int, length: int, name: str) -> Tensor:
     return x.reshape(batch * length, *x.shape[2:])
 
 
+@torch_order
 def to_varlen(
     mask: Mask,
     B: int | None,
+    H: int | None,
     Q_LEN: int,
     KV_LEN: int | None = None,
     *,
@@ -139,7 +142,10 @@ def to_varlen(
     Args:
         mask: the mask.
         B: batch size (None: the mask's rows, else 1).
-        Q_LEN, KV_LEN: query and key lengths of the window (KV_LEN None: Q_LEN).
+        H: number of heads (None: 1); the mask must be one for every head.
+        Q_LEN, KV_LEN: query and key lengths of the window (KV_LEN None: Q_LEN). The order
+            is torch's ``(mask, B, H, Q_LEN, KV_LEN)``; the pre-0.2 ``(mask, B, Q_LEN)``
+            warns, and ``(mask, B, Q_LEN, KV_LEN)`` with Q_LEN != KV_LEN raises.
         q_offset, kv_offset: the window's first query and key position, an int or one per row.
         device: where the returned tensors live (None: the mask's device, else CPU).
 
@@ -151,14 +157,14 @@ def to_varlen(
     Example:
         >>> import flexmask, torch
         >>> from flexmask.formats import to_varlen
-        >>> v = to_varlen(flexmask.causal() & flexmask.document([3, 2]), 1, 6)
+        >>> v = to_varlen(flexmask.causal() & flexmask.document([3, 2]), 1, 1, 6, 6)
         >>> v.cu_seqlens_q.tolist(), v.max_seqlen_q, v.causal   # token 5 is padding
         ([0, 3, 5], 3, True)
         >>> out = v.unpack(v.pack_q(torch.ones(1, 6, 2, 4)))   # (B, S, H, D) round trip
         >>> out[0, :, 0, 0].tolist()
         [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
     """
-    win = window(mask, B, None, Q_LEN, KV_LEN, q_offset, kv_offset)
+    win = window(mask, B, H, Q_LEN, KV_LEN, q_offset, kv_offset)
     return varlen_of(mask, win, device)
 
 

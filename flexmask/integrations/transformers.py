@@ -440,7 +440,7 @@ def flash_kwargs(
             f"batch must be a PackedBatch (flexmask.pack) or a flexmask Mask with shape=(B, S); "
             f"got {type(batch).__name__} (trees need a mask kernel: attention_masks)"
         )
-    lowered = to_varlen(mask, batch_size, seq_len, seq_len)
+    lowered = to_varlen(mask, batch_size, 1, seq_len, seq_len)
     if not lowered.causal or lowered.window_size != (-1, -1):
         raise ValueError(
             f"{mask!r} lowers to causal={lowered.causal}, window_size={lowered.window_size}, "

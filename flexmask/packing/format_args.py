@@ -65,7 +65,7 @@ def check_varlen(
 
 def _same_varlen(value: VarlenMask, mask: Mask, shape: tuple[int, int]) -> bool:
     try:
-        ours = to_varlen(mask, shape[0], shape[1], shape[1])
+        ours = to_varlen(mask, shape[0], 1, shape[1], shape[1])
     except ValueError:
         return False
     return (
@@ -193,7 +193,7 @@ def check_magi(
     q_ranges, k_ranges = value.q_ranges.cpu().long(), value.k_ranges.cpu().long()
     types = value.attn_type_map.cpu().long()
     try:
-        ours = to_magi(mask, batch, seq_len, seq_len)
+        ours = to_magi(mask, batch, 1, seq_len, seq_len)
         if (
             torch.equal(ours.q_ranges.cpu().long(), q_ranges)
             and torch.equal(ours.k_ranges.cpu().long(), k_ranges)

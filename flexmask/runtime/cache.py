@@ -22,6 +22,7 @@ import cachetools
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask._shapes import lengths
 from flexmask._validate import env_int
 from flexmask.algebra import Mask
 from flexmask.blocks import block_mask_nbytes
@@ -178,7 +179,7 @@ class MaskCache(KeyedCache):
         B: int | None,
         H: int | None,
         Q_LEN: int,
-        KV_LEN: int,
+        KV_LEN: int | None = None,
         device: torch.device | str | None = None,
         BLOCK_SIZE: int | tuple[int, int] = 128,
         *,
@@ -186,6 +187,7 @@ class MaskCache(KeyedCache):
         kv_offset: Any = 0,
     ) -> tuple:
         """The cache key of a build, after validating its arguments against the mask."""
+        Q_LEN, KV_LEN = lengths(Q_LEN, KV_LEN, "MaskCache.key")
         spec = make_spec(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
         return spec.one_row().key
 
@@ -194,8 +196,8 @@ class MaskCache(KeyedCache):
         mask: Mask,
         B: int | None = None,
         H: int | None = None,
-        Q_LEN: int = 128,
-        KV_LEN: int = 128,
+        Q_LEN: int | None = None,
+        KV_LEN: int | None = None,
         device: torch.device | str | None = None,
         BLOCK_SIZE: int | tuple[int, int] = 128,
         *,
@@ -207,8 +209,10 @@ class MaskCache(KeyedCache):
 
         The result has batch (head) dimension 1 when the mask does not depend on the row
         (head): real tensors of that shape, not expanded views, which flex_attention
-        broadcasts. A hit returns the very object cached.
+        broadcasts. A hit returns the very object cached. ``Q_LEN`` and ``KV_LEN`` as for
+        ``create_block_mask`` (KV_LEN None: Q_LEN).
         """
+        Q_LEN, KV_LEN = lengths(Q_LEN, KV_LEN, "MaskCache.get")
         spec = make_spec(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset)
         return self.get_spec(spec)[1]
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask._shapes import lengths
 from flexmask.algebra import Mask
 from flexmask.builders import Spec, make_spec
 from flexmask.runtime.cache import MaskCache, default_cache
@@ -241,8 +242,8 @@ def lazy(
     mask: Mask,
     B: int | None = None,
     H: int | None = None,
-    Q_LEN: int = 128,
-    KV_LEN: int = 128,
+    Q_LEN: int | None = None,
+    KV_LEN: int | None = None,
     device: torch.device | str | None = None,
     BLOCK_SIZE: int | tuple[int, int] = 128,
     *,
@@ -253,7 +254,7 @@ def lazy(
     Args:
         mask: a flexmask expression.
         B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE: as for ``create_block_mask``. B=None takes
-            the row count of per-row data.
+            the row count of per-row data; KV_LEN None is Q_LEN.
         cache: the MaskCache to build through (None: the process-wide cache).
 
     Example:
@@ -264,4 +265,5 @@ def lazy(
         >>> h.builds
         1
     """
+    Q_LEN, KV_LEN = lengths(Q_LEN, KV_LEN, "lazy")
     return LazyBlockMask(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, cache)

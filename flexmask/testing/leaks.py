@@ -4,22 +4,20 @@ Take the model's input embeddings as a leaf (a hook on the embedding layer's out
 ``inputs_embeds``) and backpropagate a random projection of a chosen set of outputs: the
 gradient at every input token that none of the chosen outputs may depend on must be exactly
 0 — masked attention gives exact zeros, so any nonzero value is a path the mask does not
-allow. A few such passes cover every pair of documents (outputs of the documents whose
-number has bit ``k`` set against inputs of those that have it clear, for every bit, both
-ways), plus random cuts inside documents (no output depends on a later input) and single
-tokens (every key the mask lets the token attend does reach it). A leaking pass is then
-narrowed down, by more passes, to the documents and the token pair.
-
-Kernels without a backward (torch's FlexAttention on the CPU) are tested the other way round
-with forward passes: perturb chosen inputs, and the outputs that may not depend on them must
-not move by a single bit.
+allow. Forward passes do the same the other way round: move chosen inputs, and the outputs
+that may not depend on them must not move by a single bit — they see what a gradient cannot
+(a detached statistic, a custom op whose backward is masked but whose forward is not). The
+passes are planned from the mask's forbidden pairs (:mod:`flexmask.testing.cover`): every
+(output, input) pair the mask keeps apart is tested by some pass, both ways. A leaking pass
+is then narrowed down, by more passes, to the documents and a token pair.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -43,21 +41,51 @@ def leak_test(
     seed: int = 0,
     max_examples: int = 8,
     raise_on_leak: bool = False,
+    layers: int | None = None,
+    train: bool | None = None,
 ) -> LeakReport:
     """Proves that no token of a packed batch reaches an output the mask keeps it from, and
     that the influences the mask allows are there (sampled).
 
-    With ``method="grad"`` the input embeddings (the output of ``embedding``, or
-    ``inputs_embeds``) become a leaf, the model runs once, and each pass backpropagates a
-    random projection of a set of outputs: every input token none of them may depend on
-    (through any number of layers: the mask's transitive closure) must get an exactly zero
-    gradient. ``2 * ceil(log2(documents))`` passes separate every ordered pair of documents;
-    ``samples`` passes cut each document at a random token (no output depends on a later
-    input) and ``samples`` pick one token per document (every key the mask lets it attend
-    must reach it, and nothing else). A pass that leaks is narrowed down to its documents
-    (one pass per document) and to a token pair (a bisection), at most ``max_examples``
-    times. ``"perturb"`` does the same with forward passes, moving inputs and watching
-    outputs — for kernels with no backward; ``"auto"`` uses it when the backward fails.
+    What it reads: the mask, densely (``(B, S, S)``, a test tool's size), and from it what
+    each output may depend on through the model's layers — ``layers`` applications of the
+    mask (the residual stream keeps each token's own input), or any number. Every ordered
+    (output, input) pair outside that is *forbidden*, across rows and padding included; the
+    passes are planned so that every forbidden pair is tested, deterministically
+    (:func:`flexmask.testing.cover.plan`): one pass with every real output, ``2 *
+    ceil(log2(documents))`` between documents (the tokens the mask links: a tree or a
+    prefix-LM row is one), and inside every document at once, one pass per branch under a
+    fork (tree siblings, a window's tokens) and the cuts that keep an output from a later
+    input (``n - 1`` for the longest causal document of ``n`` tokens).
+
+    ``method="grad"`` runs those passes backward: the input embeddings become a leaf, the
+    model runs once, and each pass backpropagates a random projection of its outputs — every
+    input none of them may depend on must get an exactly zero gradient. ``"perturb"`` runs
+    them forward: it moves the chosen inputs and asks that the outputs that may not depend on
+    them do not move by a single bit. ``"auto"`` (the default) runs both — a gradient sees
+    influences far below the outputs' resolution (taken in float64), forward passes see
+    what no gradient carries (a statistic under ``detach``, a custom op whose backward is
+    masked but whose forward is not) — or forward passes alone when the backward fails.
+    ``samples`` passes pick one random token per document and ask that every key the mask
+    lets it attend reaches it (the missing influences are sampled; the leaks are not).
+
+    What it cannot see: a leak a tested pass cancels exactly (a random projection or a
+    random move makes that improbable, not impossible); an influence that the forward
+    passes round away and no gradient carries; in perturb-only runs, non-deterministic
+    kernels (an output that moves by itself is called a leak); a leak that depends on the
+    batch (a different packing, other rows). With ``layers=None`` and a mask whose reach
+    grows with depth (a sliding window), the depth is read off one probe pass (see
+    :class:`LeakReport`'s ``layers``): a leak that widens every probed token's reach by a
+    whole layer's worth is read as a deeper model; pass ``layers`` to rule that out.
+
+    The model runs in the mode it is in (``train=None``): in training mode BatchNorm over
+    tokens or MoE capacity limits that mix documents are leaks, and are found. Every forward
+    pass draws the same random numbers (dropout masks agree between passes) and buffers
+    (running statistics) are restored afterwards. Dropout on attention weights can remove
+    allowed influences: ``train=False`` tests in eval mode (restored afterwards).
+
+    A pass that leaks is narrowed down to its documents (one pass per document) and to a
+    token pair (a bisection), at most ``max_examples`` times.
 
     Args:
         model: any module taking the batch (ids or embeddings) and returning per-token
@@ -66,21 +94,32 @@ def leak_test(
         inputs: ``model(**inputs)`` for a mapping, ``model(inputs)`` for a tensor,
             ``model(*inputs)`` for a tuple.
         mask: what each token may attend (the batch's mask, ``(B, S)`` as the inputs).
-            None: ``causal() & document(seq_lens)``, or the documents where the inputs'
-            ``position_ids`` restart at 0.
+            None: ``causal() & document(seq_lens)``, or the documents the inputs'
+            ``position_ids`` describe: a document starts wherever a position does not go on
+            by one from the previous token (as :func:`flexmask.check_batch` reads them).
         seq_lens: the documents, without ``mask``.
         embedding: the module whose output is the input embeddings (default: the model's
             ``get_input_embeddings()``, else its first ``nn.Embedding``); unused with
             ``inputs_embeds`` or a float tensor as input.
         output: picks the per-token output from what the model returns.
-        method: ``"grad"``, ``"perturb"`` or ``"auto"``.
-        samples: cut passes and token passes each (0: only the document passes).
-        seed: seeds the projections, cuts and tokens.
+        method: ``"auto"``, ``"grad"`` or ``"perturb"``.
+        samples: passes checking that allowed influences are there (0: none).
+        seed: seeds the projections, the moves, the sampled tokens and the model's random
+            numbers (dropout) in every forward pass.
         max_examples: leaking document pairs narrowed down to a token pair.
         raise_on_leak: raise AssertionError when something leaks or is missing.
+        layers: how many times the mask applies in sequence (attention layers); None: read
+            off the model when it matters (a window), else any number.
+        train: None keeps the model's mode; True or False sets it for the test.
 
     Returns:
         A :class:`LeakReport`.
+
+    Raises:
+        TypeError: a model that is not callable, inputs that are not a mapping, tensor or
+            tuple, a mask that is not a flexmask ``Mask``, or a wrong-typed option.
+        ValueError: options out of range, a mask or ``position_ids`` that do not fit the
+            batch's ``(B, S)``, outputs that are not per token.
 
     Example:
         >>> import torch, flexmask
@@ -97,20 +136,82 @@ def leak_test(
         3 2
     """
     started = time.perf_counter()
-    if method not in ("grad", "perturb", "auto"):
-        raise ValueError(f"method must be 'grad', 'perturb' or 'auto', got {method!r}")
-    if not isinstance(samples, int) or samples < 0:
-        raise ValueError(f"samples must be an int >= 0, got {samples!r}")
-    runner = _Runner(model, inputs, embedding, output, seed)
+    _check_arguments(
+        model, inputs, mask, seq_lens, embedding, output, method, samples, seed, max_examples
+    )
+    _check_option("layers", layers, minimum=1, optional=True)
+    if train is not None and not isinstance(train, bool):
+        raise TypeError(f"train must be None (keep the model's mode), True or False, got {train!r}")
+    runner = _Runner(model, inputs, embedding, output, seed, train)
     with runner.prepared():
         batch, seq_len = runner.shape
         allowed = _mask(mask, seq_lens, inputs, batch, seq_len)
-        probe = Probe(runner, allowed, method)
+        probe = Probe(runner, allowed, method, layers)
         report = probe.run(samples, max_examples)
     report = dataclasses.replace(report, seconds=time.perf_counter() - started)
     if raise_on_leak:
         report.raise_if_failed()
     return report
+
+
+def _check_arguments(
+    model: Any,
+    inputs: Any,
+    mask: Any,
+    seq_lens: Any,
+    embedding: Any,
+    output: Any,
+    method: Any,
+    samples: Any,
+    seed: Any,
+    max_examples: Any,
+) -> None:
+    if not callable(model):
+        raise TypeError(
+            f"model must be an nn.Module or a callable taking the inputs, got "
+            f"{type(model).__name__}"
+        )
+    if not isinstance(inputs, (Mapping, Tensor, tuple)):
+        raise TypeError(
+            f"inputs must be a mapping (model(**inputs)), a tensor (model(inputs)) or a tuple "
+            f"(model(*inputs)), got {type(inputs).__name__}"
+        )
+    if isinstance(inputs, tuple) and not inputs:
+        raise ValueError("inputs is an empty tuple: give what the model is called with")
+    if mask is not None and not isinstance(mask, Mask):
+        raise TypeError(
+            f"mask must be a flexmask Mask (e.g. flexmask.causal() & flexmask.document("
+            f"seq_lens)) or None, got {type(mask).__name__}"
+        )
+    if mask is not None and seq_lens is not None:
+        raise ValueError("give mask or seq_lens, not both: the mask already holds the documents")
+    if embedding is not None and not isinstance(embedding, nn.Module):
+        raise TypeError(
+            f"embedding must be the nn.Module whose output are the input embeddings, got "
+            f"{type(embedding).__name__}"
+        )
+    if output is not None and not callable(output):
+        raise TypeError(
+            f"output must be a callable picking the per-token outputs from what the model "
+            f"returns (e.g. lambda out: out.logits), got {type(output).__name__}"
+        )
+    if method not in ("grad", "perturb", "auto"):
+        raise ValueError(f"method must be 'auto', 'grad' or 'perturb', got {method!r}")
+    _check_option("samples", samples, minimum=0)
+    _check_option("seed", seed, minimum=0)
+    _check_option("max_examples", max_examples, minimum=0)
+
+
+def _check_option(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 # ---------------------------------------------------------------------- the model, as a probe
@@ -124,9 +225,11 @@ class _Runner:
         embedding: nn.Module | None,
         output: Callable[[Any], Tensor] | None,
         seed: int,
+        train: bool | None,
     ) -> None:
         self.model, self.inputs, self.output = model, inputs, output
         self.generator = torch.Generator().manual_seed(seed)
+        self.seed, self.train = seed, train
         self.embedding = embedding
         self.leaf: Tensor | None = None
         self.shift: Tensor | None = None  # added to the embeddings (perturb)
@@ -149,9 +252,12 @@ class _Runner:
         module = self.model if isinstance(self.model, nn.Module) else None
         self.was_training = module.training if module is not None else False
         self.flags: list[tuple[nn.Parameter, bool]] = []
+        # Training-mode forwards update running statistics: the test leaves them as found.
+        self.buffers = [(b, b.detach().clone()) for b in module.buffers()] if module else []
         self.hook = None
         if module is not None:
-            module.eval()  # no dropout: an allowed influence must not vanish at random
+            if self.train is not None:
+                module.train(self.train)
             for p in module.parameters():
                 self.flags.append((p, p.requires_grad))
                 p.requires_grad_(False)  # only the embeddings' gradient is wanted
@@ -172,6 +278,9 @@ class _Runner:
             self.hook.remove()
         for p, flag in self.flags:
             p.requires_grad_(flag)
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
         if isinstance(self.model, nn.Module):
             self.model.train(self.was_training)
 
@@ -201,7 +310,7 @@ class _Runner:
         if embeds is not None:
             leaf = self._leaf(embeds)
             inputs = leaf if isinstance(inputs, Tensor) else {**inputs, "inputs_embeds": leaf}
-        with torch.set_grad_enabled(self.grad):
+        with torch.set_grad_enabled(self.grad), self._same_random_numbers():
             if isinstance(inputs, Mapping):
                 result = self.model(**inputs)
             elif isinstance(inputs, tuple):
@@ -209,12 +318,34 @@ class _Runner:
             else:
                 result = self.model(inputs)
         out = self.output(result) if self.output is not None else _per_token(result)
-        if self.leaf is None or out.dim() < 2:
+        if not isinstance(out, Tensor):
+            raise TypeError(
+                f"output= must return a tensor of per-token outputs (B, S, ...), got "
+                f"{type(out).__name__}"
+            )
+        if self.leaf is None:
             raise ValueError(
                 "the model's input embeddings were not reached: give embedding= (the module "
-                "that makes them) or inputs_embeds, and a model returning (B, S, ...) outputs"
+                "that makes them) or inputs_embeds"
+            )
+        expected = tuple(self.leaf.shape[:2])
+        if out.dim() < 2 or tuple(out.shape[:2]) != expected:
+            raise ValueError(
+                f"the model's outputs are {tuple(out.shape)}, not per token: leak_test needs "
+                f"(B, S, ...) = {expected + ('...',)} as the input embeddings are; pass "
+                f"output= (e.g. lambda out: out.hidden_states[-1])"
             )
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    @contextlib.contextmanager
+    def _same_random_numbers(self) -> Iterator[None]:
+        """Every forward draws the same random numbers (dropout): a training-mode model
+        moves its outputs only where the inputs moved."""
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        devices = list(range(torch.cuda.device_count())) if cuda else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.seed)
+            yield
 
 
 def _batch_shape(inputs: Any) -> tuple[int, int] | None:
@@ -269,20 +400,56 @@ def _mask(mask: Mask | None, seq_lens: Any, inputs: Any, batch: int, seq_len: in
             if positions is None:
                 raise TypeError(
                     "leak_test needs the documents: pass mask=, seq_lens=, or inputs with "
-                    "position_ids that restart at 0 in every document"
+                    "position_ids (a document starts where they do not go on by one)"
                 )
-            seq_lens = _lengths_from_positions(positions.expand(batch, seq_len))
+            seq_lens = _lengths_from_positions(_positions(positions, batch, seq_len))
         mask = causal() & document(seq_lens)
-    dense = mask.to_dense(batch, 1, seq_len, seq_len)[:, 0]
+        name = "seq_lens"
+    else:
+        name = "mask"
+    try:
+        dense = mask.to_dense(batch, 1, seq_len, seq_len)[:, 0]
+    except (ValueError, IndexError, RuntimeError) as error:
+        raise ValueError(
+            f"{name} does not fit the batch: the inputs are (B, S) = ({batch}, {seq_len}), "
+            f"and {name} must describe that many rows of that many tokens ({error})"
+        ) from error
     return dense.cpu()
 
 
+def _positions(positions: Any, batch: int, seq_len: int) -> Tensor:
+    if not isinstance(positions, Tensor) or positions.is_floating_point():
+        raise TypeError(
+            f"position_ids must be an integer tensor (B, S) or (1, S), got "
+            f"{getattr(positions, 'dtype', type(positions).__name__)}"
+        )
+    if positions.dim() == 1:
+        positions = positions.unsqueeze(0)
+    if (
+        positions.dim() != 2
+        or positions.shape[1] != seq_len
+        or positions.shape[0]
+        not in (
+            1,
+            batch,
+        )
+    ):
+        raise ValueError(
+            f"position_ids must be (B, S) = ({batch}, {seq_len}) or (1, {seq_len}) as the "
+            f"inputs are, got {tuple(positions.shape)}"
+        )
+    return positions.expand(batch, seq_len)
+
+
 def _lengths_from_positions(positions: Tensor) -> list[list[int]]:
+    """A document starts wherever a position does not go on by one from the previous
+    token (the first token included): restarts at 0, at 1 or anywhere, as check_batch
+    reads ``position_ids``."""
     rows = []
     for row in positions.long().cpu():
-        starts = (row == 0).nonzero().view(-1).tolist()
-        if not starts or starts[0] != 0:
-            starts = [0, *starts]
+        step = torch.ones_like(row, dtype=torch.bool)
+        step[1:] = row[1:] != row[:-1] + 1
+        starts = step.nonzero().view(-1).tolist()
         ends = [*starts[1:], row.numel()]
         rows.append([e - s for s, e in zip(starts, ends, strict=True)])
     return rows

@@ -1,17 +1,18 @@
 """The leak test's passes: which sources (outputs read, or inputs moved) may reach which
-targets through the mask — its transitive closure, any number of layers deep — and the
-passes that cover every pair of documents, cut documents, pick single tokens, and narrow a
-leak down to a token pair."""
+targets through the mask — through as many layers as the model has, or any number — the
+planned passes that test every forbidden pair (:mod:`flexmask.testing.cover`), sampled
+single tokens for the influences the mask allows, and the narrowing of a leak to a token
+pair."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from flexmask.testing.cover import plan
 from flexmask.testing.report import Leak, LeakReport, Missing
 
 Source = Tensor  # (B, S) bool: the outputs read (grad) or the inputs moved (perturb)
@@ -20,43 +21,42 @@ Source = Tensor  # (B, S) bool: the outputs read (grad) or the inputs moved (per
 class Probe:
     """The passes, over sources (outputs read, or inputs moved) and targets (the others)."""
 
-    def __init__(self, runner: Any, allowed: Tensor, method: str) -> None:
+    def __init__(self, runner: Any, allowed: Tensor, method: str, layers: int | None) -> None:
         self.runner = runner
         self.direct = allowed
         self.real = allowed.any(-1)
-        self.reach = _closure(allowed, self.real)
-        self.component = _components(self.reach, self.real)
+        eye = torch.eye(allowed.shape[-1], dtype=torch.bool).unsqueeze(0)
+        # One layer: what the mask lets a token attend, and itself (the residual stream).
+        self.step = allowed | (eye & self.real.unsqueeze(-1))
+        self.closure = _closure(self.step)
+        self.component = _components(self.closure, self.real)
         self.documents = _documents(self.component)
+        self.layers = layers
+        self.reach = self.closure if layers is None else _power(self.step, layers)
+        self.method = method
         self.passes = 0
-        self.method = "grad" if method in ("grad", "auto") else "perturb"
-        self.fallback = method == "auto"
         self.out: Tensor | None = None
         self.base: Tensor | None = None
         self.scale: dict[str, float] = {}
 
     # -- one pass
-    def influence(self, source: Source) -> Tensor:
-        """``(B, S)`` size of the sources' influence on every target token."""
+    def influence(self, source: Source, method: str) -> Tensor:
+        """``(B, S)`` float64 size of the sources' influence on every target token: a
+        gradient norm (grad) or how far the outputs moved (perturb), both taken in float64
+        so that an influence far below the model dtype's resolution is not rounded to 0."""
         self.passes += 1
-        if self.method == "grad":
-            try:
-                return self._grad(source)
-            except RuntimeError:
-                if not self.fallback or self.passes > 1:
-                    raise
-                self.method = "perturb"  # no backward (torch's CPU flex): forward passes
-        return self._perturb(source)
+        return self._grad(source) if method == "grad" else self._perturb(source)
 
     def _grad(self, source: Source) -> Tensor:
         runner = self.runner
         if self.out is None:
             runner.grad, runner.shift = True, None
             self.out = runner.forward()
+            self.leaf = runner.leaf  # forward passes make leaves of their own
         weight = torch.randn(self.out.shape, generator=runner.generator).to(self.out)
         weight = weight * source.to(self.out.device).unsqueeze(-1).to(weight.dtype)
-        assert runner.leaf is not None
-        (grad,) = torch.autograd.grad((self.out * weight).sum(), runner.leaf, retain_graph=True)
-        return grad.detach().reshape(*grad.shape[:2], -1).norm(dim=-1).cpu().float()
+        (grad,) = torch.autograd.grad((self.out * weight).sum(), self.leaf, retain_graph=True)
+        return grad.detach().reshape(*grad.shape[:2], -1).double().norm(dim=-1).cpu()
 
     def _perturb(self, source: Source) -> Tensor:
         runner = self.runner
@@ -64,160 +64,221 @@ class Probe:
         if self.base is None:
             runner.shift = None
             self.base = runner.forward().detach()
-            assert runner.leaf is not None
-            self.width = runner.leaf.detach().float().std().clamp(min=1e-3)
-            self.leaf_shape = runner.leaf.shape
-        noise = torch.randn(self.leaf_shape, generator=runner.generator) * float(self.width)
+            leaf = runner.leaf.detach()
+            self.width = float(leaf.float().std().clamp(min=1e-3))
+            self.leaf_shape = leaf.shape
+        noise = torch.randn(self.leaf_shape, generator=runner.generator) * self.width
         runner.shift = (noise * source.unsqueeze(-1)).to(self.base.device)
         moved = runner.forward().detach()
         runner.shift = None
-        return (moved - self.base).float().norm(dim=-1).cpu()
+        change = (moved.double() - self.base.double()).norm(dim=-1)
+        if self.method == "auto":
+            # Beside the gradient, forward passes look for what it cannot carry (detached
+            # statistics, custom ops), which moves outputs far beyond rounding; an output
+            # that moves by a few ulps only is a kernel summing in another order (an MoE
+            # batching its tokens by expert), not a path, and the gradient tests those.
+            ulps = 16 * torch.finfo(self.base.dtype).eps if self.base.is_floating_point() else 0
+            change = change * (change > ulps * self.base.double().norm(dim=-1))
+        return change.cpu()
 
-    def relation(self) -> Tensor:
+    def relation(self, method: str) -> Tensor:
         """``[b, s, t]``: source s may reach target t (grad: output s reads input t)."""
-        return self.reach if self.method == "grad" else self.reach.transpose(1, 2)
+        return self.reach if method == "grad" else self.reach.transpose(1, 2)
 
-    def forbidden(self, source: Source) -> Tensor:
+    def targets(self, method: str) -> Tensor:
+        # What a padding token outputs is never read; every input may be read.
+        return torch.ones_like(self.real) if method == "grad" else self.real
+
+    def forbidden(self, source: Source, method: str) -> Tensor:
         """Targets no source may reach (other rows included)."""
-        reachable = torch.bmm(source.unsqueeze(1).float(), self.relation().float())[:, 0] > 0
-        return ~reachable
+        rel = self.relation(method).float()
+        reachable = torch.bmm(source.unsqueeze(1).float(), rel)[:, 0] > 0
+        return ~reachable & self.targets(method)
 
     # -- the test
     def run(self, samples: int, max_examples: int) -> LeakReport:
         gen = self.runner.generator
-        leaking: list[tuple[Source, Tensor]] = []
+        leaking: dict[str, list[tuple[Source, Tensor]]] = {}
+        methods, first = self._methods()
+        if self.layers is None and not torch.equal(self.closure, self.step):
+            self._infer_layers(methods[0], leaking)
+        if first is not None:  # what is forbidden is known now: the depth is
+            self._record(self.real, first, "grad", leaking)
+        for method in methods:
+            sources = self.real if method == "grad" else torch.ones_like(self.real)
+            planned = plan(self.relation(method), sources, self.targets(method), self.component)
+            for source in planned:
+                if first is not None and method == "grad" and torch.equal(source, self.real):
+                    continue  # run by _methods already
+                self._record(source, self.influence(source, method), method, leaking)
         missing: list[Missing] = []
-        # First every real output at once (grad; in auto, whether the backward runs): no
-        # real output may read padding, nor a row another row's input.
-        if self.method == "grad":
-            found = self.influence(self.real)
-            if self.method == "grad":
-                self._record(self.real, found, leaking)
-        if self.method == "perturb" and not bool(self.real.all()):
-            # Moved padding must not move a real output.
-            self._record(~self.real, self.influence(~self.real), leaking)
-        for source in self._document_passes():
-            self._record(source, self.influence(source), leaking)
-        for _ in range(samples):
-            source = self._cut(gen)
-            self._record(source, self.influence(source), leaking)
         for _ in range(samples):
             source = self._one_each(gen)
-            found = self.influence(source)
-            self._record(source, found, leaking)
-            missing += self._missing(source, found)
-        leaks, pairs = self._narrow(leaking, max_examples)
+            found = self.influence(source, methods[0])
+            self._record(source, found, methods[0], leaking)
+            missing += self._missing(source, found, methods[0])
+        leaks: list[Leak] = []
+        pairs: dict[tuple[int, int], float] = {}
+        for method in methods:
+            # Forward passes only add what the gradient did not find.
+            found_leaks, found_pairs = self._narrow(
+                leaking.get(method, []), method, max_examples, pairs
+            )
+            known = set(pairs)
+            leaks += [x for x in found_leaks if (x.output_document, x.input_document) not in known]
+            pairs.update({p: v for p, v in found_pairs.items() if p not in known})
         return LeakReport(
-            leaks=tuple(leaks),
+            leaks=tuple(sorted(leaks, key=lambda x: (x.method != "grad", -x.magnitude)))[
+                :max_examples
+            ],
             pairs=pairs,
             missing=tuple(dict.fromkeys(missing))[:max_examples],
             documents=tuple(self.documents),
             passes=self.passes,
-            method=self.method,
+            method="+".join(methods),
             seconds=0.0,
+            layers=self.layers,
         )
 
-    def _record(self, source: Source, found: Tensor, leaking: list[tuple[Source, Tensor]]) -> None:
-        bad = self.forbidden(source) & (found > 0)
+    def _methods(self) -> tuple[list[str], Tensor | None]:
+        """The methods to run — ``auto``: both, or forward passes alone when the backward
+        fails (torch's FlexAttention on the CPU has none) — and, when a backward ran, what
+        it found: its pass reads every real output at once, the plan's first grad pass."""
         if self.method == "perturb":
-            bad &= self.real  # what a padding token outputs is never read
-        allowed = ~self.forbidden(source) & (found > 0)
+            return ["perturb"], None
+        try:
+            found = self.influence(self.real, "grad")
+        except RuntimeError:
+            if self.method == "grad":
+                raise
+            self.passes = 0
+            return ["perturb"], None
+        return (["grad"] if self.method == "grad" else ["grad", "perturb"]), found
+
+    def _infer_layers(self, method: str, leaking: dict[str, list[tuple[Source, Tensor]]]) -> None:
+        """The number of layers, when the mask's reach grows with it (windows): one pass from
+        one source per component, the one whose reach grows most, and the largest depth
+        whose whole reach it shows. A model of ``L`` layers shows exactly ``L`` (when every
+        allowed influence is there); a leak that widens every probed source's reach to a
+        whole extra layer's would be read as a deeper model."""
+        step = self.step if method == "grad" else self.step.transpose(1, 2)
+        closure = self.closure if method == "grad" else self.closure.transpose(1, 2)
+        growth = (closure.sum(-1) - step.sum(-1)).masked_fill(self.component < 0, -1)
+        probes = torch.zeros_like(self.real)
+        for number in range(len(self.documents)):
+            score = growth.masked_fill(self.component != number, -1)
+            if int(score.max()) > 0:
+                flat = int(score.view(-1).argmax())
+                probes.view(-1)[flat] = True
+        found = self.influence(probes, method)
+        depth: int | None = None
+        for b, s in probes.nonzero().tolist():
+            seen = (found[b] > 0) & (self.component[b] == self.component[b, s])
+            row, layers = step[b, s], 1
+            while True:
+                if bool((row & ~seen).any()):
+                    layers = max(layers - 1, 1)
+                    break
+                grown = (row.float() @ step[b].float()) > 0
+                if torch.equal(grown, row):
+                    layers = 0  # the whole closure is there: any depth
+                    break
+                row, layers = grown, layers + 1
+            if layers and (depth is None or layers < depth):
+                depth = layers
+        self.layers = depth
+        self.reach = self.closure if depth is None else _power(self.step, depth)
+        self._record(probes, found, method, leaking)
+
+    def _record(
+        self,
+        source: Source,
+        found: Tensor,
+        method: str,
+        leaking: dict[str, list[tuple[Source, Tensor]]],
+    ) -> None:
+        forbidden = self.forbidden(source, method)
+        bad = forbidden & (found > 0)
+        allowed = ~forbidden & (found > 0) & self.targets(method)
         if bool(allowed.any()):
-            self.scale.setdefault(self.method, float(found[allowed].median()))
+            self.scale.setdefault(method, float(found[allowed].median()))
         if bool(bad.any()):
-            leaking.append((source, found * bad))
-
-    def _document_passes(self) -> list[Source]:
-        count = len(self.documents)
-        comp = self.component
-        sources = []
-        for bit in range(math.ceil(math.log2(count)) if count > 1 else 0):
-            for value in (0, 1):
-                side = ((comp >> bit) & 1) == value
-                sources.append(side & (comp >= 0))
-        return sources
-
-    def _cut(self, gen: torch.Generator) -> Source:
-        """Each document cut at a random token: the part up to it (grad: outputs that may
-        not read what follows) or after it (perturb: inputs that may not reach before)."""
-        cut = self._one_each(gen)
-        # Per row, the cut's position in each token's document, spread over the document.
-        at = torch.where(cut, torch.arange(cut.shape[1]), -1)
-        per_doc = torch.full((len(self.documents) + 1,), -1, dtype=torch.int64)
-        per_doc.scatter_reduce_(0, (self.component + 1).view(-1), at.view(-1), "amax")
-        cut_of = per_doc[self.component + 1]
-        position = torch.arange(cut.shape[1]).view(1, -1)
-        before = position <= cut_of if self.method == "grad" else position > cut_of
-        return before & self.real
+            leaking.setdefault(method, []).append((source, found * bad))
 
     def _one_each(self, gen: torch.Generator) -> Source:
-        """One random token of every document."""
+        """One random token of every component."""
         score = torch.rand(self.real.shape, generator=gen).masked_fill(~self.real, -1.0)
         best = torch.full((len(self.documents) + 1,), -1.0)
         best.scatter_reduce_(0, (self.component + 1).view(-1), score.view(-1), "amax")
         return self.real & (score == best[self.component + 1])
 
-    def _missing(self, source: Source, found: Tensor) -> list[Missing]:
-        direct = self.direct if self.method == "grad" else self.direct.transpose(1, 2)
+    def _missing(self, source: Source, found: Tensor, method: str) -> list[Missing]:
+        direct = self.direct if method == "grad" else self.direct.transpose(1, 2)
         should = torch.bmm(source.unsqueeze(1).float(), direct.float())[:, 0] > 0
         absent = should & (found == 0)
         result = []
         for b, t in absent.nonzero().tolist():
             s = int((source[b] & direct[b, :, t]).nonzero()[0])
-            out, inp = (s, t) if self.method == "grad" else (t, s)
+            out, inp = (s, t) if method == "grad" else (t, s)
             result.append(Missing(b, out, inp))
         return result
 
     # -- narrowing a leak down
     def _narrow(
-        self, leaking: list[tuple[Source, Tensor]], max_examples: int
+        self,
+        leaking: list[tuple[Source, Tensor]],
+        method: str,
+        max_examples: int,
+        known: dict[tuple[int, int], float],
     ) -> tuple[list[Leak], dict[tuple[int, int], float]]:
+        """Each leaking pass, per document among its sources (padding: -1), unless every
+        (output, input) document pair it could name is named already — by this method or
+        by the gradient: one pass per document finds the pairs, a bisection a token pair."""
         pairs: dict[tuple[int, int], float] = {}
         examples: dict[tuple[int, int], Leak] = {}
-        done: set[int] = set()
-        for source, _ in leaking:
-            for doc in sorted(set(self.component[source].tolist()) - {-1} - done):
+        for source, bad in leaking:
+            into = set(self.component[bad > 0].tolist())
+            for doc in sorted(set(self.component[source].tolist())):
+                candidates = {self._pair(doc, target, method) for target in into}
+                if candidates <= set(pairs) | set(known):
+                    continue
                 alone = source & (self.component == doc)
-                found = self.influence(alone) * self.forbidden(alone)
-                if self.method == "perturb":
-                    found = found * self.real
-                done.add(doc)
+                found = self.influence(alone, method) * self.forbidden(alone, method)
                 for b, t in (found > 0).nonzero().tolist():
-                    pair = self._pair(doc, int(self.component[b, t]))
+                    pair = self._pair(doc, int(self.component[b, t]), method)
                     pairs[pair] = max(pairs.get(pair, 0.0), float(found[b, t]))
                     if pair not in examples and len(examples) < max_examples:
-                        examples[pair] = self._example(alone, b, t, float(found[b, t]))
-        scale = self.scale.get(self.method) or 1.0
+                        examples[pair] = self._example(alone, b, t, float(found[b, t]), method)
+        scale = self.scale.get(method) or 1.0
         leaks = sorted(
             (dataclasses.replace(e, relative=e.magnitude / scale) for e in examples.values()),
             key=lambda leak: -leak.magnitude,
         )
         return leaks, pairs
 
-    def _pair(self, source_doc: int, target_doc: int) -> tuple[int, int]:
+    @staticmethod
+    def _pair(source_doc: int, target_doc: int, method: str) -> tuple[int, int]:
         # (output document, input document)
-        return (source_doc, target_doc) if self.method == "grad" else (target_doc, source_doc)
+        return (source_doc, target_doc) if method == "grad" else (target_doc, source_doc)
 
-    def _example(self, source: Source, row: int, target: int, magnitude: float) -> Leak:
-        """Bisects the source tokens down to one that reaches ``target``."""
+    def _example(
+        self, source: Source, row: int, target: int, magnitude: float, method: str
+    ) -> Leak:
+        """Bisects the source tokens down to one that reaches ``target``: the target stays
+        forbidden to every part, as no part reaches more than the whole."""
         tokens = source.nonzero()
         while len(tokens) > 1:
             half = tokens[: len(tokens) // 2]
             part = torch.zeros_like(source)
             part[half[:, 0], half[:, 1]] = True
-            found = self.influence(part)
+            found = self.influence(part, method)
             if float(found[row, target]) > 0:
                 tokens, magnitude = half, float(found[row, target])
             else:
                 tokens = tokens[len(tokens) // 2 :]
         b, s = (int(x) for x in tokens[0])
         (out_row, out), (in_row, inp) = (
-            ((b, s), (row, target))
-            if self.method == "grad"
-            else (
-                (row, target),
-                (b, s),
-            )
+            ((b, s), (row, target)) if method == "grad" else ((row, target), (b, s))
         )
         return Leak(
             row=out_row,
@@ -228,18 +289,31 @@ class Probe:
             input_document=int(self.component[in_row, inp]),
             magnitude=magnitude,
             relative=0.0,
+            method=method,
         )
 
 
-def _closure(direct: Tensor, real: Tensor) -> Tensor:
-    """``[b, q, kv]``: kv reaches q through any number of layers (and itself)."""
-    eye = torch.eye(direct.shape[-1], dtype=torch.bool).unsqueeze(0)
-    reach = direct | (eye & real.unsqueeze(-1))
+def _closure(step: Tensor) -> Tensor:
+    """``[b, q, kv]``: kv reaches q through any number of layers (``step`` holds itself)."""
+    reach = step
     while True:
         grown = reach | (torch.bmm(reach.float(), reach.float()) > 0)
         if torch.equal(grown, reach):
             return reach
         reach = grown
+
+
+def _power(step: Tensor, layers: int) -> Tensor:
+    """``[b, q, kv]``: kv reaches q through ``layers`` layers (``step`` holds itself)."""
+    result, base = step, step
+    layers -= 1
+    while layers:
+        if layers & 1:
+            result = result | (torch.bmm(result.float(), base.float()) > 0)
+        layers >>= 1
+        if layers:
+            base = base | (torch.bmm(base.float(), base.float()) > 0)
+    return result
 
 
 def _components(reach: Tensor, real: Tensor) -> Tensor:
@@ -250,8 +324,8 @@ def _components(reach: Tensor, real: Tensor) -> Tensor:
     big = batch * seq_len
     label = torch.where(real, torch.arange(big).view(batch, seq_len), big)
     while True:
-        spread = torch.where(linked, label.unsqueeze(1), big).amin(-1)
-        spread = torch.minimum(spread, label)
+        spread = torch.where(linked & real.unsqueeze(1), label.unsqueeze(1), big).amin(-1)
+        spread = torch.where(real, torch.minimum(spread, label), big)
         if torch.equal(spread, label):
             break
         label = spread

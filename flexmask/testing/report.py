@@ -10,8 +10,10 @@ class Leak:
     """Input token ``input`` (row ``input_row``) of document ``input_document`` reaches
     output ``output`` (row ``row``) of document ``output_document``, which the mask
     forbids. Documents are numbered in layout order over the batch; -1 is padding.
-    ``magnitude`` is the size of the influence found (a gradient norm, or how far the output
-    moved); ``relative`` is it over the typical allowed influence of the same pass kind."""
+    ``magnitude`` is the size of the influence found, in float64 (a gradient norm, or how far
+    the output moved); ``relative`` is it over the typical allowed influence of the same
+    method; ``method`` is how it was found: ``"grad"`` (a backward pass) or ``"perturb"``
+    (forward passes — a leak the gradient cannot see, such as a detached statistic)."""
 
     row: int
     output: int
@@ -21,13 +23,15 @@ class Leak:
     input_document: int
     magnitude: float
     relative: float
+    method: str = "grad"
 
     def __str__(self) -> str:
         where = f"row {self.input_row}, " if self.input_row != self.row else ""
         return (
             f"row {self.row}: input token {where}{self.input} (document {self.input_document})"
             f" reaches output token {self.output} (document {self.output_document}), magnitude "
-            f"{self.magnitude:.3g} ({self.relative:.3g} of a typical allowed influence)"
+            f"{self.magnitude:.3g} ({self.relative:.3g} of a typical allowed influence, "
+            f"{self.method})"
         )
 
 
@@ -53,14 +57,18 @@ class LeakReport:
 
     Attributes:
         leaks: one example token pair per leaking (output document, input document) pair,
-            largest first.
+            those the gradient found first, then the largest.
         pairs: ``(output document, input document) -> largest magnitude`` for every leaking
-            pair found.
+            pair found (the gradient's, where it found the pair). A leak inside a document
+            (a tree's branch reading its sibling, a window reaching too far) is ``(d, d)``.
         missing: allowed influences that are absent (sampled; the first few).
-        documents: ``(row, first token, length)`` of every document, by number.
-        passes: backward (or forward) passes run, the narrowing-down included.
-        method: ``"grad"`` or ``"perturb"``.
+        documents: ``(row, first token, length)`` of every document (the tokens the mask
+            links: a tree is one), by number.
+        passes: backward and forward passes run, the narrowing-down included.
+        method: ``"grad"``, ``"perturb"`` or ``"grad+perturb"``: the passes that ran.
         seconds: wall time of the test.
+        layers: the depth the mask's reach was taken through (given, or read off the model
+            when the reach grows with depth, as a window's does); None: any depth.
     """
 
     leaks: tuple[Leak, ...]
@@ -70,6 +78,7 @@ class LeakReport:
     passes: int
     method: str
     seconds: float
+    layers: int | None = None
 
     @property
     def ok(self) -> bool:
