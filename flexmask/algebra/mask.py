@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask._validate import check_device, check_int
+from flexmask._validate import check_device, check_int, dense_lengths
 from flexmask.algebra.lines import VarlenPart, cannot_lower
 from flexmask.algebra.mods import (
     AndMod,
@@ -236,30 +236,14 @@ class Mask(Node, ABC):
         SDPA backend's dense mask of its BlockMask is the same tensor; attention over such a
         row gives 0 and zero gradients (the one rule: ``flexmask.algebra.dense``).
 
-        The shape is in torch's order, as every flexmask entry takes it: ``KV_LEN`` None is
-        ``Q_LEN``, and ``Q_LEN`` is required where ``B`` or ``H`` is given
-        (``to_dense(512, 512)`` would be 512 rows and heads of one query, not 512 x 512).
+        The shape is in torch's order (``KV_LEN`` None: ``Q_LEN``; ``dense_lengths``).
 
         Example:
             >>> import flexmask
             >>> flexmask.sliding_window(2).to_dense(1, 1, 3, 3)[0, 0].int().tolist()
             [[1, 1, 0], [1, 1, 1], [0, 1, 1]]
         """
-        if Q_LEN is None:
-            if B is not None or H is not None:
-                raise TypeError(
-                    f"to_dense takes (B, H, Q_LEN, KV_LEN) in torch's order, got B={B!r}, "
-                    f"H={H!r} and no Q_LEN: for a {B!r} x {H!r} mask of one row and head call "
-                    f"to_dense(1, 1, {B!r}, {H!r}); for {B!r} rows and {H!r} heads pass Q_LEN"
-                )
-            warnings.warn(
-                "to_dense() without Q_LEN is deprecated: this release gives the old 1 x 1, "
-                "the next raises; pass to_dense(B, H, Q_LEN, KV_LEN)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            Q_LEN = 1
-        KV_LEN = Q_LEN if KV_LEN is None else KV_LEN
+        Q_LEN, KV_LEN = dense_lengths(B, H, Q_LEN, KV_LEN)
         grid = self._extent(B, H, Q_LEN, KV_LEN, device)
         evaluate = self.lower_at(grid.length, grid.device).evaluate
         dev = grid.device

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flexmask._shapes import torch_order
-from flexmask._validate import check_device
+from flexmask._validate import check_device, torch_order
 from flexmask.algebra import Mask
 from flexmask.formats._stretches import STRETCHES_FROM, Stretches, compressed, stretch_lines
 from flexmask.formats._structure import Window, lines, one_mask_for_all_heads, sequences, window

@@ -8,8 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask._shapes import torch_order
-from flexmask._validate import check_device
+from flexmask._validate import check_device, torch_order
 from flexmask.algebra import INF, Mask
 from flexmask.formats._structure import (
     VarlenPlan,

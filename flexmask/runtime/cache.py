@@ -22,8 +22,7 @@ import cachetools
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask._shapes import lengths
-from flexmask._validate import env_int
+from flexmask._validate import env_int, lengths
 from flexmask.algebra import Mask
 from flexmask.blocks import block_mask_nbytes
 from flexmask.builders import Spec, build, emptied, make_spec

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask._shapes import lengths
+from flexmask._validate import lengths
 from flexmask.algebra import Mask
 from flexmask.builders import Spec, make_spec
 from flexmask.runtime.cache import MaskCache, default_cache
