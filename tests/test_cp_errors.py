@@ -31,16 +31,18 @@ def _wrong_key_length(rank, world):
 @pytest.mark.slow
 def test_keys_of_the_wrong_length_raise_before_the_all_gather():
     """Before: the all-gather of unequal slices aborted a rank (SIGABRT, "Received data size
-    doesn't match expected size") and reset its peer. Now the bad rank raises a ValueError
-    naming key before any collective; its peer, left in the all-gather, gets an error when
-    that rank leaves the group (or the group's 10 s timeout passes): no rank dies of a
-    signal (run_ranks fails the test on one) and nothing hangs (it kills ranks after 90 s)."""
+    doesn't match expected size") and reset its peer; then rank 0 waited in the all-gather
+    until rank 1 left the group. Now the bad rank raises a ValueError naming key before any
+    key moves, and says so in the agreement's all-gather: its peer raises a ValueError
+    naming rank 1 at once. No rank dies of a signal (run_ranks fails the test on one) and
+    nothing hangs (it kills ranks after 90 s)."""
     reports = run_ranks(_wrong_key_length, 2, group_timeout_s=10, deadline_s=90)
     bad = reports[1]
     assert bad is not None and "ValueError" in bad and "key" in bad, reports
-    assert "flex_cp_allgather" not in bad, bad  # raised before the collective was entered
-    # Rank 0 waited in the all-gather: it fails (its peer left) as a Python error.
-    assert reports[0] is not None and "RuntimeError" in reports[0], reports[0]
+    assert "flex_cp_allgather" not in bad, bad  # raised before the keys were gathered
+    assert reports[0] is not None and "ValueError" in reports[0], reports[0]
+    assert "rank(s) [1] of the group refused" in reports[0], reports[0]
+    assert "flex_cp_allgather" not in reports[0], reports[0]
 
 
 @pytest.fixture

@@ -307,7 +307,8 @@ def test_four_gloo_ranks_exchange_exactly():
 
 def _refusals(rank: int, world: int) -> None:
     """Three calls on 2 ranks, each caught and checked on every rank: rank 1's keys are 8
-    positions too long; the ranks planned from different masks; then a good call (the group
+    positions too long; the ranks planned from different masks (named by the agreement's
+    mask fingerprint, before the split sizes are compared); then a good call (the group
     still works, and equals the all-gather)."""
     docs = flexmask.causal() & flexmask.document([64, 64])
 
@@ -325,7 +326,7 @@ def _refusals(rank: int, world: int) -> None:
         call(plan(docs), extra=8 if rank == 1 else 0)
     expected = "key and value must hold" if rank == 1 else r"rank\(s\) \[1\] of the group refused"
     refused.match(expected)
-    with pytest.raises(ValueError, match="exchange plans disagree"):
+    with pytest.raises(ValueError, match="the ranks disagree on mask"):
         call(plan(docs if rank == 0 else flexmask.causal()))
     torch.manual_seed(rank)
     needed = call(plan(docs))
@@ -339,7 +340,8 @@ def test_refused_inputs_and_disagreeing_plans_raise_on_every_rank():
     that refuses its keys raises its own ValueError and every other rank one naming it,
     even though the refusing rank catches its error and carries on (nobody waits in a
     collective for it); plans of different masks raise on every rank instead of aborting in
-    gloo; and the group still serves the next call. run_ranks fails the test on a signal
+    gloo; and the group still serves the next call (tests/test_cp_agreement.py: every other
+    disagreement, on both paths). run_ranks fails the test on a signal
     or a hang (ranks killed after 120 s)."""
     reports = run_ranks(_refusals, 2, group_timeout_s=20, deadline_s=120)
     assert reports == [None, None], "\n".join(r for r in reports if r)

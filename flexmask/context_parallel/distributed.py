@@ -22,8 +22,8 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmask._validate import check_int
 from flexmask.algebra import Mask
 from flexmask.attention import flex_attention
+from flexmask.context_parallel.agreement import agree
 from flexmask.context_parallel.exchange import (
-    agree_before_exchange,
     check_exchange_group,
     exchange_kv,
     resolve_exchange,
@@ -173,21 +173,44 @@ def cp_flex_attention(
         With ``return_lse`` the pair (output, lse).
 
     Raises:
-        ValueError / TypeError: before any collective, where this rank's inputs do not fit
-            its shard (keys or values of another length, a wrong ``seq_dim``, a group of
-            another size). With the all-gather only this rank raises; the others wait in it
-            until this process leaves the group or the group's timeout passes (gloo's
-            default: 30 minutes; ``init_process_group(timeout=...)`` sets it). With the
-            exchange every rank raises: the ranks share their checks' outcome (and their
-            split sizes) in one small all-gather first. See docs/context-parallel.md.
+        ValueError / TypeError: where this rank's inputs do not fit its shard (keys or
+            values of another length, a wrong ``seq_dim``, a group of another size), this
+            rank's own error; every other rank raises a ValueError naming this one.
+        ValueError: on every rank alike, where the ranks disagree on anything that decides
+            the result: (dims, B, H, S, D, dtype) of query, key or value, the shard's lengths,
+            block size, arguments, mask (a fingerprint of its pieces and data) or
+            permutation, the path (exchange or all-gather), the exchange's split sizes. The
+            error names the first field that differs and each rank's value. Both come from
+            one small all-gather of fixed size made before any key or value moves (on both
+            paths). See docs/context-parallel.md for what it cannot see.
     """
-    plan = resolve_exchange(shard, exchange)
+    try:
+        plan = resolve_exchange(shard, exchange)
+        own = shard.shard if isinstance(shard, KVExchange) else shard  # what the keys follow
+        block_mask, seq_dim, process_group = _check_before_gather(
+            query, key, value, own, seq_dim, group
+        )
+        world = c10d.get_world_size(process_group)
+        if plan is not None:
+            check_exchange_group(plan, world, c10d.get_rank(process_group))
+    except (TypeError, ValueError):
+        _share_refusal(query, key, value, group)
+        raise
+    # Every rank learns every other's inputs before anything moves: nothing reaches gloo
+    # (or NCCL) with tensors, masks or paths that disagree.
+    agree(query, key, value, own, plan, False, process_group, world)
     if plan is not None:
-        return _attend_exchanged(query, key, value, plan, group, seq_dim, return_lse, kwargs)
-    own = shard.shard if isinstance(shard, KVExchange) else shard  # its all-gather fallback
-    block_mask, seq_dim, process_group = _check_before_gather(
-        query, key, value, own, seq_dim, group
-    )
+        needed_key, needed_value = exchange_kv(
+            key.contiguous(), value.contiguous(), plan, seq_dim, process_group
+        )
+        return flex_attention(
+            query,
+            needed_key,
+            needed_value,
+            block_mask=plan.block_mask,
+            return_lse=return_lse,
+            **kwargs,
+        )
     full_key, full_value = flex_cp_allgather(
         key.contiguous(), value.contiguous(), seq_dim, c10d._get_process_group_name(process_group)
     )
@@ -196,34 +219,17 @@ def cp_flex_attention(
     )
 
 
-def _attend_exchanged(
-    query: Any,
-    key: Any,
-    value: Any,
-    plan: KVExchange,
-    group: Any,
-    seq_dim: Any,
-    return_lse: bool,
-    kwargs: dict[str, Any],
-) -> Tensor | tuple[Tensor, Tensor]:
-    """``cp_flex_attention`` on the keys ``plan`` moves. This rank's checks run first, then
-    every rank learns every other's outcome (``agree_before_exchange``): a refusal anywhere
-    raises on every rank before the all-to-all."""
-    process_group = _process_group(group)
-    world = c10d.get_world_size(process_group)
+def _share_refusal(query: Any, key: Any, value: Any, group: Any) -> None:
+    """This rank refused its inputs: it says so in the agreement's all-gather, so that every
+    other rank raises too instead of waiting in a collective for it, then its caller raises
+    its own error. Where there is no group to tell (none initialized, or ``group`` itself is
+    what was refused) the error is this rank's alone."""
     try:
-        _, seq_dim, _ = _check_before_gather(query, key, value, plan.shard, seq_dim, group)
-        check_exchange_group(plan, world, c10d.get_rank(process_group))
-    except (TypeError, ValueError):
-        agree_before_exchange(plan, key, value, True, process_group, world)
-        raise
-    agree_before_exchange(plan, key, value, False, process_group, world)
-    needed_key, needed_value = exchange_kv(
-        key.contiguous(), value.contiguous(), plan, seq_dim, process_group
-    )
-    return flex_attention(
-        query, needed_key, needed_value, block_mask=plan.block_mask, return_lse=return_lse, **kwargs
-    )
+        process_group = _process_group(group)
+        world = c10d.get_world_size(process_group)
+    except (TypeError, ValueError, RuntimeError):
+        return
+    agree(query, key, value, None, None, True, process_group, world)
 
 
 def shard_buffers(

@@ -9,7 +9,6 @@ key is attended by no query of this rank.
 
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
 import torch
@@ -65,55 +64,6 @@ def check_exchange_group(plan: KVExchange, world: int, rank: int) -> None:
         raise ValueError(
             f"the exchange plan was made for rank {plan.rank} of {plan.world_size}, but this "
             f"process is rank {rank} of {world} in group: plan for this rank and group"
-        )
-
-
-def agree_before_exchange(
-    plan: KVExchange, key: Any, value: Any, refused: bool, group: Any, world: int
-) -> None:
-    """One small all-gather of fixed size before the exchange, so that no rank enters an
-    all-to-all its peers do not: each rank says whether its inputs passed its own checks, the
-    elements and dtype of one key row, and the split sizes it will send and receive. Every
-    rank then sees the same table: where a rank refused its inputs, or two ranks' plans or
-    tensors disagree (plans of different masks, keys of another width), every rank raises —
-    the refusing one its own error (the caller's), the others a ValueError naming it —
-    instead of aborting in gloo ("Received data size doesn't match") or waiting there for
-    a peer that left."""
-    fits = not refused and plan.world_size == world
-    tensors = (key, value) if fits else ()
-    row = sum(t.numel() // max(1, t.shape[-2]) for t in tensors)
-    # A dtype by a number every process computes alike (str hashes differ per process).
-    dtype = zlib.crc32(str(key.dtype).encode()) if fits else 0
-    status = torch.zeros(3 + 2 * world, dtype=torch.int64)
-    status[:3] = torch.tensor([int(fits), row, dtype])
-    if fits:
-        status[3 : 3 + world] = torch.tensor(plan.send_counts)
-        status[3 + world :] = torch.tensor(plan.recv_counts)
-    device = key.device if isinstance(key, Tensor) else torch.device("cpu")
-    table = [torch.empty_like(status, device=device) for _ in range(world)]
-    dist.all_gather(table, status.to(device), group=group)
-    if refused:
-        return  # the caller raises this rank's own error
-    rows = torch.stack(table).cpu()
-    failed = (rows[:, 0] == 0).nonzero().flatten().tolist()
-    if failed:
-        raise ValueError(
-            f"rank(s) {failed} of the group refused their inputs before the key/value "
-            "exchange (their own errors name the argument); every rank stops here instead "
-            "of waiting in the all-to-all"
-        )
-    if bool((rows[:, 1:3] != rows[0, 1:3]).any()):
-        raise ValueError(
-            "the ranks' keys and values differ in elements per key or dtype (each rank's "
-            f"(elements, dtype id): {rows[:, 1:3].tolist()}): every rank must pass slices of "
-            "one shape and dtype"
-        )
-    sends, receives = rows[:, 3 : 3 + world], rows[:, 3 + world :]
-    if not torch.equal(sends, receives.T):
-        raise ValueError(
-            "the ranks' exchange plans disagree (what one sends another is not what that "
-            "one expects): every rank must plan from the same mask, shape, balancer and "
-            "BLOCK_SIZE"
         )
 
 
