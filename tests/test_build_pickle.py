@@ -183,7 +183,8 @@ def test_restored_mask_mod_holds_its_own_tensors():
     # Deep copies must not alias: editing the copy's lookup leaves the original intact.
     bm = flexmask.create_block_mask(flexmask.document([[5, 30, 5], [44]]), B, H, 50, 50, "cpu")
     clone = copy.deepcopy(bm)
-    clone.mask_mod.doc_id.fill_(-1)
+    for table in clone.mask_mod.tables:  # its interval bounds: [0, 0) on every row
+        table.fill_(0)
     expected = torch.from_numpy(oracle.stack(O_DOC_ROWS(50, 50), heads=H))
     assert torch.equal(_dense(bm.mask_mod, 50, 50), expected)
     assert not _dense(clone.mask_mod, 50, 50).any()
@@ -192,10 +193,18 @@ def test_restored_mask_mod_holds_its_own_tensors():
 def test_mask_mods_name_themselves():
     mask = (flexmask.causal() & flexmask.document([[5, 30, 5], [44]])) | ~flexmask.prefix(7)
     bm = flexmask.create_block_mask(mask, B, H, 50, 50, "cpu")
-    assert bm.mask_mod.__name__ == "or_masks"
-    assert "mask_mod=or_masks" in repr(bm)  # torch's BlockMask repr reads __name__
+    assert bm.mask_mod.__name__ == "interval_mask"  # its rows are intervals (compile.md)
+    assert "mask_mod=interval_mask" in repr(bm)  # torch's BlockMask repr reads __name__
     assert repr(bm.mask_mod) == (
-        "or_masks(and_masks(causal(), document(per_row=True, doc_id=int32[2, 51])), "
+        "interval_mask(((kv < q+1 & kv >= t0[b, q] & kv < t1[b, q]) | kv < t2[q] | kv >= t3[q]))"
+    )
+    # A tree has no interval form: the general mask_mod, named by its nodes.
+    tree = flexmask.tree([[-1, 0, 0, 1], [-1, 0, 1, 2]])
+    general = (flexmask.causal() & tree) | ~flexmask.prefix(7)
+    bm = flexmask.create_block_mask(general, B, H, 50, 50, "cpu")
+    assert bm.mask_mod.__name__ == "or_masks"
+    assert repr(bm.mask_mod) == (
+        "or_masks(and_masks(causal(), tree(per_row=True, rank=int32[2, 51], end=int32[2, 51])), "
         "not_mask(prefix(length=int64[])))"
     )
     leaf = flexmask.create_block_mask(flexmask.from_mask_mod(checkerboard), 1, 1, 32, 32, "cpu")

@@ -118,8 +118,9 @@ def test_the_union_takes_the_closed_form_and_evaluates_no_tile(monkeypatch):
     _, refined = build_counted(mask, grid)  # refinement, were it reached, would call None
     assert refined == 0
     monkeypatch.setattr(type(mask), "lower_at", spy)
-    build(mask, grid)
-    assert len(evaluated) == 1  # the BlockMask's mask_mod only
+    block_mask = build(mask, grid)
+    # Not even the general mask_mod: the BlockMask carries the interval form.
+    assert evaluated == [] and block_mask.mask_mod.__name__ == "interval_mask"
 
 
 def test_only_unions_of_two_monotone_operands_are_written_in_closed_form():

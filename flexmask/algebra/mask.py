@@ -17,7 +17,6 @@ large data as a strong digest of dtype, shape and bytes), never tensor or closur
 from __future__ import annotations
 
 import math
-import warnings
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_device, check_int, dense_lengths
+from flexmask.algebra.interval_mods import Formula, all_of, any_of, mask_mod_at, negated
 from flexmask.algebra.lines import VarlenPart, cannot_lower
 from flexmask.algebra.mods import (
     AndMod,
@@ -220,7 +220,7 @@ class Mask(Node, ABC):
             True
         """
         extent = self._extent(None, None, q_len, kv_len, device, names=("q_len", "kv_len"))
-        return self.lower_at(extent.length, extent.device).mask_mod
+        return mask_mod_at(self, extent.length, extent.device)
 
     def to_dense(
         self,
@@ -464,6 +464,9 @@ class And(_Nary):
         # Each child's properties carry over to their intersection (build.closed_form).
         return all(c.has_monotone_intervals() for c in self.children)
 
+    def interval_form(self) -> Formula | None:
+        return all_of([c.interval_form() for c in self.children])
+
 
 def _intersect(parts: list[Intervals]) -> Intervals:
     lo, hi = parts[0]
@@ -519,6 +522,9 @@ class Or(_Nary):
 
     def varlen_part(self, length: int) -> VarlenPart:
         raise cannot_lower(self, "varlen", "a union (|) " + _NOT_VARLEN)
+
+    def interval_form(self) -> Formula | None:
+        return any_of([c.interval_form() for c in self.children])
 
     def intervals_at(self, q_idx: Tensor, row: Tensor, grid: TileGrid) -> Intervals | None:
         if not self.attends_from_zero():
@@ -585,6 +591,9 @@ class Not(Mask):
 
     def varlen_part(self, length: int) -> VarlenPart:
         raise cannot_lower(self, "varlen", "a complement (~) " + _NOT_VARLEN)
+
+    def interval_form(self) -> Formula | None:
+        return negated(self.child.interval_form())
 
     def __repr__(self) -> str:
         return f"~{self.child!r}"

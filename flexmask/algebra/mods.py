@@ -125,19 +125,32 @@ class NotMod(MaskModFn):
 class ShiftedMod(MaskModFn):
     """``mod(b, h, q_idx + q_offset, kv_idx + kv_offset)``: the mask_mod of a window of a
     mask (``create_block_mask(..., q_offset=, kv_offset=)``). The offsets are int64 tensors —
-    0-d, or ``(B,)`` read at ``b`` when they differ by row — never Python ints, so new
-    offsets of the same shape do not recompile a compiled kernel."""
+    ``(B,)`` read at ``b`` when they differ by row, else one value — never Python ints, so
+    new offsets of the same shape do not recompile a compiled kernel.
+
+    One shared offset is held as a ``(1,)`` view of the tensor given (0-d or ``(1,)``) and
+    read at ``b - b``: inductor's interval analysis and aux vectorisation read a captured
+    tensor only through an index (``aten.index``), and a bare 0-d operand refuses the whole
+    mask (``flexmask.algebra.interval_mods``); ``b`` itself would run past one entry when a
+    BlockMask of one row serves a larger batch.
+    """
 
     __slots__ = ("mod", "q_offset", "kv_offset", "per_row")
     _name = "shifted_mask"
 
     def __init__(self, mod: MaskMod, q_offset: Tensor, kv_offset: Tensor) -> None:
         self.mod = mod
-        self.q_offset = q_offset
-        self.kv_offset = kv_offset
         self.per_row = q_offset.dim() == 1
+        self.q_offset = q_offset if self.per_row else q_offset.view(1)
+        self.kv_offset = kv_offset if self.per_row else kv_offset.view(1)
+
+    def __setstate__(self, state: tuple[None, dict[str, object]]) -> None:
+        # Pickled by 0.1.0 with a 0-d shared offset: held as (1,) now.
+        for name, value in state[1].items():
+            if name in ("q_offset", "kv_offset") and isinstance(value, Tensor) and not value.dim():
+                value = value.view(1)
+            object.__setattr__(self, name, value)
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        if self.per_row:
-            return self.mod(b, h, q_idx + self.q_offset[b], kv_idx + self.kv_offset[b])
-        return self.mod(b, h, q_idx + self.q_offset, kv_idx + self.kv_offset)
+        row = b if self.per_row else b - b
+        return self.mod(b, h, q_idx + self.q_offset[row], kv_idx + self.kv_offset[row])

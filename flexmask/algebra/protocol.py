@@ -15,6 +15,8 @@ Every ``Mask`` (``flexmask.algebra.mask``) answers, besides its key and validati
   attends, as a short list: what FlashMask's columns and Magi's slices are read from;
 * ``varlen_part(length)`` — what the node is as a factor of an ``&`` a varlen kernel runs
   (a rule, a partition), or a refusal naming it;
+* ``interval_form()`` — the node as comparisons of ``kv_idx`` with bounds read by the query
+  (``interval_mods``), where its rows are unions of intervals: the mask_mod the GPU runs;
 * ``head_cycle``, ``at_head(h)``, ``head_parts(heads)`` — the masks of the heads, where they
   differ (``per_head``);
 * for leaves, ``classify_tiles(grid)`` — block codes from structure (``Leaf``).
@@ -28,12 +30,15 @@ one): declared here, so this layer imports nothing from the blocks above it.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
 from flexmask.algebra.lines import LineIntervals, VarlenPart, cannot_lower
+
+if TYPE_CHECKING:
+    from flexmask.algebra.interval_mods import Formula
 
 
 class Window(NamedTuple):
@@ -260,6 +265,13 @@ class Node:
             "varlen",
             "varlen takes an & of causal(), sliding_window(), document(), chunked() and padding()",
         )
+
+    def interval_form(self) -> Formula | None:
+        """This node as comparisons of ``kv_idx`` with bounds read by the query alone
+        (``flexmask.algebra.interval_mods``): the form in which inductor packs a mask into
+        interval keep masks on the GPU. The default, None: the node has no such form and
+        keeps its general mask_mod (trees, ``from_mask_mod``, ``per_head``)."""
+        return None
 
     # ----------------------------------------------------------------- heads
     @property

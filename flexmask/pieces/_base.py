@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from flexmask.algebra import Extent, Leaf, Lowered, MaskModFn, Window
+from flexmask.algebra.interval_mods import Formula, one_range
 
 
 class Piece(Leaf):
@@ -60,6 +61,11 @@ class Piece(Leaf):
 
     def has_intervals(self) -> bool:
         return self.interval_shape is not None
+
+    def interval_form(self) -> Formula | None:
+        # A piece whose rows are one interval each (``interval_shape``) is its interval
+        # form: bounds read from its own ``intervals_at``, the builders' answer.
+        return one_range(self) if self.has_intervals() else None
 
     def has_monotone_intervals(self) -> bool:
         return self.interval_shape not in (None, "around_self")

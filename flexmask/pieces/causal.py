@@ -15,6 +15,7 @@ from flexmask.algebra import (
     Window,
     one_interval,
 )
+from flexmask.algebra.interval_mods import Atom, Formula, QBound
 from flexmask.blocks import codes_from
 from flexmask.pieces._base import Piece, PieceMod
 
@@ -56,6 +57,9 @@ class Causal(Piece):
 
     def varlen_part(self, length: int) -> VarlenPart:
         return VarlenPart(causal=True)
+
+    def interval_form(self) -> Formula:
+        return Atom(True, QBound(1))  # kv_idx < q_idx + 1: arithmetic on q, no table
 
     def __repr__(self) -> str:
         return "causal()"

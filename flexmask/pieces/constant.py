@@ -15,6 +15,7 @@ from flexmask.algebra import (
     Window,
     one_interval,
 )
+from flexmask.algebra.interval_mods import Atom, ConstBound, Formula
 from flexmask.blocks import EMPTY, FULL, constant_codes
 from flexmask.pieces._base import Piece, PieceMod
 
@@ -54,6 +55,13 @@ class Full(Piece):
 
     def varlen_part(self, length: int) -> VarlenPart:
         return VarlenPart()  # no constraint
+
+    def interval_form(self) -> Formula:
+        # kv_idx >= 0, never a constant True: inductor reads a mask_mod that returns a
+        # constant as no mask at all, and FLASH then ignored the block lists (pytorch
+        # #188322) — a BlockMask over lengths that are no block multiple, or a window,
+        # carries structure that a no-op would drop.
+        return Atom(False, ConstBound(0))
 
     def __repr__(self) -> str:
         return "full()"
@@ -97,6 +105,9 @@ class Empty(Piece):
 
     def varlen_part(self, length: int) -> VarlenPart:
         return VarlenPart(attends_nowhere=True)
+
+    def interval_form(self) -> Formula:
+        return Atom(True, ConstBound(0))  # kv_idx < 0: one (empty) interval
 
     def __repr__(self) -> str:
         return "empty()"
