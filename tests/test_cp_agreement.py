@@ -161,3 +161,32 @@ def test_fingerprints_are_the_same_in_every_process_and_see_data():
     assert fingerprint(torch.arange(4)) != fingerprint(torch.arange(4).flip(0))
     assert fingerprint((object(),)) == fingerprint((object(),))
     assert fingerprint(1) != fingerprint(True) != fingerprint(1.0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_status_has_one_size_whatever_the_data(world):
+    """gloo aborts an all-gather of unequal sizes: the status depends on the world size
+    alone — any tensors, mask, shard kind or path give ``status_size(world)`` entries, and
+    a plain BlockMask's unknowable mask and permutation are marked unknown, not guessed."""
+    from flexmask.context_parallel.agreement import FIELDS, UNKNOWN, status, status_size
+
+    names = [field.name for field in FIELDS]
+    seen = set()
+    for mask, heads, dim, dtype in [
+        (_docs(DOCS), 2, 8, torch.float32),
+        (OTHER_MASK, 4, 4, torch.float64),
+        (flexmask.sliding_window(3) & flexmask.document([5, 3, 8]), 1, 16, torch.bfloat16),
+    ]:
+        common = dict(world_size=world, rank=world - 1, balancer=None, BLOCK_SIZE=BLOCK)
+        plan = plan_exchange(mask, 1, None, S, **common)
+        q, k, v = (torch.zeros(1, heads, S // world, dim, dtype=dtype) for _ in range(3))
+        for shard, path in ((plan.shard, None), (plan, plan), (plan.shard.block_mask, None)):
+            own = shard.shard if shard is plan else shard
+            entries = status(q, k, v, own, path, world)
+            assert len(entries) == status_size(world) == len(FIELDS) + 2 * world
+            plain = own is plan.shard.block_mask
+            assert (entries[names.index("mask")] == UNKNOWN) == plain
+            assert (entries[names.index("balancer")] == UNKNOWN) == plain
+            assert entries[names.index("key.H")] == heads
+            seen.add(entries[names.index("mask")])
+    assert len(seen) == 4  # three masks and the unknown one

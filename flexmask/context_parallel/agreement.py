@@ -174,13 +174,16 @@ def _shard_entries(shard: Any) -> list[int]:
     if not isinstance(shard, CPShard):
         return [UNKNOWN] * 5
     key = shard.key  # ("cp_shard", world, rank, balancer, B, H, Q_LEN, ..., mask key)
+    ours = isinstance(key, tuple) and len(key) == 11 and key[0] == "cp_shard"
     with _LOCK:
         found = _SHARD_FINGERPRINTS.get(key)
     if found is None:
-        found = (fingerprint(key[-1]), fingerprint(shard.indices))
+        # A CPShard made by hand with another key still shows its permutation.
+        mask = fingerprint(key[-1]) if ours else UNKNOWN
+        found = (mask, fingerprint(shard.indices))
         with _LOCK:
             _SHARD_FINGERPRINTS[key] = found
-    batch, heads, q_len = key[4:7]
+    batch, heads, q_len = key[4:7] if ours else (UNKNOWN,) * 3
     return [batch or 0, heads or 0, q_len, *found]
 
 
