@@ -38,6 +38,8 @@ class Probe:
         self.out: Tensor | None = None
         self.base: Tensor | None = None
         self.scale: dict[str, float] = {}
+        self._as_float: dict[tuple[str, int | None], Tensor] = {}
+        self.beside_grad = False  # forward passes run beside backward ones (auto)
 
     # -- one pass
     def influence(self, source: Source, method: str) -> Tensor:
@@ -72,7 +74,7 @@ class Probe:
         moved = runner.forward().detach()
         runner.shift = None
         change = (moved.double() - self.base.double()).norm(dim=-1)
-        if self.method == "auto":
+        if self.beside_grad:
             # Beside the gradient, forward passes look for what it cannot carry (detached
             # statistics, custom ops), which moves outputs far beyond rounding; an output
             # that moves by a few ulps only is a kernel summing in another order (an MoE
@@ -91,8 +93,10 @@ class Probe:
 
     def forbidden(self, source: Source, method: str) -> Tensor:
         """Targets no source may reach (other rows included)."""
-        rel = self.relation(method).float()
-        reachable = torch.bmm(source.unsqueeze(1).float(), rel)[:, 0] > 0
+        key = (method, self.layers)
+        if key not in self._as_float:  # asked after every pass: made once per depth
+            self._as_float[key] = self.relation(method).float()
+        reachable = torch.bmm(source.unsqueeze(1).float(), self._as_float[key])[:, 0] > 0
         return ~reachable & self.targets(method)
 
     # -- the test
@@ -153,6 +157,7 @@ class Probe:
                 raise
             self.passes = 0
             return ["perturb"], None
+        self.beside_grad = self.method == "auto"
         return (["grad"] if self.method == "grad" else ["grad", "perturb"]), found
 
     def _infer_layers(self, method: str, leaking: dict[str, list[tuple[Source, Tensor]]]) -> None:
