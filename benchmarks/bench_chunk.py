@@ -47,7 +47,7 @@ def measure(mask, S, B, H, repeats) -> dict[int, tuple[float, int]]:
         for t in (q, k, v):
             t.grad = None
         out = block_sparse_attention(
-            q, k, v, block_mask, mask=mask, backend="sparse", max_chunk_elements=size
+            q, k, v, block_mask, mask=mask, kernel="sparse", max_chunk_elements=size
         )
         out.backward(grad_out)
 

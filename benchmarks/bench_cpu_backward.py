@@ -173,7 +173,7 @@ def run_case(
     def sparse_path(threads: int | None = None) -> None:
         clear()
         block_sparse_attention(
-            q, k, v, block_mask, mask=mask, backend="sparse", threads=threads
+            q, k, v, block_mask, mask=mask, kernel="sparse", threads=threads
         ).backward(grad_out)
 
     label = "slices" if chosen == "slices" else backend

@@ -97,7 +97,7 @@ def time_ways(mask, S, B, H, D, block, repeats) -> dict[str, list[float]]:
             t.grad = None
         option = {"workers": count, "one thread": 1}.get(way)
         out = block_sparse_attention(
-            q, k, v, block_mask, mask=mask, backend="sparse", threads=option
+            q, k, v, block_mask, mask=mask, kernel="sparse", threads=option
         )
         out.sum().backward()
 

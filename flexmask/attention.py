@@ -15,6 +15,7 @@ compile=True)``). ``explain`` says which backend and which kernel a call gets.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -104,40 +105,48 @@ def flex_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    block_mask: LazyBlockMask | BlockMask | Mask | None = None,
     score_mod: Callable[..., Tensor] | None = None,
-    *,
+    block_mask: LazyBlockMask | BlockMask | Mask | None = None,
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
+    kernel_options: dict[str, Any] | None = None,
+    *,
     compile: bool | None = None,
-    mask: LazyBlockMask | BlockMask | Mask | None = None,
     **kwargs: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """FlexAttention with a lazy handle, a BlockMask or a mask expression.
+    """torch's ``flex_attention``, taking a lazy handle or a mask expression as its mask too.
+
+    The signature and semantics are torch's — the same positional order, ``block_mask=``,
+    ``kernel_options=``, ``return_lse`` — so code written for torch's call runs unchanged;
+    :func:`attention` is flexmask's own call (``mask=``, ``backend=``).
 
     Args:
         query: (B, Hq, Q_LEN, D). key, value: (B, Hkv, KV_LEN, D).
+        score_mod: as for torch's flex_attention.
         block_mask: a ``flexmask.lazy`` handle (built on first use, shared by every layer
             that passes it), a torch BlockMask, a flexmask Mask (built through the
             process-wide cache for the shapes of ``query`` and ``key``), or None.
-            ``mask=`` is the same argument under :func:`attention`'s name (give one).
-        score_mod: as for torch's flex_attention.
         scale, enable_gqa: as for torch's flex_attention: any finite ``scale`` (0 gives every
             attended key the same weight), any truthy ``enable_gqa``.
         return_lse: also return the log-sum-exp of the scores, ``(B, Hq, Q_LEN)``, as torch's
             flex_attention does: natural log, float32 (float64 for float64 inputs), ``-inf``
             for a query that attends nothing (its output is 0).
+        kernel_options: torch's kernel options (``BACKEND``, block sizes, ...), passed to
+            torch's kernel unchanged on accelerators. On the CPU flexmask's own backends run
+            the call and these GPU tuning knobs are ignored (checked to be a dict or None).
         compile: where torch's kernel runs, compile it (once per process); None follows
             ``set_compile`` / FLEXMASK_COMPILE where either is set, and otherwise compiles on
             accelerators but not on the CPU (whose first compiled call takes 20-40 s). On
             the CPU flexmask's backends take the call first, whatever ``compile`` says.
-        **kwargs: the options of the backend that runs: torch's ``kernel_options`` (the
-            ``flex`` backend); the block-sparse path's ``threads``, ``memory_budget``,
-            ``recompute``, ``max_chunk_elements``, ``backend``, ``mod_eval`` (see
+        **kwargs: the block-sparse path's options (``threads``, ``memory_budget``,
+            ``recompute``, ``max_chunk_elements``, ``kernel``, ``mod_eval``: see
             ``flexmask.block_sparse.block_sparse_attention``; a call with them runs that
-            path). Only a backend that takes every option given is asked; a keyword no
-            backend takes is a TypeError naming the right one.
+            path). A keyword no backend takes is a TypeError naming the right one.
+
+    Before 0.2 this call took ``(query, key, value, block_mask, score_mod)`` and ``mask=``:
+    a mask given where ``score_mod`` goes, or as ``mask=``, still works this release with a
+    DeprecationWarning.
 
     Returns:
         The attention output, (B, Hq, Q_LEN, Dv); with ``return_lse`` the pair (output, lse).
@@ -153,14 +162,77 @@ def flex_attention(
         >>> torch.allclose(out, ref, atol=1e-5)
         True
     """
-    mask = _one_mask(block_mask, mask)
+    score_mod, block_mask = _torch_order(score_mod, block_mask, kwargs)
+    options = _flex_options(query, kernel_options, kwargs)
     request = _request(
-        query, key, value, mask, score_mod, scale, enable_gqa, return_lse, compile, kwargs
+        query, key, value, block_mask, score_mod, scale, enable_gqa, return_lse, compile, options
     )
     # The first backend of the device's order that takes the call, as attention("auto"):
     # on accelerators torch's kernel; on the CPU the slices backend where the mask is a few
     # big slices, else the block-sparse path, driven by the same BlockMask.
     return _run(backends.choose(request), request)
+
+
+_MASKS = (LazyBlockMask, BlockMask, Mask)
+_BOTH_MASKS = (
+    "got both block_mask= and mask=, which are one argument under two names: pass one "
+    "(flex_attention's is torch's block_mask=, attention's and explain's mask=)"
+)
+
+
+def _torch_order(score_mod: Any, block_mask: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``(score_mod, block_mask)`` of a flex_attention call, read in torch's order; a mask
+    where ``score_mod`` goes (the pre-0.2 order) or given as ``mask=`` is taken with a
+    DeprecationWarning — a mask is never a score_mod, so neither can be misread."""
+    if isinstance(score_mod, _MASKS):
+        if isinstance(block_mask, _MASKS):
+            raise TypeError(
+                "flex_attention takes torch's order (query, key, value, score_mod, "
+                "block_mask): got a mask for both score_mod and block_mask"
+            )
+        _deprecated(
+            "flex_attention(query, key, value, block_mask, score_mod) is the pre-0.2 order: "
+            "it takes torch's (query, key, value, score_mod, block_mask); pass block_mask= by "
+            "keyword"
+        )
+        score_mod, block_mask = block_mask, score_mod
+    if "mask" in kwargs:
+        mask = kwargs.pop("mask")
+        if block_mask is not None and mask is not None:
+            raise TypeError(_BOTH_MASKS)
+        _deprecated(
+            "flex_attention(mask=...) is deprecated: flex_attention takes torch's "
+            "block_mask=; mask= is flexmask.attention's name"
+        )
+        block_mask = mask if block_mask is None else block_mask
+    return score_mod, block_mask
+
+
+def _flex_options(query: Any, kernel_options: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The backend options of a flex_attention call: torch's ``kernel_options`` where torch's
+    kernel may run (not on the CPU, where flexmask's backends ignore GPU tuning), and the
+    block-sparse path's options; ``backend=`` is that path's kernel switch's old name, never
+    a flexmask backend's (``attention`` picks those)."""
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise TypeError(
+            f"kernel_options must be a dict of torch's kernel options or None, got "
+            f"{type(kernel_options).__name__}"
+        )
+    if "backend" in kwargs and kwargs["backend"] not in ("auto", "sparse", "sdpa"):
+        raise TypeError(
+            f"flex_attention takes torch's arguments; backend={kwargs['backend']!r} names a "
+            f"flexmask backend, which flexmask.attention(query, key, value, mask, "
+            f"backend={kwargs['backend']!r}) runs (flex_attention's backend= was the "
+            "block-sparse path's kernel switch, now kernel=)"
+        )
+    on_cpu = isinstance(query, Tensor) and query.device.type == "cpu"
+    if kernel_options is not None and not on_cpu:
+        return {**kwargs, "kernel_options": kernel_options}
+    return dict(kwargs)
+
+
+def _deprecated(message: str) -> None:
+    warnings.warn(message, DeprecationWarning, stacklevel=4)
 
 
 def _run(backend: Any, request: Request) -> Tensor | tuple[Tensor, Tensor]:
@@ -172,12 +244,17 @@ def _run(backend: Any, request: Request) -> Tensor | tuple[Tensor, Tensor]:
 
 
 def _one_mask(block_mask: Any, mask: Any) -> Any:
-    """The mask of a call that may name it ``block_mask`` (torch's name) or ``mask``."""
-    if block_mask is not None and mask is not None:
-        raise TypeError(
-            "got both block_mask= and mask=, which are one argument under two names: pass one"
-        )
-    return mask if block_mask is None else block_mask
+    """The mask of an ``attention`` or ``explain`` call: ``mask``; ``block_mask=`` (torch's
+    name, which these took as well before 0.2) with a DeprecationWarning."""
+    if block_mask is None:
+        return mask
+    if mask is not None:
+        raise TypeError(_BOTH_MASKS)
+    _deprecated(
+        "attention(block_mask=...) and explain(block_mask=...) are deprecated: they take "
+        "mask= (flex_attention takes torch's block_mask=)"
+    )
+    return block_mask
 
 
 def _request(
@@ -349,8 +426,7 @@ def attention(
         query: (B, Hq, Q_LEN, D). key, value: (B, Hkv, KV_LEN, D).
         mask: a ``flexmask.lazy`` handle, a torch BlockMask, a flexmask Mask (built through
             the process-wide cache for the shapes of ``query`` and ``key``), or None (every
-            query attends every key). ``block_mask=`` is the same argument under torch's
-            name (give one).
+            query attends every key). ``block_mask=``, its name before 0.2 too, warns.
         backend: ``"auto"`` asks the backends in ``flexmask.backends.AUTO``'s order for the
             device (fastest first, as measured by ``benchmarks/bench_backends.py``) and runs
             the first that takes the call; or a name of ``flexmask.backends.TABLE``

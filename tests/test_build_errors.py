@@ -208,20 +208,31 @@ def test_numpy_integer_knobs_equal_python_ints():
 def test_flex_attention_passes_block_sparse_options_through():
     q, k, v = (t.requires_grad_() for t in _qkv(1))
     out = flexmask.flex_attention(
-        q, k, v, flexmask.causal(), threads=1, memory_budget=0, recompute=True, backend="sparse"
+        q,
+        k,
+        v,
+        block_mask=flexmask.causal(),
+        threads=1,
+        memory_budget=0,
+        recompute=True,
+        kernel="sparse",
     )
     bm = flexmask.create_block_mask(flexmask.causal(), 1, 1, 200, 200, "cpu")
     direct = block_sparse_attention(
-        q, k, v, bm, threads=1, memory_budget=0, recompute=True, backend="sparse"
+        q, k, v, bm, threads=1, memory_budget=0, recompute=True, kernel="sparse"
     )
     assert out.equal(direct)
     torch.testing.assert_close(
         out, oracle.attention(q, k, v, torch.from_numpy(oracle.causal(200, 200)))[0]
     )
-    # torch's kernel option, on a CPU call with gradients that torch's kernel cannot run:
-    # every backend says it takes no such option.
-    with pytest.raises(ValueError, match=r"block_sparse: it takes no option \['kernel_options'\]"):
-        flexmask.flex_attention(q, k, v, flexmask.causal(), kernel_options={})
+    # torch's kernel options tune its GPU kernels: on the CPU flexmask's backends run the
+    # call and ignore them (torch's positional place for them, after return_lse).
+    tuned = flexmask.flex_attention(
+        q, k, v, None, flexmask.causal(), None, False, False, {"BLOCK_M": 64}
+    )
+    assert tuned.equal(flexmask.flex_attention(q, k, v, block_mask=flexmask.causal()))
+    with pytest.raises(TypeError, match="kernel_options must be a dict"):
+        flexmask.flex_attention(q, k, v, block_mask=flexmask.causal(), kernel_options=64)
 
 
 @pytest.mark.parametrize("B, H", [(0, 2), (3, 0), (0, 0)])

@@ -30,10 +30,12 @@ OPTIONS = (
     "memory_budget",
     "recompute",
     "max_chunk_elements",
-    "backend",
+    "kernel",
     "mod_eval",
+    "backend",
 )
-"""block_sparse_attention's options that flexmask.flex_attention passes through."""
+"""block_sparse_attention's options that flexmask.flex_attention passes through (``backend``:
+``kernel``'s name before 0.2, with a DeprecationWarning)."""
 
 
 def can_take(request: Request) -> str | None:

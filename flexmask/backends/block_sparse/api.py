@@ -29,9 +29,10 @@ How it is laid out, and why:
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -86,9 +87,10 @@ def block_sparse_attention(
     recompute: bool | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     max_chunk_elements: int = DEFAULT_MAX_CHUNK_ELEMENTS,
-    backend: Backend = "auto",
+    kernel: Backend = "auto",
     mask: Mask | None = None,
     threads: int | None = None,
+    backend: Backend | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Block-sparse attention with flex_attention's semantics, differentiable on any device.
 
@@ -140,7 +142,7 @@ def block_sparse_attention(
             holds (``B x Hq x rows x columns``): a group runs a part of the (batch row,
             kv head) pairs where one q block over all of them would exceed it; one q block
             of one batch row and kv head is never split, so that much may exceed it.
-        backend: ``"sparse"`` runs the block-sparse kernel; ``"sdpa"`` builds the dense bool
+        kernel: ``"sparse"`` runs the block-sparse kernel; ``"sdpa"`` builds the dense bool
             mask the BlockMask means (``mask_mod`` evaluated on partial blocks only) and calls
             ``scaled_dot_product_attention``; ``"auto"`` (default) picks SDPA where it is
             faster on a CPU — a mask whose listed blocks cover most of the grid, or a tiny
@@ -205,8 +207,7 @@ def block_sparse_attention(
     ):
         raise ValueError(f"memory_budget must be an int of bytes >= 0, got {memory_budget!r}")
     memory_budget = int(memory_budget)
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    kernel = kernel_option(kernel, backend, warn=True)
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
             raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
@@ -227,7 +228,7 @@ def block_sparse_attention(
     if plan.batch == 0:
         return _empty_batch(query, key, value, return_lse)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    kernel = route(plan, mask, score_mod, return_lse, backend, needs_grad)
+    kernel = route(plan, mask, score_mod, return_lse, kernel, needs_grad)
     if kernel in ("sdpa_causal", "sdpa_dense"):
         return sdpa_attention(query, key, value, plan, mod_eval, kernel == "sdpa_causal")
     bounds = None if mask is None else interval_bounds(mask, plan)
@@ -310,15 +311,39 @@ def kernel_of(
     return_lse: bool = False,
     *,
     mod_eval: ModEval = "auto",
-    backend: Backend = "auto",
+    kernel: Backend = "auto",
     mask: Mask | None = None,
+    backend: Backend | None = None,
     **_: object,
 ) -> str:
     """What ``block_sparse_attention`` with these arguments calls (``KERNELS``' words)."""
+    kernel = kernel_option(kernel, backend, warn=False)  # the call itself warns
     plan = make_plan(query, key, value, block_mask, score_mod, scale, enable_gqa, mod_eval)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     mask = _checked_mask(block_mask, mask)
-    return KERNELS[route(plan, mask, score_mod, return_lse, backend, needs_grad)]
+    return KERNELS[route(plan, mask, score_mod, return_lse, kernel, needs_grad)]
+
+
+def kernel_option(kernel: Any, backend: Any, warn: bool) -> Backend:
+    """The path's kernel switch, ``kernel=``; ``backend=``, its name before 0.2 (which read
+    as a flexmask backend's name everywhere else), with a DeprecationWarning."""
+    if backend is not None:
+        if kernel != "auto" and kernel != backend:
+            raise TypeError(
+                f"got kernel={kernel!r} and backend={backend!r}: backend= is kernel='s old "
+                "name; pass kernel= only"
+            )
+        if warn:
+            warnings.warn(
+                "block_sparse_attention(backend=...) is renamed kernel=... (it picks this "
+                f"path's kernel, not a flexmask backend): pass kernel={backend!r}",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        kernel = backend
+    if kernel not in _BACKENDS:
+        raise ValueError(f"kernel must be one of {_BACKENDS}, got {kernel!r}")
+    return cast(Backend, kernel)
 
 
 def _checked_mask(block_mask: BlockMask, mask: Mask | None) -> Mask | None:
