@@ -576,3 +576,14 @@ def test_wrong_inputs_are_named():
     ):
         with pytest.raises((ValueError, TypeError), match=words):
             leak_test(keyworded, {"input_ids": ids, "position_ids": positions})
+
+
+def test_the_plan_for_a_tree_runs_siblings_side_by_side():
+    """A prompt of 6 and responses of 4, 2 and 3, each way: one pass with everything, one
+    per response (it against its siblings), the prompt's 5 cuts and the longest response's 3
+    cuts, the responses' cuts side by side."""
+    mask = flexmask.tree(tree_parents(6, [4, 2, 3]))
+    for relation, sources, targets, passes, count in _plans(mask, 1, 15):
+        assert count == 1
+        assert not bool(brute_force_uncovered(relation, sources, targets, passes).any())
+        assert len(passes) == 1 + 3 + (6 - 1) + (4 - 1)

@@ -10,19 +10,22 @@ forbids, with four kinds of pass:
    components with that bit set, then clear: ``2 * ceil(log2 components)`` passes cover every
    pair across components, rows and padding included;
 3. inside every component at once, for each source ``a`` the sources that reach all ``a``
-   reaches ("above" it) — they keep apart branches of a tree, siblings of a prefix, windows;
-4. inside every component at once, single sources and everything below them: the cuts that
-   keep an output from a later input.
+   reaches ("above" it): a tree's branch with its prompt, read against its siblings;
+4. inside every component at once, each source with the sources that reach no more than
+   it ("below" it): the cuts that keep an output from a later input, a window's tokens, and
+   (inputs moved) a whole branch from its first token.
 
-3 and 4 are packed greedily, first fit, a source joining a pass only if it takes away no
-pair the pass was chosen for, and every pass tests at least one pair no earlier pass did:
-the plan ends when every forbidden pair is tested. One causal document of ``n`` tokens
-needs ``n - 1`` passes of kind 4 (a pass tests ``(t, t + 1)`` only if its latest source is
-``t``), run for all documents at once; a tree adds one pass per branch under a fork.
+3 and 4 are packed greedily: a pass starts from the unit that tests the most pairs not yet
+tested and takes, first fit, every unit that gains a pair and takes away none the pass was
+chosen for — so every pass tests at least one new pair, and the plan ends when every
+forbidden pair is tested. One causal document of ``n`` tokens needs ``n - 1`` passes of kind
+4 (a pass tests ``(t, t + 1)`` only if its latest source is ``t``), run for all documents at
+once; a tree adds one pass per branch under a fork, its branches' cuts side by side.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -79,14 +82,27 @@ def _inside(relation: Tensor, sources: Tensor, targets: Tensor, where: Tensor) -
     classes, members = np.unique(reach, axis=0, return_inverse=True)
     members = members.reshape(-1)
     reaches = [_bits(r) for r in classes]
-    full = (1 << seen.numel()) - 1
-    need = [full & ~r for r in reaches]
-    # Kind 3: a class with everything that reaches at least what it reaches.
-    contains = (classes.astype(np.float32) @ (~classes).astype(np.float32).T) == 0
-    above = [_union(reaches, np.flatnonzero(contains[k]).tolist()) for k in range(len(reaches))]
-    chosen = _greedy(reaches, need, _units(above))
-    # Kind 4: single classes (and, free, all below them).
-    chosen += _greedy(reaches, need, [(r, k) for k, r in enumerate(reaches)])
+    need = [((1 << seen.numel()) - 1) & ~r for r in reaches]
+    # The units a pass is made of, each with its owner class: a class with every class
+    # that reaches at least what it reaches (kind 3), and a class alone (kind 4).
+    as_float = classes.astype(np.float32)
+    within = (as_float @ (~classes).astype(np.float32).T) == 0  # [k, j]: k reaches <= j
+    above = (within.astype(np.float32) @ as_float) > 0
+    units: dict[int, int] = {}
+    for k in range(len(reaches)):
+        units.setdefault(_bits(above[k]), k)
+    for k, reached in enumerate(reaches):
+        units.setdefault(reached, k)
+    unit_rows = np.stack([_row(reached, seen.numel()) for reached in units])
+    below = (as_float @ (~unit_rows).astype(np.float32).T) == 0  # [k, u]: k within u
+    chosen = _greedy(
+        reaches,
+        need,
+        [
+            (reached, owner, np.flatnonzero(below[:, u]).tolist())
+            for u, (reached, owner) in enumerate(units.items())
+        ],
+    )
     result = []
     for reached in chosen:
         picked = [k for k, r in enumerate(reaches) if r & ~reached == 0]
@@ -97,43 +113,58 @@ def _inside(relation: Tensor, sources: Tensor, targets: Tensor, where: Tensor) -
     return result
 
 
-def _units(above: list[int]) -> list[tuple[int, int]]:
-    """``(targets reached, owner)`` per distinct kind-3 set, owned by its first class."""
-    first: dict[int, int] = {}
-    for k, reached in enumerate(above):
-        first.setdefault(reached, k)
-    return [(reached, k) for reached, k in first.items()]
+def _greedy(
+    reaches: list[int], need: list[int], units: list[tuple[int, int, list[int]]]
+) -> list[int]:
+    """Packs units ``(targets reached, owner class, classes within)`` into passes and
+    returns each pass's reached targets, marking the pairs it tests as done in ``need``.
 
+    A pass starts from the unit that tests the most pairs not yet tested (lazily: a unit
+    only ever loses pairs) — a tree's branch whole before its cuts, so siblings run side by
+    side — and takes, first fit, every unit whose owner gains a pair and which reaches no
+    target the pass's owners need: no pair it was chosen for is lost, and each pass tests at
+    least one new pair."""
 
-def _greedy(reaches: list[int], need: list[int], units: list[tuple[int, int]]) -> list[int]:
-    """Packs units (targets reached, owner class) into passes, first fit: returns each
-    pass's reached targets and marks the pairs it tests as done in ``need``."""
+    def tests(u: int) -> int:
+        reached, _, within = units[u]
+        return sum((need[k] & ~reached).bit_count() for k in within)
+
+    heap = [(-tests(u), u) for u in range(len(units))]
+    heapq.heapify(heap)
     chosen: list[int] = []
-    while True:
-        gains = [(need[owner] & ~reached).bit_count() for reached, owner in units]
-        order = sorted((i for i, g in enumerate(gains) if g), key=lambda i: (-gains[i], i))
-        if not order:
-            return chosen
-        reached, owner = units[order[0]]
-        wanted = need[owner] & ~reached  # the pairs this pass is for: none may be lost
-        for i in order[1:]:
-            more, other = units[i]
+    while heap:
+        _, u = heapq.heappop(heap)
+        fresh = tests(u)
+        if not fresh:
+            continue  # a unit never gains pairs again
+        if heap and fresh < -heap[0][0]:
+            heapq.heappush(heap, (-fresh, u))
+            continue
+        reached, owner, within = units[u]
+        wanted = 0
+        for k in within:
+            wanted |= need[k]
+        wanted &= ~reached
+        for _, v in sorted(heap):
+            more, other, _ = units[v]
             gain = need[other] & ~(reached | more)
-            if gain and not more & wanted & ~reached:
+            if gain and not more & wanted:
                 reached |= more
                 wanted = (wanted | gain) & ~reached
         for k, r in enumerate(reaches):
-            if r & ~reached == 0:  # below the pass: tested against all it does not reach
+            if r & ~reached == 0:  # within the pass: tested against all it does not reach
                 need[k] &= reached
         chosen.append(reached)
+        heapq.heappush(heap, (-fresh, u))  # it may test more later: recounted when popped
+    return chosen
 
 
 def _bits(row: np.ndarray) -> int:
     return int.from_bytes(np.packbits(row, bitorder="little").tobytes(), "little")
 
 
-def _union(reaches: list[int], picked: list[int]) -> int:
-    total = 0
-    for k in picked:
-        total |= reaches[k]
-    return total
+def _row(bits: int, width: int) -> np.ndarray:
+    return np.unpackbits(
+        np.frombuffer(bits.to_bytes((width + 7) // 8, "little"), dtype=np.uint8),
+        bitorder="little",
+    )[:width].astype(bool)
