@@ -457,6 +457,29 @@ def test_clean_models_pass(case, seed):
     assert not outputs_that_differ_alone(model, ids, positions, mask, 2)
 
 
+class Dropped(TinyLM):
+    """Dropout on the hidden states: random in training mode, never across tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, ids, positions, attend):
+        return self.drop(super().forward(ids, positions, attend))
+
+
+def test_dropout_in_training_mode_is_not_a_leak():
+    """Every forward pass draws the same dropout masks: the forward passes move outputs
+    only where the inputs moved, and the model stays in training mode."""
+    lengths, seq_len, ids, positions = _documents_batch(0)
+    mask = flexmask.causal() & flexmask.document(lengths)
+    model = Dropped().train()
+    attend = matrix_kernel(mask.to_dense(1, 1, seq_len, seq_len)[0, 0])
+    report = leak_test(model, (ids, positions, attend), mask, embedding=model.embed)
+    assert report.ok and report.method == "grad+perturb", str(report)
+    assert model.training
+
+
 # ---------------------------------------------------------------------- the plan
 def brute_force_uncovered(relation, sources, targets, passes):
     """Forbidden (source, target) pairs over the flattened batch that no pass tests."""
