@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 
-from flexmask._validate import check_int
+from flexmask._validate import check_int, lengths
 from flexmask.algebra import Mask
 from flexmask.context_parallel.balance import _check_cost
 from flexmask.context_parallel.build import build_rank_shard
@@ -40,7 +40,7 @@ def shard(
     mask: Mask,
     B: int | None = None,
     H: int | None = None,
-    Q_LEN: int = 128,
+    Q_LEN: int | None = None,
     KV_LEN: int | None = None,
     *,
     world_size: int | None = None,
@@ -96,6 +96,7 @@ def shard(
             f"cache must be a flexmask ShardCache or None (build every call), got "
             f"{type(cache).__name__}"
         )
+    Q_LEN = lengths(Q_LEN, KV_LEN, "shard")[0]
     plan = plan_shard(
         mask, B, H, Q_LEN, KV_LEN, world_size, rank, mesh, balancer, BLOCK_SIZE, device
     )

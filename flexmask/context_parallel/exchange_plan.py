@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask._validate import check_int
+from flexmask._validate import check_int, lengths
 from flexmask.algebra import Mask
 from flexmask.context_parallel.build import build_rank_shard
 from flexmask.context_parallel.plan import ShardPlan, plan_shard
@@ -183,7 +183,7 @@ def plan_exchange(
     mask: Mask,
     B: int | None = None,
     H: int | None = None,
-    Q_LEN: int = 128,
+    Q_LEN: int | None = None,
     KV_LEN: int | None = None,
     *,
     world_size: int | None = None,
@@ -208,6 +208,7 @@ def plan_exchange(
         >>> ex.received, ex.gathered, ex.needed
         ((0, 0, 0, 256), 768, True)
     """
+    Q_LEN = lengths(Q_LEN, KV_LEN, "plan_exchange")[0]
     plan = plan_shard(
         mask, B, H, Q_LEN, KV_LEN, world_size, rank, mesh, balancer, BLOCK_SIZE, device
     )

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor.experimental._attention import _LoadBalancer
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexmask._validate import lengths
 from flexmask.algebra import Mask
 from flexmask.context_parallel.build import build_rank_shard
 from flexmask.context_parallel.plan import ShardPlan, plan_shard
@@ -54,7 +55,7 @@ class LazyShard(BuiltOnRead):
         mask: Mask,
         B: int | None = None,
         H: int | None = None,
-        Q_LEN: int = 128,
+        Q_LEN: int | None = None,
         KV_LEN: int | None = None,
         *,
         world_size: int | None = None,
@@ -72,6 +73,7 @@ class LazyShard(BuiltOnRead):
                 f"cache must be a flexmask ShardCache or None (the process-wide one), got "
                 f"{type(cache).__name__}"
             )
+        Q_LEN = lengths(Q_LEN, KV_LEN, "LazyShard")[0]
         plan = plan_shard(
             mask, B, H, Q_LEN, KV_LEN, world_size, rank, mesh, balancer, BLOCK_SIZE, device
         )
@@ -161,7 +163,7 @@ def lazy_shard(
     mask: Mask,
     B: int | None = None,
     H: int | None = None,
-    Q_LEN: int = 128,
+    Q_LEN: int | None = None,
     KV_LEN: int | None = None,
     *,
     world_size: int | None = None,
