@@ -58,7 +58,25 @@ class RowBound(NamedTuple):
     """True: the exclusive end (``hi + 1``); False: the start."""
 
 
-Bound = QBound | ConstBound | RowBound
+class ValueBound(NamedTuple):
+    """A bound computed from one value per batch row (``interval_value``: a window size, a
+    prefix length) and ``q_idx``, by the rule ``how`` (``RULES``), fixed by the piece's kind.
+    The value is read from an ``(R,)`` int32 table at ``b``, or from ``(1,)`` at ``b - b``
+    (an index: torch's analysis reads a captured tensor only through one): no table the
+    length of the sequence, for pieces whose rows are arithmetic on ``q``."""
+
+    node: object
+    how: str
+
+
+RULES = ("value", "q+value", "q-value+1", "chunk", "chunk+value", "below_value")
+"""``value``: v; ``q+value``: q + v; ``q-value+1``: q - v + 1; ``chunk``: (q // v) * v, the
+start of q's chunk; ``chunk+value``: its end; ``below_value``: v where q < v, else at most
+-1, as ``v - ((q + 1) // (v + 1)) * (v + 1)`` (padding: a padded query attends nothing;
+a comparison of q alone would refuse the whole mask in torch's analysis)."""
+
+
+Bound = QBound | ConstBound | RowBound | ValueBound
 
 
 class Atom(NamedTuple):
@@ -166,9 +184,13 @@ class IntervalMod(MaskModFn):
             bound = q_idx + value if value else q_idx
         elif kind == "c":
             bound = value
-        else:
+        elif kind == "t":
             table = self.tables[value]
             bound = table[b, q_idx] if table.dim() == 2 else table[q_idx]
+        else:
+            table = self.tables[value[0]]
+            v = table[b if table.shape[0] > 1 else b - b]
+            bound = _rule(value[1], q_idx, v)
         return kv_idx < bound if op == "lt" else kv_idx >= bound
 
     def __repr__(self) -> str:
@@ -184,11 +206,27 @@ class IntervalMod(MaskModFn):
             bound = f"q+{value}" if value else "q"
         elif kind == "c":
             bound = str(value)
+        elif kind == "v":
+            bound = f"{value[1]}(t{value[0]}[{'b' if self.tables[value[0]].shape[0] > 1 else '0'}])"
         else:
             table = self.tables[value]
             where = "b, q" if table.dim() == 2 else "q"
             bound = f"t{value}[{where}]"
         return f"kv {'<' if op == 'lt' else '>='} {bound}"
+
+
+def _rule(how: str, q_idx: Tensor, v: Tensor) -> Tensor:
+    if how == "value":
+        return v
+    if how == "q+value":
+        return q_idx + v
+    if how == "q-value+1":
+        return q_idx - v + 1
+    if how == "below_value":
+        step = v + 1  # never 0: v >= 0
+        return v - torch.div(q_idx + 1, step, rounding_mode="floor") * step
+    start = torch.div(q_idx, v, rounding_mode="floor") * v  # floor: what the analysis reads
+    return start if how == "chunk" else start + v  # chunk, chunk+value
 
 
 def interval_mod(mask: object, length: int, device: torch.device) -> IntervalMod | None:
@@ -204,8 +242,8 @@ def interval_mod(mask: object, length: int, device: torch.device) -> IntervalMod
         return None
     grid = WholeGrid(length, torch.device(device))
     tables: list[Tensor] = []
-    made: dict[tuple[int, bool], int] = {}
-    ranges: dict[int, Intervals] = {}
+    made: dict[tuple, int] = {}
+    ranges: dict[int, tuple[Tensor, Tensor]] = {}
 
     def table(bound: RowBound) -> int:
         key = (id(bound.node), bound.high)
@@ -213,11 +251,16 @@ def interval_mod(mask: object, length: int, device: torch.device) -> IntervalMod
             got = ranges.get(id(bound.node))
             if got is None:
                 got = ranges[id(bound.node)] = _rows_at(bound.node, grid)
-            values = (got.hi + 1 if bound.high else got.lo).clamp(0, length).to(torch.int32)
-            # The tail attends nowhere: starts at the length, ends at 0.
-            values = torch.nn.functional.pad(values, (0, TAIL), value=0 if bound.high else length)
+            values = got[1] if bound.high else got[0]
             made[key] = len(tables)
             tables.append(values[0] if values.shape[0] == 1 else values)
+        return made[key]
+
+    def value_table(node: object) -> int:
+        key = (id(node), False, "value")
+        if key not in made:
+            made[key] = len(tables)
+            tables.append(node.interval_value(length, grid.device))  # type: ignore[attr-defined]
         return made[key]
 
     def build(form: Formula) -> Program:
@@ -229,19 +272,30 @@ def interval_mod(mask: object, length: int, device: torch.device) -> IntervalMod
             return (op, ("q", bound.plus))
         if isinstance(bound, ConstBound):
             return (op, ("c", bound.value))
+        if isinstance(bound, ValueBound):
+            return (op, ("v", (value_table(bound.node), bound.how)))
         return (op, ("t", table(bound)))
 
     return IntervalMod(build(_flattened(form)), tuple(tables))
 
 
-def _rows_at(node: object, grid: WholeGrid) -> Intervals:
-    """``node.intervals_at`` at every position of every row of its data: ``(R, length)``."""
+def _rows_at(node: object, grid: WholeGrid) -> tuple[Tensor, Tensor]:
+    """Every position's start and exclusive end in ``[0, length]``, ``(R, length)`` int32:
+    the node's own ``interval_tables``, else its ``intervals_at`` at every position of every
+    row of its data (clamped: exact, as no key lies outside)."""
+    length = grid.length
+    written = node.interval_tables(length, grid.device)  # type: ignore[attr-defined]
+    if written is not None:
+        return written
     rows = node.rows or 1  # type: ignore[attr-defined]
-    positions = torch.arange(grid.length, dtype=torch.int64, device=grid.device)
-    q_idx = positions.expand(rows, -1)
+    positions = torch.arange(length, dtype=torch.int64, device=grid.device)
     row = torch.arange(rows, dtype=torch.int64, device=grid.device).view(-1, 1)
-    got = node.intervals_at(q_idx, row, grid)  # type: ignore[attr-defined]
-    return Intervals(got.lo.expand(rows, grid.length), got.hi.expand(rows, grid.length))
+    got: Intervals = node.intervals_at(positions.expand(rows, -1), row, grid)  # type: ignore[attr-defined]
+    lo = got.lo.expand(rows, length).clamp(0, length).to(torch.int32)
+    hi = (got.hi.expand(rows, length) + 1).clamp(0, length).to(torch.int32)
+    # The tail attends nowhere: starts at the length, ends at 0.
+    pad = torch.nn.functional.pad
+    return pad(lo, (0, TAIL), value=length), pad(hi, (0, TAIL), value=0)
 
 
 class WholeGrid:

@@ -273,6 +273,14 @@ class Node:
         keeps its general mask_mod (trees, ``from_mask_mod``, ``per_head``)."""
         return None
 
+    def interval_tables(self, length: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
+        """For a node whose rows are one interval each, every position's start and
+        exclusive end clamped into ``[0, length]``, ``(R, length + interval_mods.TAIL)``
+        int32 (empty: start >= end; the tail empty), where the node writes them faster than
+        its ``intervals_at`` at every position (what ``interval_mods`` reads otherwise).
+        The default, None: read those."""
+        return None
+
     # ----------------------------------------------------------------- heads
     @property
     def head_cycle(self) -> int:

@@ -24,7 +24,7 @@ class RowValuePiece(Piece):
     __slots__ = ("values", "per_row")
     _kind = ""
 
-    def __init__(self, value: Any, name: str, minimum: int = 0) -> None:
+    def __init__(self, value: Any, name: str, minimum: int = 0, truncate: bool = False) -> None:
         values, per_row = scalar_or_rows(value, name, minimum=minimum)
         self.values = values
         self.per_row = per_row
@@ -34,6 +34,7 @@ class RowValuePiece(Piece):
             rows=values.numel() if per_row else None,
             device=source_device(value),
             natural=0,  # a value past the sequence is clipped, never a length to build at
+            truncate=truncate,
         )
 
     @property
@@ -53,6 +54,11 @@ class RowValuePiece(Piece):
         """
         values = self._on("values", grid.device).clamp(max=grid.length)
         return values[row] if self.per_row else values[0].expand_as(row)
+
+    def interval_value(self, length: int, device: torch.device) -> Tensor:
+        """What its interval form reads (``ValueBound``): ``(R,)`` int32, clamped to the
+        length (no bound near int32's edge; a value past the sequence is the sequence)."""
+        return self._on("values", device).clamp(max=length).to(torch.int32)
 
     def _line_values(self) -> Tensor:
         """(R, 1) values for a lowering's lines (``lines_at``), clamped to ``INF``: far below

@@ -16,6 +16,7 @@ from flexmask.algebra import (
     Window,
     one_interval,
 )
+from flexmask.algebra.interval_mods import Atom, Formula, Join, ValueBound
 from flexmask.blocks import codes_from
 from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
@@ -65,6 +66,11 @@ class Chunked(RowValuePiece):
         size = self._line_values().clamp(min=1)  # symmetric: the same both ways
         start = pos.div(size, rounding_mode="floor") * size
         return one_interval(start, start + size - 1)
+
+    def interval_form(self) -> Formula:
+        # (q // size) * size <= kv_idx < (q // size) * size + size: q's chunk.
+        lo, hi = ValueBound(self, "chunk"), ValueBound(self, "chunk+value")
+        return Join(True, (Atom(False, lo), Atom(True, hi)))
 
     def varlen_part(self, length: int) -> VarlenPart:
         # One sequence per chunk.

@@ -20,6 +20,7 @@ from flexmask.algebra import (
     one_interval,
     run_at,
 )
+from flexmask.algebra.interval_mods import TAIL
 from flexmask.blocks import codes_from
 from flexmask.pieces._base import (
     Piece,
@@ -58,7 +59,7 @@ class Document(Piece):
 
     _arg = "seq_lens"
 
-    def __init__(self, seq_lens: Any) -> None:
+    def __init__(self, seq_lens: Any, truncate: bool = False) -> None:
         per_row = is_nested(seq_lens)
         rows_in = list(seq_lens) if per_row else [seq_lens]
         plain = _plain_rows(rows_in)
@@ -100,6 +101,7 @@ class Document(Piece):
             rows=len(counts) if per_row else None,
             device=source_device(seq_lens),
             natural=max(self._totals),
+            truncate=truncate,
         )
 
     def __getstate__(self) -> dict[str, object]:
@@ -241,6 +243,36 @@ class Document(Piece):
         starts, ends = self._on("_starts", device), self._on("_ends", device)
         return starts.clamp(max=INF), ends.clamp(max=INF)
 
+    def interval_tables(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        # Each position's document start and end as running sums of steps at the document
+        # starts, as _doc_ids counts ids: O(length), no search. Past the documents (and in
+        # the tail), start `length` and end 0: empty. Documents of length 0 share a start
+        # with the next one and their steps add up to its bounds; bounds past the sequence
+        # are clamped to it, and then hold nothing.
+        width = length + TAIL
+        starts = self._on("_starts", device).clamp(max=length)
+        ends = self._on("_ends", device).clamp(max=length)
+        num_docs = self._on("_num_docs", device).view(-1, 1)
+        real = torch.arange(starts.shape[1], device=device) < num_docs
+        # The step at each start: this bound minus the previous document's.
+        start_step = torch.diff(starts, dim=1, prepend=torch.zeros_like(starts[:, :1]))
+        end_step = torch.diff(ends, dim=1, prepend=torch.zeros_like(ends[:, :1]))
+        at = torch.where(real, starts, width)  # padding entries: into the dropped column
+        # One more step where the documents end (the row's total): to the empty interval.
+        last = (num_docs - 1).clamp(min=0)
+        total = ends.gather(1, last)
+        # int32: every bound is clamped to the length (< 2**31, interval_mods checks).
+        i32 = torch.int32
+        lo = torch.zeros(starts.shape[0], width + 1, dtype=i32, device=device)
+        hi = torch.zeros_like(lo)
+        lo.scatter_add_(1, at, torch.where(real, start_step, 0).to(i32))
+        hi.scatter_add_(1, at, torch.where(real, end_step, 0).to(i32))
+        lo.scatter_add_(1, total, (length - starts.gather(1, last)).to(i32))
+        hi.scatter_add_(1, total, (-total).to(i32))
+        lo = torch.cumsum(lo, 1, dtype=i32, out=lo)
+        hi = torch.cumsum(hi, 1, dtype=i32, out=hi)
+        return lo[:, :width], hi[:, :width]
+
     def _doc_ids(self, length: int, device: torch.device) -> Tensor:
         """Document index of positions 0..length, -1 past the documents: (R, length + 1)
         int32, one cumsum over end markers (O(length)), no search."""
@@ -323,24 +355,27 @@ def _check_lens(value: Any, name: str) -> Tensor:
     return lens
 
 
-def document(seq_lens: Any) -> Document:
+def document(seq_lens: Any, *, truncate: bool = False) -> Document:
     """Documents of the given lengths packed back to back from position 0.
 
     q attends kv iff both lie in the same document; positions at or beyond ``sum(seq_lens)``
-    belong to no document and attend nowhere. Documents that run past the sequence are
-    clipped to it (a truncated last document), as every piece's lengths are
-    (docs/algebra.md). ``causal() & document(seq_lens)`` is the usual
-    packed-sequence mask.
+    belong to no document and attend nowhere. Documents that run past the sequence raise
+    where the mask is used (lengths counted for other rows), unless ``truncate=True`` asks
+    for them to be cut at its end (docs/algebra.md). ``causal() & document(seq_lens)`` is the
+    usual packed-sequence mask.
 
     Args:
         seq_lens: document lengths >= 0 — one list (or 1-D integer tensor or array) for every
             batch row, or a list of lists (or a 2-D tensor or array, or a list of 1-D ones)
             with one list per row. A length of 0 is an empty sample: it holds no token and
             changes nothing else.
+        truncate: cut documents that run past the sequence at its end (a truncated last
+            document) instead of raising where the mask is used.
 
     Raises:
         ValueError: an empty list, a negative length, or a sum that does not fit in int64;
-            each names the ``seq_lens`` entry.
+            each names the ``seq_lens`` entry. Where the mask is used: a row's documents
+            summing past the sequence, without ``truncate``.
         TypeError: non-integer lengths.
 
     Example:
@@ -352,4 +387,4 @@ def document(seq_lens: Any) -> Document:
         ⬚ ⬚ ■ ■ ⬚
         ⬚ ⬚ ■ ■ ■
     """
-    return Document(seq_lens)
+    return Document(seq_lens, truncate)

@@ -17,6 +17,7 @@ from flexmask.algebra import (
     Window,
     one_interval,
 )
+from flexmask.algebra.interval_mods import Atom, Formula, ValueBound
 from flexmask.blocks import codes_from
 from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
@@ -42,8 +43,12 @@ class Padding(RowValuePiece):
 
     _arg = "lengths"
     _kind = "padding"
-    # docs/algebra.md "Lengths past the sequence": a length at or past the sequence is no
-    # padding at all, as the mask_mod says (every q_idx and kv_idx is below it).
+    # docs/algebra.md "Lengths past the sequence": a length equal to the sequence is no
+    # padding at all; one past it was counted for other rows and raises unless truncated.
+
+    @property
+    def data_reach(self) -> int:
+        return int(self.values.max())
 
     def classify_tiles(self, grid: TileGrid) -> Tensor:
         length = self._row_values(grid)
@@ -71,6 +76,10 @@ class Padding(RowValuePiece):
     def line_breaks(self, *, transpose: bool) -> Tensor:
         return self._line_values()  # real tokens attend the real ones, padding nothing
 
+    def interval_form(self) -> Formula:
+        # kv_idx < length where q_idx < length, else below 0 (a padded query attends nothing).
+        return Atom(True, ValueBound(self, "below_value"))
+
     def varlen_part(self, length: int) -> VarlenPart:
         # One sequence per row: its real tokens (part 0), padding in none.
         pos = torch.arange(length + 1)
@@ -92,13 +101,15 @@ class PaddingMod(PieceMod):
         return (q_idx < row_len) & (kv_idx < row_len)
 
 
-def padding(lengths: Any) -> Padding:
+def padding(lengths: Any, *, truncate: bool = False) -> Padding:
     """Mask out padding: tokens at or after ``lengths[b]`` neither attend nor are attended.
 
     Args:
         lengths: real length of each batch row, or one int for every row, >= 0: 0 is a
-            fully padded row, which attends nothing; a length at or past the sequence is a
-            row without padding (clipped to the sequence, as every piece's lengths are:
+            fully padded row, which attends nothing; the sequence's length is a row without
+            padding. A length past the sequence raises where the mask is used, unless
+            ``truncate``.
+        truncate: read a length past the sequence as the sequence (no padding in that row;
             docs/algebra.md), up to ``2**63 - 1``.
 
     Raises:
@@ -113,4 +124,4 @@ def padding(lengths: Any) -> Padding:
         ⬚ ⬚ ⬚ ⬚
         ⬚ ⬚ ⬚ ⬚
     """
-    return Padding(lengths, "lengths")
+    return Padding(lengths, "lengths", truncate=truncate)

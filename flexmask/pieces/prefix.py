@@ -18,6 +18,7 @@ from flexmask.algebra import (
     cannot_lower,
     one_interval,
 )
+from flexmask.algebra.interval_mods import Atom, Formula, ValueBound
 from flexmask.blocks import codes_from
 from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
@@ -65,6 +66,9 @@ class Prefix(RowValuePiece):
         if transpose:
             return self._line_values()
         return torch.zeros(1, 0, dtype=torch.int64)
+
+    def interval_form(self) -> Formula:
+        return Atom(True, ValueBound(self, "value"))  # kv_idx < length[b]
 
     def varlen_part(self, length: int) -> VarlenPart:
         raise cannot_lower(

@@ -17,6 +17,7 @@ from flexmask.algebra import (
     Window,
     one_interval,
 )
+from flexmask.algebra.interval_mods import Atom, Formula, Join, ValueBound
 from flexmask.blocks import codes_from
 from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece
@@ -70,6 +71,11 @@ class SlidingWindow(RowValuePiece):
 
     def line_breaks(self, *, transpose: bool) -> Tensor:
         return torch.zeros(1, 0, dtype=torch.int64)  # each row's one band, on every line
+
+    def interval_form(self) -> Formula:
+        # q - size < kv_idx < q + size; a size of 0 gives q + 1 <= kv < q: nothing.
+        lo, hi = ValueBound(self, "q-value+1"), ValueBound(self, "q+value")
+        return Join(True, (Atom(False, lo), Atom(True, hi)))
 
     def varlen_part(self, length: int) -> VarlenPart:
         return VarlenPart(window=self.values.clamp(max=INF))
