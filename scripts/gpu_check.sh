@@ -13,6 +13,9 @@
 #                     fwd+bwd then fwd, and the order AUTO["cuda"] should have -> bench_backends.{json,md}
 #   4. bench_build    benchmarks/bench_build.py --device cuda: S = 32k-1M against
 #                     torch's compiled create_block_mask, host syncs counted  -> bench_build.{json,md}
+#   4b. bench_mask_mods benchmarks/bench_mask_mods.py: compiled forward, FLASH and TRITON, on
+#                     flexmask's interval mask_mod against hand-written interval and equality
+#                     forms, each checked against a dense SDPA reference  -> bench_mask_mods.md
 #   5. summary        every step's status and time, the suggested order, the build table
 #                                                                              -> summary.md, steps.tsv
 # It installs nothing beyond `make install`, and that only where no Python here imports torch
@@ -48,15 +51,19 @@ B_TESTS=${GPU_CHECK_BUDGET_TESTS:-120}
 B_BACKENDS=${GPU_CHECK_BUDGET_BACKENDS:-175}
 B_BUILD=${GPU_CHECK_BUDGET_BUILD:-120}
 B_SUMMARY=${GPU_CHECK_BUDGET_SUMMARY:-10}
+B_MASK_MODS=${GPU_CHECK_BUDGET_MASK_MODS:-150}
 
 if [ "$DRY" = 1 ]; then
     DEVICE=cpu
     BACKENDS_ARGS=(--lengths 256 --repeat 2)
     BUILD_ARGS=(--sizes 1024 --quick)
+    MASK_MODS_ARGS=(--sizes 1024 --repeat 1 --check)
 else
     DEVICE=cuda
     BACKENDS_ARGS=(--lengths 4096 16384 --repeat 7)
     BUILD_ARGS=()
+    # FLASH needs FA4 (flash_attn.cute); where it is missing its rows fail and TRITON's stand.
+    MASK_MODS_ARGS=(--sizes 4096 16384 --repeat 5 --backends TRITON FLASH --check)
 fi
 
 # step NAME BUDGET LOG COMMAND...: runs COMMAND under `timeout`, output to LOG and the terminal.
@@ -171,6 +178,10 @@ step bench_backends "$B_BACKENDS" "$RESULTS/bench_backends.md" \
 step bench_build "$B_BUILD" "$RESULTS/bench_build.md" \
     "$PY" benchmarks/bench_build.py --device "$DEVICE" "${BUILD_ARGS[@]}" \
     --json "$RESULTS/bench_build.json"
+
+# --- 4b. the mask_mod forms on torch's kernels, checked against the dense reference
+step bench_mask_mods "$B_MASK_MODS" "$RESULTS/bench_mask_mods.md" \
+    "$PY" benchmarks/bench_mask_mods.py --device "$DEVICE" "${MASK_MODS_ARGS[@]}"
 
 # --- 5. summary (also when steps failed: it reports what they left)
 TOTAL=$(($(date +%s) - START))
