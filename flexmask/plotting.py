@@ -1,5 +1,8 @@
 """Pictures of masks: the element mask beside its block classification, as a PNG.
 
+The module is ``flexmask.plotting``; its :func:`plot` is also ``flexmask.plot`` (the module
+was ``flexmask.plot`` before 0.2, where the function's name hid it).
+
 matplotlib is an optional extra (``pip install flexmask[plot]``); it is imported only when
 :func:`plot` runs. :func:`block_classes` needs only torch and numpy.
 """
@@ -24,6 +27,17 @@ from flexmask.runtime import LazyBlockMask
 
 if TYPE_CHECKING:
     import numpy as np
+
+__all__ = [
+    "CLASS_COLORS",
+    "CLASS_NAMES",
+    "DEFAULT_MAX_ELEMENTS",
+    "DPI",
+    "FIGSIZE",
+    "MAX_PIXELS",
+    "block_classes",
+    "plot",
+]
 
 """The codes :func:`block_classes` returns."""
 
@@ -60,7 +74,7 @@ def block_classes(block_mask: BlockMask, batch: int = 0, head: int = 0) -> np.nd
 
     Example:
         >>> import flexmask
-        >>> from flexmask.plot import block_classes
+        >>> from flexmask.plotting import block_classes
         >>> bm = flexmask.create_block_mask(flexmask.causal(), 1, 1, 6, 6, "cpu", BLOCK_SIZE=2)
         >>> block_classes(bm).tolist()
         [[1, 0, 0], [2, 1, 0], [2, 2, 1]]

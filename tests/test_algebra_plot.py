@@ -1,4 +1,5 @@
-"""flexmask.plot: PNGs of the right size, and block classes equal to an independent oracle."""
+"""flexmask.plot (module flexmask.plotting): PNGs of the right size, and block classes equal
+to an independent oracle."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.nn.attention.flex_attention import create_mask
 
 import flexmask
-from flexmask.plot import DPI, FIGSIZE, MAX_PIXELS, block_classes
+from flexmask.plotting import DPI, FIGSIZE, MAX_PIXELS, block_classes
 
 pytest.importorskip("matplotlib")
 import matplotlib.image  # noqa: E402
@@ -170,7 +171,7 @@ def test_plot_of_a_long_mask_draws_small_contiguous_pictures(tmp_path, monkeypat
 def test_block_picture_is_one_class_per_cell(tmp_path, monkeypatch):
     # A cell standing for several tiles is empty or full where all of them are, else
     # partial: 9 x 7 tiles pooled to cells of 3 x 2 tiles (at most 4 per side).
-    monkeypatch.setattr(sys.modules["flexmask.plot"], "MAX_PIXELS", 4)
+    monkeypatch.setattr(sys.modules["flexmask.plotting"], "MAX_PIXELS", 4)
     drawn = _drawn(monkeypatch)
     mask = flexmask.causal() & flexmask.document([40, 20, 52])
     bm = flexmask.create_block_mask(mask, 1, 1, 9 * 16, 7 * 16, "cpu", BLOCK_SIZE=16)

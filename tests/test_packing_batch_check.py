@@ -502,6 +502,46 @@ def test_transformers_flash_sequences():
     assert any("flash_attention_2" in name for name in report.first.inputs)
 
 
+@pytest.mark.parametrize("seq_idx", [False, True])
+def test_check_batch_takes_the_collators_output_as_it_is(seq_idx):
+    """``check_batch(**collated)``: DataCollatorWithFlattening's own keys (``cu_seq_lens_q``,
+    ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``, ``seq_idx``, ``position_ids``,
+    ``input_ids``, ``labels``) were refused as unknown keywords."""
+    lengths = [5, 4, 6]
+    collated = _flattened(lengths, return_flash_attn_kwargs=True, return_seq_idx=seq_idx)
+    assert {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"} <= set(collated)
+    report = check_batch(**collated)
+    assert report.ok, str(report)
+    assert report.documents == len(lengths)
+    assert "cu_seqlens" in report.checked and "labels" in report.checked
+    assert ("seq_idx" in report.checked) == seq_idx
+    # The same documents as the plain reading: a boundary moved is found where it moved.
+    stale = {**collated, "cu_seq_lens_q": torch.tensor([0, 4, 9, 15], dtype=torch.int32)}
+    stale["cu_seq_lens_k"] = stale["cu_seq_lens_q"]
+    report = check_batch(**stale)
+    assert (report.first.row, report.first.token) == (0, 4)
+
+
+def test_check_batch_reads_the_collators_attention_mask_too():
+    collated = _flattened([3, 2], return_flash_attn_kwargs=True)
+    ones = torch.ones_like(collated["input_ids"])  # transformers: one sequence per row
+    report = check_batch(**collated, attention_mask=ones)
+    assert (report.first.row, report.first.token) == (0, 3)
+
+
+def test_transformers_names_that_disagree_are_refused():
+    collated = _flattened([3, 2], return_flash_attn_kwargs=True)
+    other = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k must be the same"):
+        check_batch(**{**collated, "cu_seq_lens_k": other})
+    with pytest.raises(ValueError, match="cu_seqlens and cu_seq_lens_q must be the same"):
+        check_batch(**collated, cu_seqlens=other)
+    with pytest.raises(ValueError, match="max_length_q and max_length_k"):
+        check_batch(**{**collated, "max_length_k": 9})
+    # Given under both spellings and equal, they are one input.
+    assert check_batch(**collated, cu_seqlens=collated["cu_seq_lens_q"].tolist()).ok
+
+
 def test_model_inputs_check():
     pytest.importorskip("transformers")
     from flexmask.integrations.transformers import model_inputs
@@ -521,7 +561,7 @@ def test_model_inputs_check():
 # ---------------------------------------------------------------------- where users meet it
 def test_the_debug_mode_of_pack_and_the_collators(monkeypatch):
     assert flexmask.pack([[1, 2, 3], [4, 5]], max_len=4, check=True).seq_lens == [[3], [2]]
-    assert flexmask.pack_trees([[1, 2, 3], [1, 2, 4]], max_tokens=8, check=True).num_rows == 1
+    assert flexmask.pack_tree_batch([[1, 2, 3], [1, 2, 4]], max_tokens=8, check=True).num_rows == 1
     collate = PackingCollator(max_len=8, check=True)
     assert collate([[1, 2, 3], [4, 5]]).seq_lens == [[3, 2]]
     assert len(list(PackedDataset([[1, 2], [3]], max_len=4, buffer_size=2, check=True))) == 1
@@ -544,7 +584,7 @@ def test_the_raising_mode_names_the_first_disagreement():
 
 
 def test_trees_positions_are_depths():
-    trees = flexmask.pack_trees([[1, 2, 3], [1, 2, 4], [5, 6]], max_tokens=6)
+    trees = flexmask.pack_tree_batch([[1, 2, 3], [1, 2, 4], [5, 6]], max_tokens=6)
     assert check_batch(batch=trees).ok
     report = check_batch(batch=trees, position_ids=torch.arange(6).unsqueeze(0))
     assert (report.first.row, report.first.token) == (0, 3)

@@ -96,7 +96,7 @@ def test_the_cycle_check_can_fail():
 # Pieces stand on blocks (a piece classifies tiles of the grid); the consumers stand on
 # everything else and use only public names.
 LAYERS: list[tuple[str, ...]] = [
-    ("flexmask._validate", "flexmask._cores"),
+    ("flexmask._validate", "flexmask._cores", "flexmask._deprecated"),
     ("flexmask.algebra",),
     ("flexmask.blocks",),
     ("flexmask.pieces",),
@@ -109,7 +109,7 @@ LAYERS: list[tuple[str, ...]] = [
         "flexmask.inference",
         "flexmask.context_parallel",
         "flexmask.integrations",
-        "flexmask.plot",
+        "flexmask.plotting",
     ),
     ("flexmask",),
 ]
@@ -145,7 +145,8 @@ def _package(module: str, modules: set[str]) -> str:
 def private_imports(sources: dict[str, str]) -> list[str]:
     """``from x import _name`` where x is in another package than the importer (a package's
     own ``__init__`` re-exporting counts as inside), and imports of a module named ``_x``
-    from outside its package. ``flexmask._validate`` is the shared base: importing it is
+    from outside its package. ``flexmask._validate`` is the shared base (and
+    ``flexmask._deprecated`` the front doors' table of old spellings): importing it is
     public; its own underscored names are not."""
     modules = set(sources)
     found = []
@@ -163,7 +164,8 @@ def private_imports(sources: dict[str, str]) -> list[str]:
                 inside = where == own or where.startswith(own + ".")
                 private_name = alias.name.startswith("_") and alias.name != "__version__"
                 private_module = any(
-                    part.startswith("_") and part not in ("_validate", "_cores", "__init__")
+                    part.startswith("_")
+                    and part not in ("_validate", "_cores", "_deprecated", "__init__")
                     for part in (full if full in modules else target).split(".")
                 )
                 if (private_name or private_module) and not inside:
@@ -309,23 +311,27 @@ def test_no_function_over_80_lines_of_code():
     assert long_functions({"m": "def f():\n    '''doc'''\n" + "    x = 1\n" * 81}) == ["m.f (81)"]
 
 
-def _exports(path: pathlib.Path) -> set[str] | None:
-    """The names a module lists in ``__all__``; None where it has none."""
+def _exports(
+    path: pathlib.Path, lists: tuple[str, ...] = ("__all__", "_INTERNAL")
+) -> set[str] | None:
+    """The names a module lists in ``__all__`` (for users) and ``_INTERNAL`` (for the other
+    flexmask packages); None where it has neither."""
+    found: set[str] | None = None
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            isinstance(t, ast.Name) and t.id in lists for t in node.targets
         ):
-            return set(ast.literal_eval(node.value))
-    return None
+            found = (found or set()) | set(ast.literal_eval(node.value))
+    return found
 
 
 def back_door_imports(sources: dict[str, str], exports: dict[str, set[str] | None]) -> list[str]:
     """Imports that pass a package's front door: across flexmask's top-level packages
     (``flexmask.blocks``, ``flexmask.runtime``, ...), a name comes from the package itself and
-    is in its ``__init__``'s ``__all__`` (for a top-level module such as ``flexmask.attention``,
-    its ``__all__`` or, without one, any name without an underscore). Subpackages of the root
-    (``from flexmask import pieces``) are their own front door. Every import counts, under
-    ``TYPE_CHECKING`` and inside functions too."""
+    is in its ``__init__``'s ``__all__`` or ``_INTERNAL`` (for a top-level module such as
+    ``flexmask.attention``, its ``__all__`` or, without one, any name without an underscore).
+    Subpackages of the root (``from flexmask import pieces``) are their own front door. Every
+    import counts, under ``TYPE_CHECKING`` and inside functions too."""
 
     def top(module: str) -> str:
         return ".".join(module.split(".")[:2])

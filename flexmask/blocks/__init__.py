@@ -9,7 +9,7 @@
 * ``read`` — the one reader of a BlockMask (either side's codes, bytes, ``same_blocks``).
 """
 
-from flexmask.blocks.codes import (
+from flexmask.blocks.codes import (  # noqa: F401 (names of _INTERNAL)
     CODE_DTYPE,
     EMPTY,
     FULL,
@@ -21,10 +21,10 @@ from flexmask.blocks.codes import (
     not_codes,
     or_codes,
 )
-from flexmask.blocks.grid import BlockGrid, block_sizes, offsets, per_row
-from flexmask.blocks.memory import advise_huge_pages, huge_pages_on, index_tensors
-from flexmask.blocks.pair import side_by_side
-from flexmask.blocks.read import (
+from flexmask.blocks.grid import BlockGrid, block_sizes, offsets, per_row  # noqa: F401 (names of _INTERNAL)
+from flexmask.blocks.memory import advise_huge_pages, huge_pages_on, index_tensors  # noqa: F401 (names of _INTERNAL)
+from flexmask.blocks.pair import side_by_side  # noqa: F401 (names of _INTERNAL)
+from flexmask.blocks.read import (  # noqa: F401 (names of _INTERNAL)
     BLOCK_FIELDS,
     WRITE_ORDER_FIELDS,
     block_mask_nbytes,
@@ -32,8 +32,8 @@ from flexmask.blocks.read import (
     q_codes,
     same_blocks,
 )
-from flexmask.blocks.runs import expand_runs, exporting
-from flexmask.blocks.write import (
+from flexmask.blocks.runs import expand_runs, exporting  # noqa: F401 (names of _INTERNAL)
+from flexmask.blocks.write import (  # noqa: F401 (names of _INTERNAL)
     TORCH_DEFAULTS,
     Flags,
     Ordered,
@@ -47,21 +47,30 @@ from flexmask.blocks.write import (
 )
 
 __all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "block_mask_nbytes",
+    "kv_codes",
+    "q_codes",
+    "same_blocks",
+]
+
+# What other flexmask packages use and users need not: not an API, it may change in any
+# release (tests/test_structure.py lets siblings import these beside __all__; ruff reads only
+# __all__, hence the noqa on their imports).
+_INTERNAL = [
     "BLOCK_FIELDS",
     "BlockGrid",
     "CODE_DTYPE",
-    "EMPTY",
-    "FULL",
     "Flags",
     "Ordered",
-    "PARTIAL",
     "TORCH_DEFAULTS",
     "UNDECIDED",
     "WRITE_ORDER_FIELDS",
     "advise_huge_pages",
     "and_codes",
     "assemble",
-    "block_mask_nbytes",
     "block_sizes",
     "codes_from",
     "constant_codes",
@@ -70,8 +79,6 @@ __all__ = [
     "exporting",
     "huge_pages_on",
     "index_tensors",
-    "kv_codes",
-    "q_codes",
     "not_codes",
     "offsets",
     "or_codes",
@@ -81,6 +88,5 @@ __all__ = [
     "per_row",
     "q_side_from_codes",
     "q_side_from_line_runs",
-    "same_blocks",
     "side_by_side",
 ]

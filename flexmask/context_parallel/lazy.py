@@ -36,7 +36,7 @@ class LazyShard(BuiltOnRead):
     Example:
         >>> import flexmask
         >>> h = flexmask.lazy_shard(flexmask.causal(), 1, 1, 512, world_size=2, rank=1,
-        ...                         BLOCK_SIZE=64, cache=flexmask.ShardCache())
+        ...                         BLOCK_SIZE=64, cache=flexmask.context_parallel.ShardCache())
         >>> h.built, h.BLOCK_SIZE
         (False, (64, 64))
         >>> h.kv_num_blocks.shape, h.built     # a BlockMask field: read from the build
@@ -182,7 +182,7 @@ def lazy_shard(
 
     Example:
         >>> import flexmask
-        >>> cache = flexmask.ShardCache()
+        >>> cache = flexmask.context_parallel.ShardCache()
         >>> h = flexmask.lazy_shard(flexmask.causal(), 1, 1, 512, cache=cache,
         ...                         world_size=2, rank=1)
         >>> h.key in cache, h.block_mask.shape, h.key in cache

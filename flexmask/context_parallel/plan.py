@@ -48,7 +48,7 @@ def _resolve_balancer(
     if not isinstance(balancer, str) or balancer not in BALANCERS:
         raise ValueError(
             f"balancer must be 'head_tail', 'mask_aware', 'ptrr', None or a torch _LoadBalancer "
-            f"(e.g. flexmask.PerDocumentBalancer(...)), got {balancer!r}"
+            f"(e.g. flexmask.context_parallel.PerDocumentBalancer(...)), got {balancer!r}"
         )
     if balancer == "head_tail":
         return HeadTailBalancer(seq_length, world, device)

@@ -17,7 +17,7 @@ class ShardCache(KeyedCache):
 
     Example:
         >>> import flexmask
-        >>> cache = flexmask.ShardCache(maxsize=4)
+        >>> cache = flexmask.context_parallel.ShardCache(maxsize=4)
         >>> a = flexmask.shard(flexmask.causal(), 1, 1, 512, world_size=2, rank=0, cache=cache)
         >>> b = flexmask.shard(flexmask.causal(), 1, 1, 512, world_size=2, rank=0, cache=cache)
         >>> a is b, cache.info().hits

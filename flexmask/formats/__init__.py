@@ -12,32 +12,66 @@ Each returns the most compact form that masks exactly what the mask masks, or ra
 ValueError naming the piece (or column) the format cannot express. docs/formats.md has the
 support matrix.
 
+Magi's ``attn_type_map`` values are ``MAGI_FULL``, ``MAGI_CAUSAL``, ``MAGI_INVCAUSAL`` and
+``MAGI_BICAUSAL``.
+
 Backends lowering the Mask of a checked call (validated once, by its spec or its handle) use
-``magi_of`` / ``varlen_of`` with ``validated_window``: the same lowering without validating
-the mask again.
+``magi_of`` / ``varlen_of`` with ``validated_window`` (``_INTERNAL``: not for users): the same
+lowering without validating the mask again.
 """
 
-from flexmask.formats._structure import Window, validated_window
+from typing import Any
+
+from flexmask._deprecated import moved
+from flexmask.formats._structure import validated_window  # noqa: F401 (names of _INTERNAL)
 from flexmask.formats.fa4 import FA4Mask, to_fa4
 from flexmask.formats.flashmask import FlashMask, to_flashmask
-from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL, MagiMask, magi_of, to_magi
-from flexmask.formats.varlen import VarlenMask, to_varlen, varlen_of
+from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL, MagiMask, magi_of, to_magi  # noqa: F401 (names of _INTERNAL)
+from flexmask.formats.varlen import VarlenMask, to_varlen, varlen_of  # noqa: F401 (names of _INTERNAL)
+
+# Magi's attn_type_map values, named for the format they belong to: ``FULL`` alone is also
+# a block code (flexmask.blocks.FULL).
+MAGI_FULL, MAGI_CAUSAL, MAGI_INVCAUSAL, MAGI_BICAUSAL = FULL, CAUSAL, INVCAUSAL, BICAUSAL
+
+_RENAMED = {
+    "Window": (
+        "flexmask.formats._structure",
+        "Window",
+        "is internal: the window a lowering reads, which validated_window returns (the piece "
+        "protocol's Window is flexmask.algebra.Window)",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    return moved(__name__, name, _RENAMED)
+
 
 __all__ = [
-    "BICAUSAL",
-    "CAUSAL",
     "FA4Mask",
-    "FULL",
     "FlashMask",
-    "INVCAUSAL",
+    "MAGI_BICAUSAL",
+    "MAGI_CAUSAL",
+    "MAGI_FULL",
+    "MAGI_INVCAUSAL",
     "MagiMask",
     "VarlenMask",
-    "Window",
-    "magi_of",
     "to_fa4",
     "to_flashmask",
     "to_magi",
     "to_varlen",
+]
+
+# What other flexmask packages use and users need not: not an API, it may change in any
+# release (tests/test_structure.py lets siblings import these beside __all__; ruff reads only
+# __all__, hence the noqa on their imports). The bare
+# Magi names are here while backends/slices spells them so; users write MAGI_*.
+_INTERNAL = [
+    "BICAUSAL",
+    "CAUSAL",
+    "FULL",
+    "INVCAUSAL",
+    "magi_of",
     "validated_window",
     "varlen_of",
 ]

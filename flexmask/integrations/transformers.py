@@ -113,8 +113,8 @@ def _batch_parts(
             position_ids = _check_positions(position_ids, batch_size, seq_len)
         return batch, position_ids, batch_size, seq_len
     raise TypeError(
-        f"batch must be a PackedBatch (flexmask.pack), a TreePack (pack_tree), a TreeBatch "
-        f"(pack_trees) or a flexmask Mask with shape=(B, S); got {type(batch).__name__}"
+        f"batch must be a PackedBatch (flexmask.pack), a TreePack (pack_one_tree), a TreeBatch "
+        f"(pack_tree_batch) or a flexmask Mask with shape=(B, S); got {type(batch).__name__}"
     )
 
 
@@ -228,8 +228,8 @@ def attention_masks(
         config: the model's config (``model.config``); its ``layer_types``,
             ``sliding_window`` and ``attention_chunk_size`` are read, and its
             ``_attn_implementation`` unless ``implementation`` is given.
-        batch: a :class:`~flexmask.PackedBatch`, :class:`~flexmask.TreePack`,
-            :class:`~flexmask.TreeBatch`, or a flexmask ``Mask`` together with ``shape``.
+        batch: a :class:`~flexmask.packing.PackedBatch`, :class:`~flexmask.packing.TreePack`,
+            :class:`~flexmask.packing.TreeBatch`, or a flexmask ``Mask`` together with ``shape``.
         implementation: ``"flex_attention"``, ``"flexmask"`` (see :func:`register`),
             ``"sdpa"`` or ``"eager"``.
         shape: ``(B, S)``, only with a ``Mask`` as ``batch``.
@@ -325,8 +325,8 @@ def model_inputs(
 
     Args:
         model: a transformers model; its config picks the implementation and layer types.
-        batch: a :class:`~flexmask.PackedBatch`, :class:`~flexmask.TreePack` or
-            :class:`~flexmask.TreeBatch`.
+        batch: a :class:`~flexmask.packing.PackedBatch`, :class:`~flexmask.packing.TreePack` or
+            :class:`~flexmask.packing.TreeBatch`.
         check: run :func:`flexmask.check_batch` on the result — the batch, and each layer
             type's mask against the batch's mask as that layer restricts it — and raise
             ValueError at a disagreement; None: the environment variable FLEXMASK_CHECK=1.
@@ -415,7 +415,7 @@ def flash_kwargs(
     own ``prepare_fa_kwargs_from_position_ids`` derives from a packed batch's positions.
 
     Args:
-        batch: a :class:`~flexmask.PackedBatch`, or a flexmask ``Mask`` with ``shape``
+        batch: a :class:`~flexmask.packing.PackedBatch`, or a flexmask ``Mask`` with ``shape``
             ``(B, S)`` (causal, documents, padding: what ``to_varlen`` takes).
         device: where the ``cu_seq_lens`` tensors live.
 

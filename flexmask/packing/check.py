@@ -27,7 +27,7 @@ from flexmask.pieces import causal, document
 from flexmask.runtime import LazyBlockMask
 
 ENV_CHECK = "FLEXMASK_CHECK"
-"""Set to 1 to run :func:`check_batch` in ``pack``, ``pack_trees`` and the collators."""
+"""Set to 1 to run :func:`check_batch` in ``pack``, ``pack_tree_batch`` and the collators."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +111,10 @@ def check_batch(
     cu_seqlens: Any = None,
     cu_seqlens_padded: Any = None,
     max_seqlen: int | None = None,
+    cu_seq_lens_q: Any = None,
+    cu_seq_lens_k: Any = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
     causal_kernel: bool | None = None,
     window_size: tuple[int, int] = (-1, -1),
     mask: Mask | None = None,
@@ -154,9 +158,9 @@ def check_batch(
     element.
 
     Args:
-        batch: a :class:`~flexmask.PackedBatch` (its tokens, shifted labels, positions,
-            documents, and lazy handle), a :class:`~flexmask.TreeBatch` or
-            :class:`~flexmask.TreePack`.
+        batch: a :class:`~flexmask.packing.PackedBatch` (its tokens, shifted labels, positions,
+            documents, and lazy handle), a :class:`~flexmask.packing.TreeBatch` or
+            :class:`~flexmask.packing.TreePack`.
         input_ids: ``(B, S)`` token ids: the batch's shape, and how ``labels`` are aligned.
         position_ids: ``(B, S)`` (or ``(1, S)``, read for every row) positions given to the
             model.
@@ -182,6 +186,12 @@ def check_batch(
         cu_seqlens: cumulative real lengths over the ``B * S`` tokens laid end to end.
         cu_seqlens_padded: cumulative padded lengths (TransformerEngine's THD layout).
         max_seqlen: the kernel's ``max_seqlen``: at least the longest sequence.
+        cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k: transformers' names for
+            ``cu_seqlens`` and ``max_seqlen`` (``DataCollatorWithFlattening(
+            return_flash_attn_kwargs=True)`` returns them, so ``check_batch(**collated)``
+            reads its output as it is). The q and k values must be the same boundaries (a
+            packed batch attends within itself) and agree with ``cu_seqlens``/``max_seqlen``
+            when both are given, else ValueError naming the two.
         causal_kernel: the varlen kernel's ``causal`` flag for ``cu_seqlens`` (transformers'
             flash path is causal); None: ``cu_seqlens`` only as document boundaries.
         window_size: the varlen kernel's ``(left, right)`` window, ``-1`` unbounded.
@@ -217,7 +227,7 @@ def check_batch(
         >>> print(report.first.inputs, report.first.row, report.first.token)
         ('attention_mask', "batch.mask's documents") 0 3
     """
-    checks = _Inputs.gather(locals())
+    checks = _Inputs.gather(inputs.transformers_names(locals()))
     report = checks.run()
     if raise_on_error:
         report.raise_if_failed()

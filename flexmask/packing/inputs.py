@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -53,6 +54,42 @@ def length_rows(seq_lens: Any) -> list[Tensor]:
             raise ValueError(f"{name}[{i}] must be a document length >= 0, got {int(lengths[i])}")
         out.append(lengths)
     return out
+
+
+_TRANSFORMERS_NAMES = {
+    # flexmask's (flash-attn's) name -> transformers' names for it, as
+    # DataCollatorWithFlattening(return_flash_attn_kwargs=True) returns them.
+    "cu_seqlens": ("cu_seq_lens_q", "cu_seq_lens_k"),
+    "max_seqlen": ("max_length_q", "max_length_k"),
+}
+
+
+def transformers_names(given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with transformers' names (``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``)
+    folded into flexmask's (``cu_seqlens``, ``max_seqlen``). A packed batch attends within
+    itself, so the q and k values are one set of boundaries: values given under several of
+    these names must be equal, else ValueError naming two that differ (one of them would be
+    checked and the other silently not)."""
+    given = dict(given)
+    for name, aliases in _TRANSFORMERS_NAMES.items():
+        named = [(n, given.pop(n, None)) for n in (name, *aliases)]
+        named = [(n, value) for n, value in named if value is not None]
+        for other, value in named[1:]:
+            if not _same(named[0][1], value):
+                raise ValueError(
+                    f"{named[0][0]} and {other} must be the same (check_batch reads one set of "
+                    f"document boundaries for queries and keys), got {named[0][1]!r} and "
+                    f"{value!r}; pass one of them"
+                )
+        given[name] = named[0][1] if named else None
+    return given
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) or isinstance(b, (int, float)):
+        return bool(a == b)
+    a, b = torch.as_tensor(a).reshape(-1), torch.as_tensor(b).reshape(-1)
+    return a.shape == b.shape and bool((a.long() == b.long()).all())
 
 
 def positions(value: Tensor, shape: tuple[int, int]) -> Tensor:

@@ -1,8 +1,8 @@
 """RL batches: many sampled sequences in prefix trees under a token budget, and their log-probs.
 
-A GRPO step samples several completions per prompt. :func:`pack_trees` merges them into prefix
-trees of at most ``max_tokens`` nodes, one tree per row of a ``(B, max_tokens)`` batch, so each
-shared prompt is computed once per tree. :meth:`TreeBatch.log_probs` then reads every
+A GRPO step samples several completions per prompt. :func:`pack_tree_batch` merges them into
+prefix trees of at most ``max_tokens`` nodes, one tree per row of a ``(B, max_tokens)`` batch,
+so each shared prompt is computed once per tree. :meth:`TreeBatch.log_probs` then reads every
 sequence's completion log-probs (and entropies) out of the packed logits in one vectorised
 gather: a handful of tensor ops whatever the number of sequences or tokens.
 """
@@ -51,10 +51,10 @@ class SequenceLogProbs(NamedTuple):
 class TreeBatch:
     """Sequences merged into ``B`` prefix trees, one per row of ``max_tokens`` tokens.
 
-    Each row is a trie laid out in preorder (see :func:`flexmask.pack_tree`); a sequence lives
-    in exactly one row. Rows past the last real tree, added by ``num_rows``, are dummy trees: a
-    single padding token that attends only to itself, so every rank of a data-parallel job can
-    run the same number of rows.
+    Each row is a trie laid out in preorder (see :func:`flexmask.pack_one_tree`); a sequence
+    lives in exactly one row. Rows past the last real tree, added by ``num_rows``, are dummy
+    trees: a single padding token that attends only to itself, so every rank of a
+    data-parallel job can run the same number of rows.
 
     Attributes:
         tokens: ``(B, max_tokens)`` int64 trie nodes, then ``pad_id``.
@@ -105,8 +105,8 @@ class TreeBatch:
         """``tree(parents)`` with one tree per row: a token attends to its ancestors and itself.
 
         Example:
-            >>> from flexmask.packing import pack_trees
-            >>> batch = pack_trees([[1, 2, 3], [1, 2, 4], [5, 6]], max_tokens=4)
+            >>> from flexmask.packing import pack_tree_batch
+            >>> batch = pack_tree_batch([[1, 2, 3], [1, 2, 4], [5, 6]], max_tokens=4)
             >>> dense = batch.mask.to_dense(2, 1, 4, 4)[:, 0].int()
             >>> dense[0].tolist()   # [1, 2, 3] and [1, 2, 4] share [1, 2]
             [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]
@@ -121,8 +121,8 @@ class TreeBatch:
         """A picklable handle that builds the ``(B, H, max_tokens, max_tokens)`` BlockMask.
 
         Example:
-            >>> from flexmask.packing import pack_trees
-            >>> batch = pack_trees([[1, 2, 3], [1, 2, 4]], max_tokens=8)
+            >>> from flexmask.packing import pack_tree_batch
+            >>> batch = pack_tree_batch([[1, 2, 3], [1, 2, 4]], max_tokens=8)
             >>> batch.lazy(block_size=4).block_mask.shape
             (1, 1, 8, 8)
         """
@@ -140,8 +140,8 @@ class TreeBatch:
         """``(rows, positions)`` of sequence ``i``'s tokens, in order.
 
         Example:
-            >>> from flexmask.packing import pack_trees
-            >>> batch = pack_trees([[1, 2, 3], [1, 2, 4]], max_tokens=8)
+            >>> from flexmask.packing import pack_tree_batch
+            >>> batch = pack_tree_batch([[1, 2, 3], [1, 2, 4]], max_tokens=8)
             >>> batch.tokens[batch.sequence_index(1)].tolist()
             [1, 2, 4]
         """
@@ -155,8 +155,8 @@ class TreeBatch:
         """Gathers a ``(B, max_tokens, ...)`` per-token tensor along every sequence's path.
 
         Example:
-            >>> from flexmask.packing import pack_trees
-            >>> batch = pack_trees([[1, 2, 3], [], [1, 4]], max_tokens=4)
+            >>> from flexmask.packing import pack_tree_batch
+            >>> batch = pack_tree_batch([[1, 2, 3], [], [1, 4]], max_tokens=4)
             >>> [t.tolist() for t in batch.unpack(batch.tokens)]
             [[1, 2, 3], [], [1, 4]]
         """
@@ -204,8 +204,8 @@ class TreeBatch:
 
         Example:
             >>> import torch
-            >>> from flexmask.packing import pack_trees
-            >>> batch = pack_trees([[1, 2, 3], [1, 2, 4, 5]], max_tokens=8, prompt_lens=[2, 2])
+            >>> from flexmask.packing import pack_tree_batch
+            >>> batch = pack_tree_batch([[1, 2, 3], [1, 2, 4, 5]], max_tokens=8, prompt_lens=[2, 2])
             >>> out = batch.log_probs(torch.zeros(1, 8, 6), entropy=True)
             >>> out.mask.tolist()
             [[True, False], [True, True]]
@@ -238,8 +238,8 @@ class TreeBatch:
             or not temperature > 0
         ):
             raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-        # Token ids are >= 0 (pack_trees refuses negatives, which would wrap as indices), so
-        # V bounds them from above: every id, prompt tokens and pad_id included, must be < V.
+        # Token ids are >= 0 (pack_tree_batch refuses negatives, which would wrap as indices),
+        # so V bounds them from above: every id, prompt tokens and pad_id included, must be < V.
         vocab = logits.shape[2]
         if vocab <= self._max_target:
             raise ValueError(
@@ -296,7 +296,7 @@ class TreeBatch:
         )
 
 
-def pack_trees(
+def pack_tree_batch(
     sequences: Iterable[Sequence[int] | torch.Tensor],
     max_tokens: int,
     *,
@@ -306,13 +306,15 @@ def pack_trees(
     pad_id: int = 0,
     check: bool | None = None,
 ) -> TreeBatch:
-    """Packs sequences into prefix trees of at most ``max_tokens`` nodes, one tree per row.
+    """Packs sequences into prefix trees of at most ``max_tokens`` nodes, one tree per row: a
+    :class:`TreeBatch` of 2-D ``(B, max_tokens)`` tokens (0.1 called it ``pack_trees``).
 
     Sequences are taken in input order; each goes into the first tree that can take it within
     the budget, counting only the nodes it adds (a completion whose prompt is already in a tree
     costs just its completion there), else it starts a new tree. Keep a group's completions
     together in the input so they share their prompt. Inside a row everything is as in
-    :func:`flexmask.pack_tree`: the logits along a sequence's path are the ones it gets alone.
+    :func:`flexmask.pack_one_tree`: the logits along a sequence's path are the ones it gets
+    alone.
 
     Trained tokens: token ``t`` of sequence ``i`` is trained on when ``t >= prompt_lens[i]``
     and ``loss_mask[i][t]`` (each defaults to everything); token 0 never is (nothing predicts
@@ -350,9 +352,9 @@ def pack_trees(
             ``max_tokens``. Any size that fits is accepted.
 
     Example:
-        >>> from flexmask.packing import pack_trees
+        >>> from flexmask.packing import pack_tree_batch
         >>> group = [[7, 8, 1, 2], [7, 8, 3], [7, 8, 4, 5, 6]]      # prompt [7, 8]
-        >>> batch = pack_trees(group, max_tokens=6, prompt_lens=[2, 2, 2], num_rows=3)
+        >>> batch = pack_tree_batch(group, max_tokens=6, prompt_lens=[2, 2, 2], num_rows=3)
         >>> batch.tokens.tolist()
         [[7, 8, 1, 2, 3, 0], [7, 8, 4, 5, 6, 0], [0, 0, 0, 0, 0, 0]]
         >>> batch.row_of, batch.num_tokens, batch.saved_tokens

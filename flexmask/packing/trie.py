@@ -1,4 +1,5 @@
-"""Shared prefixes computed once: :func:`pack_tree` merges sequences into a preorder trie."""
+"""Shared prefixes computed once: :func:`pack_one_tree` merges sequences into one preorder
+trie."""
 
 from __future__ import annotations
 
@@ -69,8 +70,8 @@ class TreePack:
             ■ ⬚ ⬚ ■
 
         Example:
-            >>> from flexmask.packing import pack_tree
-            >>> tp = pack_tree([[1, 2, 3], [1, 4]])
+            >>> from flexmask.packing import pack_one_tree
+            >>> tp = pack_one_tree([[1, 2, 3], [1, 4]])
             >>> tp.mask.to_dense(1, 1, 4, 4)[0, 0].int().tolist()
             [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]
         """
@@ -82,8 +83,8 @@ class TreePack:
         """A picklable handle that builds the BlockMask (``B = 1``, ``L x L``) on first use.
 
         Example:
-            >>> from flexmask.packing import pack_tree
-            >>> tp = pack_tree([[1, 2, 3], [1, 4]], pad_to=8)
+            >>> from flexmask.packing import pack_one_tree
+            >>> tp = pack_one_tree([[1, 2, 3], [1, 4]], pad_to=8)
             >>> tp.lazy(block_size=4).block_mask.seq_lengths
             (8, 8)
         """
@@ -103,8 +104,8 @@ class TreePack:
 
         Example:
             >>> import torch
-            >>> from flexmask.packing import pack_tree
-            >>> tp = pack_tree([[1, 2, 3], [1, 4]])
+            >>> from flexmask.packing import pack_one_tree
+            >>> tp = pack_one_tree([[1, 2, 3], [1, 4]])
             >>> tp.sequence_index(1).tolist()
             [0, 3]
             >>> # log-probs of sequence 1's tokens 1.. from logits of shape (L, V):
@@ -131,8 +132,8 @@ class TreePack:
             appear in every sequence through them.
 
         Example:
-            >>> from flexmask.packing import pack_tree
-            >>> tp = pack_tree([[1, 2, 3], [1, 4], [1, 2]])
+            >>> from flexmask.packing import pack_one_tree
+            >>> tp = pack_one_tree([[1, 2, 3], [1, 4], [1, 2]])
             >>> [t.tolist() for t in tp.unpack(tp.tokens)]
             [[1, 2, 3], [1, 4], [1, 2]]
         """
@@ -148,13 +149,15 @@ class TreePack:
         return list(gathered.split(lengths))
 
 
-def pack_tree(
+def pack_one_tree(
     sequences: Iterable[Sequence[int] | torch.Tensor],
     *,
     pad_to: int | None = None,
     pad_id: int = 0,
 ) -> TreePack:
-    """Merges sequences that share prefixes into one trie laid out in preorder.
+    """Merges sequences that share prefixes into one trie laid out in preorder: a
+    :class:`TreePack` of 1-D ``(L,)`` tokens (0.1 called it ``pack_tree``; many trees in
+    ``(B, max_tokens)`` rows are :func:`pack_tree_batch`'s).
 
     Each distinct prefix is one node: a token's place in the trie is determined by the tokens
     before it, which is all a causal model looks at, so computing it once is exact. Nodes are
@@ -194,8 +197,8 @@ def pack_tree(
             accepted.
 
     Example:
-        >>> from flexmask.packing import pack_tree
-        >>> tp = pack_tree([[1, 2, 3], [1, 2, 4], [1, 2]], pad_to=6)
+        >>> from flexmask.packing import pack_one_tree
+        >>> tp = pack_one_tree([[1, 2, 3], [1, 2, 4], [1, 2]], pad_to=6)
         >>> tp.tokens.tolist(), tp.parents.tolist(), tp.position_ids.tolist()
         ([1, 2, 3, 4, 0, 0], [-1, 0, 1, 1], [0, 1, 2, 2, 0, 0])
         >>> tp.sequence_index(1).tolist(), tp.saved_tokens
@@ -307,7 +310,7 @@ class _Edge:
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
         self.children: dict[int, _Edge] = {}
-        self.start = 0  # position of the first token in the layout, set by pack_tree
+        self.start = 0  # position of the first token in the layout, set by pack_one_tree
 
     def size(self) -> int:
         total, stack = 0, [self]
