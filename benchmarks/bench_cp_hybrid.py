@@ -19,7 +19,7 @@ columns are imbalances, max rank cost / mean:
 ``mask-aware (sum)`` is ``MaskAwareBalancer`` given both masks, each repeated by its weight:
 it deals by the weighted sum of the costs, without the layer-weighted balancer's swaps.
 
-``--trees`` measures GRPO groups packed by ``flexmask.pack_trees`` instead (rows of S tokens,
+``--trees`` measures GRPO groups packed by ``flexmask.pack_tree_batch`` instead (rows of S tokens,
 several groups each): the imbalance of one tree mask under contiguous slices, head-tail,
 PTRR and the mask-aware balancer (whose costs count each response's ancestor blocks).
 
@@ -158,12 +158,12 @@ def grpo_trees(seq: int, seed: int = 0) -> Any:
             response = [rng.randrange(1, 1000) for _ in range(rng.randrange(64, 2048))]
             sequences.append(prompt + response)
             prompt_lens.append(len(prompt))
-    return flexmask.pack_trees(sequences, seq, prompt_lens=prompt_lens)
+    return flexmask.pack_tree_batch(sequences, seq, prompt_lens=prompt_lens)
 
 
 def trees(sizes: list[int], worlds: list[int]) -> list[dict]:
     rows = []
-    print("\nTrees (GRPO groups, pack_trees): imbalance of one tree mask, every row summed:\n")
+    print("\nTrees (GRPO groups, pack_tree_batch): imbalance of one tree mask, every row summed:\n")
     print("| S | rows | sequences | W | contiguous | head-tail | PTRR | mask-aware | ms |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for seq in sizes:

@@ -135,7 +135,7 @@ def memory(S: int, n: int, dense_limit: float) -> dict[str, Any]:
     lazy["allocator_peak"], _ = peak_extra_bytes(lambda: lazy_run(masks, S))
     flexmask.cache_clear()
 
-    cache = flexmask.default_cache()
+    cache = flexmask.runtime.default_cache()
     if cache.maxbytes is not None:
         bound, bound_text = cache.maxbytes, f"maxbytes = {fmt_bytes(cache.maxbytes)}"
     else:

@@ -2,7 +2,7 @@
 against the build of the tree alone and of ``tree & sliding_window(w)`` (packed distance),
 in one run; and a transformers sliding layer over packed documents.
 
-Trees from ``pack_trees`` of GRPO-like groups (a prompt of 200-2000 tokens, 8 responses of
+Trees from ``pack_tree_batch`` of GRPO-like groups (a prompt of 200-2000 tokens, 8 responses of
 100-1500 each), ``w = 1024``, B rows of S tokens. Each row times the three builds
 interleaved (every cache cleared), medians and minimums of ``--repeat`` rounds, one thread
 unless ``FLEXMASK_BUILD_THREADS`` says otherwise, load printed.
@@ -39,12 +39,12 @@ from common import machine, markdown_table  # noqa: E402
 
 import flexmask  # noqa: E402
 from flexmask.integrations.transformers import _packed_layer_mask, layer_mask  # noqa: E402
-from flexmask.packing import pack, pack_trees  # noqa: E402
+from flexmask.packing import pack, pack_tree_batch  # noqa: E402
 
 WINDOW = 1024
 
 
-def grpo_trees(S: int, B: int, seed: int = 0) -> flexmask.TreeBatch:
+def grpo_trees(S: int, B: int, seed: int = 0) -> flexmask.packing.TreeBatch:
     """At least B rows of S tokens of GRPO groups packed as trees (the first B kept)."""
     rng = np.random.default_rng(seed)
     sequences: list[list[int]] = []
@@ -55,12 +55,12 @@ def grpo_trees(S: int, B: int, seed: int = 0) -> flexmask.TreeBatch:
                 prompt + rng.integers(1, 50, size=int(rng.integers(100, 1500))).tolist()
             )
         if sum(len(s) for s in sequences) > 1.3 * S * B:
-            batch = pack_trees(sequences, max_tokens=S)
+            batch = pack_tree_batch(sequences, max_tokens=S)
             if batch.tokens.shape[0] >= B:
                 return batch
 
 
-def packed_documents(S: int, B: int, seed: int = 0) -> flexmask.PackedBatch:
+def packed_documents(S: int, B: int, seed: int = 0) -> flexmask.packing.PackedBatch:
     """About B rows of S tokens of documents of 50-4000 tokens, packed by ``pack``."""
     rng = np.random.default_rng(seed)
     docs = [list(range(int(n))) for n in rng.integers(50, 4000, size=B * S // 2100)]

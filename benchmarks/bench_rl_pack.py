@@ -6,7 +6,7 @@ the same loss (the completions' log-probs); one run measures, per layout:
 
 * tokens computed (rows x row length) and real tokens, and what trees save by computing each
   prompt once per tree;
-* pack + mask time: ``pack_trees`` / ``pack`` / padding, plus building every BlockMask;
+* pack + mask time: ``pack_tree_batch`` / ``pack`` / padding, plus building every BlockMask;
 * forward + backward time over all micro-batches (gradient accumulation, ~8k tokens each),
   the median of ``--repeats`` rounds in which the layouts take turns;
 * where the tree step's time goes: its attention calls alone (forward + backward, the way
@@ -48,7 +48,7 @@ from common import fmt_time, machine, markdown_table  # noqa: E402
 
 import flexmask  # noqa: E402
 from flexmask.backends import slices, threads  # noqa: E402
-from flexmask.packing import pack, pack_trees  # noqa: E402
+from flexmask.packing import pack, pack_tree_batch  # noqa: E402
 
 VOCAB, BUDGET, PROMPT, COMPLETIONS = 128, 8192, 512, 8
 HEADS = 2
@@ -109,10 +109,10 @@ class Layout:
 
 
 class Trees(Layout):
-    name = "prefix trees (pack_trees)"
+    name = "prefix trees (pack_tree_batch)"
 
     def prepare(self) -> None:
-        self.batch = pack_trees(self.sequences, BUDGET, prompt_lens=self.prompt_lens)
+        self.batch = pack_tree_batch(self.sequences, BUDGET, prompt_lens=self.prompt_lens)
         self.handles = []
         for row in range(self.batch.num_rows):
             # One tree per micro-batch: the row's own (1, max_tokens) mask.
@@ -289,7 +289,7 @@ def run_size(model, num_groups: int, repeats: int, block_size: int) -> None:
     print(
         f"\ntree step {fmt_time(median[trees.name])}: its attention alone (fwd + bwd) "
         f"{fmt_time(attention)}, log_probs {fmt_time(trees.log_probs_s)}, masks built in "
-        f"{fmt_time(trees.prep)} (with pack_trees); attention backend: {backend}; "
+        f"{fmt_time(trees.prep)} (with pack_tree_batch); attention backend: {backend}; "
         f"block-sparse threads: {', '.join(ways) or 'not used'}",
         flush=True,
     )

@@ -3,9 +3,9 @@
 An RL step re-makes ``tree(parents)`` from its data every step; when the trees recur (the same
 prompts' responses) the cache should serve them for next to nothing. Per size, at B = 8 (one
 tree per row, rows differ), two layouts (preorder: a prompt then 8 responses, as
-``pack_tree`` lays them out; insertion: a trie numbered as inserted, AReaL's layout) and the
+``pack_one_tree`` lays them out; insertion: a trie numbered as inserted, AReaL's layout) and the
 parents given two ways (a list of Python int lists; one ``(B, S)`` int64 tensor;
-``--parents rows`` a list of 1-D tensors, as ``pack_trees`` gives them), in one run:
+``--parents rows`` a list of 1-D tensors, as ``pack_tree_batch`` gives them), in one run:
 
 * make + hit: ``tree(parents)`` of a new copy of the parents (made untimed, as a step's new
   data), then ``MaskCache.get`` of it, a hit;
@@ -74,7 +74,7 @@ def case(S: int, B: int, layout: str, given: str, repeats: int, hits: int) -> di
     def parents() -> Any:  # a new copy each time: equal data, no object shared with the cache
         if given == "lists":
             return [list(r) for r in rows]
-        if given == "rows":  # one 1-D tensor per row, as pack_trees' TreeBatch holds them
+        if given == "rows":  # one 1-D tensor per row, as pack_tree_batch' TreeBatch holds them
             return [r.clone() for r in table]
         return table.clone()
 

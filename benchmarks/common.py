@@ -101,7 +101,7 @@ def documents(S: int, seed: int, mean: int | None = None) -> list[int]:
 
 
 def response_tree(S: int, seed: int, responses: int = 8) -> list[int]:
-    """A shared prompt then ``responses`` branches, laid out in preorder (as pack_tree does)."""
+    """A shared prompt then ``responses`` branches, laid out in preorder (as pack_one_tree does)."""
     gen = torch.Generator().manual_seed(seed)
     prompt = S // 4 + int(torch.randint(0, max(1, S // 16), (1,), generator=gen))
     parents = [-1] + list(range(prompt - 1))

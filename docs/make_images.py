@@ -13,7 +13,7 @@ import pathlib
 import torch
 
 import flexmask
-from flexmask.packing import pack_tree
+from flexmask.packing import pack_one_tree
 
 S = 2048
 IMG = pathlib.Path(__file__).resolve().parent / "img"
@@ -29,7 +29,7 @@ def shared_prefix_tree():
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, 1000, (512,), generator=gen).tolist()
     branches = [torch.randint(1000, 2000, (n,), generator=gen).tolist() for n in (600, 500, 436)]
-    packed = pack_tree([prompt + branch for branch in branches], pad_to=S)
+    packed = pack_one_tree([prompt + branch for branch in branches], pad_to=S)
     return packed.mask
 
 

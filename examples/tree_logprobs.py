@@ -7,7 +7,7 @@ every ``prompt + response`` under a small causal model are computed three ways:
 
 1. one sequence at a time, with plain causal ``scaled_dot_product_attention`` (no flexmask);
 2. packed with ``flexmask.pack`` into rows under ``causal() & document(seq_lens)``;
-3. tree-packed with ``flexmask.pack_tree``: each prompt is laid out once and its responses
+3. tree-packed with ``flexmask.pack_one_tree``: each prompt is laid out once and its responses
    branch off it, under ``tree(parents)``; every token sees exactly its own prefix.
 
 All three must agree (``atol=1e-5``), and so must the parameter gradients of a GRPO-style loss
@@ -70,7 +70,7 @@ def document_packed(model: TinyLM, sequences: list[list[int]], max_len: int):
 
 def tree_packed(model: TinyLM, sequences: list[list[int]]):
     """All sequences in one prefix tree: every shared prompt computed once."""
-    tree = flexmask.pack_tree(sequences)
+    tree = flexmask.pack_one_tree(sequences)
     with tree.lazy(model.num_heads, "cpu", block_size=BLOCK_SIZE) as handle:
         logits = model(tree.tokens[None], tree.position_ids[None], handle)[0]
     return [
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     # 3. What each way computes, and how long it takes.
     unpacked = sum(map(len, sequences))
     batch = flexmask.pack(sequences, max_len, policy="reject")
-    tree = flexmask.pack_tree(sequences)
+    tree = flexmask.pack_one_tree(sequences)
     computed = {
         "one sequence at a time": unpacked,
         "packed (document mask)": batch.num_rows * max_len,

@@ -53,7 +53,7 @@ def test_double_negation_and_flattening():
     c = flexmask.causal()
     assert ~~c == c
     m = c & flexmask.full() & flexmask.sliding_window(2)
-    assert isinstance(m, flexmask.And) and len(m.children) == 3
+    assert isinstance(m, flexmask.algebra.And) and len(m.children) == 3
 
 
 @given(data=st.data(), q_len=st.integers(1, 40), kv_len=st.integers(1, 40))

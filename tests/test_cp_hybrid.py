@@ -228,7 +228,7 @@ def test_weighted_step_is_balanced_where_every_single_mask_balancer_is_not():
     assert min(steps.values()) > 1.05, steps
 
 
-# --- trees: GRPO groups packed by pack_trees, many per row ------------------------------
+# --- trees: GRPO groups packed by pack_tree_batch, many per row ------------------------------
 
 
 def grpo_batch(seed: int, groups: int, max_tokens: int):
@@ -241,7 +241,7 @@ def grpo_batch(seed: int, groups: int, max_tokens: int):
             response = [rng.randrange(1, 100) for _ in range(rng.randrange(8, 120))]
             sequences.append(prompt + response)
             prompt_lens.append(len(prompt))
-    return flexmask.pack_trees(sequences, max_tokens, prompt_lens=prompt_lens)
+    return flexmask.pack_tree_batch(sequences, max_tokens, prompt_lens=prompt_lens)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -256,7 +256,7 @@ def test_grpo_trees_shard_equals_torch_under_every_balancer(world):
     assert B >= 2 and batch.num_sequences / B >= 4  # several groups in every row
     local = mask & flexmask.sliding_window(256)
     balancers = {
-        "head_tail": flexmask.HeadTailBalancer(S, world),
+        "head_tail": flexmask.context_parallel.HeadTailBalancer(S, world),
         "mask_aware": MaskAwareBalancer(mask, B, 1, S, world, block_size=128),
         "ptrr": PTRRBalancer(mask, B, 1, S, world, block_size=128),
         "layer_weighted": LayerWeightedBalancer(

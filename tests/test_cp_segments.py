@@ -317,4 +317,4 @@ print("ok")
     loaded = "import sys, flexmask; print('flexmask.context_parallel' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", loaded], capture_output=True, text=True)
     assert done.stdout.strip() == "False", done.stderr
-    assert flexmask.PTRRBalancer.__name__ == "PTRRBalancer" and "PTRRBalancer" in flexmask.__all__
+    assert flexmask.shard.__name__ == "shard" and "shard" in flexmask.__all__

@@ -31,7 +31,7 @@ import torch, flexmask
 from flexmask.packing import PackingCollator
 seqs = [[1, 2, 3], [1, 2, 4], [5]]
 masks = [flexmask.document([2, 3]), flexmask.tree([-1, 0, 1]), flexmask.document([[2], [1, 1]]),
-         flexmask.pack(seqs, 4).mask, flexmask.pack_tree(seqs).mask]
+         flexmask.pack(seqs, 4).mask, flexmask.pack_one_tree(seqs).mask]
 assert len({m.key for m in masks}) == len(masks)
 assert PackingCollator(max_len=4)(seqs).handle.mask == masks[3]
 assert flexmask.document([2, 3]) == flexmask.document(torch.tensor([2, 3]))

@@ -436,7 +436,7 @@ RL_CASES = [  # per row, groups of (prompt_len, [response lengths]); then paddin
 
 def _rl_row(groups):
     """Hand-written Magi slices of one row (positions in the row) and the sequences that
-    pack_tree turns into the same tree: each group is its prompt, then its responses packed
+    pack_one_tree turns into the same tree: each group is its prompt, then its responses packed
     one after another; slices: the prompt causal onto itself, each response full onto its
     prompt and causal onto itself."""
     slices, sequences, start, token = [], [], 0, 1
@@ -467,7 +467,7 @@ def check_magi_rl(case):
             q_ranges.append((b * S + qs, b * S + qe))
             k_ranges.append((b * S + ks, b * S + ke))
             types.append(kind)
-        packed = flexmask.pack_tree(sequences)
+        packed = flexmask.pack_one_tree(sequences)
         assert packed.num_tokens == used
         parents.append(packed.parents.tolist())
     before = magi_dense(q_ranges, k_ranges, types, B, S, S)
@@ -660,7 +660,7 @@ ROWS = [
     Row(
         FORMATS,
         "Magi: q/k ranges for an RL prompt and its responses, by hand",
-        "`to_magi(tree(parents), B, 1, S, S)` (parents from `flexmask.pack_tree`)",
+        "`to_magi(tree(parents), B, 1, S, S)` (parents from `flexmask.pack_one_tree`)",
         check_magi_rl,
         RL_CASES,
     ),

@@ -442,7 +442,7 @@ def test_magi_trees_and_spans_never_refused(data, batch, length):
 
 
 def test_magi_rl_group_is_a_prefix_block_and_causal_responses():
-    # A 5-token prompt and three 4-token responses, packed in preorder (flexmask.pack_tree).
+    # A 5-token prompt and three 4-token responses, packed in preorder (flexmask.pack_one_tree).
     parents = [-1, 0, 1, 2, 3] + [4, 5, 6, 7] + [4, 9, 10, 11] + [4, 13, 14, 15]
     m = to_magi(flexmask.tree(parents), 1, None, 17, 17)
     slices = list(

@@ -18,7 +18,7 @@ import flexmask
 from flexmask.formats import magi, to_magi
 from flexmask.formats._structure import _normalize, lines, one_mask_for_all_heads, window
 from flexmask.formats.magi import _slices
-from flexmask.packing import pack_trees
+from flexmask.packing import pack_tree_batch
 from tests.strategies import expressions, random_parents
 
 BIG = 1 << 62  # lines' empty slot: (BIG, -BIG)
@@ -188,7 +188,7 @@ def rl_tree(groups: int, seed: int = 0):
             n = int(torch.randint(64, 1025, (1,), generator=gen))
             sequences.append(prompt + torch.randint(0, 128, (n,), generator=gen).tolist())
             prompt_lens.append(512)
-    batch = pack_trees(sequences, 8192, prompt_lens=prompt_lens)
+    batch = pack_tree_batch(sequences, 8192, prompt_lens=prompt_lens)
     return flexmask.tree(batch.parents), batch.num_rows
 
 

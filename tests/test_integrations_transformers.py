@@ -53,7 +53,7 @@ from flexmask.integrations.transformers import (  # noqa: E402
     model_inputs,
     register,
 )
-from flexmask.packing import pack, pack_trees  # noqa: E402
+from flexmask.packing import pack, pack_tree_batch  # noqa: E402
 from tests import oracle  # noqa: E402
 
 VOCAB = 32
@@ -145,7 +145,7 @@ def test_tree_batch_paths_equal_each_sequence_alone_with_sliding_layers(implemen
         for n in (5, 2, 6):
             sequences.append(prompt + torch.randint(0, VOCAB, (n,), generator=gen).tolist())
             prompt_lens.append(prompt_len)
-    batch = pack_trees(sequences, 16, prompt_lens=prompt_lens)
+    batch = pack_tree_batch(sequences, 16, prompt_lens=prompt_lens)
     assert batch.num_rows >= 2 and batch.saved_tokens > 0
     for name in ("qwen2_sliding", "gemma3_hybrid"):
         m = model(name, implementation)

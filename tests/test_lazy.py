@@ -321,7 +321,9 @@ def test_a_shard_and_a_lazy_shard_validate_the_mask_once(validations, balancer):
     reference = oracle.torch_build(oracle.stack([rows]), block=s.block_mask.BLOCK_SIZE)
     oracle.assert_same_block_mask(s.block_mask, reference, own_storage=False)
     validations.clear()
-    handle = flexmask.lazy_shard(mask, 1, 1, 250, cache=flexmask.ShardCache(), **args)
+    handle = flexmask.lazy_shard(
+        mask, 1, 1, 250, cache=flexmask.context_parallel.ShardCache(), **args
+    )
     assert validations == [mask] and not handle.built
     with handle:
         assert handle.kv_num_blocks.shape == (1, 1, 2) and handle.built  # a BlockMask field

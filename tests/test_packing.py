@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.utils.data import DataLoader
 
 import flexmask
-from flexmask.packing import Chunk, PackedDataset, PackingCollator, pack, pack_tree
+from flexmask.packing import Chunk, PackedDataset, PackingCollator, pack, pack_one_tree
 from tests import oracle
 
 # flexmask.lazy and flexmask.flex_attention are written alongside this module; until they land
@@ -301,7 +301,7 @@ def test_unpack_and_sequence_index_reject_bad_arguments():
 
 
 # ------------------------------------------------------------------------------------------
-# pack_tree
+# pack_one_tree
 # ------------------------------------------------------------------------------------------
 
 
@@ -328,7 +328,7 @@ def shared_prefix_batches(draw, vocab=4, max_len=12):
 @FAST
 @given(sequences=shared_prefix_batches(), extra=st.integers(0, 5))
 def test_pack_tree_paths_depths_parents_and_savings(sequences, extra):
-    tp = pack_tree(sequences)
+    tp = pack_one_tree(sequences)
     n = tp.num_tokens
     parents = tp.parents.tolist()
     assert tp.tokens.shape == tp.position_ids.shape == tp.parents.shape == (n,)
@@ -365,7 +365,7 @@ def test_pack_tree_paths_depths_parents_and_savings(sequences, extra):
         if parents[a] == parents[b]:
             assert first_seen[a] <= first_seen[b]
 
-    padded = pack_tree(sequences, pad_to=n + extra, pad_id=PAD)
+    padded = pack_one_tree(sequences, pad_to=n + extra, pad_id=PAD)
     length = n + extra
     assert padded.tokens.tolist() == tp.tokens.tolist() + [PAD] * extra
     assert padded.position_ids.tolist() == tp.position_ids.tolist() + [0] * extra
@@ -375,7 +375,7 @@ def test_pack_tree_paths_depths_parents_and_savings(sequences, extra):
 
 
 def test_pack_tree_example_prefix_and_duplicate():
-    tp = pack_tree([[1, 2, 3], [1, 4], [1, 2], [1, 2, 3], [5]])
+    tp = pack_one_tree([[1, 2, 3], [1, 4], [1, 2], [1, 2, 3], [5]])
     assert tp.tokens.tolist() == [1, 2, 3, 4, 5]
     assert tp.parents.tolist() == [-1, 0, 1, 0, -1]
     assert tp.position_ids.tolist() == [0, 1, 2, 1, 0]
@@ -391,13 +391,13 @@ def test_pack_tree_example_prefix_and_duplicate():
 
 def test_pack_tree_children_follow_first_appearance_not_creation_order():
     # Creation order would be 1 2 3 5 4; preorder puts 4 (under 2) before 5 (under 1).
-    tp = pack_tree([[1, 2, 3], [1, 5], [1, 2, 4]])
+    tp = pack_one_tree([[1, 2, 3], [1, 5], [1, 2, 4]])
     assert tp.tokens.tolist() == [1, 2, 3, 4, 5]
     assert tp.parents.tolist() == [-1, 0, 1, 1, 0]
 
 
 def test_pack_tree_handles_deep_sequences_without_recursion():
-    tp = pack_tree([list(range(5000)), list(range(2500)) + [7]])
+    tp = pack_one_tree([list(range(5000)), list(range(2500)) + [7]])
     assert tp.num_tokens == 5001
     assert tp.tokens[tp.sequence_index(1)].tolist() == list(range(2500)) + [7]
 
@@ -414,11 +414,11 @@ def test_pack_tree_handles_deep_sequences_without_recursion():
 )
 def test_pack_tree_bad_input(sequences, kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
-        pack_tree(sequences, **kwargs)
+        pack_one_tree(sequences, **kwargs)
 
 
 def test_pack_tree_unpack_and_sequence_index_reject_bad_arguments():
-    tp = pack_tree([[1, 2]], pad_to=4)
+    tp = pack_one_tree([[1, 2]], pad_to=4)
     with pytest.raises(ValueError, match=r"per_token must have shape \(L, \.\.\.\) with L = 4"):
         tp.unpack(torch.zeros(1, 4))
     with pytest.raises(IndexError, match=r"i must be in \[0, 1\), got -1"):
@@ -484,7 +484,7 @@ def test_packed_and_tree_packed_match_one_sequence_at_a_time(sequences, block_si
     logits = model(batch.tokens, batch.position_ids, batch.lazy(heads, block_size=block_size))
     packed_lp, packed_grads = log_probs_and_grads(model, batch.unpack(logits), sequences)
 
-    tp = pack_tree(sequences, pad_to=pack_tree(sequences).num_tokens + pad)
+    tp = pack_one_tree(sequences, pad_to=pack_one_tree(sequences).num_tokens + pad)
     tree_logits = model(tp.tokens[None], tp.position_ids[None], tp.lazy(heads, None, block_size))
     tree_lp, tree_grads = log_probs_and_grads(model, tp.unpack(tree_logits[0]), sequences)
 
@@ -516,7 +516,7 @@ def test_inference_through_torchs_kernel_matches_one_sequence_at_a_time():
         alone = [model(torch.tensor([s]), torch.arange(len(s))[None])[0] for s in sequences]
         batch = pack(sequences, max_len=12)
         packed = batch.unpack(model(batch.tokens, batch.position_ids, batch.lazy(2, None, 8)))
-        tp = pack_tree(sequences, pad_to=20)
+        tp = pack_one_tree(sequences, pad_to=20)
         tree = tp.unpack(model(tp.tokens[None], tp.position_ids[None], tp.lazy(2, None, 8))[0])
     for got in (packed, tree):
         for a, b in zip(got, alone, strict=True):

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import flexmask._validate
-from flexmask.packing import PackedDataset, PackingCollator, pack, pack_tree, pack_trees
+from flexmask.packing import PackedDataset, PackingCollator, pack, pack_one_tree, pack_tree_batch
 
 HUGE = 2**40
 IGNORE = -100
@@ -28,10 +28,10 @@ IGNORE = -100
 def test_log_probs_of_the_issue_batch_match_a_hand_gather_and_a_negative_id_is_refused():
     # The issue's batch, with -5 (which gathered log p(token 5) at V = 10) refused ...
     with pytest.raises(ValueError, match=r"sequences\[0\]\[1\] is the token id -5.*>= 0"):
-        pack_trees([[7, -5, 2], [7, 3]], 4)
+        pack_tree_batch([[7, -5, 2], [7, 3]], 4)
     # ... and the same batch with a real id: preorder [7, 5, 2, 3]; sequence 0's 5 and 2 are
     # predicted at positions 0 and 1, sequence 1's 3 at position 0 (the shared 7).
-    batch = pack_trees([[7, 5, 2], [7, 3]], 4)
+    batch = pack_tree_batch([[7, 5, 2], [7, 3]], 4)
     assert batch.tokens.tolist() == [[7, 5, 2, 3]]
     logits = torch.randn(1, 4, 10, generator=torch.Generator().manual_seed(0))
     logp = torch.log_softmax(logits[0].double(), dim=-1)
@@ -43,7 +43,7 @@ def test_log_probs_of_the_issue_batch_match_a_hand_gather_and_a_negative_id_is_r
 
 def test_the_last_id_of_the_vocabulary_is_gathered_and_one_past_it_is_refused():
     vocab = 6
-    batch = pack_trees([[0, vocab - 1]], 2)
+    batch = pack_tree_batch([[0, vocab - 1]], 2)
     logits = torch.randn(1, 2, vocab, generator=torch.Generator().manual_seed(1))
     expected = torch.log_softmax(logits[0].double(), dim=-1)[0, vocab - 1]
     got = batch.log_probs(logits).log_probs[0, 0]
@@ -62,12 +62,12 @@ def test_the_last_id_of_the_vocabulary_is_gathered_and_one_past_it_is_refused():
     [
         lambda seqs: pack(seqs, 4),
         lambda seqs: pack(seqs, 4, split_across_pack=True),
-        lambda seqs: pack_tree(seqs),
-        lambda seqs: pack_trees(seqs, 4),
+        lambda seqs: pack_one_tree(seqs),
+        lambda seqs: pack_tree_batch(seqs, 4),
         lambda seqs: PackingCollator(4)(seqs),
         lambda seqs: next(iter(PackedDataset(seqs, 4))),
     ],
-    ids=["pack", "pack-across", "pack_tree", "pack_trees", "collator", "dataset"],
+    ids=["pack", "pack-across", "pack_one_tree", "pack_tree_batch", "collator", "dataset"],
 )
 def test_a_negative_token_id_is_refused_by_every_packer(call, sequence):
     with pytest.raises(ValueError, match=r"sequences\[1\]\[1\] is the token id -5"):
@@ -84,13 +84,13 @@ def test_a_negative_token_equal_to_ignore_index_no_longer_vanishes_from_the_labe
     "call",
     [
         lambda: pack([[1]], 4, pad_id=-1),
-        lambda: pack_tree([[1]], pad_to=4, pad_id=-1),
-        lambda: pack_trees([[1]], 4, pad_id=-1),
+        lambda: pack_one_tree([[1]], pad_to=4, pad_id=-1),
+        lambda: pack_tree_batch([[1]], 4, pad_id=-1),
         lambda: PackingCollator(4, pad_id=-1),
         lambda: PackedDataset([[1]], 4, pad_id=-1),
         lambda: pack([[1]], 4, pad_id=np.int64(-1)),
     ],
-    ids=["pack", "pack_tree", "pack_trees", "collator", "dataset", "numpy"],
+    ids=["pack", "pack_one_tree", "pack_tree_batch", "collator", "dataset", "numpy"],
 )
 def test_a_negative_pad_id_is_refused(call):
     with pytest.raises(ValueError, match="pad_id must be >= 0, got -1"):
@@ -109,10 +109,10 @@ def test_a_negative_label_other_than_ignore_index_is_refused():
 
 def test_log_probs_checks_every_token_and_pad_id_against_the_vocabulary():
     # A prompt token (never a target) past V: the model could not have embedded it.
-    batch = pack_trees([[1, 7, 3]], 4, prompt_lens=[2])
+    batch = pack_tree_batch([[1, 7, 3]], 4, prompt_lens=[2])
     with pytest.raises(ValueError, match="V=5 entries but the sequences hold token 7"):
         batch.log_probs(torch.zeros(1, 4, 5))
-    batch = pack_trees([[1, 2, 3]], 4, pad_id=9)
+    batch = pack_tree_batch([[1, 2, 3]], 4, pad_id=9)
     with pytest.raises(ValueError, match=r"pad_id=9 is not a token of .* \(V=5\)"):
         batch.log_probs(torch.zeros(1, 4, 5))
     assert batch.log_probs(torch.zeros(1, 4, 10)).mask.all()
@@ -131,16 +131,24 @@ def test_log_probs_checks_every_token_and_pad_id_against_the_vocabulary():
             lambda: pack([[1, 2]], np.int64(HUGE), split_across_pack=True),
             r"max_len=1099511627776 would need 24\.0 TiB",
         ),
-        (lambda: pack_tree([[1]], pad_to=HUGE), r"pad_to=1099511627776 would need 16\.0 TiB"),
-        (lambda: pack_trees([[1]], HUGE), r"max_tokens=1099511627776 would need 16\.0 TiB"),
+        (lambda: pack_one_tree([[1]], pad_to=HUGE), r"pad_to=1099511627776 would need 16\.0 TiB"),
+        (lambda: pack_tree_batch([[1]], HUGE), r"max_tokens=1099511627776 would need 16\.0 TiB"),
         (
-            lambda: pack_trees([[1]], 8, num_rows=HUGE),
+            lambda: pack_tree_batch([[1]], 8, num_rows=HUGE),
             r"num_rows=1099511627776 with max_tokens=8 would need 144\.0 TiB",
         ),
         (lambda: PackingCollator(HUGE), r"max_len=1099511627776 would need 24\.0 TiB"),
         (lambda: PackedDataset([[1]], HUGE), r"max_len=1099511627776 would need 24\.0 TiB"),
     ],
-    ids=["pack", "pack-across", "pack_tree", "pack_trees", "num_rows", "collator", "dataset"],
+    ids=[
+        "pack",
+        "pack-across",
+        "pack_one_tree",
+        "pack_tree_batch",
+        "num_rows",
+        "collator",
+        "dataset",
+    ],
 )
 def test_a_size_that_cannot_be_allocated_names_the_argument_and_the_bytes(call, pattern):
     with pytest.raises(ValueError, match=pattern + ".* of memory this process can have"):
@@ -148,7 +156,7 @@ def test_a_size_that_cannot_be_allocated_names_the_argument_and_the_bytes(call, 
 
 
 def test_the_rule_refuses_just_above_the_memory_limit_and_accepts_at_it(monkeypatch):
-    # 1 MiB of memory: pack needs 24 bytes per slot, pack_tree 16 per position, pack_trees
+    # 1 MiB of memory: pack needs 24 bytes per slot, pack_one_tree 16 per position, pack_tree_batch
     # 16 per slot + 16 per row.
     monkeypatch.setattr(flexmask._validate, "device_memory", lambda device: 2**20)
     fits, over = 2**20 // 24, 2**20 // 24 + 1
@@ -160,14 +168,14 @@ def test_the_rule_refuses_just_above_the_memory_limit_and_accepts_at_it(monkeypa
     # Two rows of half the length need as much as one full one.
     with pytest.raises(ValueError, match=rf"max_len={over // 2 + 1} .* 2 x {over // 2 + 1}"):
         pack([[1] * (over // 2), [2] * (over // 2)], over // 2 + 1)
-    assert pack_tree([[1]], pad_to=2**16).length == 2**16
+    assert pack_one_tree([[1]], pad_to=2**16).length == 2**16
     with pytest.raises(ValueError, match=rf"pad_to={2**16 + 1} would need 1\.0 MiB"):
-        pack_tree([[1]], pad_to=2**16 + 1)
-    assert pack_trees([[1]], 2**16 - 1).tokens.shape == (1, 2**16 - 1)
+        pack_one_tree([[1]], pad_to=2**16 + 1)
+    assert pack_tree_batch([[1]], 2**16 - 1).tokens.shape == (1, 2**16 - 1)
     with pytest.raises(ValueError, match=f"max_tokens={2**16} would need"):
-        pack_trees([[1]], 2**16)
+        pack_tree_batch([[1]], 2**16)
     with pytest.raises(ValueError, match="num_rows=2 with max_tokens=40000 would need"):
-        pack_trees([[1]], 40000, num_rows=2)
+        pack_tree_batch([[1]], 40000, num_rows=2)
 
 
 def test_the_memory_limit_is_at_most_the_machine_ram():
@@ -192,7 +200,7 @@ def test_a_large_row_that_fits_is_packed_like_a_plain_reference():
     assert batch.tokens.tolist() == [tokens]
     assert batch.labels.tolist() == [labels]
     assert batch.position_ids.tolist() == [positions]
-    tree = pack_tree([[5, 6], [5, 7]], pad_to=length, pad_id=9)
+    tree = pack_one_tree([[5, 6], [5, 7]], pad_to=length, pad_id=9)
     assert tree.tokens.tolist() == [5, 6, 7] + [9] * (length - 3)
     assert tree.position_ids.tolist() == [0, 1, 1] + [0] * (length - 3)
 
@@ -209,7 +217,7 @@ def test_a_large_row_that_fits_is_packed_like_a_plain_reference():
 )
 def test_prompt_lens_as_an_array_is_a_prompt_length_per_sequence(prompt_lens):
     # Preorder [1, 2, 3, 4]: sequence 0 trains 3 (predicted at 1), sequence 1 trains 4 (at 0).
-    batch = pack_trees([[1, 2, 3], [1, 4]], 4, prompt_lens=prompt_lens)
+    batch = pack_tree_batch([[1, 2, 3], [1, 4]], 4, prompt_lens=prompt_lens)
     assert batch.tokens.tolist() == [[1, 2, 3, 4]]
     logits = torch.randn(1, 4, 5, generator=torch.Generator().manual_seed(2))
     logp = torch.log_softmax(logits[0].double(), dim=-1)
@@ -247,9 +255,9 @@ def test_sequence_index_takes_numpy_integers_and_0d_tensors(index):
     batch = pack([[7, 8], [9]], 2)  # one row each, in input order (equal rows: none shared)
     rows, positions = batch.sequence_index(index)
     assert batch.tokens[rows, positions].tolist() == [9]
-    tree = pack_tree([[1, 2], [1, 3]])  # preorder [1, 2, 3]: sequence 1 is positions 0, 2
+    tree = pack_one_tree([[1, 2], [1, 3]])  # preorder [1, 2, 3]: sequence 1 is positions 0, 2
     assert tree.sequence_index(index).tolist() == [0, 2]
-    trees = pack_trees([[1, 2], [1, 3]], 3)
+    trees = pack_tree_batch([[1, 2], [1, 3]], 3)
     assert trees.sequence_index(index)[1].tolist() == [0, 2]
 
 
@@ -258,9 +266,9 @@ def test_sequence_index_does_not_wrap_a_negative_index(index):
     with pytest.raises(IndexError, match=r"i must be in \[0, 2\)"):
         pack([[7, 8], [9]], 2).sequence_index(index)
     with pytest.raises(IndexError, match=r"i must be in \[0, 2\)"):
-        pack_tree([[1, 2], [1, 3]]).sequence_index(index)
+        pack_one_tree([[1, 2], [1, 3]]).sequence_index(index)
     with pytest.raises(IndexError, match=r"i must be in \[0, 2\)"):
-        pack_trees([[1, 2], [1, 3]], 3).sequence_index(index)
+        pack_tree_batch([[1, 2], [1, 3]], 3).sequence_index(index)
 
 
 def test_numpy_integers_are_taken_wherever_python_ints_are():
@@ -274,10 +282,10 @@ def test_numpy_integers_are_taken_wherever_python_ints_are():
     assert batch.labels.tolist() == [[2, 3, -7, -7]]
     assert batch.max_len == 4 and type(batch.max_len) is int
 
-    tree = pack_tree([[1, 2], [1, 3]], pad_to=np.int64(5), pad_id=np.int32(9))
+    tree = pack_one_tree([[1, 2], [1, 3]], pad_to=np.int64(5), pad_id=np.int32(9))
     assert tree.tokens.tolist() == [1, 2, 3, 9, 9]
 
-    trees = pack_trees(
+    trees = pack_tree_batch(
         np.array([[1, 2, 3], [1, 2, 4]]),
         np.int64(4),
         prompt_lens=[np.int64(2), np.int32(2)],

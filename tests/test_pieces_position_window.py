@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import flexmask
 from flexmask.formats import to_magi, to_varlen
-from flexmask.packing import pack_trees
+from flexmask.packing import pack_tree_batch
 from flexmask.pieces import PositionWindow
 from tests import oracle
 
@@ -183,14 +183,14 @@ def test_tiles_of_several_runs_are_read_run_by_run(size, keys_ahead):
 
 @pytest.mark.parametrize("block", BLOCKS)
 def test_in_a_packed_tree_each_sequence_attends_its_own_window(block):
-    """pack_trees' position_ids are depths: tree & sliding_window(w, positions=them) gives
+    """pack_tree_batch' position_ids are depths: tree & sliding_window(w, positions=them) gives
     every sequence's tokens what causal() & sliding_window(w) gives that sequence alone —
     the prompt tokens less than w back in its own sequence, however far its siblings pushed
     it in the packed row. Packed distance drops some of them."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 50, size=n).tolist() for n in (40, 70)]
     sequences = [p + rng.integers(1, 50, size=n).tolist() for p in prompts for n in (30, 55, 90)]
-    batch = pack_trees(sequences, max_tokens=400)
+    batch = pack_tree_batch(sequences, max_tokens=400)
     S, w = batch.max_tokens, 48
     mask = batch.mask & flexmask.sliding_window(w, positions=batch.position_ids)
     B = batch.tokens.shape[0]
@@ -338,12 +338,14 @@ def test_context_parallel_shards_equal_torchs(world):
         for n in (40, 100)
     ]
     S = 512
-    batch = pack_trees(sequences, max_tokens=S)
+    batch = pack_tree_batch(sequences, max_tokens=S)
     B = batch.tokens.shape[0]
     mask = batch.mask & flexmask.sliding_window(64, positions=batch.position_ids)
     balancers = {
-        "head_tail": flexmask.HeadTailBalancer(S, world),
-        "mask_aware": flexmask.MaskAwareBalancer(mask, B, 1, S, world, block_size=128),
+        "head_tail": flexmask.context_parallel.HeadTailBalancer(S, world),
+        "mask_aware": flexmask.context_parallel.MaskAwareBalancer(
+            mask, B, 1, S, world, block_size=128
+        ),
     }
     for name, lb in balancers.items():
         for rank in range(world):

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flexmask.packing import pack_trees
+from flexmask.packing import pack_tree_batch
 from tests import oracle
 from tests.tiny import tiny_model
 
@@ -65,7 +65,7 @@ def test_every_sequence_lands_in_exactly_one_tree_within_budget(data, slack, ext
         budget = 1
     expected_rows, expected_sizes = reference_rows(sequences, budget)
     rows = max(len(expected_sizes), 1) + extra_rows
-    batch = pack_trees(sequences, budget, num_rows=rows, pad_id=PAD)
+    batch = pack_tree_batch(sequences, budget, num_rows=rows, pad_id=PAD)
 
     assert batch.row_of == expected_rows
     assert batch.num_rows == rows
@@ -111,7 +111,7 @@ def gather_by_loop(batch, logits, sequences, prompt_lens, temperature):
 def test_gather_equals_a_per_sequence_loop_with_gradients(data, temperature):
     sequences, prompt_lens = data
     budget = max(max(map(len, sequences), default=1), 1) + 3
-    batch = pack_trees(sequences, budget, prompt_lens=prompt_lens)
+    batch = pack_tree_batch(sequences, budget, prompt_lens=prompt_lens)
     gen = torch.Generator().manual_seed(len(sequences))
     logits = torch.randn(batch.num_rows, budget, 5, generator=gen, requires_grad=True)
     got = batch.log_probs(logits, temperature=temperature, entropy=True)
@@ -136,7 +136,7 @@ def test_gather_equals_a_per_sequence_loop_with_gradients(data, temperature):
 
 def test_loss_mask_and_prompt_lens_combine_and_empty_sequences_are_zero_rows():
     sequences = [[1, 2, 3, 4, 5], [], [1, 2, 6], [7]]
-    batch = pack_trees(
+    batch = pack_tree_batch(
         sequences,
         8,
         prompt_lens=[2, 0, 2, 1],
@@ -174,7 +174,7 @@ def grpo_batch(num_groups, completions, seed):
             n = int(torch.randint(0, 40, (1,), generator=gen))
             sequences.append(prompt.tolist() + torch.randint(0, 50, (n,), generator=gen).tolist())
             prompt_lens.append(len(prompt))
-    return pack_trees(sequences, 256, prompt_lens=prompt_lens)
+    return pack_tree_batch(sequences, 256, prompt_lens=prompt_lens)
 
 
 def test_gather_is_vectorised_the_same_ops_for_10x_the_sequences():
@@ -200,7 +200,7 @@ def test_tree_batch_log_probs_equal_each_sequence_run_alone():
             prompt_lens.append(prompt_len)
     sequences.insert(3, [])
     prompt_lens.insert(3, 0)
-    batch = pack_trees(sequences, 24, prompt_lens=prompt_lens, num_rows=4)
+    batch = pack_tree_batch(sequences, 24, prompt_lens=prompt_lens, num_rows=4)
     assert batch.num_rows == 4 and len(set(batch.row_of) - {-1}) >= 2  # several trees, a dummy
     model = tiny_model(vocab=12)
     logits = model(batch.tokens, batch.position_ids, batch.lazy(2, block_size=8))
@@ -234,11 +234,11 @@ def test_tree_batch_log_probs_equal_each_sequence_run_alone():
 )
 def test_bad_input_names_the_argument(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
-        pack_trees([[1, 2, 3], [1]], **{"max_tokens": 8, **kwargs})
+        pack_tree_batch([[1, 2, 3], [1]], **{"max_tokens": 8, **kwargs})
 
 
 def test_log_probs_rejects_bad_logits_and_temperature():
-    batch = pack_trees([[1, 2, 3]], 4)
+    batch = pack_tree_batch([[1, 2, 3]], 4)
     with pytest.raises(ValueError, match=r"\(1, 4, V\)"):
         batch.log_probs(torch.zeros(1, 5, 3))
     with pytest.raises(TypeError, match="logits must be a"):
@@ -256,7 +256,7 @@ def test_log_probs_rejects_bad_logits_and_temperature():
 def test_micro_batches_of_rows_add_up_to_the_whole_batch(data, step):
     sequences, prompt_lens = data
     budget = max(max(map(len, sequences), default=1), 1) + 1
-    batch = pack_trees(sequences, budget, prompt_lens=prompt_lens, num_rows=2)
+    batch = pack_tree_batch(sequences, budget, prompt_lens=prompt_lens, num_rows=2)
     logits = torch.randn(batch.num_rows, budget, 5)
     whole = batch.log_probs(logits, entropy=True)
     parts = [
@@ -272,7 +272,7 @@ def test_micro_batches_of_rows_add_up_to_the_whole_batch(data, step):
 
 
 def test_rows_must_be_a_plain_slice_matching_the_logits():
-    batch = pack_trees([[1, 2], [3, 4]], 2)
+    batch = pack_tree_batch([[1, 2], [3, 4]], 2)
     with pytest.raises(TypeError, match="rows must be a slice"):
         batch.log_probs(torch.zeros(1, 2, 5), rows=1)
     with pytest.raises(ValueError, match=r"\(1, 2, V\)"):
