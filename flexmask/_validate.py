@@ -493,3 +493,11 @@ def dense_lengths(B: Any, H: Any, q_len: Any, kv_len: Any) -> tuple[Any, Any]:
         )
         q_len = 1
     return q_len, q_len if kv_len is None else kv_len
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """A keyword that is a bool: ``True``/``False`` (numpy's too), nothing read by truth
+    value (``truncate="no"`` would cut)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")

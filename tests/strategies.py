@@ -96,7 +96,7 @@ def leaves(draw, batch: int, length: int, kinds: tuple[str, ...] = ALL_KINDS):
         return mask, per_batch(lambda r, q, kv: oracle.chunked(sizes[r if per_row else 0], q, kv))
     if kind == "spans":
         rows = [draw(span_ids(length)) for _ in range(batch if per_row else 1)]
-        mask = flexmask.spans(rows if per_row else rows[0])
+        mask = flexmask.spans(rows if per_row else rows[0], truncate=True)
         return mask, per_batch(lambda r, q, kv: oracle.spans(rows[r if per_row else 0], q, kv))
     if kind in ("window", "prefix", "padding"):
         hi = length + 3 if kind == "window" else length
@@ -109,7 +109,7 @@ def leaves(draw, batch: int, length: int, kinds: tuple[str, ...] = ALL_KINDS):
         make = {
             "window": flexmask.sliding_window,
             "prefix": flexmask.prefix,
-            "padding": flexmask.padding,
+            "padding": lambda v: flexmask.padding(v, truncate=True),
         }[kind]
         mask = make(values if per_row else values[0])
         return mask, per_batch(lambda r, q, kv: ref(values[r if per_row else 0], q, kv))
@@ -122,7 +122,7 @@ def leaves(draw, batch: int, length: int, kinds: tuple[str, ...] = ALL_KINDS):
             return [b - a for a, b in zip(edges, edges[1:], strict=False)]
 
         rows = [lens() for _ in range(batch if per_row else 1)]
-        mask = flexmask.document(rows if per_row else rows[0])
+        mask = flexmask.document(rows if per_row else rows[0], truncate=True)
         return mask, per_batch(lambda r, q, kv: oracle.document(rows[r if per_row else 0], q, kv))
     if kind == "tree":
         rows = [

@@ -136,7 +136,7 @@ def test_small_windows_of_any_expression_equal_the_oracle(data, batch, heads):
 
 
 def test_window_equals_torchs_build_of_the_shifted_mask_mod():
-    mask = flexmask.causal() & flexmask.document([[300, 200, 12], [100, 400, 12]])
+    mask = flexmask.causal() & flexmask.document([[300, 200, 12], [100, 400, 12]], truncate=True)
     q_off, kv_off = torch.tensor([64, 3]), torch.tensor([0, 7])
     ours = flexmask.create_block_mask(
         mask, 2, 2, 130, 505, "cpu", 64, q_offset=q_off, kv_offset=kv_off
@@ -180,7 +180,7 @@ def test_offsets_are_held_as_tensors_and_validated():
 
 def test_cache_keys_windows_apart():
     cache = flexmask.MaskCache()
-    mask = flexmask.causal() & flexmask.document([[300, 212], [512]])
+    mask = flexmask.causal() & flexmask.document([[300, 212], [512]], truncate=True)
     a = cache.get(mask, 2, 1, 128, 512, "cpu", q_offset=128)
     b = cache.get(mask, 2, 1, 128, 512, "cpu", q_offset=256)
     c = cache.get(mask, 2, 1, 128, 512, "cpu", q_offset=[128, 128])
@@ -332,7 +332,7 @@ def _far_check(mask, refs, batch, q_len, kv_len, q_offset, kv_offset, block):
 
 
 def test_issue_29_causal_and_document_at_2_to_the_40():
-    mask = flexmask.causal() & flexmask.document([FAR + 256])
+    mask = flexmask.causal() & flexmask.document([FAR + 256], truncate=True)
     bm = flexmask.create_block_mask(mask, 1, 1, 128, 128, device="cpu", q_offset=FAR, kv_offset=FAR)
     expected = flexmask.create_block_mask(flexmask.causal(), 1, 1, 128, 128, device="cpu")
     oracle.assert_same_block_mask(bm, expected)
@@ -361,17 +361,20 @@ CASES = [
     ("causal", lambda: flexmask.causal(), lambda: _causal),
     (
         "causal & document",
-        lambda: flexmask.causal() & flexmask.document([FAR + 100, 70, EDGE - FAR - 170, 300]),
+        lambda: (
+            flexmask.causal()
+            & flexmask.document([FAR + 100, 70, EDGE - FAR - 170, 300], truncate=True)
+        ),
         lambda: _and(_causal, _documents([FAR + 100, 70, EDGE - FAR - 170, 300])),
     ),
     (
         "document ending at 2**63 - 1",
-        lambda: flexmask.document([2**63 - 1 - 300, 100, 200]),
+        lambda: flexmask.document([2**63 - 1 - 300, 100, 200], truncate=True),
         lambda: _documents([2**63 - 1 - 300, 100, 200]),
     ),
     (
         "causal & padding",
-        lambda: flexmask.causal() & flexmask.padding(FAR + 90),
+        lambda: flexmask.causal() & flexmask.padding(FAR + 90, truncate=True),
         lambda: _and(_causal, _padding(FAR + 90)),
     ),
     ("sliding_window", lambda: flexmask.sliding_window(37), lambda: _sliding(37)),
@@ -379,13 +382,13 @@ CASES = [
     ("prefix", lambda: flexmask.prefix(FAR + 20), lambda: _prefix(FAR + 20)),
     (
         "causal | spans",
-        lambda: flexmask.causal() | flexmask.spans([-1, 0, 0, 0, -1, 1, 1]),
+        lambda: flexmask.causal() | flexmask.spans([-1, 0, 0, 0, -1, 1, 1], truncate=True),
         lambda: _or(_causal, _spans([-1, 0, 0, 0, -1, 1, 1])),
     ),
     ("tree", lambda: flexmask.tree([-1, 0, 1, 0, 3]), lambda: _tree([-1, 0, 1, 0, 3])),
     (
         "~document | sliding_window (evaluated tiles)",
-        lambda: ~flexmask.document([FAR + 60, 100]) | flexmask.sliding_window(5),
+        lambda: ~flexmask.document([FAR + 60, 100], truncate=True) | flexmask.sliding_window(5),
         lambda: _or(_not(_documents([FAR + 60, 100])), _sliding(5)),
     ),
 ]
@@ -404,11 +407,13 @@ def test_far_windows_equal_the_window_reference(name, make, reference, q_offset,
 def test_far_windows_per_row(block):
     # Per-row data and per-row offsets, far apart: each row's window of its own mask.
     docs = [[FAR + 30, 90], [EDGE - 5, 40]]
-    mask = flexmask.causal() & flexmask.document(docs)
+    mask = flexmask.causal() & flexmask.document(docs, truncate=True)
     refs = [_and(_causal, _documents(d)) for d in docs]
     _far_check(mask, refs, 2, 100, 120, [FAR, EDGE], [FAR - 10, EDGE - 50], block)
     # Shared data, per-row offsets: the lookups are per row, the data is not.
-    shared = flexmask.document([FAR + 30, 90]) | flexmask.spans([0, 0, -1, 1])
+    shared = flexmask.document([FAR + 30, 90], truncate=True) | flexmask.spans(
+        [0, 0, -1, 1], truncate=True
+    )
     ref = _or(_documents([FAR + 30, 90]), _spans([0, 0, -1, 1]))
     _far_check(shared, ref, 2, 70, 90, [FAR, 1], [FAR + 5, 0], block)
     trees = [[-1, 0, 1], [-1, 0, 0, 2, 2]]
@@ -419,11 +424,12 @@ def test_far_windows_per_row(block):
     "mask, reference",
     [
         (
-            flexmask.causal() & flexmask.document([100, 130, 200]),
+            flexmask.causal() & flexmask.document([100, 130, 200], truncate=True),
             _and(_causal, _documents([100, 130, 200])),
         ),
         (
-            flexmask.causal() | flexmask.spans([-1] * 90 + [0] * 60 + [-1] * 20 + [1] * 50),
+            flexmask.causal()
+            | flexmask.spans([-1] * 90 + [0] * 60 + [-1] * 20 + [1] * 50, truncate=True),
             _or(_causal, _spans([-1] * 90 + [0] * 60 + [-1] * 20 + [1] * 50)),
         ),
         (

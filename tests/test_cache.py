@@ -25,14 +25,19 @@ from tests.strategies import expressions
 
 
 def doc(lens):
-    return flexmask.causal() & flexmask.document(lens)
+    return flexmask.causal() & flexmask.document(lens, truncate=True)
 
 
 def test_equal_masks_from_different_objects_hit_and_return_the_identical_object():
     cache = flexmask.MaskCache(maxsize=4)
     a = cache.get(doc([100, 156]), 1, 1, 256, 256, "cpu")
     b = cache.get(
-        flexmask.document(torch.tensor([100, 156])) & flexmask.causal(), 1, 1, 256, 256, "cpu"
+        flexmask.document(torch.tensor([100, 156]), truncate=True) & flexmask.causal(),
+        1,
+        1,
+        256,
+        256,
+        "cpu",
     )
     assert a is b
     info = cache.info()
@@ -61,7 +66,7 @@ def test_shape_signature_is_part_of_the_key_and_b_h_are_reduced_when_unused():
     assert base.kv_num_blocks.shape[:2] == (1, 1)  # flex_attention broadcasts it
     assert cache.get(m, 1, 1, 256, 384, "cpu") is not base
     assert cache.get(m, 1, 1, 256, 256, "cpu", BLOCK_SIZE=64) is not base
-    per_row = flexmask.causal() & flexmask.padding([200, 256])
+    per_row = flexmask.causal() & flexmask.padding([200, 256], truncate=True)
     bm = cache.get(per_row, 2, 4, 256, 256, "cpu")
     assert bm.kv_num_blocks.shape[:2] == (2, 1)
 
@@ -271,7 +276,7 @@ ROWS = [[30, 40, 26], [50, 46], [96], [10, 20, 30, 36]]
 def test_a_re_made_equal_mask_hits_however_its_lengths_are_given(given):
     cache = flexmask.MaskCache()
     first = cache.get(
-        flexmask.causal() & flexmask.document([list(r) for r in ROWS]),
+        flexmask.causal() & flexmask.document([list(r) for r in ROWS], truncate=True),
         None,
         1,
         S - 32,
@@ -281,7 +286,14 @@ def test_a_re_made_equal_mask_hits_however_its_lengths_are_given(given):
         q_offset=8,
     )
     again = cache.get(
-        flexmask.causal() & flexmask.document(given()), None, 1, S - 32, S, "cpu", 16, q_offset=8
+        flexmask.causal() & flexmask.document(given(), truncate=True),
+        None,
+        1,
+        S - 32,
+        S,
+        "cpu",
+        16,
+        q_offset=8,
     )
     assert again is first
     assert (cache.info().hits, cache.info().misses) == (1, 1)
@@ -304,10 +316,17 @@ def test_a_re_made_equal_mask_hits_however_its_lengths_are_given(given):
 def test_near_equal_masks_miss_and_build_their_own(other, q_offset):
     cache = flexmask.MaskCache()
     base = cache.get(
-        flexmask.causal() & flexmask.document(ROWS), None, 1, S - 32, S, "cpu", 16, q_offset=8
+        flexmask.causal() & flexmask.document(ROWS, truncate=True),
+        None,
+        1,
+        S - 32,
+        S,
+        "cpu",
+        16,
+        q_offset=8,
     )
     got = cache.get(
-        flexmask.causal() & flexmask.document(other),
+        flexmask.causal() & flexmask.document(other, truncate=True),
         None,
         1,
         S - 32,
@@ -322,11 +341,11 @@ def test_near_equal_masks_miss_and_build_their_own(other, q_offset):
 
 
 def test_shared_and_per_row_lengths_key_apart():
-    shared = flexmask.document([30, 66])
-    per_row = flexmask.document([[30, 66]])
+    shared = flexmask.document([30, 66], truncate=True)
+    per_row = flexmask.document([[30, 66]], truncate=True)
     assert shared != per_row
-    assert shared == flexmask.document(torch.tensor([30, 66]))
-    assert per_row == flexmask.document(torch.tensor([[30, 66]]))
+    assert shared == flexmask.document(torch.tensor([30, 66]), truncate=True)
+    assert per_row == flexmask.document(torch.tensor([[30, 66]]), truncate=True)
 
 
 @pytest.mark.parametrize(
@@ -341,7 +360,7 @@ def test_shared_and_per_row_lengths_key_apart():
 )
 def test_bad_lengths_are_named(seq_lens, error, match):
     with pytest.raises(error, match=match):
-        flexmask.document(seq_lens)
+        flexmask.document(seq_lens, truncate=True)
 
 
 def test_a_hit_builds_nothing(monkeypatch):
@@ -353,7 +372,9 @@ def test_a_hit_builds_nothing(monkeypatch):
 
     rows = [[64] * 32 for _ in range(8)]
     cache = flexmask.MaskCache()
-    first = cache.get(flexmask.causal() & flexmask.document(rows), None, 1, 2048, 2048, "cpu")
+    first = cache.get(
+        flexmask.causal() & flexmask.document(rows, truncate=True), None, 1, 2048, 2048, "cpu"
+    )
     calls = []
 
     def counted(name, fn):
@@ -366,12 +387,22 @@ def test_a_hit_builds_nothing(monkeypatch):
     monkeypatch.setattr(cache_module, "build", counted("build", cache_module.build))
     monkeypatch.setattr(Spec, "grid", counted("grid", Spec.grid))
     again = cache.get(
-        flexmask.causal() & flexmask.document([list(r) for r in rows]), None, 1, 2048, 2048, "cpu"
+        flexmask.causal() & flexmask.document([list(r) for r in rows], truncate=True),
+        None,
+        1,
+        2048,
+        2048,
+        "cpu",
     )
     assert again is first
     assert calls == []
     other = cache.get(
-        flexmask.causal() & flexmask.document([[32] * 64] * 8), None, 1, 2048, 2048, "cpu"
+        flexmask.causal() & flexmask.document([[32] * 64] * 8, truncate=True),
+        None,
+        1,
+        2048,
+        2048,
+        "cpu",
     )
     assert other is not first
     assert "build" in calls  # the counters see a miss: the check above can fail

@@ -213,7 +213,7 @@ def test_varlen_packed_documents_never_refused(data, batch, causal):
 
 def test_varlen_decode_keeps_bottom_right_alignment():
     # One query per row at the end of a 7-token cache: it sees its whole document.
-    mask = flexmask.causal() & flexmask.document([[4, 3], [2, 5]])
+    mask = flexmask.causal() & flexmask.document([[4, 3], [2, 5]], truncate=True)
     v = to_varlen(mask, 2, None, 1, 7, q_offset=6, kv_offset=0)
     assert v.cu_seqlens_q.tolist() == [0, 1, 2] and v.cu_seqlens_k.tolist() == [0, 3, 8]
     assert v.k_index.tolist() == [4, 5, 6, 9, 10, 11, 12, 13]
@@ -226,7 +226,7 @@ def test_varlen_gather_scatter_matches_dense_attention():
     with the oracle's dense mask (rows that attend nothing give 0, as flex_attention)."""
     torch.manual_seed(0)
     lens = [[3, 4, 2], [5, 1]]
-    mask = flexmask.causal() & flexmask.document(lens) & flexmask.sliding_window(3)
+    mask = flexmask.causal() & flexmask.document(lens, truncate=True) & flexmask.sliding_window(3)
     B, S, H, D = 2, 11, 2, 4
     v = to_varlen(mask, B, None, S, S)
     q, k, val = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(3))
@@ -265,7 +265,10 @@ def test_varlen_gather_scatter_matches_dense_attention():
         (flexmask.causal() | flexmask.prefix(3), r"cannot be lowered to varlen: a union"),
         (flexmask.causal() & flexmask.prefix(3), r"prefix\(3\) cannot be lowered to varlen"),
         (~flexmask.causal(), r"~causal\(\) cannot be lowered to varlen: a complement"),
-        (flexmask.spans([0, 0, -1]) & flexmask.causal(), r"spans\(.*cannot be lowered to varlen"),
+        (
+            flexmask.spans([0, 0, -1], truncate=True) & flexmask.causal(),
+            r"spans\(.*cannot be lowered to varlen",
+        ),
         (
             flexmask.per_head(flexmask.causal(), flexmask.full()),
             r"per_head.*cannot be lowered to varlen: its heads attend differently",
@@ -291,12 +294,14 @@ def test_varlen_refuses_queries_past_their_keys():
     with pytest.raises(ValueError, match=r"causal\(\) cannot be lowered to varlen.*bottom-right"):
         to_varlen(flexmask.causal(), 1, None, 8, 5)
     # Bidirectional documents have no alignment: the same window lowers.
-    v = to_varlen(flexmask.document([8]), 1, None, 8, 5)
+    v = to_varlen(flexmask.document([8], truncate=True), 1, None, 8, 5)
     assert v.cu_seqlens_q.tolist() == [0, 8] and v.cu_seqlens_k.tolist() == [0, 5]
 
 
 def test_per_head_with_one_mask_lowers():
-    mask = flexmask.per_head(flexmask.causal(), flexmask.causal()) & flexmask.document([3, 3])
+    mask = flexmask.per_head(flexmask.causal(), flexmask.causal()) & flexmask.document(
+        [3, 3], truncate=True
+    )
     assert to_varlen(mask, 1, None, 6, 6).causal
 
 
@@ -366,7 +371,7 @@ def test_flashmask_paddle_examples():
     window = to_flashmask(flexmask.causal() & flexmask.sliding_window(3), 1, 1, 10)
     assert window.causal
     assert window.startend_row_indices.view(-1).tolist() == [3, 4, 5, 6, 7, 8, 9, 10, 10, 10]
-    docs = to_flashmask(flexmask.document([4, 3, 3]), 1, 1, 10)
+    docs = to_flashmask(flexmask.document([4, 3, 3], truncate=True), 1, 1, 10)
     assert not docs.causal
     assert docs.startend_row_indices[0, 0].tolist() == [[4, 0]] * 4 + [[7, 4]] * 3 + [[10, 7]] * 3
     prefix_lm = to_flashmask(flexmask.causal() | flexmask.prefix(5), 1, 1, 10)
@@ -374,7 +379,7 @@ def test_flashmask_paddle_examples():
     want = [[10, 0]] * 5 + [[10, u] for u in range(5, 10)]
     assert prefix_lm.startend_row_indices[0, 0].tolist() == want
     # "Share Question Mask": a 4-token question, two answers of 3 that each see it.
-    shared = flexmask.causal() & (flexmask.document([4, 3, 3]) | flexmask.prefix(4))
+    shared = flexmask.causal() & (flexmask.document([4, 3, 3], truncate=True) | flexmask.prefix(4))
     got = to_flashmask(shared, 1, 1, 10)
     assert got.causal
     assert got.startend_row_indices.view(-1).tolist() == [10, 10, 10, 10, 7, 7, 7, 10, 10, 10]
@@ -461,7 +466,11 @@ def test_magi_rl_group_is_a_prefix_block_and_causal_responses():
 
 def test_magi_sliding_window_is_a_causal_head_and_a_bicausal_body():
     m = to_magi(
-        flexmask.causal() & flexmask.sliding_window(3) & flexmask.padding([9, 7]), 2, None, 9, 9
+        flexmask.causal() & flexmask.sliding_window(3) & flexmask.padding([9, 7], truncate=True),
+        2,
+        None,
+        9,
+        9,
     )
     slices = list(
         zip(m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist(), strict=True)

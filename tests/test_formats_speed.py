@@ -96,11 +96,15 @@ def test_varlen_per_row_offsets_equal_the_oracle_or_refuse(data, batch, aligned)
 
 
 def test_varlen_rows_that_attend_nothing_leave_no_sequence():
-    mask = flexmask.causal() & flexmask.document([[3, 2], [4]]) & flexmask.padding([0, 4])
+    mask = (
+        flexmask.causal()
+        & flexmask.document([[3, 2], [4]], truncate=True)
+        & flexmask.padding([0, 4], truncate=True)
+    )
     v = to_varlen(mask, 2, None, 6, 6)
     assert v.cu_seqlens_q.tolist() == [0, 4] and v.q_index.tolist() == [6, 7, 8, 9]
     assert v.k_index.tolist() == [6, 7, 8, 9]
-    nothing = to_varlen(flexmask.empty() & flexmask.document([3, 2]), 3, None, 5, 5)
+    nothing = to_varlen(flexmask.empty() & flexmask.document([3, 2], truncate=True), 3, None, 5, 5)
     assert nothing.num_sequences == 0 and nothing.q_index.numel() == 0
     assert nothing.cu_seqlens_q.tolist() == [0] and nothing.max_seqlen_q == 0
 
@@ -118,7 +122,7 @@ def test_varlen_many_per_row_documents_match_a_loop():
             out.append(n)
             total += n
         rows.append(out)
-    v = to_varlen(flexmask.causal() & flexmask.document(rows), 8, None, 2048, 2048)
+    v = to_varlen(flexmask.causal() & flexmask.document(rows, truncate=True), 8, None, 2048, 2048)
     want = [0]
     for lens in rows:
         for n in lens:
@@ -320,7 +324,8 @@ def test_slices_lowering_of_long_bands_and_many_documents():
         (flexmask.sliding_window(100), 2, 900, 900),
         (~flexmask.causal() | flexmask.sliding_window(3), 1, 700, 700),
         (
-            flexmask.causal() & flexmask.document([[7] * 100, [13] * 50, [1] * 650, [650]]),
+            flexmask.causal()
+            & flexmask.document([[7] * 100, [13] * 50, [1] * 650, [650]], truncate=True),
             4,
             700,
             700,
@@ -336,7 +341,7 @@ def test_slices_lowering_of_long_bands_and_many_documents():
 def test_a_document_running_past_int_bounds_starts_where_it_starts():
     """A document longer than any sequence (lengths up to 2**63 - 1 are clipped to it) starts
     after the ones before it: its queries attend only its own keys."""
-    mask = flexmask.causal() & flexmask.document([5, 2**62])
+    mask = flexmask.causal() & flexmask.document([5, 2**62], truncate=True)
     m = to_magi(mask, 1, None, 9, 9)
     assert m.q_ranges.tolist() == [[0, 5], [5, 9]] == m.k_ranges.tolist()
     assert to_varlen(mask, 1, None, 9, 9).cu_seqlens_q.tolist() == [0, 5, 9]
@@ -374,7 +379,7 @@ def test_ends_at_or_before_equals_torchs_search(data, rows, dense):
 def test_flashmask_heads_whose_rows_differ_stack_per_batch_row():
     """Bounds are made per mask row and expanded to the batch afterwards: a head whose mask
     differs by row beside one that does not."""
-    docs = flexmask.causal() & flexmask.document([[2, 3], [4, 1]])
+    docs = flexmask.causal() & flexmask.document([[2, 3], [4, 1]], truncate=True)
     f = to_flashmask(flexmask.per_head(docs, flexmask.causal()), 2, 2, 5)
     alone_docs = to_flashmask(docs, 2, 1, 5).startend_row_indices
     alone_causal = to_flashmask(flexmask.causal(), 2, 1, 5).startend_row_indices

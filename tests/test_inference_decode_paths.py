@@ -76,14 +76,14 @@ def _cases(rng: random.Random, batch: int):
 
     causal = flexmask.causal()
     return [
-        ("documents", causal & flexmask.document(docs), doc_mod),
+        ("documents", causal & flexmask.document(docs, truncate=True), doc_mod),
         ("window", causal & flexmask.sliding_window(sizes), window_mod),
         (
             "documents & window",
-            causal & flexmask.document(docs) & flexmask.sliding_window(9),
+            causal & flexmask.document(docs, truncate=True) & flexmask.sliding_window(9),
             doc_window_mod,
         ),
-        ("padding", causal & flexmask.padding(lengths), padding_mod),
+        ("padding", causal & flexmask.padding(lengths, truncate=True), padding_mod),
         ("prefix", causal | flexmask.prefix(37), prefix_mod),
         # Shared intervals that broadcast over the rows (one for every row).
         ("window alone", flexmask.sliding_window(7), lambda b, q, kv: (q - kv).abs() < 7),
@@ -141,7 +141,7 @@ def test_steps_equal_torch_step_by_step(seed, batch, q_len, block, heads):
 
 def test_a_step_rewrites_only_the_rows_whose_blocks_changed():
     # Row 0 crosses into kv block 2 (position 32), row 1 stays inside block 0.
-    mask = flexmask.causal() & flexmask.document([[20, 200], [5, 200]])
+    mask = flexmask.causal() & flexmask.document([[20, 200], [5, 200]], truncate=True)
     steps = flexmask.DecodeMasks(mask, [31, 6], CAPACITY, block_size=16)
     bm = steps.block_mask
     row1 = bm.kv_indices[1].clone()

@@ -18,6 +18,7 @@ mask_mod written here from the documented rule, and the dense oracle (tests/orac
 
 from __future__ import annotations
 
+import re
 import sys
 
 import numpy as np
@@ -315,13 +316,14 @@ def test_values_that_signal_a_bug_raise(make, error, match):
 def test_numpy_integers_everywhere_an_int_is_taken():
     n = np.int64
     mask = flexmask.causal() & flexmask.sliding_window(np.int32(9)) & flexmask.padding(n(30))
+    cropped = flexmask.causal() & flexmask.sliding_window(np.int32(9)) & flexmask.padding(n(3))
     bm = flexmask.create_block_mask(mask, n(2), n(3), n(40), np.int32(33), "cpu", n(16))
     ref = flexmask.create_block_mask(mask, 2, 3, 40, 33, "cpu", 16)
     assert flexmask.same_blocks(bm, ref) and bm.shape == (2, 3, 40, 33)
     pair = flexmask.create_block_mask(mask, 1, 1, 40, 40, "cpu", (np.int16(16), n(32)))
     assert tuple(pair.BLOCK_SIZE) == (16, 32)
     assert torch.equal(mask.to_dense(n(1), n(1), n(40), n(33)), mask.to_dense(1, 1, 40, 33))
-    assert mask.show(n(4)) == mask.show(4)
+    assert cropped.show(n(4)) == cropped.show(4)
     assert flexmask.sliding_window(np.array(9)) == flexmask.sliding_window(9)
     assert flexmask.document(np.array([3, 4], np.uint8)) == flexmask.document([3, 4])
     assert flexmask.prefix(torch.tensor([2, 3], dtype=torch.uint64)) == flexmask.prefix([2, 3])
@@ -472,10 +474,16 @@ def _chunked_dense(n, length):
 
 PAST = [80, 10**12, INT64_MAX, [80, 10]]  # past every window's sequence (<= 60 tokens)
 
+
+def _truncated_padding(lengths):
+    """padding cut at the sequence end by request: a length past it is no padding."""
+    return flexmask.padding(lengths, truncate=True)
+
+
 VALUE_CASES = [
     *(
         _value_case(
-            "padding", flexmask.padding, lambda n, q, kv: (q < n) & (kv < n), _padding_dense, v
+            "padding", _truncated_padding, lambda n, q, kv: (q < n) & (kv < n), _padding_dense, v
         )
         for v in PAST
     ),
@@ -542,22 +550,24 @@ def _doc_ids(seq_lens):
 
 TABLE_CASES = [
     # The last document runs past every sequence: a truncated document.
-    _table_case("document([30, 200])", flexmask.document([30, 200]), [_doc_ids([30, 200])]),
+    _table_case(
+        "document([30, 200])", flexmask.document([30, 200], truncate=True), [_doc_ids([30, 200])]
+    ),
     # Bounds near int64's edge: past the search padding of 2**62.
     _table_case(
         "document([30, 2**63 - 31])",
-        flexmask.document([30, INT64_MAX - 30]),
+        flexmask.document([30, INT64_MAX - 30], truncate=True),
         [_doc_ids([30, 100])],
     ),
     _table_case(
         "document(per row, past)",
-        flexmask.document([[5, 0, 100], [61, 4]]),
+        flexmask.document([[5, 0, 100], [61, 4]], truncate=True),
         [_doc_ids([5, 0, 100]), _doc_ids([61, 4])],
     ),
     # A span straddling the end, and ids for tokens that are not there.
     _table_case(
         "spans(straddling)",
-        flexmask.spans([-1] * 20 + [0] * 30 + [-1, 1, 1] + [2] * 50),
+        flexmask.spans([-1] * 20 + [0] * 30 + [-1, 1, 1] + [2] * 50, truncate=True),
         [[-1] * 20 + [0] * 30 + [-1, 1, 1] + [2] * 50],
     ),
 ]
@@ -653,19 +663,23 @@ def test_documents_and_spans_past_the_sequence_are_clipped(name, build, q_off, k
 @pytest.mark.parametrize(
     ("past", "clipped"),
     [
-        (flexmask.padding(10**12), flexmask.padding(40)),
-        (flexmask.padding([41, 7]), flexmask.padding([40, 7])),
+        (flexmask.padding(10**12, truncate=True), flexmask.padding(40)),
+        (flexmask.padding([41, 7], truncate=True), flexmask.padding([40, 7])),
         (flexmask.prefix(INT64_MAX), flexmask.prefix(40)),
         (flexmask.chunked(41), flexmask.chunked(40)),
         (flexmask.sliding_window(10**9), flexmask.sliding_window(40)),
-        (flexmask.document([30, 11]), flexmask.document([30, 10])),
-        (flexmask.document([[30, 11], [50]]), flexmask.document([[30, 10], [40]])),
-        (flexmask.spans([0] * 38 + [1] * 5), flexmask.spans([0] * 38 + [1] * 2)),
+        (flexmask.document([30, 11], truncate=True), flexmask.document([30, 10])),
+        (
+            flexmask.document([[30, 11], [50]], truncate=True),
+            flexmask.document([[30, 10], [40]]),
+        ),
+        (flexmask.spans([0] * 38 + [1] * 5, truncate=True), flexmask.spans([0] * 38 + [1] * 2)),
     ],
     ids=repr,
 )
 def test_a_length_past_the_sequence_is_the_length_clipped_to_it(past, clipped):
-    # Every entry point takes it (none raises) and agrees with the clipped value at S = 40.
+    # Every entry point takes it (none raises; documents, spans and padding by request) and
+    # agrees with the clipped value at S = 40.
     length = 40
     batch = past.rows or 1
     assert torch.equal(
@@ -678,3 +692,50 @@ def test_a_length_past_the_sequence_is_the_length_clipped_to_it(past, clipped):
     theirs = torch_create_block_mask(mod, batch, 1, length, length, "cpu", BLOCK_SIZE=BLOCK)
     oracle.assert_same_block_mask(ours, theirs, repr(past))
     flexmask.decode_mask(past, [length - 1] * batch, 1, length, block_size=BLOCK)
+
+
+@pytest.mark.parametrize(
+    ("past", "what"),
+    [
+        (flexmask.document([30, 11]), "document's seq_lens reach position 41"),
+        (flexmask.document([[30, 10], [50]]), "document's seq_lens reach position 50"),
+        (flexmask.padding([41, 7]), "padding's lengths reach position 41"),
+        (flexmask.spans([0] * 38 + [1] * 5), "spans's ids reach position 43"),
+        (flexmask.tree([-1] + [0] * 41), "parents has 42 tokens"),
+    ],
+    ids=repr,
+)
+def test_data_past_the_sequence_raises_at_every_entry_unless_truncated(past, what):
+    """Documents, spans, padding and trees made for longer rows than the call's (lengths
+    counted before truncating, (B, S, H, D) tensors read as (B, H, S, D)) are refused where
+    the mask meets its lengths, naming the piece, its reach and the length."""
+    length, batch = 40, past.rows or 1
+    q = torch.zeros(batch, 1, length, 8)
+    entries = {
+        "create_block_mask": lambda: flexmask.create_block_mask(past, batch, 1, length, length),
+        "lazy": lambda: flexmask.lazy(past, batch, 1, length, length),
+        "to_dense": lambda: past.to_dense(batch, 1, length, length),
+        "to_magi": lambda: flexmask.to_magi(past, batch, 1, length, length),
+        "flex_attention": lambda: flexmask.flex_attention(q, q, q, block_mask=past),
+        "decode_mask": lambda: flexmask.decode_mask(past, [length - 1] * batch, 1, length),
+    }
+    for entry, call in entries.items():
+        with pytest.raises(ValueError, match=re.escape(what)) as err:
+            call()
+        assert "40" in str(err.value), (entry, str(err.value))
+        if "tree" not in repr(past):
+            assert "truncate=True" in str(err.value), (entry, str(err.value))
+
+
+def test_a_mask_for_b_s_h_d_tensors_is_refused():
+    """The issue's misread: a Mask of 300 tokens' documents with (B, S, H, D) tensors, which
+    flex_attention reads as S = H = 2, no longer runs on the first two positions."""
+    mask = flexmask.causal() & flexmask.document([100, 200])
+    q = torch.randn(1, 300, 2, 16)
+    with pytest.raises(ValueError, match=r"reach position 300 .* = 2: .*\(B, H, S, D\)"):
+        flexmask.flex_attention(q, q, q, block_mask=mask)
+
+
+def test_truncate_is_a_bool():
+    with pytest.raises(TypeError, match="truncate must be True or False"):
+        flexmask.document([3, 4], truncate="no")

@@ -8,6 +8,17 @@ pieces written outside flexmask (docs/contributing.md, "A new piece").
 
 from flexmask.algebra.dense import open_empty_rows, zero_empty_rows
 from flexmask.algebra.evaluate import vmap_broadcast
+from flexmask.algebra.interval_mods import (  # noqa: F401 (names of _INTERNAL)
+    TAIL,
+    Atom,
+    ConstBound,
+    Formula,
+    Join,
+    QBound,
+    ValueBound,
+    mask_mod_at,
+    one_range,
+)
 from flexmask.algebra.lines import (
     INF,
     UNUSED,
@@ -24,6 +35,12 @@ from flexmask.algebra.protocol import BlockColumns, Extent, Intervals, TileGrid,
 
 __all__ = [
     "And",
+    "Atom",
+    "ConstBound",
+    "Formula",
+    "Join",
+    "QBound",
+    "ValueBound",
     "BlockColumns",
     "Composite",
     "Extent",
@@ -50,3 +67,7 @@ __all__ = [
     "vmap_broadcast",
     "zero_empty_rows",
 ]
+
+# Shared with the other flexmask packages (the builders' choice of mask_mod, the tables'
+# tail), not an API for pieces written outside flexmask.
+_INTERNAL = ["TAIL", "mask_mod_at", "one_range"]

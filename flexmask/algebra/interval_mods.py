@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from flexmask.algebra.mods import MaskMod, MaskModFn
-from flexmask.algebra.protocol import Intervals
 
 MAX_INTERVALS = 8
 """torch's limit (``MAX_PACKED_MASK_INTERVALS_FOR_CODE_SIZE``): a mask whose comparisons
@@ -290,7 +289,7 @@ def _rows_at(node: object, grid: WholeGrid) -> tuple[Tensor, Tensor]:
     rows = node.rows or 1  # type: ignore[attr-defined]
     positions = torch.arange(length, dtype=torch.int64, device=grid.device)
     row = torch.arange(rows, dtype=torch.int64, device=grid.device).view(-1, 1)
-    got: Intervals = node.intervals_at(positions.expand(rows, -1), row, grid)  # type: ignore[attr-defined]
+    got = node.intervals_at(positions.expand(rows, -1), row, grid)  # type: ignore[attr-defined]
     lo = got.lo.expand(rows, length).clamp(0, length).to(torch.int32)
     hi = (got.hi.expand(rows, length) + 1).clamp(0, length).to(torch.int32)
     # The tail attends nowhere: starts at the length, ends at 0.

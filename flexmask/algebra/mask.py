@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_device, check_int, dense_lengths
+from flexmask.algebra.combine import common_device, common_rows
 from flexmask.algebra.interval_mods import Formula, all_of, any_of, mask_mod_at, negated
 from flexmask.algebra.lines import VarlenPart, cannot_lower
 from flexmask.algebra.mods import (
@@ -52,8 +53,6 @@ __all__ = [
     "Or",
     "ShiftedMod",
     "Window",
-    "common_device",
-    "common_rows",
 ]
 
 
@@ -310,35 +309,6 @@ def _as_mask(other: object, op: str) -> Mask:
         f"`{op}` combines two flexmask masks, got {type(other).__name__}. Wrap a plain "
         f"mask_mod first: flexmask.from_mask_mod(fn, key=...)"
     )
-
-
-def common_rows(children: tuple[Mask, ...]) -> int | None:
-    """The shared per-row count of children, or a ValueError if two disagree."""
-    rows = None
-    for child in children:
-        if child.rows is None:
-            continue
-        if rows is not None and child.rows != rows:
-            raise ValueError(
-                f"cannot combine masks given for {rows} and {child.rows} batch rows: "
-                f"per-row data must have one entry per row of the same batch"
-            )
-        rows = child.rows
-    return rows
-
-
-def common_device(children: tuple[Mask, ...]) -> torch.device | None:
-    device = None
-    for child in children:
-        if child.device is None:
-            continue
-        if device is not None and child.device != device:
-            raise ValueError(
-                f"cannot combine masks made from tensors on {device} and {child.device}: "
-                f"move the inputs to one device"
-            )
-        device = child.device
-    return device
 
 
 class Leaf(Mask):

@@ -28,8 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 from flexmask._validate import check_device, check_int, lengths
-from flexmask.algebra import Mask, MaskMod, ShiftedMod
-from flexmask.algebra.interval_mods import mask_mod_at
+from flexmask.algebra import Mask, MaskMod, ShiftedMod, mask_mod_at
 from flexmask.blocks import (
     TORCH_DEFAULTS,
     BlockGrid,

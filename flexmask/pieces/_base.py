@@ -7,14 +7,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra import Extent, Leaf, Lowered, MaskModFn, Window
-from flexmask.algebra.interval_mods import Formula, one_range
+from flexmask._validate import check_flag
+from flexmask.algebra import Extent, Formula, Leaf, Lowered, MaskModFn, Window, one_range
 
 
 class Piece(Leaf):
     """A leaf of the mask algebra. Subclasses set ``_key``, ``_rows``, ``_device``, ``_natural``."""
 
-    __slots__ = ("_key", "_rows", "_device", "_natural", "_placed")
+    __slots__ = ("_key", "_rows", "_device", "_natural", "_placed", "_truncate")
     _arg = "the mask's data"
     interval_shape: str | None = None
     """What the piece's ``intervals_at`` promise (``flexmask.builders.closed_form``): None — none;
@@ -30,11 +30,13 @@ class Piece(Leaf):
         rows: int | None = None,
         device: torch.device | None = None,
         natural: int = 0,
+        truncate: bool = False,
     ) -> None:
         self._key = key
         self._rows = rows
         self._device = device
         self._natural = natural
+        self._truncate = check_flag(truncate, "truncate")
         self._placed: dict[tuple[str, torch.device], Tensor] = {}
 
     def _on(self, name: str, device: torch.device) -> Tensor:
@@ -95,7 +97,27 @@ class Piece(Leaf):
     def natural_length(self) -> int:
         return self._natural
 
+    @property
+    def data_reach(self) -> int:
+        """The position after the last token the piece's data describes (documents' sum, the
+        last span's end, a padding length): past the sequence, the data was made for other
+        lengths, and the piece raises unless made with ``truncate=True``. 0 for a piece
+        whose data holds no positions (a window size, a prefix length: any value means
+        something at any length) or checks its own (trees, position tables)."""
+        return 0
+
     def check(self, extent: Extent) -> None:
+        reach = self.data_reach
+        if reach > extent.length and not getattr(self, "_truncate", False):
+            # Data for longer rows than the call's (lengths counted before truncating,
+            # (B, S, H, D) tensors read as (B, H, S, D)) would be cut silently.
+            name = type(self).__name__.lower()
+            raise ValueError(
+                f"{name}'s {self._arg} reach position {reach} in some row, past the sequence "
+                f"{extent.length_name} = {extent.length}: give {self._arg} made for this "
+                f"sequence (attention reads S from dim 2 of (B, H, S, D) tensors), or pass "
+                f"{name}(..., truncate=True) to cut them at the sequence end"
+            )
         if self._rows is not None and self._rows != extent.batch:
             raise ValueError(
                 f"{self._arg} is given for {self._rows} batch rows but B={extent.batch}: pass one "

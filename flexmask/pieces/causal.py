@@ -7,15 +7,17 @@ from torch import Tensor
 
 from flexmask.algebra import (
     INF,
+    Atom,
+    Formula,
     Intervals,
     LineIntervals,
     Lowered,
+    QBound,
     TileGrid,
     VarlenPart,
     Window,
     one_interval,
 )
-from flexmask.algebra.interval_mods import Atom, Formula, QBound
 from flexmask.blocks import codes_from
 from flexmask.pieces._base import Piece, PieceMod
 

@@ -8,15 +8,18 @@ import torch
 from torch import Tensor
 
 from flexmask.algebra import (
+    Atom,
+    Formula,
     Intervals,
+    Join,
     LineIntervals,
     Lowered,
     TileGrid,
+    ValueBound,
     VarlenPart,
     Window,
     one_interval,
 )
-from flexmask.algebra.interval_mods import Atom, Formula, Join, ValueBound
 from flexmask.blocks import codes_from
 from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece

@@ -7,6 +7,9 @@ from torch import Tensor
 
 from flexmask.algebra import (
     INF,
+    Atom,
+    ConstBound,
+    Formula,
     Intervals,
     LineIntervals,
     Lowered,
@@ -15,7 +18,6 @@ from flexmask.algebra import (
     Window,
     one_interval,
 )
-from flexmask.algebra.interval_mods import Atom, ConstBound, Formula
 from flexmask.blocks import EMPTY, FULL, constant_codes
 from flexmask.pieces._base import Piece, PieceMod
 

@@ -11,6 +11,7 @@ from torch import Tensor
 from flexmask._validate import INT64_MAX, checked_sum, digest, int_vector, is_nested, source_device
 from flexmask.algebra import (
     INF,
+    TAIL,
     Intervals,
     LineIntervals,
     Lowered,
@@ -20,7 +21,6 @@ from flexmask.algebra import (
     one_interval,
     run_at,
 )
-from flexmask.algebra.interval_mods import TAIL
 from flexmask.blocks import codes_from
 from flexmask.pieces._base import (
     Piece,
@@ -104,6 +104,10 @@ class Document(Piece):
             truncate=truncate,
         )
 
+    @property
+    def data_reach(self) -> int:
+        return self._natural  # the longest row's documents, summed
+
     def __getstate__(self) -> dict[str, object]:
         # The lookups and row views are made again on first use: a pickle holds the lengths.
         return {**super().__getstate__(), "_bounds": None, "_rows_cache": None}
@@ -121,7 +125,7 @@ class Document(Piece):
     def _tables(self) -> tuple[Tensor, Tensor, Tensor]:
         """Each row's document starts and ends (R, max documents), padded past every
         position (never a match), and document counts (R,): what every lookup needs.
-        Documents may run past the sequence (docs/algebra.md: clipped to it); the sums fit
+        Documents may run past the sequence (``truncate=True``: clipped to it); the sums fit
         in int64 (checked), so each row is sorted for search as it is."""
         if self._bounds is None or tracing():
             rows = self.seq_lens

@@ -9,15 +9,17 @@ from torch import Tensor
 
 from flexmask.algebra import (
     INF,
+    Atom,
+    Formula,
     Intervals,
     LineIntervals,
     Lowered,
     TileGrid,
+    ValueBound,
     VarlenPart,
     Window,
     one_interval,
 )
-from flexmask.algebra.interval_mods import Atom, Formula, ValueBound
 from flexmask.blocks import codes_from
 from flexmask.pieces._base import PieceMod
 from flexmask.pieces._rowvalue import RowValuePiece

@@ -43,14 +43,14 @@ class Spans(Piece):
                                 ⬚ ⬚ ⬚ ⬚ ■
     """
 
-    __slots__ = ("per_row", "_span_ids", "_starts", "_ends", "_num_spans")
+    __slots__ = ("per_row", "_span_ids", "_starts", "_ends", "_num_spans", "_reach")
     # Each query's interval is empty or its own span [start, end], which holds the query;
     # spans are disjoint runs. Not monotone alone (a token outside every span between two
     # spans attends nowhere), but a union with causal() is: see ``Mask.attends_around_self``.
     interval_shape = "around_self"
     _arg = "ids"
 
-    def __init__(self, ids: Any) -> None:
+    def __init__(self, ids: Any, truncate: bool = False) -> None:
         per_row = is_nested(ids)
         rows_in = list(ids) if per_row else [ids]
         bounds = []
@@ -69,6 +69,8 @@ class Spans(Piece):
             [canonical for _, _, canonical in bounds], batch_first=True, padding_value=-1
         )
         natural = self._span_ids.shape[1]
+        # Where the last span of any row ends: ids of -1 past it say nothing of the sequence.
+        self._reach = max((int(e.max()) for _, e, _ in bounds if e.numel()), default=0)
         starts_ends = [torch.stack([s, e]) for s, e, _ in bounds]
         if per_row:
             key_data: tuple = ("rows", natural, digest(*starts_ends))
@@ -79,7 +81,12 @@ class Spans(Piece):
             rows=len(bounds) if per_row else None,
             device=source_device(ids),
             natural=natural,
+            truncate=truncate,
         )
+
+    @property
+    def data_reach(self) -> int:
+        return int(getattr(self, "_reach", self._natural))
 
     @property
     def carries_batch_data(self) -> bool:
@@ -237,7 +244,7 @@ def _padded(rows: list[Tensor]) -> Tensor:
     return out
 
 
-def spans(ids: Any) -> Spans:
+def spans(ids: Any, *, truncate: bool = False) -> Spans:
     """Bidirectional groups: tokens with the same id ``>= 0`` attend each other both ways;
     a token with id -1 (or past the ids) is in no span and attends nothing here.
 
@@ -250,8 +257,10 @@ def spans(ids: Any) -> Spans:
         ids: one id per token — a list (or 1-D integer tensor or array) for every batch row,
             or a list of lists (or a 2-D tensor or array) with one list per row. Only where
             ids change matters: ``[0, 0, -1, 1]`` and ``[7, 7, -1, 3]`` are the same mask.
-            Ids past the sequence are clipped off, as every piece's lengths are
-            (docs/algebra.md); positions past the ids are in no span.
+            A span reaching past the sequence raises where the mask is used, unless
+            ``truncate``; ids of -1 past it are ignored; positions past the ids are in no
+            span.
+        truncate: cut a span that reaches past the sequence at its end (docs/algebra.md).
 
     Raises:
         ValueError: an id below -1, or an id whose tokens are not one contiguous run; each
@@ -267,4 +276,4 @@ def spans(ids: Any) -> Spans:
         ■ ■ ■ ■ ⬚
         ■ ■ ■ ■ ■
     """
-    return Spans(ids)
+    return Spans(ids, truncate)

@@ -165,13 +165,16 @@ class Tree(Piece):
         return self._ordered()[2]
 
     def check(self, extent: Extent) -> None:
-        super().check(extent)
+        # Before the shared check: a tree takes no truncation (cut at the end, a node would
+        # lose the ancestors its lookups are built from only if they came later: never, but
+        # the lookups are made for every parent), so it says so in its own words.
         longest = self.natural_length  # read at every cache hit: never widens the parents
         if longest > extent.length:
             raise ValueError(
                 f"parents has {longest} tokens, more than the sequence length "
                 f"{extent.length_name}={extent.length}"
             )
+        super().check(extent)
 
     def _lookups(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """(R, length + 1) int32 rank and subtree end per position (``position_lookups``).
