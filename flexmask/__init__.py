@@ -18,7 +18,7 @@ from flexmask._deprecated import MovedModule, moved
 from flexmask.algebra import Mask
 from flexmask.attention import attention, compile_enabled, explain, flex_attention, set_compile
 from flexmask.blocks import same_blocks
-from flexmask.builders import create_block_mask
+from flexmask.builders import create_block_mask, diff, explain_build
 from flexmask.formats import to_fa4, to_flashmask, to_magi, to_varlen
 from flexmask.inference import DecodeMasks, decode_mask, speculative_tree
 from flexmask.packing import (
@@ -204,6 +204,8 @@ __all__ = [
     "create_block_mask",
     "lazy",
     "same_blocks",
+    "explain_build",
+    "diff",
     "MaskCache",
     "cache_info",
     "cache_clear",

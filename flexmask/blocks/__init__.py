@@ -6,7 +6,8 @@
 * ``write`` — torch's eight tensors, byte-identical to its ``create_block_mask``;
 * ``memory`` — the tensors a build writes into, large ones on huge pages;
 * ``pair`` — a long build's two sides written at once, one on a second thread;
-* ``read`` — the one reader of a BlockMask (either side's codes, bytes, ``same_blocks``).
+* ``read`` — the one reader of a BlockMask (either side's codes, its listed counts, bytes,
+  ``same_blocks``).
 """
 
 from flexmask.blocks.codes import (  # noqa: F401 (names of _INTERNAL)
@@ -29,6 +30,7 @@ from flexmask.blocks.read import (  # noqa: F401 (names of _INTERNAL)
     WRITE_ORDER_FIELDS,
     block_mask_nbytes,
     kv_codes,
+    listed_counts,
     q_codes,
     same_blocks,
 )
@@ -79,6 +81,7 @@ _INTERNAL = [
     "exporting",
     "huge_pages_on",
     "index_tensors",
+    "listed_counts",
     "not_codes",
     "offsets",
     "or_codes",

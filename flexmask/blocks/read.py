@@ -71,6 +71,18 @@ def kv_codes(
     return _codes(lists, (q_len, q_block, "Q_LEN"), (kv_len, kv_block, "KV_LEN"), checked)
 
 
+def listed_counts(block_mask: BlockMask) -> tuple[int, int]:
+    """How many blocks the kv side lists partial and full, summed over its rows and heads
+    (each q block's ``count``, as the kernels read them; 0 full where it has no full list)."""
+    q_len = block_mask.seq_lengths[0]
+    num_q = -(-q_len // int(block_mask.BLOCK_SIZE[0]))
+    partial, full = 0, 0
+    for counts, _, _, code in kv_lists(block_mask):
+        listed = int(counts[:, :, :num_q].sum())
+        partial, full = (partial + listed, full) if code == PARTIAL else (partial, full + listed)
+    return partial, full
+
+
 def q_lists(block_mask: BlockMask) -> list[tuple[Tensor, Tensor, str, int]] | None:
     """The q side's block lists as ``(counts, indices, name of the indices, code)``, as
     :func:`kv_lists`; None where the BlockMask has no q side (``from_kv_blocks(...,

@@ -11,21 +11,31 @@ order data flows (docs/blocks.md describes the same pipeline). They stand on
   ``size_check`` (refusing what cannot fit), ``torch_flags`` (torch's build flags),
   ``zero_sizes`` (B=0 or H=0), ``threads`` (one thread per CPU build) and ``provenance``
   (the Mask recorded on the BlockMask it built);
-* ``segments``, ``cp_shard`` — a context-parallel rank's rows of the BlockMask, per segment.
+* ``segments``, ``cp_shard`` — a context-parallel rank's rows of the BlockMask, per segment;
+* ``explain``, ``differences`` — builds you can see into: which path a build takes and why
+  (``explain_build``), and the first block where two BlockMasks part (``diff``).
 """
 
 from flexmask.builders.classify import classify_blocks  # noqa: F401 (names of _INTERNAL)
 from flexmask.builders.closed_form import row_runs  # noqa: F401 (names of _INTERNAL)
 from flexmask.builders.cp_shard import KeyOrder, ShardMaskMod, build_shard  # noqa: F401 (names of _INTERNAL)
 from flexmask.builders.create import build, create_block_mask  # noqa: F401 (names of _INTERNAL)
+from flexmask.builders.differences import BlockDifference, diff
+from flexmask.builders.explain import BuildReport, explain_build
 from flexmask.builders.provenance import BUILT_RECORD, built_from  # noqa: F401 (names of _INTERNAL)
 from flexmask.builders.segments import write_runs  # noqa: F401 (names of _INTERNAL)
+from flexmask.builders.sides import Route
 from flexmask.builders.spec import Spec, make_grid, make_spec  # noqa: F401 (names of _INTERNAL)
 from flexmask.builders.threads import cpu_threads  # noqa: F401 (names of _INTERNAL)
 from flexmask.builders.zero_sizes import emptied  # noqa: F401 (names of _INTERNAL)
 
 __all__ = [
+    "BlockDifference",
+    "BuildReport",
+    "Route",
     "create_block_mask",
+    "diff",
+    "explain_build",
 ]
 
 # What other flexmask packages use and users need not: not an API, it may change in any

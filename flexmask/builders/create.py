@@ -20,7 +20,7 @@ mask_mod (and, under ``torch.export``, a mask off the closed form) to torch's ow
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ from flexmask.builders.provenance import (
     _Built,  # noqa: F401 - BlockMasks pickled by 0.1.0 name the record's class here
     record,
 )
-from flexmask.builders.sides import build_sides, in_closed_form
+from flexmask.builders.sides import Route, build_sides, in_closed_form
 from flexmask.builders.size_check import check_dense_size
 from flexmask.builders.spec import make_spec
 from flexmask.builders.threads import cpu_threads
@@ -75,15 +75,23 @@ def build_counted(
     mask: Mask, grid: BlockGrid, flags: Flags = TORCH_DEFAULTS
 ) -> tuple[BlockMask, int]:
     """``build``, and how many tiles it refined (what benchmarks report)."""
+    block_mask, route = build_routed(mask, grid, flags)
+    return block_mask, route.total_refined
+
+
+def build_routed(
+    mask: Mask, grid: BlockGrid, flags: Flags = TORCH_DEFAULTS
+) -> tuple[BlockMask, Route]:
+    """``build``, and the path that wrote its sides (``explain_build`` reports it)."""
     with cpu_threads(torch.device(grid.device)):
         # The lookups the mask_mod keeps are allocated before the build's temporaries.
         lowered = mask_mod_at(mask, grid.length, grid.device, grid.lookup_window)
         mask_mod = window_mask_mod(lowered, grid)
-        kv, q, refined = build_sides(mask, grid)
+        kv, q, route = build_sides(mask, grid)
         block_mask = assemble(kv, q, grid, mask_mod, flags)
         if mask_mod is lowered:  # no window: the BlockMask means the mask itself
-            record(block_mask, mask, mask_mod)
-        return block_mask, refined
+            record(block_mask, mask, mask_mod, route)
+        return block_mask, route
 
 
 def create_block_mask(
@@ -157,11 +165,39 @@ def create_block_mask(
         >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
         ([[[1, 1, 3, 2]]], [[[0, 1, 0, 0]]])
     """
-    Q_LEN, KV_LEN = lengths(Q_LEN, KV_LEN, "create_block_mask")
+    return routed_build(
+        mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset, flags
+    ).block_mask
+
+
+class Routed(NamedTuple):
+    """A BlockMask and the path its build took."""
+
+    block_mask: BlockMask
+    route: Route
+
+
+def routed_build(
+    mask: Mask | MaskMod,
+    B: Any,
+    H: Any,
+    Q_LEN: Any,
+    KV_LEN: Any,
+    device: Any,
+    BLOCK_SIZE: Any,
+    q_offset: Any,
+    kv_offset: Any,
+    flags: dict[str, Any],
+    caller: str = "create_block_mask",
+) -> Routed:
+    """``create_block_mask``'s work, with the route it took: ``explain_build`` runs the same
+    build, so what it reports is what ``create_block_mask`` does."""
+    Q_LEN, KV_LEN = lengths(Q_LEN, KV_LEN, caller)
     if not isinstance(mask, Mask):
         _check_mask_mod(mask, q_offset, kv_offset)
         build_flags(flags)  # torch's errors for unknown keywords, before any work
-        return _torch_build(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, flags)
+        built = _torch_build(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, flags)
+        return Routed(built, Route("torch", TORCH_WHY["mask_mod"]))
     checked = build_flags(flags)
     spec = make_spec(
         mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, q_offset, kv_offset, sized=False
@@ -171,10 +207,19 @@ def create_block_mask(
     one.check_fits(check_device(device, mask.device), reduced=False)  # all (B, H) written
     grid = one.grid(sized=False)
     if exporting() and not in_closed_form(mask):
-        built = _traced_build(mask, grid, checked)
+        built, route = _traced_build(mask, grid, checked), Route("torch", TORCH_WHY["export"])
     else:
-        built = build(mask, grid, checked)
-    return emptied(built, B, H) if spec.empty else built
+        built, route = build_routed(mask, grid, checked)
+    return Routed(emptied(built, B, H) if spec.empty else built, route)
+
+
+TORCH_WHY = {
+    "mask_mod": "a plain mask_mod has no structure to read: torch evaluates it on every "
+    "element of the (B, H, Q_LEN, KV_LEN) grid, padded to whole blocks",
+    "export": "under torch.export, a mask off the closed form: classifying tiles reads "
+    "tensor values export cannot trace, so torch evaluates its mask_mod on every element",
+}
+"""Why a build was handed to torch's create_block_mask."""
 
 
 def _traced_build(mask: Mask, grid: BlockGrid, flags: Flags) -> BlockMask:

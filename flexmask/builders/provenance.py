@@ -12,6 +12,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.algebra import Mask, MaskMod
 from flexmask.blocks import BLOCK_FIELDS
+from flexmask.builders.sides import Route
 
 # A BlockMask flexmask built remembers its Mask with the mask_mod it was built with. torch
 # makes a new BlockMask for ``.to()``, slicing and ``_adjust``, which so forget it.
@@ -35,17 +36,36 @@ def built_from(block_mask: BlockMask, blocks: bool = False) -> Mask | None:
     return tag.mask
 
 
+def built_route(block_mask: BlockMask) -> tuple[Route, bool] | None:
+    """The path the build of ``block_mask`` took and whether its index tensors are still the
+    ones built (False: edited since); None where :func:`built_from` is None, or for a
+    BlockMask saved before builds recorded their path."""
+    tag = getattr(block_mask, _BUILT_FROM, None)
+    if built_from(block_mask) is None or not isinstance(tag, _Built) or tag.route is None:
+        return None
+    return Route.from_plain(tag.route), tag.intact(block_mask)
+
+
 class _Built:
-    """What a build records on its BlockMask: the Mask, the mask_mod, and each index tensor
+    """What a build records on its BlockMask: the Mask, the mask_mod, each index tensor
     (weakly: the record keeps none alive) with its version counter, which every in-place op
-    bumps. It pickles (and deep-copies) with the tensors themselves, so that the copy's
-    record names the copy's tensors (the pickle's memo makes them the same objects) at their
-    versions on load — or, for an edited BlockMask, with none: no copy of it is intact."""
+    bumps, and the build's route. It pickles (and deep-copies) with the tensors themselves,
+    so that the copy's record names the copy's tensors (the pickle's memo makes them the same
+    objects) at their versions on load — or, for an edited BlockMask, with none: no copy of
+    it is intact. The route is kept as plain tuples (``Route.plain``): a pickle of it loads
+    under ``torch.load(weights_only=True)`` with no other class allowed; records pickled
+    before it load with none."""
 
-    __slots__ = ("mask", "mask_mod", "tensors")
+    __slots__ = ("mask", "mask_mod", "tensors", "route")
 
-    def __init__(self, mask: Mask, mask_mod: MaskMod, fields: tuple[Tensor | None, ...] | None):
-        self.mask, self.mask_mod = mask, mask_mod
+    def __init__(
+        self,
+        mask: Mask,
+        mask_mod: MaskMod,
+        fields: tuple[Tensor | None, ...] | None,
+        route: tuple | None = None,
+    ):
+        self.mask, self.mask_mod, self.route = mask, mask_mod, route
         self.tensors = (
             None
             if fields is None
@@ -53,8 +73,9 @@ class _Built:
         )
 
     @staticmethod
-    def of(block_mask: BlockMask, mask: Mask, mask_mod: MaskMod) -> _Built:
-        return _Built(mask, mask_mod, tuple(getattr(block_mask, n, None) for n in BLOCK_FIELDS))
+    def of(block_mask: BlockMask, mask: Mask, mask_mod: MaskMod, route: Route) -> _Built:
+        fields = tuple(getattr(block_mask, n, None) for n in BLOCK_FIELDS)
+        return _Built(mask, mask_mod, fields, route.plain())
 
     def intact(self, block_mask: BlockMask) -> bool:
         if self.tensors is None:
@@ -78,8 +99,8 @@ class _Built:
             kept is not None and (tensor is None or tensor._version != kept[1])
             for kept, tensor in zip(self.tensors, tensors, strict=True)
         ):
-            return (_Built, (self.mask, self.mask_mod, None))
-        return (_Built, (self.mask, self.mask_mod, tensors))
+            return (_Built, (self.mask, self.mask_mod, None, self.route))
+        return (_Built, (self.mask, self.mask_mod, tensors, self.route))
 
 
 BUILT_RECORD = _Built
@@ -87,9 +108,10 @@ BUILT_RECORD = _Built
 it for ``torch.load(weights_only=True)``)."""
 
 
-def record(block_mask: BlockMask, mask: Mask, mask_mod: MaskMod) -> None:
-    """Records on ``block_mask``, just built from ``mask`` with ``mask_mod``, what it means."""
-    setattr(block_mask, _BUILT_FROM, _Built.of(block_mask, mask, mask_mod))
+def record(block_mask: BlockMask, mask: Mask, mask_mod: MaskMod, route: Route) -> None:
+    """Records on ``block_mask``, just built from ``mask`` with ``mask_mod`` along ``route``,
+    what it means and how it was made."""
+    setattr(block_mask, _BUILT_FROM, _Built.of(block_mask, mask, mask_mod, route))
 
 
 def carry_record(source: BlockMask, out: BlockMask) -> None:
@@ -99,4 +121,4 @@ def carry_record(source: BlockMask, out: BlockMask) -> None:
     if isinstance(tag, _Built):
         tensors = tuple(getattr(out, name, None) for name in BLOCK_FIELDS)
         intact = tensors if tag.intact(source) else None
-        setattr(out, _BUILT_FROM, _Built(tag.mask, tag.mask_mod, intact))
+        setattr(out, _BUILT_FROM, _Built(tag.mask, tag.mask_mod, intact, tag.route))
