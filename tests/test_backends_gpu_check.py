@@ -25,6 +25,7 @@ EXPECTED = [
     "bench_backends.md",
     "bench_build.json",
     "bench_build.md",
+    "bench_mask_mods.md",
     "steps.tsv",
     "summary.md",
 ]
@@ -98,6 +99,7 @@ def test_dry_run_runs_every_step_on_the_cpu_and_writes_the_figures(tmp_path):
         "gpu_tests",
         "bench_backends",
         "bench_build",
+        "bench_mask_mods",
         "summary",
     ]
     assert all(s[1].startswith("ok") for s in steps), steps

@@ -358,8 +358,14 @@ def _flattened(form: Formula) -> Formula:
 
 def _tracing() -> bool:
     # lines_at reads tensor values (run_at's shortcuts); a trace keeps the general form.
+    # is_dynamo_compiling, not is_compiling: the latter is also True for real Python that
+    # dynamo runs while it compiles (a handle's build through its C-level field getter),
+    # whose mask_mod would then be of another type than the same handle's built in eager
+    # code, and every such handle would recompile the graph that guards on that type.
     is_exporting = getattr(torch.compiler, "is_exporting", None)
-    return bool(torch.compiler.is_compiling() or (is_exporting is not None and is_exporting()))
+    return bool(
+        torch.compiler.is_dynamo_compiling() or (is_exporting is not None and is_exporting())
+    )
 
 
 def mask_mod_at(mask: object, length: int, device: torch.device, window: object = None) -> MaskMod:
