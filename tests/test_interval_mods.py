@@ -9,6 +9,8 @@ against the plain dense references of tests/strategies.py and tests/oracle.py.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -235,3 +237,41 @@ def test_changing_lengths_compile_at_most_twice_under_dynamic_shapes():
         bm = flexmask.create_block_mask(_steps("documents", step, length), 1, 1, length, length)
         compiled(q, q, q, block_mask=bm)
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        flexmask.causal() & flexmask.document(DOCS),
+        flexmask.causal() & flexmask.document([0, 30, 0, 50]),  # empty documents, padding after
+        flexmask.causal() & flexmask.document([[0, 128], [7, 0, 9]]),
+        (flexmask.causal() & flexmask.document(DOCS)) | flexmask.prefix([3, 0]),
+    ],
+    ids=repr,
+)
+def test_causal_documents_read_their_starts_alone(mask):
+    """Under causal() a document's end is implied (its rows hold their query; past the
+    documents they start at the length): ``start[q] <= kv <= q``, one table per document
+    piece, as a hand-written mask_mod reads it, and the mask still (dense oracle)."""
+    mod = mask.mask_mod_for(S, S)
+    assert not re.search(r"kv < t\d", repr(mod)), repr(mod)  # no end read from a table
+    rows = mask.rows or 1
+    assert torch.equal(_dense(mod, rows, S, S), mask.to_dense(rows, 1, S, S))
+    # The starts past the documents are what keeps padding rows empty without the end.
+    docs = flexmask.document([30, 50])
+    (start,) = (flexmask.causal() & docs).mask_mod_for(S, S).tables
+    assert (start[80:] == S).all() and (start[:80] <= torch.arange(80)).all()
+
+
+def test_an_end_without_its_start_or_causal_is_kept():
+    """Only beside causal() and the document's own start is the end implied: a document
+    alone, under a window, or negated keeps both bounds."""
+    for mask in (
+        flexmask.document(DOCS),
+        flexmask.sliding_window(9) & flexmask.document(DOCS),
+        flexmask.causal() & ~flexmask.document(DOCS),
+    ):
+        mod = mask.mask_mod_for(S, S)
+        assert re.search(r"kv (<|>=) t1", repr(mod)), repr(mod)
+        rows = mask.rows or 1
+        assert torch.equal(_dense(mod, rows, S, S), mask.to_dense(rows, 1, S, S)), repr(mask)

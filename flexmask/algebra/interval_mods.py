@@ -275,7 +275,7 @@ def interval_mod(mask: object, length: int, device: torch.device) -> IntervalMod
             return (op, ("v", (value_table(bound.node), bound.how)))
         return (op, ("t", table(bound)))
 
-    return IntervalMod(build(_flattened(form)), tuple(tables))
+    return IntervalMod(build(_without_implied(_flattened(form))), tuple(tables))
 
 
 def _rows_at(node: object, grid: WholeGrid) -> tuple[Tensor, Tensor]:
@@ -354,6 +354,36 @@ def _flattened(form: Formula) -> Formula:
         else:
             parts.append(part)
     return parts[0] if len(parts) == 1 else Join(form.every, tuple(parts))
+
+
+def _without_implied(form: Formula) -> Formula:
+    """``kv < end[q]`` dropped from an ``&`` that holds ``kv <= q`` where the node's rows
+    hold their own query whenever they are not empty, and start past it when they are
+    (its ``interval_holds_query``: a document's): ``min(end[q], q + 1)`` is then ``q + 1``
+    on every row that attends anything, so ``causal() & document(...)`` reads one table,
+    ``start[q] <= kv <= q``, the form a hand-written mask_mod takes (one load and one
+    comparison fewer per key on the GPU, and one table fewer to write). Decided from the
+    nodes' kinds, never their data: every batch of one mask kind keeps one program."""
+    if isinstance(form, Atom):
+        return form
+    parts = tuple(_without_implied(p) for p in form.parts)
+    causal = Atom(True, QBound(1))
+    if form.every and causal in parts:
+        # Only beside the node's own start: past its rows the start (the length) is what
+        # keeps the & empty once the end (0 there) is gone.
+        parts = tuple(
+            p
+            for p in parts
+            if not (
+                isinstance(p, Atom)
+                and p.below
+                and isinstance(p.bound, RowBound)
+                and p.bound.high
+                and getattr(p.bound.node, "interval_holds_query", False)
+                and Atom(False, RowBound(p.bound.node, False)) in parts
+            )
+        )
+    return parts[0] if len(parts) == 1 else Join(form.every, parts)
 
 
 def _tracing() -> bool:

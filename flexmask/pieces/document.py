@@ -108,6 +108,10 @@ class Document(Piece):
     def data_reach(self) -> int:
         return self._natural  # the longest row's documents, summed
 
+    # A position's interval is its document, which holds it; past the documents the tables
+    # start at the length (``interval_tables``): under causal() the end bound is implied.
+    interval_holds_query = True
+
     def __getstate__(self) -> dict[str, object]:
         # The lookups and row views are made again on first use: a pickle holds the lengths.
         return {**super().__getstate__(), "_bounds": None, "_rows_cache": None}
