@@ -136,12 +136,12 @@ def attention_and_handles() -> None:
 def packing() -> None:
     sequences = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [1, 2, 5]]
     batch = flexmask.pack(sequences, max_len=6)
-    assert isinstance(batch, flexmask.PackedBatch)
+    assert isinstance(batch, flexmask.packing.PackedBatch)
     assert sorted(n for row in batch.seq_lens for n in row) == [2, 3, 3, 4]
     assert batch.mask.to_dense(batch.num_rows, 1, 6, 6).any()  # the digest path: no numpy
     assert [t.tolist() for t in batch.unpack(batch.tokens)] == sequences
-    tp = flexmask.pack_tree(sequences)
-    assert isinstance(tp, flexmask.TreePack) and tp.num_tokens == 10  # [1, 2] shared
+    tp = flexmask.pack_one_tree(sequences)
+    assert isinstance(tp, flexmask.packing.TreePack) and tp.num_tokens == 10  # [1, 2] shared
     assert tp.mask.to_dense(1, 1, 10, 10)[0, 0].sum() > 0
     collated = flexmask.PackingCollator(max_len=6, device="cuda")(sequences)  # nothing built
     assert not collated.handle.built and collated.handle.device == torch.device("cuda")
@@ -301,17 +301,30 @@ def rl_trees() -> None:
     # Four sequences sharing a prompt [1, 2] (one empty) in one tree of 8 tokens; each
     # sequence's completion log-probs equal those gathered from the tree's logits by hand.
     seqs = [[1, 2, 3, 4], [1, 2, 5], [], [1, 2, 6, 7, 8]]
-    batch = flexmask.pack_trees(seqs, max_tokens=8, prompt_lens=[2, 2, 0, 2])
-    assert isinstance(batch, flexmask.TreeBatch) and batch.saved_tokens == 4
+    batch = flexmask.pack_tree_batch(seqs, max_tokens=8, prompt_lens=[2, 2, 0, 2])
+    assert isinstance(batch, flexmask.packing.TreeBatch) and batch.saved_tokens == 4
     assert batch.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
     logits = torch.randn(batch.num_rows, 8, 10)
     got = batch.log_probs(logits)
-    assert isinstance(got, flexmask.SequenceLogProbs)
+    assert isinstance(got, flexmask.packing.SequenceLogProbs)
     log_softmax = logits[0].log_softmax(-1)
     # Sequence 3 is tokens 0, 1, 5, 6, 7 of the tree: completion 6, 7, 8 predicted at 1, 5, 6.
     expected = log_softmax[[1, 5, 6], [6, 7, 8]]
     torch.testing.assert_close(got.log_probs[3][got.mask[3]], expected)
     assert not got.mask[2].any()  # the empty sequence: a zero row
+
+
+def builds_seen_into() -> None:
+    # A BlockMask with one block moved: diff names that block against the Mask it should
+    # mean; explain_build names the builder that ran.
+    mask = flexmask.causal() & flexmask.document([40, 24])
+    bm = flexmask.create_block_mask(mask, 1, 1, S, S, "cpu", BLOCK_SIZE=16)
+    assert flexmask.diff(bm, mask) is None
+    edited = flexmask.create_block_mask(flexmask.causal(), 1, 1, S, S, "cpu", BLOCK_SIZE=16)
+    found = flexmask.diff(edited, mask)
+    assert found is not None and "block" in str(found), found
+    report = flexmask.explain_build(mask, 1, 1, S, S, "cpu", 16)
+    assert "closed form" in str(report), report
 
 
 def plotting() -> None:
@@ -337,9 +350,13 @@ EXERCISES: dict[Callable[[], None], set[str]] = {
         "lazy", "LazyBlockMask", "flex_attention", "set_compile", "compile_enabled",
         "MaskCache", "CacheInfo", "cache_clear", "cache_info", "default_cache",
     },
-    packing: {"pack", "pack_tree", "PackedBatch", "TreePack", "PackingCollator", "PackedDataset"},
+    packing: {
+        "pack", "pack_one_tree", "pack_tree", "PackedBatch", "TreePack", "PackingCollator",
+        "PackedDataset",
+    },
+    builds_seen_into: {"diff", "explain_build"},
     plotting: {"plot"},
-    rl_trees: {"pack_trees", "TreeBatch", "SequenceLogProbs"},
+    rl_trees: {"pack_tree_batch", "pack_trees", "TreeBatch", "SequenceLogProbs"},
     windows_and_decoding: {"decode_mask", "DecodeMasks", "DecodeStep", "speculative_tree"},
     batch_checks: {"check_batch", "BatchReport"},
     fa4_lowering: {"to_fa4", "FA4Mask"},

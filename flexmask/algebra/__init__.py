@@ -32,6 +32,7 @@ from flexmask.algebra.lines import (
 from flexmask.algebra.mask import And, Composite, Leaf, Mask, MaskMod, Not, Or, ShiftedMod
 from flexmask.algebra.mods import Lowered, MaskModFn
 from flexmask.algebra.protocol import BlockColumns, Extent, Intervals, TileGrid, Window
+from flexmask.algebra.walk import conjuncts, fold, leaves
 
 __all__ = [
     "And",
@@ -60,6 +61,9 @@ __all__ = [
     "VarlenPart",
     "Window",
     "cannot_lower",
+    "conjuncts",
+    "fold",
+    "leaves",
     "one_interval",
     "open_empty_rows",
     "pick",

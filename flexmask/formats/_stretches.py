@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.algebra import And, Mask, Not, Or, pick
+from flexmask.algebra import Mask, fold, pick
 from flexmask.formats._structure import (
     _BIG,
     Window,
@@ -142,16 +142,18 @@ def _sticks_out(seg: Stretches, n: int, first: Tensor, last: Tensor) -> bool:
 def _stretches(
     mask: Mask, line_first: Tensor, n: int, first: Tensor, last: Tensor, transpose: bool, fmt: str
 ) -> Stretches:
-    if isinstance(mask, And | Or):
-        parts = [_stretches(c, line_first, n, first, last, transpose, fmt) for c in mask.children]
-        combine = _intersect if isinstance(mask, And) else _union
-        out = parts[0]
-        for part in parts[1:]:
-            out = _apply(combine, [out, part], n)
-        return out
-    if isinstance(mask, Not):
-        child = _stretches(mask.child, line_first, n, first, last, transpose, fmt)
-        return _apply(lambda a: _complement(a, first, last), [child], n, (first, last), _GAPS)
+    return fold(
+        mask,
+        lambda node: _leaf_stretches(node, line_first, n, first, last, transpose, fmt),
+        lambda a, b: _apply(_intersect, [a, b], n),
+        lambda a, b: _apply(_union, [a, b], n),
+        lambda a: _apply(lambda x: _complement(x, first, last), [a], n, (first, last), _GAPS),
+    )
+
+
+def _leaf_stretches(
+    mask: Mask, line_first: Tensor, n: int, first: Tensor, last: Tensor, transpose: bool, fmt: str
+) -> Stretches:
     if mask.head_cycle > 1:  # per_head: its heads' one mask, if they agree
         one = one_mask_for_all_heads(mask, fmt)
         return _stretches(one, line_first, n, first, last, transpose, fmt)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from flexmask._validate import check_int
-from flexmask.algebra import UNUSED, And, Mask, Not, Or, pick
+from flexmask.algebra import UNUSED, Mask, conjuncts, fold, leaves, pick
 from flexmask.builders import make_spec
 
 _BIG = UNUSED  # marks an empty slot of an interval list: lo = _BIG, hi = -_BIG
@@ -121,16 +121,7 @@ def one_mask_for_all_heads(mask: Mask, fmt: str) -> Mask:
 def _first_by_head(mask: Mask) -> Mask:
     """The first node, breadth-first through ``&``, ``|`` and ``~``, whose heads differ:
     the ``per_head`` an error names."""
-    queue = [mask]
-    while queue:
-        m = queue.pop(0)
-        if isinstance(m, And | Or):
-            queue.extend(m.children)
-        elif isinstance(m, Not):
-            queue.append(m.child)
-        elif m.head_cycle > 1:
-            return m
-    return mask
+    return next((node for node in leaves(mask) if node.head_cycle > 1), mask)
 
 
 # ---------------------------------------------------------------------------- interval lists
@@ -286,21 +277,15 @@ def lines(mask: Mask, win: Window, *, transpose: bool = False, fmt: str = "this 
 def _lines(
     mask: Mask, pos: Tensor, first: Tensor, last: Tensor, transpose: bool, fmt: str
 ) -> tuple[Tensor, Tensor]:
-    if isinstance(mask, And | Or):
-        parts = [_lines(c, pos, first, last, transpose, fmt) for c in mask.children]
-        combine = _intersect if isinstance(mask, And) else _union
-        out = parts[0]
-        for part in parts[1:]:
-            out = combine(out, part)
-        return out
-    if isinstance(mask, Not):
-        return _complement(_lines(mask.child, pos, first, last, transpose, fmt), first, last)
-    if mask.head_cycle > 1:  # per_head: its heads' one mask, if they agree
-        return _lines(one_mask_for_all_heads(mask, fmt), pos, first, last, transpose, fmt)
-    answer = mask.lines_at(pos, transpose=transpose, fmt=fmt)
-    if answer.normalized:
-        return answer.lo, answer.hi
-    return _normalize(answer.lo, answer.hi)
+    def leaf(node: Mask) -> tuple[Tensor, Tensor]:
+        if node.head_cycle > 1:  # per_head: its heads' one mask, if they agree
+            return _lines(one_mask_for_all_heads(node, fmt), pos, first, last, transpose, fmt)
+        answer = node.lines_at(pos, transpose=transpose, fmt=fmt)
+        if answer.normalized:
+            return answer.lo, answer.hi
+        return _normalize(answer.lo, answer.hi)
+
+    return fold(mask, leaf, _intersect, _union, lambda lines: _complement(lines, first, last))
 
 
 # ---------------------------------------------------------------------------- varlen
@@ -323,14 +308,14 @@ def varlen_plan(mask: Mask, length: int) -> VarlenPlan:
     constraint (each factor's ``varlen_part``); a per_head whose heads agree counts as its
     mask. A ValueError naming the first other factor."""
     mask = one_mask_for_all_heads(mask, "varlen")
-    leaves = list(mask.children) if isinstance(mask, And) else [mask]
+    factors = conjuncts(mask)
     causal = False
     windows: list[Tensor] = []
     window_piece: Mask | None = None
     causal_piece: Mask | None = None
     ids: list[Tensor] | None = None
     nothing = False
-    for leaf in leaves:
+    for leaf in factors:
         part = leaf.varlen_part(length)
         nothing |= part.attends_nowhere
         if part.causal:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexmask.algebra import And, Mask
+from flexmask.algebra import Mask, conjuncts
 from flexmask.pieces import Tree, causal
 from flexmask.runtime import Spec
 
@@ -66,9 +66,10 @@ def tree_of(mask: Mask) -> Tree | None:
     their descendants, so causal changes nothing), else None."""
     if isinstance(mask, Tree):
         return mask
-    if isinstance(mask, And) and len(mask.children) == 2:
-        trees = [p for p in mask.children if isinstance(p, Tree)]
-        if len(trees) == 1 and any(p == causal() for p in mask.children):
+    factors = conjuncts(mask)
+    if len(factors) == 2:
+        trees = [p for p in factors if isinstance(p, Tree)]
+        if len(trees) == 1 and any(p == causal() for p in factors):
             return trees[0]
     return None
 

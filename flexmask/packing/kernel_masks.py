@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmask.algebra import Mask
+from flexmask.algebra import Mask, conjuncts
 from flexmask.packing import compare, segments
 from flexmask.packing.segments import Disagreement
 from flexmask.pieces import Document, causal, document, sliding_window, spans
@@ -74,7 +74,7 @@ def same_documents(a: Mask, b: Mask, real: Tensor) -> bool:
     """True when both masks are one ``document`` ANDed with the same other pieces and every
     real token lies in a document of the same extent in both: then every real query row
     attends the same keys. O(B * S), no tile read."""
-    parts_a, parts_b = segments.conjuncts(a), segments.conjuncts(b)
+    parts_a, parts_b = conjuncts(a), conjuncts(b)
     docs_a = [p for p in parts_a if isinstance(p, Document)]
     docs_b = [p for p in parts_b if isinstance(p, Document)]
     if len(docs_a) != 1 or len(docs_b) != 1:

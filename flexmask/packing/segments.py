@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.algebra import And, Mask
+from flexmask.algebra import Mask, conjuncts
 from flexmask.pieces import Document, Tree
 
 
@@ -254,11 +254,6 @@ def mask_claims(
             real = torch.arange(shape[1]).view(1, -1) < rows.view(-1, 1)
             claims.append(Claim(f"{name}'s tree", None, real))
     return claims, issues
-
-
-def conjuncts(mask: Mask) -> tuple[Mask, ...]:
-    """The parts a mask ANDs together (itself when it is not an ``&``)."""
-    return tuple(mask.children) if isinstance(mask, And) else (mask,)
 
 
 def has_tree(mask: Mask) -> bool:
