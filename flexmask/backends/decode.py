@@ -62,7 +62,7 @@ def _flash_op() -> Any | None:
     return None if ops is None else ops[0]
 
 
-class Lowered(NamedTuple):
+class AdditiveMask(NamedTuple):
     """A call's mask as the kernel takes it."""
 
     mask: Tensor | None
@@ -103,7 +103,7 @@ def lower(request: Request) -> Request:
     q, k = request.query, request.key
     block_mask = request.block_mask
     if block_mask is None:
-        lowered = Lowered(None, 0, k.size(2))
+        lowered = AdditiveMask(None, 0, k.size(2))
     else:
         assert isinstance(block_mask, BlockMask)  # built above
         problem = _dims_problem(block_mask, q)
@@ -116,7 +116,7 @@ def lower(request: Request) -> Request:
 
 def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:
     """One call of torch's CPU flash kernel on the listed span of the cache."""
-    lowered: Lowered = request.lowered
+    lowered: AdditiveMask = request.lowered
     q = request.query
     batch, heads, q_len = q.shape[:3]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -150,7 +150,7 @@ def attend(request: Request) -> Tensor | tuple[Tensor, Tensor]:
 
 def kernel_name(request: Request) -> str:
     """What ``attend`` calls for this lowered request, in words."""
-    lowered: Lowered = request.lowered
+    lowered: AdditiveMask = request.lowered
     q_len, kv_len = request.query.shape[-2], request.key.shape[-2]
     if lowered.start == lowered.stop:
         return "none: no query attends any key (the output is 0)"
@@ -171,7 +171,9 @@ def _dims_problem(block_mask: BlockMask, query: Tensor) -> str | None:
     return dims_problem((mask_batch, mask_heads), query)
 
 
-def additive_mask(block_mask: BlockMask, batch: int, heads: int, dtype: torch.dtype) -> Lowered:
+def additive_mask(
+    block_mask: BlockMask, batch: int, heads: int, dtype: torch.dtype
+) -> AdditiveMask:
     """The BlockMask's dense mask for its queries, as the kernel's additive mask over the keys
     of its listed blocks' span.
 
@@ -183,7 +185,7 @@ def additive_mask(block_mask: BlockMask, batch: int, heads: int, dtype: torch.dt
     """
     reading = _readings.get(block_mask, batch, heads, dtype)
     if reading.per_block is None:
-        return Lowered(None, 0, 0)  # no key attended
+        return AdditiveMask(None, 0, 0)  # no key attended
     q_len, kv_block = reading.q_len, reading.kv_block
     per_block = reading.per_block  # (Bm, Hm, Q | 1, W, 1)
     span = reading.stop - reading.start
@@ -191,7 +193,7 @@ def additive_mask(block_mask: BlockMask, batch: int, heads: int, dtype: torch.dt
         mask = per_block.expand(-1, -1, q_len, -1, kv_block).reshape(
             *per_block.shape[:2], q_len, -1
         )
-        return Lowered(mask[..., :span], reading.start, reading.stop)
+        return AdditiveMask(mask[..., :span], reading.start, reading.stop)
     by_mask_mod = _call_mask_mod(block_mask.mask_mod, reading.args, reading.shape)
     assert reading.full is not None and reading.partial is not None and reading.at is not None
     attended = (  # (B | Bm | 1, H | Hm | 1, P, r, kv_block)
@@ -203,7 +205,7 @@ def additive_mask(block_mask: BlockMask, batch: int, heads: int, dtype: torch.dt
     mask = per_block.expand(*dims, q_len, width, kv_block).clone()
     rows, columns = reading.at
     mask[:, :, rows, columns, :] = values.expand(*dims, *values.shape[2:])
-    return Lowered(
+    return AdditiveMask(
         mask.view(*dims, q_len, width * kv_block)[..., :span], reading.start, reading.stop
     )
 
@@ -367,7 +369,7 @@ __all__ = [
     "MAX_QUERY_ROWS",
     "NAME",
     "OPTIONS",
-    "Lowered",
+    "AdditiveMask",
     "additive_mask",
     "attend",
     "can_take",
