@@ -25,10 +25,18 @@ def fold(
     meet: Callable[[T, T], T],
     join: Callable[[T, T], T],
     complement: Callable[[T], T],
+    *,
+    whole: Callable[[Mask], T | None] | None = None,
+    settle: Callable[[Mask, T], T] | None = None,
 ) -> T:
     """``mask``'s answer: ``leaf(node)`` below the operators, combined left to right by
     ``meet`` over an ``&``'s children, ``join`` over an ``|``'s, and ``complement`` for a
     ``~``.
+
+    ``whole(node)``, asked first at every ``&`` and ``|``, answers for the node at once
+    where it can (None: walk its children); ``settle(node, answer)`` revises an ``&``'s or
+    ``|``'s combined answer with what the node knows (the builders' tile classification:
+    a sub-expression in closed form, undecided tiles refined from an ``&``'s intervals).
 
     Example:
         >>> import flexmask
@@ -40,8 +48,11 @@ def fold(
 
     def walk(node: Mask) -> T:
         if isinstance(node, And | Or):
+            if whole is not None and (known := whole(node)) is not None:
+                return known
             combine = meet if isinstance(node, And) else join
-            return reduce(combine, (walk(child) for child in node.children))
+            combined = reduce(combine, (walk(child) for child in node.children))
+            return combined if settle is None else settle(node, combined)
         if isinstance(node, Not):
             return complement(walk(node.child))
         return leaf(node)

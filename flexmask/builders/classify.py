@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from flexmask.algebra import And, Leaf, Mask, MaskMod, Not, Or
+from flexmask.algebra import And, Leaf, Mask, MaskMod, Or, fold
 from flexmask.blocks import (
     CODE_DTYPE,
     EMPTY,
@@ -50,41 +50,50 @@ class Classified(NamedTuple):
 
 def classify(mask: Mask, grid: BlockGrid) -> Classified:
     """Block codes of every tile from structure, broadcastable to (rows, heads, nq, nkv):
-    leaves answer for themselves; ``&``, ``|`` and ``~`` combine their children's codes.
-    May hold UNDECIDED where two partial tiles meet (``classify_blocks`` settles them)."""
-    if isinstance(mask, Not):
-        inner = classify(mask.child, grid)
-        return Classified(not_codes(inner.codes), inner.refined)
-    if isinstance(mask, (And, Or)) and mask.has_monotone_intervals():
-        # Its closed-form runs are its exact codes, whatever its pieces' tiles would say.
-        # In range, as every code here: full where every element inside the lengths
-        # attends, so a `~` above empties such an edge tile (classify_blocks demotes the
-        # edge tiles once, at the end; torch's runs would leave it partial).
-        return Classified(codes_from_runs(row_runs(mask, grid, in_range=True), grid), 0)
-    if isinstance(mask, Or) and (operands := union_operands(mask)) is not None:
-        rows, _ = grid.reduced(mask)
-        runs = union_row_runs(*operands, grid, rows, in_range=True)
-        return Classified(codes_from_union_runs(runs, grid), 0)
-    if isinstance(mask, (And, Or)):
-        combine = and_codes if isinstance(mask, And) else or_codes
-        first = classify(mask.children[0], grid)
-        codes, refined = first.codes, first.refined
-        for child in mask.children[1:]:
-            other = classify(child, grid)
-            codes, refined = combine(codes, other.codes), refined + other.refined
+    leaves answer for themselves; ``&``, ``|`` and ``~`` combine their children's codes
+    (``algebra.fold``). May hold UNDECIDED where two partial tiles meet
+    (``classify_blocks`` settles them)."""
+
+    def leaf(node: Mask) -> Classified:
+        if (parts := node.head_parts(grid.heads)) is not None:
+            return Classified(per_head_codes(node, *parts, grid), 0)
+        if not isinstance(node, Leaf):
+            raise TypeError(f"cannot classify {type(node).__name__}: not a piece nor an operator")
+        return Classified(node.classify_tiles(grid), 0)
+
+    def whole(node: Mask) -> Classified | None:
+        if node.has_monotone_intervals():
+            # Its closed-form runs are its exact codes, whatever its pieces' tiles would say.
+            # In range, as every code here: full where every element inside the lengths
+            # attends, so a `~` above empties such an edge tile (classify_blocks demotes the
+            # edge tiles once, at the end; torch's runs would leave it partial).
+            return Classified(codes_from_runs(row_runs(node, grid, in_range=True), grid), 0)
+        if isinstance(node, Or) and (operands := union_operands(node)) is not None:
+            rows, _ = grid.reduced(node)
+            runs = union_row_runs(*operands, grid, rows, in_range=True)
+            return Classified(codes_from_union_runs(runs, grid), 0)
+        return None
+
+    def settle(node: Mask, combined: Classified) -> Classified:
         # Two partial tiles met. If every child of an `&` is an interval per query, their
         # intersection settles those tiles here, so an expression above (an `|`, a `~`)
         # sees exact codes.
-        if isinstance(mask, And) and int(codes.max()) == UNDECIDED and mask.has_intervals():
-            rows, _ = grid.reduced(mask)
+        codes, refined = combined
+        if isinstance(node, And) and int(codes.max()) == UNDECIDED and node.has_intervals():
+            rows, _ = grid.reduced(node)
             codes = codes.expand(rows, *codes.shape[1:]).contiguous()
-            refined += refine_by_intervals(codes, (codes == UNDECIDED).nonzero(), mask, grid)
+            refined += refine_by_intervals(codes, (codes == UNDECIDED).nonzero(), node, grid)
         return Classified(codes, refined)
-    if (parts := mask.head_parts(grid.heads)) is not None:
-        return Classified(per_head_codes(mask, *parts, grid), 0)
-    if not isinstance(mask, Leaf):
-        raise TypeError(f"cannot classify {type(mask).__name__}: not a piece nor an operator")
-    return Classified(mask.classify_tiles(grid), 0)
+
+    return fold(
+        mask,
+        leaf,
+        lambda a, b: Classified(and_codes(a.codes, b.codes), a.refined + b.refined),
+        lambda a, b: Classified(or_codes(a.codes, b.codes), a.refined + b.refined),
+        lambda a: Classified(not_codes(a.codes), a.refined),
+        whole=whole,
+        settle=settle,
+    )
 
 
 def per_head_codes(mask: Mask, distinct: tuple[Mask, ...], heads_of: list[Tensor], grid: BlockGrid):
