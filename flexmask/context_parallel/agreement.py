@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flexmask._validate import digest
 from flexmask.context_parallel.lazy import LazyShard
 from flexmask.context_parallel.rank_shard import CPShard
 
@@ -124,9 +125,9 @@ def _encode(obj: Any, out: list[bytes]) -> None:
     elif isinstance(obj, (bytes, bytearray)):
         out.append(b"bytes:%d:" % len(obj) + bytes(obj))
     elif isinstance(obj, Tensor):
-        t = obj.detach().to("cpu").contiguous()
-        out.append(f"tensor:{t.dtype}{tuple(t.shape)}:".encode())
-        out.append(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        # The shared content digest (dtype, shape, bytes read in place): numpy is no
+        # dependency of flexmask, and a wheel's environment may lack it.
+        out.append(f"tensor:{digest(obj)};".encode())
     elif isinstance(obj, (torch.dtype, torch.device)):
         out.append(f"{kind.__name__}:{obj};".encode())
     elif isinstance(obj, enum.Enum):

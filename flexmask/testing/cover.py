@@ -28,7 +28,6 @@ from __future__ import annotations
 import heapq
 import math
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -77,29 +76,30 @@ def _inside(relation: Tensor, sources: Tensor, targets: Tensor, where: Tensor) -
     seen = tokens[targets[row, tokens]]
     if mine.numel() == 0 or seen.numel() == 0:
         return []
-    reach = relation[row][mine][:, seen].numpy()
-    # Sources that reach the same targets are one class: they need the same passes.
-    classes, members = np.unique(reach, axis=0, return_inverse=True)
+    reach = relation[row][mine][:, seen]
+    # Sources that reach the same targets are one class: they need the same passes. (torch,
+    # not numpy: numpy is no dependency of flexmask.)
+    classes, members = torch.unique(reach, dim=0, return_inverse=True)
     members = members.reshape(-1)
     reaches = [_bits(r) for r in classes]
     need = [((1 << seen.numel()) - 1) & ~r for r in reaches]
     # The units a pass is made of, each with its owner class: a class with every class
     # that reaches at least what it reaches (kind 3), and a class alone (kind 4).
-    as_float = classes.astype(np.float32)
-    within = (as_float @ (~classes).astype(np.float32).T) == 0  # [k, j]: k reaches <= j
-    above = (within.astype(np.float32) @ as_float) > 0
+    as_float = classes.to(torch.float32)
+    within = (as_float @ (~classes).to(torch.float32).T) == 0  # [k, j]: k reaches <= j
+    above = (within.to(torch.float32) @ as_float) > 0
     units: dict[int, int] = {}
     for k in range(len(reaches)):
         units.setdefault(_bits(above[k]), k)
     for k, reached in enumerate(reaches):
         units.setdefault(reached, k)
-    unit_rows = np.stack([_row(reached, seen.numel()) for reached in units])
-    below = (as_float @ (~unit_rows).astype(np.float32).T) == 0  # [k, u]: k within u
+    unit_rows = torch.stack([_row(reached, seen.numel()) for reached in units])
+    below = (as_float @ (~unit_rows).to(torch.float32).T) == 0  # [k, u]: k within u
     chosen = _greedy(
         reaches,
         need,
         [
-            (reached, owner, np.flatnonzero(below[:, u]).tolist())
+            (reached, owner, below[:, u].nonzero().flatten().tolist())
             for u, (reached, owner) in enumerate(units.items())
         ],
     )
@@ -107,7 +107,7 @@ def _inside(relation: Tensor, sources: Tensor, targets: Tensor, where: Tensor) -
     for reached in chosen:
         picked = [k for k, r in enumerate(reaches) if r & ~reached == 0]
         mask = torch.zeros_like(sources)
-        hit = torch.from_numpy(np.isin(members, picked))
+        hit = torch.isin(members, torch.tensor(picked, dtype=members.dtype))
         mask[row, mine[hit]] = True
         result.append(mask)
     return result
@@ -159,12 +159,11 @@ def _greedy(
     return chosen
 
 
-def _bits(row: np.ndarray) -> int:
-    return int.from_bytes(np.packbits(row, bitorder="little").tobytes(), "little")
+def _bits(row: Tensor) -> int:
+    """A bool row as an int, bit i for entry i."""
+    return sum(1 << i for i in row.nonzero().flatten().tolist())
 
 
-def _row(bits: int, width: int) -> np.ndarray:
-    return np.unpackbits(
-        np.frombuffer(bits.to_bytes((width + 7) // 8, "little"), dtype=np.uint8),
-        bitorder="little",
-    )[:width].astype(bool)
+def _row(bits: int, width: int) -> Tensor:
+    """``_bits``'s inverse."""
+    return torch.tensor([(bits >> i) & 1 for i in range(width)], dtype=torch.bool)
