@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
 
-from flexmask.backends.request import Request
+from flexmask.backends.request import Deferred, Request
+from flexmask.runtime import default_cache
 
 NAME = "flex"
 ENV_COMPILE = "FLEXMASK_COMPILE"
@@ -37,8 +38,42 @@ def can_take(request: Request) -> str | None:
 
 
 def lower(request: Request) -> Request:
-    """The BlockMask built: torch's kernel reads it (None: no mask) as it is."""
+    """The BlockMask built: torch's kernel reads it (None: no mask) as it is; a bare Mask's
+    in the block shape the requested kernel needs on this device (``block_size_for``)."""
+    block = block_size_for(request.query.device, request.options.get("kernel_options"))
+    deferred = request.block_mask
+    if block is not None and isinstance(deferred, Deferred) and deferred.flexible:
+        q, k, mask = request.query, request.key, request.mask
+        assert mask is not None  # a flexible build is a Mask's
+        built = default_cache().get(
+            mask, q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], q.device, BLOCK_SIZE=block
+        )
+        return request._replace(block_mask=built)
     return request.built()
+
+
+FLASH_BLOCK_SIZES = {10: (256, 128)}
+"""Compute capability (major) -> the (Q, KV) block shape FA4's kernel (torch's
+``kernel_options={"BACKEND": "FLASH"}``) needs there, as attn-gym's ``get_flash_block_size``
+gives it: SM100 and later 256 x 128; before, torch's default 128 x 128."""
+
+
+def block_size_for(device: torch.device, kernel_options: Any) -> tuple[int, int] | None:
+    """The block shape a flexmask-built BlockMask takes for this call's kernel, where it
+    is not torch's default 128 x 128; None otherwise (and off CUDA)."""
+    if not isinstance(kernel_options, dict) or kernel_options.get("BACKEND") != "FLASH":
+        return None
+    capability = _capability(device)
+    if capability is None:
+        return None
+    sizes = [size for major, size in FLASH_BLOCK_SIZES.items() if capability[0] >= major]
+    return sizes[-1] if sizes else None
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    return cast(tuple[int, int], torch.cuda.get_device_capability(device))
 
 
 def kernel_name(request: Request) -> str:

@@ -26,11 +26,14 @@ class Deferred:
     tensors. ``flexmask.attention`` checks a handle's lengths and device against the tensors
     from its recipe first, so deferring its build defers no error."""
 
-    __slots__ = ("_build", "_value")
+    __slots__ = ("_build", "_value", "flexible")
 
-    def __init__(self, build: Callable[[], BlockMask]) -> None:
+    def __init__(self, build: Callable[[], BlockMask], flexible: bool = False) -> None:
         self._build: Callable[[], BlockMask] | None = build
         self._value: BlockMask | None = None
+        # A bare Mask's: its block shape is flexmask's to choose (a kernel that requires
+        # another builds it so); a handle's recipe or a BlockMask is the caller's.
+        self.flexible = flexible
 
     def __call__(self) -> BlockMask:
         if self._build is not None:
