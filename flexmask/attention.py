@@ -282,9 +282,7 @@ def _request(
         # trusts it (``formats.validated_window``).
         check_tensors(query, key, value, bool(enable_gqa))
         spec = _spec(mask, query, key)
-        resolved = (
-            Deferred(lambda: default_cache().get_spec(spec)[1], flexible=True) if spec else None
-        )
+        resolved = Deferred(lambda: default_cache().get_spec(spec)[1], spec) if spec else None
     elif isinstance(mask, LazyBlockMask):
         # A handle checked against the tensors by its recipe, so that a backend lowering its
         # Mask (slices, varlen) never builds it: a handle builds where a backend reads it.

@@ -56,3 +56,16 @@ def test_block_size_for_reads_only_flash_on_cuda():
     cpu = torch.device("cpu")
     assert flex.block_size_for(cpu, {"BACKEND": "FLASH"}) is None
     assert flex.block_size_for(cpu, None) is None
+
+
+def test_the_flash_shape_reuses_the_calls_checked_spec(monkeypatch):
+    """The rebuild in another block shape is the call's spec, checked once by the call."""
+    mask = flexmask.causal() & flexmask.document([250, 350])
+    checks = []
+    original = type(mask).check
+    monkeypatch.setattr(
+        type(mask), "check", lambda self, extent: (checks.append(self), original(self, extent))[1]
+    )
+    built = lowered(monkeypatch, (10, 0), mask, {"kernel_options": {"BACKEND": "FLASH"}})
+    assert tuple(built.BLOCK_SIZE) == (256, 128)
+    assert sum(node is mask for node in checks) == 1

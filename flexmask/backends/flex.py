@@ -42,12 +42,9 @@ def lower(request: Request) -> Request:
     in the block shape the requested kernel needs on this device (``block_size_for``)."""
     block = block_size_for(request.query.device, request.options.get("kernel_options"))
     deferred = request.block_mask
-    if block is not None and isinstance(deferred, Deferred) and deferred.flexible:
-        q, k, mask = request.query, request.key, request.mask
-        assert mask is not None  # a flexible build is a Mask's
-        built = default_cache().get(
-            mask, q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], q.device, BLOCK_SIZE=block
-        )
+    if block is not None and isinstance(deferred, Deferred) and deferred.spec is not None:
+        # The call's spec in that block shape: validated once, when the call was checked.
+        built = default_cache().get_spec(deferred.spec._replace(block_size=block))[1]
         return request._replace(block_mask=built)
     return request.built()
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.algebra import Mask
+from flexmask.builders import Spec
 
 
 class Deferred:
@@ -26,14 +27,15 @@ class Deferred:
     tensors. ``flexmask.attention`` checks a handle's lengths and device against the tensors
     from its recipe first, so deferring its build defers no error."""
 
-    __slots__ = ("_build", "_value", "flexible")
+    __slots__ = ("_build", "_value", "spec")
 
-    def __init__(self, build: Callable[[], BlockMask], flexible: bool = False) -> None:
+    def __init__(self, build: Callable[[], BlockMask], spec: Spec | None = None) -> None:
         self._build: Callable[[], BlockMask] | None = build
         self._value: BlockMask | None = None
-        # A bare Mask's: its block shape is flexmask's to choose (a kernel that requires
-        # another builds it so); a handle's recipe or a BlockMask is the caller's.
-        self.flexible = flexible
+        # A bare Mask's validated spec: its block shape is flexmask's to choose (a kernel
+        # that requires another builds the same spec so, checked once); a handle's recipe
+        # or a BlockMask is the caller's (None).
+        self.spec = spec
 
     def __call__(self) -> BlockMask:
         if self._build is not None:
