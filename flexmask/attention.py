@@ -35,7 +35,7 @@ from flexmask.backends import (  # noqa: F401 - re-exported
     compiled_flex_attention,
     make_request,
 )
-from flexmask.builders import built_from
+from flexmask.builders import block_stats, built_from
 from flexmask.runtime import LazyBlockMask, Spec, default_cache, make_spec
 
 _compile_default: bool | None = None
@@ -375,6 +375,10 @@ def explain(
     why each other one cannot; runs no attention (a Mask's BlockMask may be built, where the
     chosen backend reads it to decide its kernel). Arguments as for :func:`attention`.
 
+    ``choice.blocks`` reads the call's BlockMask at its block shape (building a Mask's): the
+    mask's exact density and its shares of non-empty and partial blocks, which kernels
+    choose on (:func:`flexmask.builders.block_stats`); None without a mask.
+
     Example:
         >>> import flexmask, torch
         >>> q = k = v = torch.randn(1, 2, 256, 16, requires_grad=True)
@@ -385,12 +389,17 @@ def explain(
         '2 calls'
         >>> print(choice.refused["varlen"])
         varlen_attn and flash-attn run on CUDA only, and this call is on cpu
+        >>> print(choice.blocks)
+        density 0.2639 (17296 of 65536 pairs); blocks of 128 x 128: 75.00% non-empty, 75.00% partial
     """
     mask = _one_mask(block_mask, mask)
     request = _request(
         query, key, value, mask, score_mod, scale, enable_gqa, return_lse, compile, options
     )
-    return _choice(request, backend)
+    choice = _choice(request, backend)
+    if request.block_mask is None or request.empty:
+        return choice
+    return choice._replace(blocks=block_stats(request.built().block_mask))
 
 
 def _choice(request: Request, backend: str, with_kernel: bool = True) -> backends.Choice:

@@ -31,6 +31,7 @@ from flexmask.backends.block_sparse import DEFAULT_MAX_CHUNK_ELEMENTS, block_spa
 from flexmask.backends.finite import attend_checked
 from flexmask.backends.flex import ENV_COMPILE, compiled_flex_attention
 from flexmask.backends.request import Deferred, Request, check_fits, check_tensors, make_request
+from flexmask.builders import BlockStats
 
 TABLE: dict[str, ModuleType] = {
     module.NAME: module for module in (flex, decode, slices, block_sparse, sdpa, varlen)
@@ -171,12 +172,18 @@ class Choice(NamedTuple):
     kernel: str = ""
     """What the chosen backend calls for this call, any hand-off inside it included ("" where
     no backend takes it)."""
+    blocks: BlockStats | None = None
+    """``explain``'s reading of the call's BlockMask at its block shape: the mask's exact
+    density and its shares of non-empty and partial blocks (None: no mask, every query
+    attends every key; ``rank`` alone leaves it None)."""
 
     def __repr__(self) -> str:
         lines = [
             f"Choice(backend={self.backend!r}, kernel={self.kernel!r}, device={self.device!r}, "
             f"order={self.order})"
         ]
+        if self.blocks is not None:
+            lines.append(f"  mask: {self.blocks}")
         lines += [f"  {name}: refused: {reason}" for name, reason in self.refused.items()]
         return "\n".join(lines)
 

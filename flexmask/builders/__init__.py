@@ -20,6 +20,7 @@ from flexmask.builders.classify import classify_blocks  # noqa: F401 (names of _
 from flexmask.builders.closed_form import row_runs  # noqa: F401 (names of _INTERNAL)
 from flexmask.builders.cp_shard import KeyOrder, ShardMaskMod, build_shard  # noqa: F401 (names of _INTERNAL)
 from flexmask.builders.create import build, create_block_mask  # noqa: F401 (names of _INTERNAL)
+from flexmask.builders.density import BlockStats, block_stats
 from flexmask.builders.differences import BlockDifference, diff
 from flexmask.builders.explain import BuildReport, explain_build
 from flexmask.builders.provenance import BUILT_RECORD, built_from  # noqa: F401 (names of _INTERNAL)
@@ -31,8 +32,10 @@ from flexmask.builders.zero_sizes import emptied  # noqa: F401 (names of _INTERN
 
 __all__ = [
     "BlockDifference",
+    "BlockStats",
     "BuildReport",
     "Route",
+    "block_stats",
     "create_block_mask",
     "diff",
     "explain_build",

@@ -16,6 +16,7 @@ from torch import Tensor
 from flexmask.algebra import Mask, MaskMod
 from flexmask.blocks import listed_counts
 from flexmask.builders.create import routed_build
+from flexmask.builders.density import BlockStats, block_stats
 from flexmask.builders.sides import Route
 
 
@@ -44,6 +45,9 @@ class BuildReport:
     row and head."""
     full: int
     """Blocks the kv side lists full (no mask_mod call)."""
+    stats: BlockStats
+    """The mask's exact density and its shares of non-empty and partial blocks at this block
+    shape (:func:`~flexmask.builders.block_stats`): what kernels choose on."""
 
     @property
     def path(self) -> str:
@@ -60,6 +64,7 @@ class BuildReport:
             f"listed: {self.partial} partial and {self.full} full of {tiles} blocks "
             f"(B={self.batch}, H={self.heads}, {self.q_blocks} x {self.kv_blocks} blocks of "
             f"{self.block_size[0]} x {self.block_size[1]})",
+            str(self.stats),
         ]
         return "\n".join(lines)
 
@@ -141,4 +146,5 @@ def explain_build(
         (q_block, kv_block),
         partial,
         full,
+        block_stats(built),
     )
