@@ -211,6 +211,70 @@ def test_varlen_packed_documents_never_refused(data, batch, causal):
     np.testing.assert_array_equal(varlen_dense(v, v.window_size, v.causal), want, str(mask))
 
 
+def in_place_dense(v) -> np.ndarray:
+    """(B, Q, KV) from torch's ``varlen_attn`` keywords with ``seqused_k``, by its documented
+    rule: sequence i's queries are ``q_index[cu_seq_q[i]:cu_seq_q[i+1]]`` (packed), its keys
+    the first ``seqused_k[i]`` of the flat ``(B * KV_LEN)`` keys from ``cu_seq_k[i]``, which
+    must not run past the next sequence's; window_size (left, right) bottom-right aligned."""
+    kwargs = v.varlen_attn_kwargs(keys="in_place")
+    cu_q, cu_k = kwargs["cu_seq_q"].tolist(), kwargs["cu_seq_k"].tolist()
+    used, (left, right) = kwargs["seqused_k"].tolist(), kwargs["window_size"]
+    assert kwargs["cu_seq_k"].dtype == kwargs["seqused_k"].dtype == torch.int32
+    assert len(cu_k) == len(cu_q) and cu_k[-1] == v.batch * v.kv_len
+    assert kwargs["max_k"] == max(used, default=0)
+    out = np.zeros((v.batch * v.q_len, v.batch * v.kv_len), dtype=bool)
+    q_index = v.q_index.tolist()
+    for s in range(len(cu_q) - 1):
+        assert cu_k[s] >= 0 and cu_k[s] + used[s] <= cu_k[s + 1]
+        sq, sk = cu_q[s + 1] - cu_q[s], used[s]
+        for i in range(sq):
+            for j in range(sk):
+                if (left < 0 or j >= i + sk - sq - left) and (
+                    right < 0 or j <= i + sk - sq + right
+                ):
+                    out[q_index[cu_q[s] + i], cu_k[s] + j] = True
+    rows = [out[b * v.q_len : (b + 1) * v.q_len] for b in range(v.batch)]
+    for b, row in enumerate(rows):  # nothing across rows
+        assert not np.delete(row, np.s_[b * v.kv_len : (b + 1) * v.kv_len], 1).any()
+    return np.stack([row[:, b * v.kv_len : (b + 1) * v.kv_len] for b, row in enumerate(rows)])
+
+
+@SETTINGS
+@given(data=st.data(), batch=st.integers(1, 3), causal=st.booleans())
+def test_varlen_keys_in_place_equal_the_oracle(data, batch, causal):
+    """Keys read where they lie (``seqused_k``), for packed documents, padding (a KV cache
+    whose slots hold more than each row uses) and windows, training and decode windows."""
+    q_len, kv_len, q_off, kv_off = data.draw(varlen_windows(batch))
+    span = max(q_len + (max(q_off) if isinstance(q_off, list) else q_off), kv_len)
+    mask, dense = data.draw(leaves(batch, span + 2, ("document", "padding")))
+    if causal:
+        mask, dense = (
+            flexmask.causal() & mask,
+            (lambda q, kv, a=dense: a(q, kv) & oracle.causal(q, kv)),
+        )
+        if data.draw(st.booleans()):
+            size = data.draw(st.integers(1, 9))
+            mask = mask & flexmask.sliding_window(size)
+            dense = lambda q, kv, a=dense, w=size: a(q, kv) & oracle.sliding_window(w, q, kv)  # noqa: E731
+    try:
+        v = to_varlen(mask, batch, None, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
+    except ValueError as error:  # as test_varlen_equals_the_oracle_or_refuses allows
+        assert kv_len > q_len and not causal and "bottom-right" in str(error), error
+        return
+    want = windowed(dense, batch, q_len, kv_len, q_off, kv_off)
+    np.testing.assert_array_equal(in_place_dense(v), want, str(mask))
+
+
+def test_varlen_keys_in_place_for_a_decode_step():
+    # One query per row over the first 5 and 3 of 8 cache slots: the slots as they are.
+    v = to_varlen(flexmask.padding([5, 3]), 2, 1, 1, 8, q_offset=[4, 2])
+    kwargs = v.varlen_attn_kwargs(keys="in_place")
+    assert kwargs["cu_seq_k"].tolist() == [0, 8, 16] and kwargs["seqused_k"].tolist() == [5, 3]
+    assert v.varlen_attn_kwargs()["cu_seq_k"].tolist() == [0, 5, 8]  # packed: gathered
+    with pytest.raises(ValueError, match="keys must be 'packed' or 'in_place', got 'slots'"):
+        v.varlen_attn_kwargs(keys="slots")
+
+
 def test_varlen_decode_keeps_bottom_right_alignment():
     # One query per row at the end of a 7-token cache: it sees its whole document.
     mask = flexmask.causal() & flexmask.document([[4, 3], [2, 5]], truncate=True)

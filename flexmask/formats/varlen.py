@@ -84,17 +84,58 @@ class VarlenMask:
             "window_size": self.window_size,
         }
 
-    def varlen_attn_kwargs(self) -> dict[str, Any]:
+    def varlen_attn_kwargs(self, keys: str = "packed") -> dict[str, Any]:
         """Keywords of ``torch.nn.attention.varlen.varlen_attn`` (after query, key, value):
-        torch has no ``causal`` flag, causal is ``window_size=(left, 0)``."""
+        torch has no ``causal`` flag, causal is ``window_size=(left, 0)``.
+
+        Args:
+            keys: ``"packed"``: key and value as :meth:`pack_kv` gives them (each sequence's
+                keys gathered, back to back). ``"in_place"``: key and value as the
+                ``(B * KV_LEN, H, D)`` view of the ``(B, KV_LEN, H, D)`` tensors, no gather
+                (a KV cache whose slots hold more than each row uses): sequence ``i`` reads
+                the ``seqused_k[i]`` keys from ``cu_seq_k[i]``, where they lie. torch's
+                ``seqused_k`` is inference-only (no backward).
+
+        Example:
+            >>> import flexmask
+            >>> from flexmask.formats import to_varlen
+            >>> # A decode step: each row's one query over the first 5 and 3 of 8 cache slots.
+            >>> v = to_varlen(flexmask.padding([5, 3]), 2, 1, 1, 8, q_offset=[4, 2])
+            >>> kwargs = v.varlen_attn_kwargs(keys="in_place")
+            >>> kwargs["cu_seq_k"].tolist(), kwargs["seqused_k"].tolist(), kwargs["max_k"]
+            ([0, 8, 16], [5, 3], 5)
+        """
         window_size = (self.window_size[0], 0) if self.causal else self.window_size
+        if keys == "packed":
+            cu_seq_k, extra = self.cu_seqlens_k, {}
+        elif keys == "in_place":
+            cu_seq_k, extra = self._keys_in_place()
+        else:
+            raise ValueError(f"keys must be 'packed' or 'in_place', got {keys!r}")
         return {
             "cu_seq_q": self.cu_seqlens_q,
-            "cu_seq_k": self.cu_seqlens_k,
+            "cu_seq_k": cu_seq_k,
             "max_q": self.max_seqlen_q,
             "max_k": self.max_seqlen_k,
             "window_size": window_size,
+            **extra,
         }
+
+    def _keys_in_place(self) -> tuple[Tensor, dict[str, Any]]:
+        """``cu_seq_k`` and ``seqused_k`` reading each sequence's keys in the flat
+        ``(B * KV_LEN)`` layout: its first key's index, a slot running to the next one's
+        (the last to ``B * KV_LEN``), its key count used. Each sequence's keys are one run of
+        a row (``k_index`` is made so) and the runs come in flat order, one per slot."""
+        used = (self.cu_seqlens_k[1:] - self.cu_seqlens_k[:-1]).to(torch.int32)
+        starts = self.k_index.to(self.cu_seqlens_k.device)[self.cu_seqlens_k[:-1].long()]
+        end = torch.tensor([self.batch * self.kv_len], device=starts.device)
+        cu_seq_k = torch.cat([starts, end]).to(torch.int32)
+        if bool((cu_seq_k[:-1] + used > cu_seq_k[1:]).any()):
+            raise ValueError(  # not reached by to_varlen's layouts; a hand-made VarlenMask
+                "keys='in_place' needs each sequence's keys in one run of a row, in order; "
+                "use keys='packed'"
+            )
+        return cu_seq_k, {"seqused_k": used}
 
     def __repr__(self) -> str:
         return (
