@@ -79,6 +79,13 @@ def masks() -> None:
         flexmask.causal() | flexmask.spans(image),
         lambda b, h, q, kv: kv <= q or (image[q] >= 0 and image[q] == image[kv]),
     )
+    # Router-picked key tiles (NSA's selected blocks), per row, tiles unlike the blocks.
+    picks = [([[0, -1], [0, 2], [1, 1]] * 5)[:14], ([[3, 3], [-1, -1], [0, 4]] * 5)[:14]]
+    check_mask(
+        flexmask.causal() & flexmask.selected(picks, tile=(7, 20)),
+        lambda b, h, q, kv: kv <= q and kv // 20 in picks[b][q // 7],
+        rows=2,
+    )
     # A mask per head: heads 0 and 2 causal, 1 and 3 a window of 8 (H a multiple of 2).
     heads = flexmask.per_head(flexmask.causal(), flexmask.causal() & flexmask.sliding_window(8))
     bm = flexmask.create_block_mask(heads, 1, 4, S, S, device="cpu", BLOCK_SIZE=32)
@@ -344,7 +351,7 @@ EXERCISES: dict[Callable[[], None], set[str]] = {
     masks: {
         "causal", "document", "tree", "padding", "sliding_window", "prefix", "full", "empty",
         "from_mask_mod", "create_block_mask", "same_blocks", "And", "Or", "Not", "Mask",
-        "chunked", "spans", "per_head",
+        "chunked", "spans", "per_head", "selected",
     },
     attention_and_handles: {
         "lazy", "LazyBlockMask", "flex_attention", "set_compile", "compile_enabled",

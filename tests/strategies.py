@@ -75,14 +75,61 @@ def span_ids(draw, length: int):
     return ids
 
 
+def selected_dense(picks, q_tile: int, kv_tile: int, q_len: int, kv_len: int) -> np.ndarray:
+    """``selected``'s definition, plainly: query q attends key kv iff ``kv // kv_tile`` is
+    among ``picks[q // q_tile]`` (entries < 0 pick nothing; query tiles past the lists
+    pick nothing)."""
+    out = np.zeros((q_len, kv_len), dtype=bool)
+    for q in range(q_len):
+        tile = q // q_tile
+        if tile >= len(picks):
+            continue
+        chosen = {int(j) for j in picks[tile] if j >= 0}
+        for kv in range(kv_len):
+            out[q, kv] = kv // kv_tile in chosen
+    return out
+
+
+SELECTED_TILES = (1, 2, 3, 5, 8, 16, (2, 3), (5, 2), (16, 4))
+
+
+@st.composite
+def selected_picks(draw, rows: int, length: int):
+    """``(indices, (q_tile, kv_tile))``: a router's top-k key tiles, ``(rows, n_q_tiles, k)``
+    int64, for sequences up to ``length`` (and a tile past it: made with ``truncate``): -1
+    padding, repeats, query tiles that pick nothing, and fewer or more query tiles than
+    the sequence has."""
+    tile = draw(st.sampled_from(SELECTED_TILES), label="tile")
+    q_tile, kv_tile = tile if isinstance(tile, tuple) else (tile, tile)
+    n_q = draw(st.integers(0, -(-length // q_tile) + 1), label="n_q_tiles")
+    k = draw(st.integers(0, 4), label="k")
+    n_kv = -(-length // kv_tile) + 1
+    entries = st.lists(st.integers(-1, n_kv - 1), min_size=k * n_q, max_size=k * n_q)
+    flat = [draw(entries) for _ in range(rows)]
+    return torch.tensor(flat, dtype=torch.int64).reshape(rows, n_q, k), (q_tile, kv_tile)
+
+
 @st.composite
 def leaves(draw, batch: int, length: int, kinds: tuple[str, ...] = ALL_KINDS):
-    """(mask, reference) where reference(q_len, kv_len) -> (B, Q, KV) numpy bool."""
+    """(mask, reference) where reference(q_len, kv_len) -> (B, Q, KV) numpy bool.
+
+    ``"selected"`` (router picks, ``selected_picks``) is drawn only where asked for."""
     kind = draw(st.sampled_from(kinds))
     per_row = draw(st.booleans())
 
     def per_batch(fn_of_row):
         return lambda q, kv: np.stack([fn_of_row(r, q, kv) for r in range(batch)])
+
+    if kind == "selected":
+        picks, (q_tile, kv_tile) = draw(selected_picks(batch if per_row else 1, length))
+        mask = flexmask.selected(
+            picks if per_row else picks[0], tile=(q_tile, kv_tile), truncate=True
+        )
+        return mask, per_batch(
+            lambda r, q, kv: selected_dense(
+                picks[r if per_row else 0].tolist(), q_tile, kv_tile, q, kv
+            )
+        )
 
     if kind == "causal":
         return flexmask.causal(), per_batch(lambda r, q, kv: oracle.causal(q, kv))

@@ -14,6 +14,7 @@ from flexmask.pieces.padding import Padding, padding
 from flexmask.pieces.per_head import PerHead, per_head
 from flexmask.pieces.position_window import PositionWindow
 from flexmask.pieces.prefix import Prefix, prefix
+from flexmask.pieces.selected import Selected, selected
 from flexmask.pieces.sliding_window import SlidingWindow, sliding_window
 from flexmask.pieces.spans import Spans, spans
 from flexmask.pieces.tree import Tree, tree
@@ -31,6 +32,7 @@ __all__ = [
     "PieceMod",
     "PositionWindow",
     "Prefix",
+    "Selected",
     "SlidingWindow",
     "Spans",
     "Tree",
@@ -44,6 +46,7 @@ __all__ = [
     "padding",
     "per_head",
     "prefix",
+    "selected",
     "sliding_window",
     "spans",
     "tree",
