@@ -39,6 +39,14 @@ from flexmask.algebra import Mask
 from flexmask.attention import flex_attention
 from flexmask.builders import create_block_mask
 from flexmask.formats import to_varlen
+from flexmask.integrations.transformers_layers import (
+    RECURRENT_KINDS,
+    _text_config,
+    boundary_kwargs,
+    causal_lm_labels,
+    layer_kinds,
+    mask_kinds,
+)
 from flexmask.packing import PackedBatch, TreeBatch, TreePack, check_batch, check_enabled
 from flexmask.runtime import LazyBlockMask
 
@@ -56,12 +64,6 @@ FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 _DENSE_CACHE: LRUCache = LRUCache(maxsize=16)  # dense masks by (mask, shape, kind, dtype, device)
-
-
-def _text_config(config: Any) -> Any:
-    # Multimodal configs keep the decoder's settings in a text config.
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
 
 
 def _check_shape(shape: Any) -> tuple[int, int]:
@@ -247,7 +249,10 @@ def attention_masks(
         One mask when every layer is ``"full_attention"`` (models such as Llama take only
         that), else ``{layer_type: mask}`` for every layer type the model has, which
         transformers hands to each layer by its type. Dense masks let a query with nothing
-        to attend (padding) attend to itself, so sdpa and eager stay finite there.
+        to attend (padding) attend to itself, so sdpa and eager stay finite there. A hybrid
+        model's recurrent kinds (``"linear_attention"``, ``"conv"``) get None, the 2-D
+        padding mask transformers gives an unpadded batch: their boundaries are keyword
+        arguments (:func:`model_inputs` adds them; see ``transformers_layers``).
 
     Example:
         >>> from transformers import Qwen2Config
@@ -271,9 +276,12 @@ def attention_masks(
             f"implementation must be 'flex_attention', 'flexmask', 'sdpa' or 'eager', got {kind!r}"
         )
     base, positions, batch_size, seq_len = _batch_parts(batch, shape, position_ids)
-    layer_types = list(dict.fromkeys(getattr(text, "layer_types", None) or ["full_attention"]))
-    masks = {}
+    layer_types = mask_kinds(config)
+    masks: dict[str, Any] = {}
     for layer_type in layer_types:
+        if layer_type in RECURRENT_KINDS:
+            masks[layer_type] = None
+            continue
         sliding = getattr(text, "sliding_window", None)
         chunk = getattr(text, "attention_chunk_size", None)
         if isinstance(batch, PackedBatch):
@@ -281,7 +289,7 @@ def attention_masks(
         else:
             mask = layer_mask(layer_type, base, positions, sliding=sliding, chunk=chunk)
         masks[layer_type] = _materialise(mask, kind, batch_size, seq_len, block_size, device, dtype)
-    if layer_types == ["full_attention"]:
+    if layer_types == ("full_attention",):
         return masks["full_attention"]
     return masks
 
@@ -319,20 +327,31 @@ def _materialise(
 
 
 def model_inputs(
-    model: Any, batch: Any, *, check: bool | None = None, **kwargs: Any
+    model: Any, batch: Any, *, check: bool | None = None, labels: bool = False, **kwargs: Any
 ) -> dict[str, Any]:
-    """``input_ids``, ``position_ids`` and ``attention_mask`` for ``model(**inputs)``.
+    """Everything every layer of ``model`` reads from a packed batch, for ``model(**inputs)``.
+
+    ``input_ids``, ``position_ids`` (restarting per document), the attention layers'
+    ``attention_mask`` (:func:`attention_masks`) or on flash their ``cu_seq_lens_q/k`` and
+    ``max_length_q/k``; and for recurrent or convolution layers (``layer_types`` with
+    ``"linear_attention"``, ``"conv"``, ``"hybrid"``) the boundaries they read by
+    transformers' names, ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx``
+    (``transformers_layers.boundary_kwargs``; docs/hybrid.md). Where their kernels cannot
+    take them (on the CPU transformers refuses them), ``flexmask.integrations.hybrid.
+    keep_documents_apart(model)`` runs those layers per document from the same arguments.
 
     Args:
         model: a transformers model; its config picks the implementation and layer types.
         batch: a :class:`~flexmask.packing.PackedBatch`, :class:`~flexmask.packing.TreePack` or
-            :class:`~flexmask.packing.TreeBatch`.
-        check: run :func:`flexmask.check_batch` on the result — the batch, and each layer
-            type's mask against the batch's mask as that layer restricts it — and raise
-            ValueError at a disagreement; None: the environment variable FLEXMASK_CHECK=1.
-            ``flexmask.integrations.transformers_check.check_inputs`` also asks
-            transformers which masks it builds.
-        **kwargs: passed to :func:`attention_masks`.
+            :class:`~flexmask.packing.TreeBatch` (a tree only for a model of attention layers
+            alone: a recurrent layer has no way to read a tree).
+        check: run :func:`flexmask.check_batch` on the result (the batch, each layer type's
+            mask as that layer restricts the batch's, the boundaries) and raise ValueError at
+            a disagreement; None: FLEXMASK_CHECK=1. ``transformers_check.check_inputs`` also
+            asks transformers which masks it builds.
+        labels: also give ``labels`` as transformers takes them (it shifts them): -100 at
+            every document's first token (``transformers_layers.causal_lm_labels``).
+        **kwargs: passed to :func:`attention_masks` (``device=`` also places the boundaries).
 
     Example:
         >>> from transformers import AutoModelForCausalLM, LlamaConfig
@@ -346,42 +365,48 @@ def model_inputs(
         torch.Size([1, 5, 16])
     """
     kind = kwargs.get("implementation") or getattr(model.config, "_attn_implementation", None)
-    if kind in FLASH_IMPLEMENTATIONS:
-        if isinstance(batch, Mask) or set(kwargs) - {"implementation", "device"}:
-            raise TypeError(
-                f"for {kind}, model_inputs takes a PackedBatch and device= only, got "
-                f"{type(batch).__name__} and {sorted(kwargs)}"
-            )
-        flash = flash_kwargs(batch, device=kwargs.get("device"))
-        inputs = {"input_ids": batch.tokens, "position_ids": batch.position_ids, **flash}
-        return _checked(model, inputs, batch, check)
+    recurrent = any(k in RECURRENT_KINDS for k in layer_kinds(model.config))
+    if (kind in FLASH_IMPLEMENTATIONS or recurrent or labels) and not isinstance(
+        batch, PackedBatch
+    ):
+        raise TypeError(
+            f"model_inputs takes a PackedBatch for flash attention, labels or recurrent layers "
+            f"(which cannot read a tree), got {type(batch).__name__}"
+        )
     if isinstance(batch, TreePack):
-        tokens, positions = batch.tokens[None], batch.position_ids[None]
+        inputs = {"input_ids": batch.tokens[None], "position_ids": batch.position_ids[None]}
     elif isinstance(batch, (PackedBatch, TreeBatch)):
-        tokens, positions = batch.tokens, batch.position_ids
+        inputs = {"input_ids": batch.tokens, "position_ids": batch.position_ids}
     else:
         raise TypeError(
             f"batch must be a PackedBatch, TreePack or TreeBatch, got {type(batch).__name__}"
         )
-    inputs = {
-        "input_ids": tokens,
-        "position_ids": positions,
-        "attention_mask": attention_masks(model.config, batch, **kwargs),
-    }
+    if kind not in FLASH_IMPLEMENTATIONS:
+        inputs["attention_mask"] = attention_masks(model.config, batch, **kwargs)
+    elif set(kwargs) - {"implementation", "device"}:
+        raise TypeError(f"for {kind}, model_inputs takes device= only, got {sorted(kwargs)}")
+    if kind in FLASH_IMPLEMENTATIONS or recurrent:
+        flash = flash_kwargs(batch, device=kwargs.get("device"))
+        inputs.update(flash if not recurrent else boundary_kwargs(flash, batch.tokens.shape))
+    if labels:
+        inputs["labels"] = causal_lm_labels(batch.labels)
     return _checked(model, inputs, batch, check)
 
 
 def _checked(model: Any, inputs: dict[str, Any], batch: Any, check: bool | None) -> dict[str, Any]:
     """With ``check``, :func:`flexmask.check_batch` on what ``model_inputs`` made: the batch,
-    and each layer type's mask against the batch's mask restricted as the layer is."""
+    each layer type's mask against the batch's mask restricted as the layer is, and the
+    boundaries the recurrent layers read."""
     if not check_enabled(check):
         return inputs
+    kind = getattr(model.config, "_attn_implementation", None)
     masks = inputs.get("attention_mask")
-    if not isinstance(masks, dict):
-        masks = {"full_attention": masks}
+    if kind in FLASH_IMPLEMENTATIONS or not isinstance(masks, dict):
+        masks = dict.fromkeys(layer_kinds(model.config), masks)
     text = _text_config(model.config)
-    flash = {k: inputs[k] for k in ("cu_seq_lens_q",) if k in inputs}
     for layer_type, built in masks.items():
+        if layer_type in RECURRENT_KINDS:
+            continue  # no mask: their boundaries are checked below
         expected = layer_mask(
             layer_type,
             batch.mask,
@@ -390,9 +415,19 @@ def _checked(model: Any, inputs: dict[str, Any], batch: Any, check: bool | None)
             chunk=getattr(text, "attention_chunk_size", None),
         )
         kernel = {"attention_mask": built} if built is not None else {}
-        if flash:
-            kernel = {"cu_seqlens": flash["cu_seq_lens_q"], "causal_kernel": True}
+        if kind in FLASH_IMPLEMENTATIONS and "cu_seq_lens_q" in inputs:
+            kernel = {"cu_seqlens": inputs["cu_seq_lens_q"], "causal_kernel": True}
         check_batch(batch=batch, mask=expected, raise_on_error=True, **kernel)
+    if "seq_idx" in inputs or "labels" in inputs:
+        check_batch(
+            batch=batch,
+            seq_idx=inputs.get("seq_idx"),
+            cu_seq_lens_q=inputs.get("cu_seq_lens_q"),
+            cu_seq_lens_k=inputs.get("cu_seq_lens_k"),
+            labels=inputs.get("labels"),
+            labels_shifted=False if "labels" in inputs else None,
+            raise_on_error=True,
+        )
     return inputs
 
 

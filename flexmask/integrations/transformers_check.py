@@ -19,7 +19,8 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmask import pieces
 from flexmask.algebra import Mask
 from flexmask.integrations.transformers import FLASH_IMPLEMENTATIONS, _text_config, layer_mask
-from flexmask.packing import BatchReport, check_batch
+from flexmask.integrations.transformers_layers import RECURRENT_KINDS, layer_kinds, unkept_layers
+from flexmask.packing import BatchReport, Disagreement, check_batch
 from flexmask.runtime import LazyBlockMask, lazy
 
 __all__ = ["check_inputs"]
@@ -48,6 +49,12 @@ def check_inputs(
     model with a cache (``use_cache`` not False) builds a plain causal mask from packed
     ``position_ids``, attending across the documents. On ``flash_attention_2/3`` the
     sequences come from ``cu_seq_lens_q`` (or the ``position_ids``) and run causal.
+
+    A hybrid model's recurrent and convolution layers read no mask: on a packed row the
+    check names each layer kind and class that will carry one document into the next —
+    its boundaries (``seq_idx``, ``cu_seq_lens_q``) missing from ``inputs``, dropped by
+    transformers before its kernel, or refused where the kernels do not run — unless
+    ``flexmask.integrations.hybrid.keep_documents_apart`` is installed on it.
 
     Args:
         model: a transformers model (or its config).
@@ -142,9 +149,10 @@ def check_inputs(
             found = check_batch(mask=expected, shape=shape, block_mask=built)
             disagreements += _renamed(found, "block_mask", label, base_name)
             checked.append(label)
+    unkept = _unkept(model, inputs, base_name)  # recurrent layers: no mask, boundaries
     report = BatchReport(
-        tuple(sorted(disagreements, key=lambda d: (d.row, d.token))),
-        tuple(checked),
+        tuple(sorted(disagreements + unkept, key=lambda d: (d.row, d.token))),
+        tuple(checked + [d.inputs[0] for d in unkept]),
         first.reference,
         first.documents,
         base,
@@ -152,6 +160,33 @@ def check_inputs(
     if raise_on_error:
         report.raise_if_failed()
     return report
+
+
+def _unkept(model: Any, inputs: dict[str, Any], base_name: str) -> list[Disagreement]:
+    """A packed row through a recurrent layer that reads no boundaries: the second
+    document's first token is where the first one's state leaks in."""
+    start = _second_document(inputs)
+    if start is None or not hasattr(model, "modules"):
+        return []
+    return [
+        Disagreement(start[0], start[1], (label, base_name), message)
+        for label, message in unkept_layers(model, inputs)
+    ]
+
+
+def _second_document(inputs: dict[str, Any]) -> tuple[int, int] | None:
+    """(row, token) of the first document that does not start a row, from ``position_ids``
+    (a restart at 0) or ``seq_idx`` (a change); None when every row holds one."""
+    positions, seq_idx = inputs.get("position_ids"), inputs.get("seq_idx")
+    if isinstance(positions, Tensor) and positions.dim() in (1, 2):
+        starts = positions.reshape(-1, positions.shape[-1])[:, 1:] == 0
+    elif isinstance(seq_idx, Tensor) and seq_idx.dim() in (1, 2):
+        rows = seq_idx.reshape(-1, seq_idx.shape[-1])
+        starts = rows[:, 1:] != rows[:, :-1]
+    else:
+        return None
+    found = starts.nonzero()
+    return None if not len(found) else (int(found[0, 0]), int(found[0, 1]) + 1)
 
 
 def _report_shape(ids: Any, inputs: dict[str, Any], attention: Any) -> tuple[int, int]:
@@ -168,9 +203,9 @@ def _transformers_masks(
     from transformers import masking_utils
 
     attention = inputs.get("attention_mask")
-    layer_types = list(dict.fromkeys(getattr(config, "layer_types", None) or ["full_attention"]))
+    layer_types = list(layer_kinds(config))
     if isinstance(attention, dict):  # prepared per layer type: used as given
-        return {t: attention[t] for t in layer_types if t in attention}
+        return {t: attention[t] for t in layer_types if t in attention and t not in RECURRENT_KINDS}
     if isinstance(attention, (BlockMask, LazyBlockMask)) or (
         isinstance(attention, Tensor) and attention.dim() == 4
     ):
