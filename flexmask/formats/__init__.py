@@ -6,7 +6,13 @@
 * ``to_flashmask`` — PaddlePaddle's FlashMask: ``startend_row_indices`` and ``causal``;
 * ``to_magi`` — MagiAttention: ``q_ranges``, ``k_ranges``, ``attn_type_map``;
 * ``to_fa4`` — FlashAttention-4 (``flash_attn.cute``): block-sparse counts and indices, a
-  ``mask_mod`` in FA4's convention and its ``aux_tensors``.
+  ``mask_mod`` in FA4's convention and its ``aux_tensors``;
+* ``to_cudnn`` — cuDNN's flex_attention (``create_mask_plan``): per query, ``mask_func``
+  endpoints of visible key intervals, fixed (BSHD) or varlen (THD);
+* ``to_cudnn_bsa`` — cuDNN's block-sparse attention (``cudnn.BSA``): ``q2k_block_index``,
+  ``q2k_block_nums``, ``block_sizes``;
+* ``to_cudnn_topk`` — cuDNN's ``sparse_attention``: ``topk_idxs`` at an
+  ``index_granularity``.
 
 Each returns the most compact form that masks exactly what the mask masks, or raises a
 ValueError naming the piece (or column) the format cannot express. docs/formats.md has the
@@ -24,6 +30,8 @@ from typing import Any
 
 from flexmask._deprecated import moved
 from flexmask.formats._structure import validated_window  # noqa: F401 (names of _INTERNAL)
+from flexmask.formats.cudnn import CudnnMask, to_cudnn
+from flexmask.formats.cudnn_sparse import CudnnBSAMask, CudnnTopkMask, to_cudnn_bsa, to_cudnn_topk
 from flexmask.formats.fa4 import FA4Mask, to_fa4
 from flexmask.formats.flashmask import FlashMask, to_flashmask
 from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL, MagiMask, magi_of, to_magi  # noqa: F401 (names of _INTERNAL)
@@ -48,6 +56,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CudnnBSAMask",
+    "CudnnMask",
+    "CudnnTopkMask",
     "FA4Mask",
     "FlashMask",
     "MAGI_BICAUSAL",
@@ -56,6 +67,9 @@ __all__ = [
     "MAGI_INVCAUSAL",
     "MagiMask",
     "VarlenMask",
+    "to_cudnn",
+    "to_cudnn_bsa",
+    "to_cudnn_topk",
     "to_fa4",
     "to_flashmask",
     "to_magi",
