@@ -9,6 +9,6 @@ The input check (:func:`flexmask.check_batch`) needs no model; this one runs it.
 """
 
 from flexmask.testing.leaks import leak_test
-from flexmask.testing.report import Leak, LeakReport, Missing
+from flexmask.testing.report import Leak, LeakOrigin, LeakReport, Missing
 
-__all__ = ["Leak", "LeakReport", "Missing", "leak_test"]
+__all__ = ["Leak", "LeakOrigin", "LeakReport", "Missing", "leak_test"]

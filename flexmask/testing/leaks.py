@@ -43,6 +43,7 @@ def leak_test(
     raise_on_leak: bool = False,
     layers: int | None = None,
     train: bool | None = None,
+    locate: bool = True,
 ) -> LeakReport:
     """Proves that no token of a packed batch reaches an output the mask keeps it from, and
     that the influences the mask allows are there (sampled).
@@ -142,12 +143,14 @@ def leak_test(
     _check_option("layers", layers, minimum=1, optional=True)
     if train is not None and not isinstance(train, bool):
         raise TypeError(f"train must be None (keep the model's mode), True or False, got {train!r}")
+    if not isinstance(locate, bool):
+        raise TypeError(f"locate must be True (name where a leak starts) or False, got {locate!r}")
     runner = _Runner(model, inputs, embedding, output, seed, train)
     with runner.prepared():
         batch, seq_len = runner.shape
         allowed = _mask(mask, seq_lens, inputs, batch, seq_len)
         probe = Probe(runner, allowed, method, layers)
-        report = probe.run(samples, max_examples)
+        report = probe.run(samples, max_examples, locate)
     report = dataclasses.replace(report, seconds=time.perf_counter() - started)
     if raise_on_leak:
         report.raise_if_failed()

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from flexmask.testing.cover import plan
+from flexmask.testing.origin import locate as locate_origin
 from flexmask.testing.report import Leak, LeakReport, Missing
 
 Source = Tensor  # (B, S) bool: the outputs read (grad) or the inputs moved (perturb)
@@ -100,7 +101,7 @@ class Probe:
         return ~reachable & self.targets(method)
 
     # -- the test
-    def run(self, samples: int, max_examples: int) -> LeakReport:
+    def run(self, samples: int, max_examples: int, locate: bool = True) -> LeakReport:
         gen = self.runner.generator
         leaking: dict[str, list[tuple[Source, Tensor]]] = {}
         methods, first = self._methods()
@@ -131,10 +132,18 @@ class Probe:
             known = set(pairs)
             leaks += [x for x in found_leaks if (x.output_document, x.input_document) not in known]
             pairs.update({p: v for p, v in found_pairs.items() if p not in known})
+        leaks = sorted(leaks, key=lambda x: (x.method != "grad", -x.magnitude))
+        origin = None
+        if locate and leaks:
+            # The evidence of the method that found the first leak: its leaking passes.
+            method = leaks[0].method
+            evidence: list[Tensor] = []
+            for source, _ in leaking.get(method, []):
+                if not any(torch.equal(source, seen) for seen in evidence):
+                    evidence.append(source)
+            origin = locate_origin(self, evidence, method)
         return LeakReport(
-            leaks=tuple(sorted(leaks, key=lambda x: (x.method != "grad", -x.magnitude)))[
-                :max_examples
-            ],
+            leaks=tuple(leaks)[:max_examples],
             pairs=pairs,
             missing=tuple(dict.fromkeys(missing))[:max_examples],
             documents=tuple(self.documents),
@@ -142,6 +151,7 @@ class Probe:
             method="+".join(methods),
             seconds=0.0,
             layers=self.layers,
+            origin=origin,
         )
 
     def _methods(self) -> tuple[list[str], Tensor | None]:

@@ -1,4 +1,5 @@
-"""What the leak test reports: leaking token pairs, missing influences, the documents."""
+"""What the leak test reports: leaking token pairs, missing influences, the documents, and
+the module where a leak starts."""
 
 from __future__ import annotations
 
@@ -52,6 +53,62 @@ class Missing:
 
 
 @dataclasses.dataclass(frozen=True)
+class LeakOrigin:
+    """The first module whose output already depends on an input the mask keeps apart from
+    it: where a leak starts (:func:`leak_test`'s ``locate``).
+
+    Found by descending from the model: among the modules called directly inside it, in the
+    order they run, the first whose output leaks (a block of the model's layers), then the
+    first leaking one inside that (the mixer), and so on — as long as that module was given
+    clean inputs. It stops at a module none of whose submodules' outputs leak (a leaf, or
+    the leak is in its own code), or at one whose first leaking submodule was already given
+    the leak (``before``: the leak is in its own code, or in a submodule whose output is not
+    per token, before that one ran).
+
+    Attributes:
+        path: the module's name in the model (``"model.layers.0.linear_attn"``); ``""`` is
+            the model itself (the leak is in its own code).
+        kind: its class name.
+        layer: the index of the outermost module on the way that is an item of a list of
+            layers (``model.layers``); None: none is.
+        layer_type: that layer's kind where the model's config names one per layer
+            (``config.layer_types[layer]``, or ``layers_block_type``); else None.
+        call: which of the module's calls in a forward leaks first (1-based): a layer run
+            twice (weights shared) is named with the call.
+        calls: how many times the module ran in one forward.
+        before: the submodule that was given the leak, when the descent stopped there.
+        chain: the modules descended through, outermost first, ``path`` last.
+        method: the evidence: ``"grad"`` (gradients of each module's output) or
+            ``"perturb"`` (each module's output moved), as the leak was found.
+        checks: backward passes (grad) or comparisons (perturb) the descent made.
+    """
+
+    path: str
+    kind: str
+    layer: int | None
+    layer_type: str | None
+    call: int
+    calls: int
+    before: str | None
+    chain: tuple[str, ...]
+    method: str
+    checks: int
+
+    def __str__(self) -> str:
+        details = [self.kind]
+        if self.layer_type is not None:
+            details.append(f"layer type {self.layer_type}")
+        if self.calls > 1:
+            details.append(f"call {self.call} of {self.calls}")
+        where = self.path if self.path else "the model's own forward"
+        text = f"{where} ({', '.join(details)})"
+        if self.before is not None:
+            inner = self.before[len(self.path) + 1 :] if self.path else self.before
+            text += f", inside it before {inner}"
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
 class LeakReport:
     """What :func:`leak_test` found.
 
@@ -69,6 +126,8 @@ class LeakReport:
         seconds: wall time of the test.
         layers: the depth the mask's reach was taken through (given, or read off the model
             when the reach grows with depth, as a window's does); None: any depth.
+        origin: where the first leak starts (:class:`LeakOrigin`): None when nothing leaks,
+            ``locate=False``, or the model is not an ``nn.Module``.
     """
 
     leaks: tuple[Leak, ...]
@@ -79,6 +138,7 @@ class LeakReport:
     method: str
     seconds: float
     layers: int | None = None
+    origin: LeakOrigin | None = None
 
     @property
     def ok(self) -> bool:
@@ -97,5 +157,7 @@ class LeakReport:
             f"({self.passes} {self.method} passes over {len(self.documents)} documents)"
         )
         lines = [head] + [f"  leak: {leak}" for leak in self.leaks]
+        if self.origin is not None:
+            lines.append(f"  leaks first at {self.origin}")
         lines += [f"  missing: {m}" for m in self.missing]
         return "\n".join(lines) if not self.ok else f"ok: {head}"
