@@ -271,10 +271,10 @@ class Selected(Piece):
         kv_tile = picks[row, q_tile, slot]
         line, other = (kv_tile, q_tile) if transpose else (q_tile, kv_tile)
         # Stable sorts from the last key to the first: lexicographic (row, line, other).
+        order = torch.arange(row.numel())
         for key in (other, line, row):
-            order = torch.sort(key, stable=True).indices
-            row, line, other = row[order], line[order], other[order]
-        return row, line, other
+            order = order[torch.sort(key[order], stable=True).indices]
+        return row[order], line[order], other[order]
 
     def __repr__(self) -> str:
         rows, heads, n, k = self.picks.shape
