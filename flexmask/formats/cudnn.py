@@ -167,15 +167,16 @@ def to_cudnn(
     lo, hi = head_lines(mask, win, heads, "cuDNN flex_attention")
     begins, ends, count = _intervals(lo, hi)
     _check_cap(mask, count, begins, ends, max_intervals)
-    width = max(int(count.max()), 1)
-    begins, ends = begins[..., :width], ends[..., :width]
-    # F0 = end of the interval from 0, then (begin, end) of each further one.
+    # F0 = end of the interval from 0, then (begin, end) of each further one: (Hm, R, Q, n_func),
+    # R = 1 where no batch row differs (written out per row once, below).
     rest = torch.stack([begins[..., 1:], ends[..., 1:]], -1).flatten(-2)
-    endpoints = torch.cat([ends[..., :1], rest], -1)  # (Hm, B, Q, n_func)
+    endpoints = torch.cat([ends[..., :1], rest], -1).to(torch.int32)
+    endpoints = endpoints.permute(0, 3, 1, 2)  # (Hm, n_func, R, Q)
     if not varlen:
-        flat = endpoints.permute(0, 3, 1, 2).reshape(endpoints.shape[0], -1, win.batch * win.q_len)
+        shape = (*endpoints.shape[:2], win.batch, win.q_len)
+        flat = endpoints.expand(shape).reshape(*shape[:2], win.batch * win.q_len)
         return CudnnMask(
-            flat.to(torch.int32).contiguous().to(dev),
+            flat.contiguous().to(dev),
             *(None,) * 6,
             batch=win.batch,
             q_len=win.q_len,
@@ -185,19 +186,20 @@ def to_cudnn(
 
 
 def head_lines(mask: Mask, win: Window, heads: int, fmt: str) -> tuple[Tensor, Tensor]:
-    """Per head (one for all when they attend alike), batch row and query, the attended keys
-    as inclusive local intervals: ``lo``, ``hi`` ``(1 or H, B, Q_LEN, K)`` int64 (sorted,
-    disjoint, empty slots ``lo > hi`` last)."""
+    """Per head (one for all when they attend alike), batch row (one for all when no row
+    differs) and query, the attended keys as inclusive local intervals: ``lo``, ``hi``
+    ``(1 or H, 1 or B, Q_LEN, K)`` int64 (sorted, disjoint, empty slots ``lo > hi`` last)."""
     distinct, which = head_masks(mask, heads)
     found = [lines(m, win, fmt=fmt) for m in distinct]
     slots = max(f.lo.shape[-1] for f in found)
+    rows = max(f.lo.shape[0] for f in found)
     los, his = [], []
     for f in found:
         pad = slots - f.lo.shape[-1]
         lo = torch.nn.functional.pad(f.lo, (0, pad), value=1)
         hi = torch.nn.functional.pad(f.hi, (0, pad), value=0)
-        los.append(lo.expand(win.batch, win.q_len, slots))
-        his.append(hi.expand(win.batch, win.q_len, slots))
+        los.append(lo.expand(rows, win.q_len, slots))
+        his.append(hi.expand(rows, win.q_len, slots))
     if len(distinct) == 1:
         return los[0][None], his[0][None]
     pick = torch.tensor(which)
@@ -207,22 +209,29 @@ def head_lines(mask: Mask, win: Window, heads: int, fmt: str) -> tuple[Tensor, T
 def _intervals(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """cuDNN's half-open intervals of each row, the first from key 0 (empty where the row's
     first attended key is not 0), unused slots empty at the last end: ``begins``, ``ends``
-    ``(..., K + 1)`` and each row's count of used slots."""
+    ``(..., W)``, W the most any row uses (at least 1), and each row's count of used slots
+    (a prefix: ``lines`` puts the empty slots last)."""
     real = lo <= hi
-    from_zero = real[..., 0] & (lo[..., 0] == 0)
+    # Shifted rows (whose first key is not 0): an empty [0, 0) first, then every interval.
+    shifted = ~(real[..., :1] & (lo[..., :1] == 0))
+    count = real.sum(-1, keepdim=True) + shifted
+    width = int(count.max())
     zero = torch.zeros_like(lo[..., :1])
-    # Shifted rows: an empty [0, 0) first, then every interval; others: as they are.
-    shifted = (~from_zero).unsqueeze(-1)
-    begins = torch.where(shifted, torch.cat([zero, lo], -1), torch.cat([lo, zero], -1))
-    ends = torch.where(shifted, torch.cat([zero, hi + 1], -1), torch.cat([hi + 1, zero], -1))
-    yes, no = torch.ones_like(real[..., :1]), torch.zeros_like(real[..., :1])
-    used = torch.where(shifted, torch.cat([yes, real], -1), torch.cat([real, no], -1))
-    # Unused slots repeat the last end: endpoints never decrease, and an empty interval
-    # that starts where the previous one ends is valid in cuDNN's check.
-    last = torch.where(used, ends, 0).cummax(-1).values
-    begins = torch.where(used, begins, last)
-    ends = torch.where(used, ends, last)
-    return begins, ends, used.sum(-1)
+    if bool(shifted.all()):
+        begins, ends = torch.cat([zero, lo], -1), torch.cat([zero, hi + 1], -1)
+    elif not bool(shifted.any()):
+        begins, ends = lo, hi + 1
+    else:
+        begins = torch.where(shifted, torch.cat([zero, lo], -1), torch.cat([lo, zero], -1))
+        ends = torch.where(shifted, torch.cat([zero, hi + 1], -1), torch.cat([hi + 1, zero], -1))
+    begins, ends = begins[..., :width], ends[..., :width]
+    if width > 1:
+        # Unused slots repeat the last end: endpoints never decrease, and an empty interval
+        # that starts where the previous one ends is valid in cuDNN's check.
+        last = ends.gather(-1, count - 1)
+        used = torch.arange(width) < count
+        begins, ends = torch.where(used, begins, last), torch.where(used, ends, last)
+    return begins, ends, count[..., 0]
 
 
 def _check_cap(
@@ -248,10 +257,11 @@ def _check_cap(
 
 
 def _varlen(endpoints: Tensor, ends: Tensor, win: Window, dev: torch.device) -> CudnnMask:
-    """The THD form: each batch row's leading queries up to its last attending one, and its
-    keys up to the last one attended (nothing left out is attended)."""
+    """The THD form from ``endpoints`` ``(Hm, n_func, R, Q)``: each batch row's leading
+    queries up to its last attending one, and its keys up to the last one attended (nothing
+    left out is attended)."""
     # A row attends something iff it has a non-empty interval: its greatest end is > 0.
-    reach = ends.amax(-1).amax(0)  # (B, Q): the end of each query's last interval, any head
+    reach = ends.amax(-1).amax(0).expand(win.batch, -1)  # (B, Q): the last end, any head
     attends = reach > 0
     q_index = torch.arange(win.q_len).expand(win.batch, -1)
     q_lens = torch.where(attends, q_index + 1, 0).amax(-1)
@@ -261,10 +271,10 @@ def _varlen(endpoints: Tensor, ends: Tensor, win: Window, dev: torch.device) -> 
     keep_k = torch.arange(win.kv_len).expand(win.batch, -1) < k_lens.unsqueeze(-1)
     flat_q = (rows.view(-1, 1) * win.q_len + q_index)[keep_q]
     flat_k = (rows.view(-1, 1) * win.kv_len + torch.arange(win.kv_len))[keep_k]
-    packed = endpoints.permute(0, 3, 1, 2).reshape(endpoints.shape[0], endpoints.shape[3], -1)
-    packed = packed[..., flat_q]
+    shape = (*endpoints.shape[:2], win.batch, win.q_len)
+    packed = endpoints.expand(shape).reshape(*shape[:2], -1)[..., flat_q]
     return CudnnMask(
-        packed.to(torch.int32).contiguous().to(dev),
+        packed.contiguous().to(dev),
         _cumulative(q_lens, dev),
         _cumulative(k_lens, dev),
         int(q_lens.max()),

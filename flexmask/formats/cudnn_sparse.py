@@ -199,12 +199,13 @@ def _whole_partials(mask: Mask, win: Any, heads: int, partial: Tensor, block: in
     lo, hi = head_lines(mask, win, heads, "cuDNN BSA")
     b, h, m, n = partial.nonzero(as_tuple=True)
     hm = h if lo.shape[0] > 1 else torch.zeros_like(h)
+    row = b if lo.shape[1] > 1 else torch.zeros_like(b)
     q = (m.view(-1, 1) * block + torch.arange(block)).clamp(max=win.q_len - 1)  # (T, block)
     valid_q = torch.minimum(m * block + block, torch.tensor(win.q_len)) - m * block
     k0 = (n * block).view(-1, 1, 1)
     k1 = torch.minimum(n * block + block, torch.tensor(win.kv_len)).view(-1, 1, 1)
-    lo_t = lo[hm.view(-1, 1), b.view(-1, 1), q]  # (T, block, K)
-    hi_t = hi[hm.view(-1, 1), b.view(-1, 1), q]
+    lo_t = lo[hm.view(-1, 1), row.view(-1, 1), q]  # (T, block, K)
+    hi_t = hi[hm.view(-1, 1), row.view(-1, 1), q]
     # Attended keys of each query inside the block: the intervals' overlaps with it.
     overlap = (torch.minimum(hi_t + 1, k1) - torch.maximum(lo_t, k0)).clamp(min=0).sum(-1)
     first = torch.arange(block) < valid_q.view(-1, 1)  # clamped repeats count once
@@ -282,31 +283,40 @@ def to_cudnn_topk(
     lo, hi = head_lines(mask, win, heads, "cuDNN sparse_attention")
     _check_aligned(mask, lo, hi, g, win.kv_len)
     real = lo <= hi
-    first = torch.where(real, lo // g, 0)
-    entries = torch.where(real, hi // g - lo // g + 1, 0)
-    length = entries.sum(-1)  # (Hm, B, Q)
-    need = int(length.max())
+    first = torch.where(real, lo // g, 0).to(torch.int32)
+    entries = torch.where(real, hi // g - lo // g + 1, 0).to(torch.int32)
+    length = entries.sum(-1, dtype=torch.int32)  # (Hm, R, Q)
     _check_topk(mask, length, topk, g)
-    width = max(need, 1) if topk is None else topk
-    # Entry j of a row: its interval is the one whose running count passes j.
-    ends = entries.cumsum(-1)
-    j = torch.arange(width)
-    slot = torch.searchsorted(
-        ends.contiguous(), j.expand(*ends.shape[:-1], width).contiguous(), right=True
-    )
-    slot = slot.clamp(max=entries.shape[-1] - 1)
-    before = (ends - entries).gather(-1, slot)
-    idx = first.gather(-1, slot) + j - before
-    idx = torch.where(j < length.unsqueeze(-1), idx, -1)
-    if idx.shape[0] == 1:  # one set for every head
+    width = max(int(length.max()), 1) if topk is None else topk
+    idx = _entries(first, entries, width)
+    # (B, Q, topk) shared by the heads, else (B, Q, H, topk); rows written out per batch row.
+    if idx.shape[0] == 1:
         idxs, lengths = idx[0], length[0]
     else:
         idxs, lengths = idx.permute(1, 2, 0, 3), length.permute(1, 2, 0)
+    idxs = idxs.expand(win.batch, *idxs.shape[1:])
+    lengths = lengths.expand(win.batch, *lengths.shape[1:])
     return CudnnTopkMask(
-        topk_idxs=idxs.to(torch.int32).contiguous().to(dev),
-        topk_length=lengths.to(torch.int32).contiguous().to(dev),
+        topk_idxs=idxs.contiguous().to(dev),
+        topk_length=lengths.contiguous().to(dev),
         index_granularity=g,
     )
+
+
+def _entries(first: Tensor, entries: Tensor, width: int) -> Tensor:
+    """``(..., width)`` int32: each row's entries, its slots' runs ``first + [0, entries)``
+    laid end to end, -1 after them. One pass per slot (a row has a few intervals)."""
+    j = torch.arange(width, dtype=torch.int32)
+    out = torch.full((*first.shape[:-1], width), -1, dtype=torch.int32)
+    before = torch.zeros_like(first[..., 0]).unsqueeze(-1)
+    for slot in range(first.shape[-1]):
+        count = entries[..., slot : slot + 1]
+        if not bool(count.any()):
+            break  # empty slots come last
+        inside = (j >= before) & (j < before + count)
+        out = torch.where(inside, first[..., slot : slot + 1] + (j - before), out)
+        before = before + count
+    return out
 
 
 def _check_aligned(mask: Mask, lo: Tensor, hi: Tensor, g: int, kv_len: int) -> None:
