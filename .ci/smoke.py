@@ -236,6 +236,16 @@ def fa4_lowering() -> None:
     built = flexmask.create_block_mask(mask, 1, 1, S, S, "cpu", BLOCK_SIZE=(32, 16))
     assert fa4.mask_block_cnt.tolist() == built.kv_num_blocks.tolist()
     assert fa4.full_block_cnt.tolist() == built.full_kv_num_blocks.tolist()
+    # Compact indices: as long as the longest list. Varlen: one grid per document, FA4's
+    # cu_* tensors. FlashInfer: causal documents on block edges, one BSR row per KV head.
+    compact = flexmask.to_fa4(mask, 1, 1, S, S, q_block=32, kv_block=16, compact=True)
+    assert compact.mask_block_idx.shape[-1] == int(compact.mask_block_cnt.max())
+    varlen = flexmask.formats.to_fa4_varlen(mask, 1, 2, S, q_block=32, kv_block=16)
+    assert varlen.cu_seqlens_q.tolist() == [0, 40, 96], varlen
+    assert varlen.cu_total_m_blocks.tolist() == [0, 2, 4], varlen
+    aligned = flexmask.causal() & flexmask.document([32, 64])
+    fi = flexmask.formats.to_flashinfer(aligned, 1, 4, S, q_block=16, kv_block=16, num_kv_heads=2)
+    assert fi.mask_type == "causal" and tuple(fi.block_indptr.shape) == (1, 2, S // 16 + 1), fi
 
 
 def context_parallel() -> None:

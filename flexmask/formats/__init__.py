@@ -7,6 +7,10 @@
 * ``to_magi`` — MagiAttention: ``q_ranges``, ``k_ranges``, ``attn_type_map``;
 * ``to_fa4`` — FlashAttention-4 (``flash_attn.cute``): block-sparse counts and indices, a
   ``mask_mod`` in FA4's convention and its ``aux_tensors``;
+* ``to_fa4_varlen`` — FlashAttention-4's varlen block sparsity: one block grid per
+  sequence (document), ``cu_total_m_blocks`` and ``cu_block_idx_offsets``;
+* ``to_flashinfer`` — FlashInfer's block-sparse attention (``prims_ts``): ``block_indptr``,
+  ``block_indices``, ``kv_valid_bits`` and ``mask_type`` per KV head;
 * ``to_cudnn`` — cuDNN's flex_attention (``create_mask_plan``): per query, ``mask_func``
   endpoints of visible key intervals, fixed (BSHD) or varlen (THD);
 * ``to_cudnn_bsa`` — cuDNN's block-sparse attention (``cudnn.BSA``): ``q2k_block_index``,
@@ -33,6 +37,8 @@ from flexmask.formats._structure import validated_window  # noqa: F401 (names of
 from flexmask.formats.cudnn import CudnnMask, to_cudnn
 from flexmask.formats.cudnn_sparse import CudnnBSAMask, CudnnTopkMask, to_cudnn_bsa, to_cudnn_topk
 from flexmask.formats.fa4 import FA4Mask, to_fa4
+from flexmask.formats.fa4_varlen import FA4VarlenMask, to_fa4_varlen
+from flexmask.formats.flashinfer import FlashInferMask, to_flashinfer
 from flexmask.formats.flashmask import FlashMask, to_flashmask
 from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL, MagiMask, magi_of, to_magi  # noqa: F401 (names of _INTERNAL)
 from flexmask.formats.varlen import VarlenMask, to_varlen, varlen_of  # noqa: F401 (names of _INTERNAL)
@@ -60,6 +66,8 @@ __all__ = [
     "CudnnMask",
     "CudnnTopkMask",
     "FA4Mask",
+    "FA4VarlenMask",
+    "FlashInferMask",
     "FlashMask",
     "MAGI_BICAUSAL",
     "MAGI_CAUSAL",
@@ -71,6 +79,8 @@ __all__ = [
     "to_cudnn_bsa",
     "to_cudnn_topk",
     "to_fa4",
+    "to_fa4_varlen",
+    "to_flashinfer",
     "to_flashmask",
     "to_magi",
     "to_varlen",

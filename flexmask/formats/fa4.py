@@ -12,6 +12,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexmask._validate import check_int
 from flexmask.algebra import Mask
 from flexmask.builders import create_block_mask
+from flexmask.formats._tiles import tile_bits
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,7 +36,10 @@ class FA4Mask:
     ``aux_tensors[0]`` the int32 ``(B, H, m_blocks, n_blocks)`` number of each partial tile
     (0: not a partial tile) and ``aux_tensors[1]`` the bool ``(1 + tiles, q_block,
     kv_block)`` tiles (tile 0 attends nothing) — so the body is two lookups, exact for any
-    mask, and the memory is one tile per partial block, never ``Q_LEN × KV_LEN``.
+    mask, and the memory is one tile per partial block, never ``Q_LEN × KV_LEN``. Lowered
+    with ``compact=True`` the index tensors' last dimension is the longest list, and the
+    tile numbers are compact too: ``aux_tensors[0]`` is ``(B, H, m_blocks, width)`` from each
+    row's first partial key block, ``aux_tensors[2]`` (int32 ``(B, H, m_blocks)``).
     """
 
     mask_block_cnt: Tensor
@@ -46,7 +50,7 @@ class FA4Mask:
     mask_block_idx_bwd: Tensor
     full_block_cnt_bwd: Tensor
     full_block_idx_bwd: Tensor
-    aux_tensors: tuple[Tensor, Tensor]
+    aux_tensors: tuple[Tensor, ...]
     block_size: tuple[int, int]
     seq_lengths: tuple[int, int]
 
@@ -57,8 +61,10 @@ class FA4Mask:
         ``aux_tensors``) alone; valid on the partial blocks the tensors list."""
         tile_of, tiles = aux[0], aux[1]
         q_block, kv_block = self.block_size
-        tile = tile_of[batch, head, m_idx // q_block, n_idx // kv_block]
-        return tiles[tile, m_idx % q_block, n_idx % kv_block]
+        m, n = m_idx // q_block, n_idx // kv_block
+        if len(aux) == 3:  # compact: a row's tiles numbered from its first partial block
+            n = n - aux[2][batch, head, m]
+        return tiles[tile_of[batch, head, m, n], m_idx % q_block, n_idx % kv_block]
 
     def block_sparse_fields(self, backward: bool = False) -> dict[str, Any]:
         """The fields of FA4's ``BlockSparseTensorsTorch`` (``block_sparsity.py``), by name."""
@@ -111,6 +117,7 @@ def to_fa4(
     q_block: int = 256,
     kv_block: int = 128,
     device: torch.device | str | None = None,
+    compact: bool = False,
 ) -> FA4Mask:
     """Lower a mask to FlashAttention-4's block-sparse arguments at ``(q_block, kv_block)``.
 
@@ -127,6 +134,11 @@ def to_fa4(
         Q_LEN, KV_LEN: query and key lengths (KV_LEN None: Q_LEN).
         q_block, kv_block: the query and key block sizes.
         device: where the tensors live (None: the mask's device, else CPU).
+        compact: index tensors only as long as the longest list (``mask_block_idx``'s last
+            dimension the largest ``mask_block_cnt``, at least 1; likewise the full and
+            backward ones), which FA4 accepts since it reads ``cnt`` entries of a row
+            (``block_sparsity.py``: "Allow Compact block sparse indices"): a sliding window
+            of ``w`` keys holds ``O(N * w)`` indices instead of ``O(N^2)``.
 
     Example:
         >>> import flexmask
@@ -147,10 +159,13 @@ def to_fa4(
     kv_block = check_int(kv_block, "kv_block", minimum=1)
     dev = torch.device(device) if device is not None else (mask.device or torch.device("cpu"))
     bm = create_block_mask(mask, B, H, Q_LEN, KV_LEN, device=dev, BLOCK_SIZE=(q_block, kv_block))
+    sides = _sides(bm)
+    if compact:
+        sides = [_narrowed(t, sides[i - 1]) if i % 2 else t for i, t in enumerate(sides)]
     mask_cnt, mask_idx, full_cnt, full_idx, q_mask_cnt, q_mask_idx, q_full_cnt, q_full_idx = (
-        _int32(t) for t in _sides(bm)
+        _int32(t) for t in sides
     )
-    tile_of, tiles = _partial_tiles(mask, bm, B, H, Q_LEN, KV_LEN, q_block, kv_block)
+    aux = _partial_tiles(mask, bm, B, H, Q_LEN, KV_LEN, q_block, kv_block, compact)
     return FA4Mask(
         mask_block_cnt=mask_cnt,
         mask_block_idx=mask_idx,
@@ -160,7 +175,7 @@ def to_fa4(
         mask_block_idx_bwd=q_mask_idx,
         full_block_cnt_bwd=q_full_cnt,
         full_block_idx_bwd=q_full_idx,
-        aux_tensors=(tile_of, tiles),
+        aux_tensors=aux,
         block_size=(q_block, kv_block),
         seq_lengths=(Q_LEN, KV_LEN),
     )
@@ -178,38 +193,63 @@ def _sides(bm: BlockMask) -> list[Tensor]:
     return out
 
 
+def _narrowed(index: Tensor, count: Tensor) -> Tensor:
+    """The first ``max(count)`` (at least 1) entries of each list: all a kernel reads."""
+    longest = max(int(count.max()) if count.numel() else 0, 1)
+    return index[..., : min(longest, index.shape[-1])]
+
+
 def _int32(tensor: Tensor) -> Tensor:
     return tensor.to(torch.int32).contiguous()
 
 
 def _partial_tiles(
-    mask: Mask, bm: BlockMask, B: int, H: int, q_len: int, kv_len: int, q_block: int, kv_block: int
-) -> tuple[Tensor, Tensor]:
-    """The number of each partial tile (0: none) and the tiles' bits, tile 0 all False."""
+    mask: Mask,
+    bm: BlockMask,
+    B: int,
+    H: int,
+    q_len: int,
+    kv_len: int,
+    q_block: int,
+    kv_block: int,
+    compact: bool = False,
+) -> tuple[Tensor, ...]:
+    """The number of each partial tile (0: none) and the tiles' bits, tile 0 all False; with
+    ``compact``, the numbers from each row's first partial key block and those firsts."""
     count, index = bm.kv_num_blocks.long(), bm.kv_indices.long()
     dev = index.device
     num_kv = -(-kv_len // kv_block)
     listed = torch.arange(index.shape[-1], device=dev) < count.unsqueeze(-1)
     b, h, m, slot = listed.nonzero(as_tuple=True)
     n = index[b, h, m, slot]
-    tile_of = torch.zeros(*index.shape[:3], num_kv, dtype=torch.int32, device=dev)
-    tile_of[b, h, m, n] = torch.arange(1, b.numel() + 1, dtype=torch.int32, device=dev)
-    if b.numel() == 0:
-        # Every tile full or empty: nothing for mask_mod to read but tile 0. A mask_mod that
-        # indexes by row (vmapped, as torch evaluates one) cannot be called on no tiles.
-        tiles = torch.zeros(1, q_block, kv_block, dtype=torch.bool, device=dev)
-        return tile_of.expand(B, H, -1, -1).contiguous(), tiles
-    q = m.view(-1, 1, 1) * q_block + torch.arange(q_block, device=dev).view(1, -1, 1)
-    kv = n.view(-1, 1, 1) * kv_block + torch.arange(kv_block, device=dev).view(1, 1, -1)
-    inside = (q < q_len) & (kv < kv_len)
-    # Only real rows and heads index the mask's data: one that does not depend on them is
-    # evaluated at row (head) 0.
-    rows = b if mask.batch_dependent else torch.zeros_like(b)
-    heads = h if mask.head_dependent else torch.zeros_like(h)
-    evaluate = mask.lower_at(max(q_len, kv_len, 1), dev).evaluate
-    bits = evaluate(
-        rows.view(-1, 1, 1), heads.view(-1, 1, 1), q.clamp(max=q_len - 1), kv.clamp(max=kv_len - 1)
+    first = torch.zeros(0, dtype=torch.int64, device=dev)
+    if compact:
+        # Never a (B, H, m_blocks, n_blocks) table: each row's tiles sit between its first
+        # and last partial block, a window's few.
+        first = torch.full(index.shape[:3], num_kv, dtype=torch.int64, device=dev)
+        first = (
+            first.view(-1)
+            .scatter_reduce(0, (b * index.shape[1] + h) * index.shape[2] + m, n, "amin")
+            .view(index.shape[:3])
+        )
+        first = torch.where(first == num_kv, 0, first)
+        width = int((n - first[b, h, m]).max()) + 1 if n.numel() else 1
+        tile_of = torch.zeros(*index.shape[:3], width, dtype=torch.int32, device=dev)
+        tile_of[b, h, m, n - first[b, h, m]] = torch.arange(
+            1, b.numel() + 1, dtype=torch.int32, device=dev
+        )
+    else:
+        tile_of = torch.zeros(*index.shape[:3], num_kv, dtype=torch.int32, device=dev)
+        tile_of[b, h, m, n] = torch.arange(1, b.numel() + 1, dtype=torch.int32, device=dev)
+    bits = tile_bits(
+        mask,
+        (b, h, m, n),
+        block=(q_block, kv_block),
+        lengths=(q_len, kv_len),
+        reach=max(q_len, kv_len),
     )
-    bits = bits.expand(b.numel(), q_block, kv_block) & inside
     tiles = torch.cat([torch.zeros(1, q_block, kv_block, dtype=torch.bool, device=dev), bits])
-    return tile_of.expand(B, H, -1, -1).contiguous(), tiles.contiguous()
+    out: tuple[Tensor, ...] = (tile_of.expand(B, H, -1, -1).contiguous(), tiles.contiguous())
+    if compact:
+        out += (first.to(torch.int32).expand(B, H, -1).contiguous(),)
+    return out
