@@ -17,10 +17,12 @@ import importlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 
-from flexmask.integrations.transformers import model_inputs  # noqa: E402
+from flexmask.integrations.transformers import flash_kwargs, model_inputs  # noqa: E402
 from flexmask.integrations.transformers_check import check_inputs  # noqa: E402
 from flexmask.integrations.transformers_layers import (  # noqa: E402
     boundary_kwargs,
@@ -100,7 +102,7 @@ def _recorded_run(model, inputs):
 @pytest.mark.parametrize("name", sorted(HYBRIDS))
 def test_kernels_get_the_boundaries_check_inputs_says_they_get(name):
     model, batch = _model(name), _batch()
-    inputs = model_inputs(model, batch)
+    inputs = model_inputs(model, batch, check=True)
     cu, seq_idx = _plain_boundaries(batch.seq_lens, MAX_LEN)
     assert inputs["cu_seq_lens_q"].tolist() == cu and inputs["cu_seq_lens_q"].dtype == torch.int32
     assert inputs["seq_idx"].tolist() == seq_idx and inputs["seq_idx"].dtype == torch.int32
@@ -115,7 +117,9 @@ def test_kernels_get_the_boundaries_check_inputs_says_they_get(name):
             assert got[reads].tolist() == expected, (name, kernel)
     every_kernel_takes_them = bool(taken) and all(taken.values())
     messages = [m for _, m in unkept_layers(model, inputs)]
-    unread = [m for m in messages if "do not run here" not in m]
+    # On this CPU transformers refuses given boundaries, and fla takes one row: neither is
+    # a kernel reading none.
+    unread = [m for m in messages if "do not run here" not in m and "takes one row" not in m]
     assert (not unread) == every_kernel_takes_them, (name, received, messages)
 
 
@@ -165,7 +169,8 @@ def test_check_inputs_names_the_layer_kind_without_boundaries():
     assert report.first.token == 5  # where the second document, and the leak, starts
     assert "pass cu_seq_lens_q/seq_idx (model_inputs does)" in report.first.message
     assert "keep_documents_apart(model)" in report.first.message
-    given = check_inputs(model, model_inputs(model, batch), batch=batch)
+    one_row = pack(SEQUENCES, sum(map(len, SEQUENCES)))  # fla's varlen delta rule: B = 1
+    given = check_inputs(model, model_inputs(model, one_row), batch=one_row)
     assert "do not run here (cpu)" in given.first.message  # transformers would refuse them
     jamba = check_inputs(_model("jamba"), model_inputs(_model("jamba"), batch), batch=batch)
     assert "never get document boundaries" in jamba.first.message
@@ -196,3 +201,55 @@ def test_refusals_name_the_argument():
         boundary_kwargs({"cu_seq_lens_q": cu}, (1, 6))
     with pytest.raises(TypeError, match="labels must be a \\(B, S\\) tensor"):
         causal_lm_labels(torch.zeros(3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=8),
+    max_len=st.integers(1, 12),
+    ignore=st.sampled_from([-100, -1]),
+)
+def test_boundaries_and_labels_against_plain_ones(lengths, max_len, ignore):
+    sequences = [list(range(1, n + 1)) for n in lengths]
+    batch = pack(sequences, max_len, ignore_index=ignore)
+    shape = (batch.num_rows, max_len)
+    found = boundary_kwargs(flash_kwargs(batch), shape)
+    cu, seq_idx = _plain_boundaries(batch.seq_lens, max_len)
+    assert found["cu_seq_lens_q"].tolist() == cu and found["seq_idx"].tolist() == seq_idx
+    assert found["seq_idx"].dtype == torch.int32 and found["seq_idx"].shape == shape
+    labels = causal_lm_labels(batch.labels, ignore)
+    for row, row_lengths in enumerate(batch.seq_lens):
+        start = 0
+        expected = [ignore] * max_len
+        for n in row_lengths:  # the token itself, but never a document's first one
+            for p in range(start + 1, start + n):
+                expected[p] = int(batch.tokens[row, p])
+            start += n
+        assert labels[row].tolist() == expected
+
+
+def test_flash_implementations_get_the_boundaries_and_no_mask():
+    inputs = model_inputs(_model("bamba"), _batch(), implementation="flash_attention_2")
+    assert "attention_mask" not in inputs
+    cu, seq_idx = _plain_boundaries(_batch().seq_lens, MAX_LEN)
+    assert inputs["cu_seq_lens_q"].tolist() == cu and inputs["seq_idx"].tolist() == seq_idx
+
+
+def test_the_delta_rule_takes_one_row():
+    model = _model("qwen3_next")
+    two_rows = [m for _, m in unkept_layers(model, model_inputs(model, _batch()))]
+    assert any("fla's varlen delta rule takes one row (B = 1)" in m for m in two_rows)
+    one_row = pack(SEQUENCES, sum(map(len, SEQUENCES)))
+    messages = [m for _, m in unkept_layers(model, model_inputs(model, one_row))]
+    assert messages and not any("takes one row" in m for m in messages)
+
+
+def test_check_inputs_sees_boundaries_that_disagree_with_the_documents():
+    model, batch = _model("bamba"), _batch()
+    inputs = model_inputs(model, batch)
+    merged = inputs["seq_idx"].clone()
+    merged[0, 5:9] = merged[0, 0]  # the second document numbered as the first
+    report = check_inputs(model, {**inputs, "seq_idx": merged}, batch=batch)
+    assert any("seq_idx" in d.inputs for d in report.disagreements), report
+    with pytest.raises(ValueError, match="seq_idx"):
+        check_inputs(model, {**inputs, "seq_idx": merged}, batch=batch, raise_on_error=True)

@@ -206,8 +206,9 @@ def unkept_layers(model: Any, inputs: dict[str, Any]) -> list[tuple[str, str]]:
     For every mixer class of ``model`` in ``hybrid_mixers.MIXERS`` without
     ``keep_documents_apart`` installed: its kernels read no boundaries in transformers 5.25
     (Mamba-1's scan, lightning attention, Kimi Delta Attention, ...), or ``inputs`` lack one
-    they read (``seq_idx``; ``cu_seq_lens_q`` too for the delta rule), or they are given but
-    the kernel packages are absent or off CUDA, where transformers refuses them.
+    they read (``seq_idx``; ``cu_seq_lens_q`` too for the delta rule), or the delta rule is
+    given several rows (fla's varlen kernels take one), or the kernel packages are absent or
+    off CUDA, where transformers refuses the boundaries.
 
     Returns:
         ``(label, message)`` per layer kind and class: the label names the kind and class,
@@ -235,6 +236,12 @@ def unkept_layers(model: Any, inputs: dict[str, Any]) -> list[tuple[str, str]]:
                 label,
                 f"{label} get no document boundaries: pass {'/'.join(row.native)} (model_inputs "
                 f"does) {fix}",
+            )
+        elif "cu_seq_lens_q" in row.native and isinstance(ids, Tensor) and ids.shape[0] > 1:
+            found[name] = (
+                label,
+                f"{label} are given cu_seq_lens_q over {ids.shape[0]} rows, but fla's varlen "
+                f"delta rule takes one row (B = 1) and refuses more: pack into one row, {fix}",
             )
         elif device.type != "cuda" or any(
             importlib.util.find_spec(p) is None for p in row.packages
