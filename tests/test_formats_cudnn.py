@@ -38,7 +38,7 @@ from flexmask.formats import (
     to_cudnn_bsa,
     to_cudnn_topk,
 )
-from tests.strategies import expressions
+from tests.strategies import expressions, leaves
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -157,6 +157,23 @@ def windowed(dense, q_off, kv_off, q_len: int, kv_len: int, batch: int) -> np.nd
     )
 
 
+@st.composite
+def with_selected(draw, batch: int, heads: int, length: int):
+    """``expressions``, half the time combined (``&``, ``|``, ``~``) with a router's picks,
+    ``selected(indices, tile=...)`` (tests/strategies.py draws the picks and their plain
+    definition)."""
+    mask, dense = draw(expressions(batch, heads, length, max_leaves=2))
+    if draw(st.booleans()):
+        return mask, dense
+    picked, ref = draw(leaves(batch, length, ("selected",)))
+    picked_dense = lambda q, kv, f=ref: np.repeat(f(q, kv)[:, None], heads, 1)  # noqa: E731
+    if draw(st.booleans()):
+        picked, picked_dense = ~picked, (lambda q, kv, f=picked_dense: ~f(q, kv))
+    if draw(st.booleans()):
+        return mask & picked, lambda q, kv: dense(q, kv) & picked_dense(q, kv)
+    return mask | picked, lambda q, kv: dense(q, kv) | picked_dense(q, kv)
+
+
 def offsets(data, batch: int):
     def one():
         if data.draw(st.booleans()):
@@ -181,7 +198,7 @@ def offsets(data, batch: int):
 def test_cudnn_endpoints_equal_the_oracle_or_refuse(data, batch, heads, q_len, kv_len, varlen):
     q_off, kv_off = offsets(data, batch)
     n = reach(q_off, kv_off, q_len, kv_len, batch, least=True)
-    mask, dense = data.draw(expressions(batch, heads, n, max_leaves=3))
+    mask, dense = data.draw(with_selected(batch, heads, n))
     try:
         c = to_cudnn(
             mask, batch, heads, q_len, kv_len, q_offset=q_off, kv_offset=kv_off, varlen=varlen
@@ -298,7 +315,33 @@ def block_aligned(batch: int, block: int):
 
         return flexmask.padding(rows, truncate=True), dense
 
+    def picked(rows):
+        # selected(indices, tile=block): query block i attends the key blocks it picked.
+        picks = torch.tensor(rows, dtype=torch.int64)
+
+        def dense(q_len, kv_len):
+            out = []
+            for r in range(batch):
+                p = picks[r if picks.shape[0] > 1 else 0]
+                table = np.zeros((p.shape[0] + 1, -(-kv_len // block) + 8), dtype=bool)
+                for i, row in enumerate(p.tolist()):
+                    table[i, [j for j in row if j >= 0]] = True
+                qt = np.minimum(np.arange(q_len) // block, p.shape[0])  # past the lists: none
+                out.append(table[qt][:, np.arange(kv_len) // block])
+            return np.stack(out)
+
+        return flexmask.selected(
+            picks if picks.shape[0] > 1 else picks[0], tile=block, truncate=True
+        ), dense
+
+    pick_lists = st.lists(
+        st.lists(st.integers(-1, 4), min_size=2, max_size=2), min_size=1, max_size=5
+    )
     return st.one_of(
+        st.lists(pick_lists, min_size=1, max_size=1).map(picked),
+        st.lists(pick_lists.filter(lambda x: len(x) == 3), min_size=batch, max_size=batch).map(
+            picked
+        ),
         st.lists(lengths, min_size=batch, max_size=batch).map(documents),
         st.integers(1, 3).map(lambda k: chunks(k * block)),
         st.integers(1, 4).map(lambda k: prefix(k * block)),
@@ -421,7 +464,7 @@ def test_cudnn_topk_tokens_equal_the_oracle(data, batch, heads, q_len, kv_len):
     """Granularity 1: every mask flexmask reads lowers, offsets and per-head included."""
     q_off, kv_off = offsets(data, batch)
     n = reach(q_off, kv_off, q_len, kv_len, batch, least=True)
-    mask, dense = data.draw(expressions(batch, heads, n, max_leaves=3))
+    mask, dense = data.draw(with_selected(batch, heads, n))
     try:
         t = to_cudnn_topk(mask, batch, heads, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
     except ValueError as error:
