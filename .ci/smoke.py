@@ -357,6 +357,25 @@ def plotting() -> None:
         assert Path(png).stat().st_size > 0
 
 
+def cudnn_lowerings() -> None:
+    # cuDNN's formats (flexmask.formats): flex_attention's interval endpoints, BSA's block
+    # lists and sparse_attention's top-k entries, each read back against the mask.
+    from flexmask.formats import CudnnMask, to_cudnn, to_cudnn_bsa, to_cudnn_topk
+
+    mask = flexmask.causal() & flexmask.document([40, 56])
+    dense = mask.to_dense(1, 1, S, S)[0, 0]
+    c = to_cudnn(mask, 1, 1, S)
+    assert isinstance(c, CudnnMask) and c.n_func == 3, c
+    f = c.mask_func[0]
+    keys = torch.arange(S)
+    seen = (keys < f[0, :, None]) | ((keys >= f[1, :, None]) & (keys < f[2, :, None]))
+    assert torch.equal(seen, dense)
+    blocks = to_cudnn_bsa(flexmask.document([64, 64]), 1, 1, 128, block_size=64)
+    assert blocks.q2k_block_index[0, 0, :, 0].tolist() == [0, 1]
+    top = to_cudnn_topk(mask, 1, 1, S)
+    assert int(top.topk_length.sum()) == int(dense.sum())
+
+
 EXERCISES: dict[Callable[[], None], set[str]] = {
     masks: {
         "causal", "document", "tree", "padding", "sliding_window", "prefix", "full", "empty",
@@ -377,6 +396,7 @@ EXERCISES: dict[Callable[[], None], set[str]] = {
     windows_and_decoding: {"decode_mask", "DecodeMasks", "DecodeStep", "speculative_tree"},
     batch_checks: {"check_batch", "BatchReport"},
     fa4_lowering: {"to_fa4", "FA4Mask"},
+    cudnn_lowerings: {"to_cudnn", "CudnnMask", "to_cudnn_bsa", "to_cudnn_topk"},
     formats_and_backends: {
         "to_varlen", "VarlenMask", "to_flashmask", "FlashMask", "to_magi", "MagiMask",
         "attention", "explain", "safe_globals",

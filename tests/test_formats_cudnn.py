@@ -402,16 +402,28 @@ def tiles_whole(want: np.ndarray, block: int) -> bool:
 )
 def test_cudnn_bsa_equals_the_oracle_or_refuses(data, batch, heads, block, q_len, kv_len):
     aligned = data.draw(st.booleans())
-    if aligned:  # every tile whole: never refused
+    if aligned:  # every tile whole (at offsets on the block grid): never refused
         mask, dense = data.draw(aligned_expressions(batch, heads, block))
     else:  # anything: mostly refused, at lengths under a block sometimes exact
         q_len, kv_len = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 9))
         mask, dense = data.draw(expressions(batch, heads, max(q_len, kv_len), max_leaves=2))
-    want = dense(max(q_len, kv_len), max(q_len, kv_len))[:, :, :q_len, :kv_len]
+    offset = st.one_of(st.just(0), st.integers(0, 2).map(lambda k: k * block), st.integers(0, 9))
+    q_off, kv_off = (
+        data.draw(offset),
+        data.draw(st.one_of(offset, st.lists(offset, min_size=batch, max_size=batch))),
+    )
+    if not aligned:
+        q_off, kv_off = 0, 0  # the mask's data is made for the window
+    on_grid = all(
+        o % block == 0 for o in [q_off, *(kv_off if isinstance(kv_off, list) else [kv_off])]
+    )
+    want = windowed(dense, q_off, kv_off, q_len, kv_len, batch)
     try:
-        s = to_cudnn_bsa(mask, batch, heads, q_len, kv_len, block_size=block)
+        s = to_cudnn_bsa(
+            mask, batch, heads, q_len, kv_len, block_size=block, q_offset=q_off, kv_offset=kv_off
+        )
     except ValueError as error:
-        assert not aligned, error
+        assert not (aligned and on_grid), error
         if "from_mask_mod" not in str(error):
             assert "attended in part" in str(error), error
             assert not tiles_whole(want, block), str(mask)
