@@ -478,3 +478,20 @@ def test_compiled_flex_attention_equals_the_reference_attention():
     out = torch.compile(flex_attention)(q, k, v, block_mask=bm)
     want, _ = oracle.attention(q, k, v, mask.to_dense(B, H, S, S))
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tile", [1, 2, 4, (2, 4), 3])
+@pytest.mark.parametrize(("q_len", "kv_len"), [(19, 21), (21, 19), (16, 13)])
+def test_incomplete_edge_blocks_under_negation(tile, q_len, kv_len):
+    """The last block runs past the lengths and spans fewer tiles than the others: picked
+    over its in-range part it is full there, so ``~`` empties it (torch lists it nowhere)."""
+    q_tile, kv_tile = tile if isinstance(tile, tuple) else (tile, tile)
+    n_q, n_kv = -(-q_len // q_tile), -(-kv_len // kv_tile)
+    every = torch.arange(n_kv).expand(n_q, n_kv)
+    some = torch.where(torch.arange(n_kv) % 3 == 1, -1, every)
+    for picks in (every, some):
+        mask = flexmask.selected(picks, tile=tile, truncate=True)
+        ref = dense(picks[None, None], q_tile, kv_tile, 1, 1, q_len, kv_len)
+        for m, r in ((mask, ref), (~mask, ~ref)):
+            ours = flexmask.create_block_mask(m, 1, 1, q_len, kv_len, "cpu", 8)
+            oracle.assert_same_block_mask(ours, oracle.torch_build(r, block=8), repr(m))

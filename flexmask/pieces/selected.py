@@ -20,13 +20,10 @@ from flexmask.algebra import (
     Window,
     cannot_lower,
 )
-from flexmask.blocks import CODE_DTYPE, codes_from
+from flexmask.blocks import codes_from
 from flexmask.pieces._base import Piece, PieceMod
 
 _LAYOUTS = "[n_q_tiles, k], [B, n_q_tiles, k] or [B, H, n_q_tiles, k]"
-# Summed-area tables of one classification are made this many elements at a time (heads of
-# one row together where they fit): 256 MiB of int32 at most.
-_SUMS_ELEMENTS = 1 << 26
 
 
 class Selected(Piece):
@@ -157,35 +154,23 @@ class Selected(Piece):
         # A block covers query tiles [q_first // q_tile, q_last // q_tile] and key tiles
         # [kv_first // kv_tile, kv_last // kv_tile] (token bounds clipped to the lengths):
         # it attends somewhere iff some pair of them is picked, everywhere iff every pair is
-        # — whatever the block size is to the tile size. Both are counts over a rectangle of
-        # the picked tiles, four reads of a summed-area table per block: no token evaluated.
+        # — whatever the block size is to the tile size. Both reduce the picked tiles over
+        # each block's span of query tiles, then of key tiles: no token evaluated.
         q0, q1 = grid.q_first // self.q_tile, grid.q_last // self.q_tile
         k0, k1 = grid.kv_first // self.kv_tile, grid.kv_last // self.kv_tile
         # Only the tiles the grid touches (a window far from 0 touches few).
         q_low, q_high = int(q0.min()), int(q1.max())
         kv_low, kv_high = int(k0.min()), int(k1.max())
         picked = self._dense(q_low, q_high - q_low + 1, kv_low, kv_high - kv_low + 1, grid.device)
-        q0, q1, k0, k1 = q0 - q_low, q1 - q_low + 1, k0 - kv_low, k1 - kv_low + 1
-        area = (q1 - q0) * (k1 - k0)
-        rows, heads, n_q, n_kv = picked.shape
-        grid_rows = q0.shape[0]
-        out_rows = max(rows, grid_rows)
-        shape = (out_rows, heads, grid.num_q_blocks, grid.num_kv_blocks)
-        codes = torch.empty(shape, dtype=CODE_DTYPE, device=grid.device)
-        wide = (n_q + 1) * (n_kv + 1) >= 2**31
-        step = max(1, _SUMS_ELEMENTS // ((n_q + 1) * (n_kv + 1)))
-        for row in range(rows):
-            for first in range(0, heads, step):
-                part = picked[row, first : first + step]
-                sums = _summed(part, torch.int64 if wide else torch.int32)
-                h = torch.arange(part.shape[0], device=grid.device).view(1, -1, 1, 1)
-                count = sums[h, q1, k1] - sums[h, q0, k1] - sums[h, q1, k0] + sums[h, q0, k0]
-                found = codes_from(count > 0, count == area)  # (grid rows, heads, nq, nkv)
-                if rows == 1:  # shared picks: the grid's rows (per-row windows) or one
-                    codes[:, first : first + step] = found
-                else:
-                    codes[row, first : first + step] = found[row if grid_rows > 1 else 0]
-        return codes
+        q0, q1, k0, k1 = q0 - q_low, q1 - q_low, k0 - kv_low, k1 - kv_low
+        codes = []
+        # Windows per batch row (offsets per row) span tiles of their own: row by row.
+        for row in range(q0.shape[0]):
+            own = picked if picked.shape[0] == 1 or q0.shape[0] == 1 else picked[row : row + 1]
+            some, every = _over_spans(own, own, q0[row].view(-1), q1[row].view(-1), dim=2)
+            some, every = _over_spans(some, every, k0[row].view(-1), k1[row].view(-1), dim=3)
+            codes.append(codes_from(some, every))
+        return codes[0] if len(codes) == 1 else torch.cat(codes)
 
     settles_every_tile = True  # every code above is exact: no tile left to refine
 
@@ -322,14 +307,38 @@ def _tile_runs(pairs: tuple[Tensor, Tensor, Tensor]) -> _Runs:
     return _Runs(row[new_group], line[new_group], first, last)
 
 
-def _summed(picked: Tensor, dtype: torch.dtype) -> Tensor:
-    """``(h, n + 1, m + 1)`` summed-area table of ``(h, n, m)`` bools: entry ``[i, j]`` counts
-    the picks of tiles ``[0, i) x [0, j)``."""
-    sums = torch.zeros(
-        picked.shape[0], picked.shape[1] + 1, picked.shape[2] + 1, dtype=dtype, device=picked.device
-    )
-    sums[:, 1:, 1:] = picked.to(dtype).cumsum(1).cumsum(2)
-    return sums
+def _over_spans(
+    some: Tensor, every: Tensor, first: Tensor, last: Tensor, dim: int
+) -> tuple[Tensor, Tensor]:
+    """``some`` OR-ed and ``every`` AND-ed over each span ``[first[n], last[n]]`` of tiles
+    along ``dim`` (2 or 3): ``(.., n, ..)`` each."""
+    count = first.numel()
+    width = int(last[0] - first[0]) + 1
+    steps = torch.arange(count, device=first.device) * width + first[0]
+    if bool((first == steps).all() & (last == torch.minimum(steps + width - 1, last[-1])).all()):
+        # Blocks of whole tiles from a tile edge (a block a multiple of the tile, or equal
+        # to it): the spans lie end to end, every one as wide but the last; padded with
+        # tiles that change no OR (False) and no AND (True), they are a view of the table.
+        start, stop = int(first[0]), int(last[-1]) + 1
+        pad = [0, 0] * (3 - dim) + [0, count * width - (stop - start)]
+        some = torch.nn.functional.pad(some.narrow(dim, start, stop - start), pad, value=False)
+        every = torch.nn.functional.pad(every.narrow(dim, start, stop - start), pad, value=True)
+        shape = (count, width)
+        return some.unflatten(dim, shape).any(dim + 1), every.unflatten(dim, shape).all(dim + 1)
+    # Any other spans (a tile wider than the block, tiles across block edges): at most
+    # ``block // tile + 2`` tiles each, read as that many, the last repeated where a span
+    # is shorter (a repeat changes no OR and no AND). Whole rows are copied: the key side
+    # is transposed to rows first.
+    width = int((last - first).max()) + 1
+    steps = torch.arange(width, device=first.device)
+    index = torch.minimum(first.view(-1, 1) + steps, last.view(-1, 1)).view(-1)
+    if dim == 3:
+        some, every = some.transpose(2, 3).contiguous(), every.transpose(2, 3).contiguous()
+    some = some.index_select(2, index).unflatten(2, (count, width)).any(3)
+    every = every.index_select(2, index).unflatten(2, (count, width)).all(3)
+    if dim == 3:
+        return some.transpose(2, 3), every.transpose(2, 3)
+    return some, every
 
 
 class SelectedMod(PieceMod):
