@@ -112,24 +112,44 @@ def bsa_dense(s: CudnnBSAMask, batch: int, heads: int, q_len: int, kv_len: int) 
     return out
 
 
-def topk_dense(t: CudnnTopkMask, batch: int, heads: int, q_len: int, kv_len: int) -> np.ndarray:
+def topk_dense(
+    t: CudnnTopkMask, batch: int, heads: int, q_len: int, kv_len: int, kv_heads: int | None = None
+) -> np.ndarray:
     """(B, H, Q, KV) by sparse_attention's contract: entry ``i`` selects keys
-    ``[i * g, i * g + g)`` clamped to KV_LEN, ``-1`` none."""
-    g, idxs = t.index_granularity, t.topk_idxs
-    assert idxs.dtype == t.topk_length.dtype == torch.int32
+    ``[i * g, i * g + g)`` clamped to the KV bound, ``-1`` none; BSHD rows ``(b, q)`` and
+    within-sequence ids, THD rows of ``cu_seqlens_q`` and global ids over the packed
+    ``(B * KV_LEN)`` keys; scope ``G`` shared, ``H_q`` or ``H_kv`` (head ``h`` reads group
+    ``h // (H_q / H_kv)``)."""
+    g, idxs, lengths = t.index_granularity, t.topk_idxs, t.topk_length
+    assert idxs.dtype == lengths.dtype == torch.int32
+    thd = t.cu_seqlens_q is not None
+    if thd:  # back to (B, Q, ...) rows, the sequences checked
+        assert t.cu_seqlens_q.tolist() == [b * q_len for b in range(batch + 1)]
+        idxs, lengths = (
+            idxs.view(batch, q_len, *idxs.shape[1:]),
+            lengths.view(batch, q_len, *lengths.shape[1:]),
+        )
     shared = idxs.dim() == 3
-    assert tuple(idxs.shape[:2]) == (batch, q_len) and (shared or idxs.shape[2] == heads)
+    assert tuple(idxs.shape[:2]) == (batch, q_len)
+    scope = 1 if shared else idxs.shape[2]
+    assert scope in (1, heads, kv_heads)
+    bound = batch * kv_len if thd else kv_len
     out = np.zeros((batch, heads, q_len, kv_len), dtype=bool)
     for b in range(batch):
         for q in range(q_len):
             for h in range(heads):
-                row = (idxs[b, q] if shared else idxs[b, q, h]).tolist()
+                group = h // (heads // scope)
+                row = (idxs[b, q] if shared else idxs[b, q, group]).tolist()
                 valid = [i for i in row if i != -1]
-                length = int(t.topk_length[b, q] if shared else t.topk_length[b, q, h])
+                length = int(lengths[b, q] if shared else lengths[b, q, group])
                 assert valid == row[:length] and len(set(valid)) == len(valid)
                 for i in valid:
-                    assert 0 <= i * g < kv_len
-                    out[b, h, q, i * g : min(i * g + g, kv_len)] = True
+                    assert 0 <= i * g < bound
+                    keys = np.arange(i * g, min(i * g + g, bound))
+                    if thd:  # global: every key in this row's sequence
+                        assert (keys // kv_len == b).all(), (b, q, i)
+                        keys = keys - b * kv_len
+                    out[b, h, q, keys] = True
     return out
 
 
@@ -473,17 +493,35 @@ def test_cudnn_bsa_errors_name_the_argument():
     kv_len=st.integers(1, 14),
 )
 def test_cudnn_topk_tokens_equal_the_oracle(data, batch, heads, q_len, kv_len):
-    """Granularity 1: every mask flexmask reads lowers, offsets and per-head included."""
+    """Granularity 1: every mask flexmask reads lowers, offsets, per-head, BSHD and THD,
+    one set per KV head group (refused only where a group's heads differ)."""
     q_off, kv_off = offsets(data, batch)
     n = reach(q_off, kv_off, q_len, kv_len, batch, least=True)
     mask, dense = data.draw(with_selected(batch, heads, n))
-    try:
-        t = to_cudnn_topk(mask, batch, heads, q_len, kv_len, q_offset=q_off, kv_offset=kv_off)
-    except ValueError as error:
-        assert "from_mask_mod" in str(error), error
-        return
+    varlen = data.draw(st.booleans())
+    kv_heads = data.draw(st.sampled_from([None, 1, heads]))
     want = windowed(dense, q_off, kv_off, q_len, kv_len, batch)
-    np.testing.assert_array_equal(topk_dense(t, batch, heads, q_len, kv_len), want, str(mask))
+    try:
+        t = to_cudnn_topk(
+            mask,
+            batch,
+            heads,
+            q_len,
+            kv_len,
+            q_offset=q_off,
+            kv_offset=kv_off,
+            varlen=varlen,
+            kv_heads=kv_heads,
+        )
+    except ValueError as error:
+        if "share KV head" in str(error):
+            assert kv_heads == 1 and not (want[:, :1] == want).all(), error
+        else:
+            assert "from_mask_mod" in str(error), error
+        return
+    got = topk_dense(t, batch, heads, q_len, kv_len, kv_heads)
+    np.testing.assert_array_equal(got, want, str(mask))
+    assert (t.cu_seqlens_q is not None) == varlen == ("cu_seqlens_q" in t.kwargs())
     assert t.topk_idxs.shape[-1] == max(1, int(want.sum(-1).max()))
 
 
@@ -547,3 +585,30 @@ def test_cudnn_topk_width_and_refusals():
     assert per.topk_idxs.shape == (1, 3, 2, 3) and per.topk_length[0, 0].tolist() == [1, 3]
     assert set(per.kwargs()) == {"topk_idxs", "topk_length", "index_granularity"}
     assert "index_granularity=1" in repr(per)
+
+
+def test_cudnn_topk_kernel_envelopes():
+    """The forms cuDNN's registered kernels serve: DSA (THD, one shared set, g = 1) and the
+    GQA substrate (G = H_kv, g of 64): NSA's ``selected(idx, tile=64)`` per KV head group."""
+    causal_docs = flexmask.causal() & flexmask.document([[5, 7], [12]], truncate=True)
+    dsa = to_cudnn_topk(causal_docs, 2, 4, 12, varlen=True)
+    assert dsa.topk_idxs.shape == (24, 12) and dsa.cu_seqlens_q.tolist() == [0, 12, 24]
+    assert dsa.topk_idxs[12 + 3].tolist()[:5] == [12, 13, 14, 15, -1]  # row 1: global ids
+    want = causal_docs.to_dense(2, 4, 12, 12).numpy()
+    np.testing.assert_array_equal(topk_dense(dsa, 2, 4, 12, 12), want)
+    picks = torch.tensor([[[[0, -1], [0, 1]], [[1, -1], [0, -1]]]])  # (B=1, H_kv=2, 2, 2)
+    mask = flexmask.selected(picks.repeat_interleave(2, 1), tile=64)  # H_q = 4, groups of 2
+    gqa = to_cudnn_topk(mask, 1, 4, 128, index_granularity=64, kv_heads=2)
+    assert gqa.topk_idxs.shape == (1, 128, 2, 2)
+    assert gqa.topk_idxs[0, 100].tolist() == [[0, 1], [0, -1]]
+    np.testing.assert_array_equal(
+        topk_dense(gqa, 1, 4, 128, 128, kv_heads=2), mask.to_dense(1, 4, 128, 128).numpy()
+    )
+    with pytest.raises(ValueError, match="query heads 0 and 2 share KV head 0"):
+        to_cudnn_topk(mask, 1, 4, 128, index_granularity=64, kv_heads=1)
+    with pytest.raises(ValueError, match="H=4 must be a multiple of kv_heads=3"):
+        to_cudnn_topk(mask, 1, 4, 128, index_granularity=64, kv_heads=3)
+    with pytest.raises(ValueError, match="KV_LEN=100 must be a multiple of index_granularity=64"):
+        to_cudnn_topk(flexmask.full(), 2, 1, 100, index_granularity=64, varlen=True)
+    with pytest.raises(TypeError, match="varlen must be a bool"):
+        to_cudnn_topk(flexmask.full(), 2, 1, 100, varlen="yes")  # type: ignore[arg-type]

@@ -63,27 +63,36 @@ class CudnnBSAMask:
 @dataclass(frozen=True, eq=False)
 class CudnnTopkMask:
     """``topk_idxs``, ``topk_length`` and ``index_granularity`` of cuDNN's
-    ``sparse_attention_forward_wrapper`` (BSHD: within-sequence key ids).
+    ``sparse_attention_forward_wrapper``, and ``cu_seqlens_q`` in the THD form.
 
     Query ``q`` of batch row ``b`` (head ``h`` where the heads differ) attends the keys
-    ``[i * g, i * g + g)`` (clamped to ``KV_LEN``) of each entry ``i`` of its row of
+    ``[i * g, i * g + g)`` (clamped to the sequence's keys) of each entry ``i`` of its row of
     ``topk_idxs``, ``-1`` an unused slot; ``topk_length`` counts the used ones (they come
-    first, ascending).
+    first, ascending). BSHD: rows ``(b, q)``, within-sequence ids. THD: row ``b * Q_LEN + q``,
+    batch row ``b`` the sequence ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``, and entry ids global
+    in the packed keys ``(B * KV_LEN, H_kv, D)``: batch row ``b``'s start at
+    ``b * KV_LEN / g`` (``KV_LEN`` a multiple of ``g`` there, so no entry straddles two rows).
     """
 
     topk_idxs: Tensor
-    """int32 ``(B, Q_LEN, topk)`` shared by every head, or ``(B, Q_LEN, H, topk)``."""
+    """int32 ``(*rows, topk)`` shared by every head, or ``(*rows, G, topk)`` with ``G`` the
+    query heads or the KV heads; ``rows`` is ``(B, Q_LEN)`` (BSHD) or ``(B * Q_LEN,)``."""
     topk_length: Tensor
-    """int32 ``(B, Q_LEN)`` or ``(B, Q_LEN, H)``."""
+    """int32 ``rows`` or ``(*rows, G)``."""
     index_granularity: int
+    cu_seqlens_q: Tensor | None = None
+    """int32 ``(B + 1,)`` in the THD form, else None."""
 
     def kwargs(self) -> dict[str, Any]:
         """Keywords of ``sparse_attention_forward_wrapper`` besides ``q, k, v``."""
-        return {
+        out: dict[str, Any] = {
             "topk_idxs": self.topk_idxs,
             "topk_length": self.topk_length,
             "index_granularity": self.index_granularity,
         }
+        if self.cu_seqlens_q is not None:
+            out["cu_seqlens_q"] = self.cu_seqlens_q
+        return out
 
     def __repr__(self) -> str:
         return (
@@ -237,6 +246,8 @@ def to_cudnn_topk(
     *,
     index_granularity: int = 1,
     topk: int | None = None,
+    kv_heads: int | None = None,
+    varlen: bool = False,
     q_offset: Any = 0,
     kv_offset: Any = 0,
     device: torch.device | str | None = None,
@@ -247,7 +258,10 @@ def to_cudnn_topk(
     begin at a multiple of ``index_granularity`` and end at one or at ``KV_LEN``, and is
     listed as its entries, ascending. ``topk`` is the most entries any query needs (or the
     width asked for). Heads that differ (``per_head``) give one set per query head
-    (``G = H_q``), else one set shared by every head.
+    (``G = H_q``), else one set shared by every head; ``kv_heads`` gives one set per KV head
+    group (``G = H_kv``, the GQA kernel's scope), refused where a group's heads differ.
+    cuDNN's kernels serve THD with one shared set at ``g = 1`` (DSA) and ``G = H_kv`` at
+    ``g`` of 4, 64 or 128 (the GQA substrate); the contract itself takes every form.
 
     Args:
         mask: the mask.
@@ -257,12 +271,16 @@ def to_cudnn_topk(
         index_granularity: keys per entry, 1, 4, 64 or 128.
         topk: the width of ``topk_idxs`` (None: the least that holds every query); a query
             needing more entries is refused.
+        kv_heads: H_kv, for one set per KV head group (``H`` a multiple of it).
+        varlen: the THD form (packed rows, global ids and ``cu_seqlens_q``).
         q_offset, kv_offset: the window's first query and key position, an int or one per row.
         device: where the tensors live (None: the mask's device, else CPU).
 
     Raises:
         ValueError: a query attending part of an entry (naming it and its keys), one needing
-            more than ``topk`` entries, or a leaf flexmask cannot read (``from_mask_mod``).
+            more than ``topk`` entries, heads of one KV group that differ, a THD ``KV_LEN``
+            not a multiple of ``index_granularity``, or a leaf flexmask cannot read
+            (``from_mask_mod``).
 
     Example:
         >>> import flexmask
@@ -277,10 +295,20 @@ def to_cudnn_topk(
         raise ValueError(f"index_granularity must be one of {TOPK_GRANULARITIES}, got {g}")
     if topk is not None:
         topk = check_int(topk, "topk", minimum=1)
+    if not isinstance(varlen, bool):
+        raise TypeError(f"varlen must be a bool, got {varlen!r}")
     heads = 1 if H is None else H
     win = window(mask, B, heads, Q_LEN, KV_LEN, q_offset, kv_offset)
     dev = check_device(device, mask.device)
+    if varlen and win.kv_len % g:
+        raise ValueError(
+            f"KV_LEN={win.kv_len} must be a multiple of index_granularity={g} for the THD "
+            f"form: entry ids run over the packed keys of every row, and an entry must not "
+            f"hold keys of two rows (pad the keys, or use the BSHD form)"
+        )
     lo, hi = head_lines(mask, win, heads, "cuDNN sparse_attention")
+    if kv_heads is not None:
+        lo, hi = _kv_groups(mask, lo, hi, heads, check_int(kv_heads, "kv_heads", minimum=1))
     _check_aligned(mask, lo, hi, g, win.kv_len)
     real = lo <= hi
     first = torch.where(real, lo // g, 0).to(torch.int32)
@@ -289,18 +317,48 @@ def to_cudnn_topk(
     _check_topk(mask, length, topk, g)
     width = max(int(length.max()), 1) if topk is None else topk
     idx = _entries(first, entries, width)
-    # (B, Q, topk) shared by the heads, else (B, Q, H, topk); rows written out per batch row.
-    if idx.shape[0] == 1:
+    # (B, Q, topk) shared by the heads, else (B, Q, G, topk); rows written out per batch row.
+    if idx.shape[0] == 1 and kv_heads is None:
         idxs, lengths = idx[0], length[0]
     else:
         idxs, lengths = idx.permute(1, 2, 0, 3), length.permute(1, 2, 0)
     idxs = idxs.expand(win.batch, *idxs.shape[1:])
     lengths = lengths.expand(win.batch, *lengths.shape[1:])
+    cu_seqlens_q = None
+    if varlen:  # global ids: row b's keys start at entry b * KV_LEN / g
+        start = (torch.arange(win.batch, dtype=torch.int32) * (win.kv_len // g)).view(
+            -1, *(1,) * (idxs.dim() - 1)
+        )
+        idxs = torch.where(idxs >= 0, idxs + start, -1).flatten(0, 1)
+        lengths = lengths.flatten(0, 1)
+        cu_seqlens_q = (torch.arange(win.batch + 1, dtype=torch.int32) * win.q_len).to(dev)
     return CudnnTopkMask(
         topk_idxs=idxs.contiguous().to(dev),
         topk_length=lengths.contiguous().to(dev),
         index_granularity=g,
+        cu_seqlens_q=cu_seqlens_q,
     )
+
+
+def _kv_groups(
+    mask: Mask, lo: Tensor, hi: Tensor, heads: int, kv_heads: int
+) -> tuple[Tensor, Tensor]:
+    """The intervals per KV head group ``(H_kv, R, Q, K)``: each group's heads must agree."""
+    if heads % kv_heads:
+        raise ValueError(f"H={heads} must be a multiple of kv_heads={kv_heads} (GQA groups)")
+    if lo.shape[0] == 1:
+        return lo.expand(kv_heads, *lo.shape[1:]), hi.expand(kv_heads, *hi.shape[1:])
+    group = heads // kv_heads
+    for h in range(heads):
+        first = h - h % group
+        if not (torch.equal(lo[h], lo[first]) and torch.equal(hi[h], hi[first])):
+            raise ValueError(
+                f"{mask!r} cannot be lowered to cuDNN sparse_attention with kv_heads={kv_heads}: "
+                f"query heads {first} and {h} share KV head {h // group} but attend "
+                f"differently, and G = H_kv gives one set per KV head. Leave kv_heads None "
+                f"(one set per query head)"
+            )
+    return lo[::group], hi[::group]
 
 
 def _entries(first: Tensor, entries: Tensor, width: int) -> Tensor:
