@@ -41,6 +41,16 @@ def image_ids() -> list[int]:
     return ids
 
 
+def router_picks() -> torch.Tensor:
+    """An NSA-style router's top-4 of 128-key tiles for each of 16 query tiles: the query's
+    own tile and three earlier ones (repeats where fewer exist)."""
+    gen = torch.Generator().manual_seed(0)
+    tiles = S // 128
+    own = torch.arange(tiles).view(-1, 1)
+    earlier = (torch.rand(tiles, 3, generator=gen) * (own + 1)).long()
+    return torch.cat([own, earlier], 1)
+
+
 def images() -> dict[str, tuple[flexmask.Mask, dict]]:
     """file name -> (mask, extra plot arguments)."""
     return {
@@ -61,6 +71,11 @@ def images() -> dict[str, tuple[flexmask.Mask, dict]]:
         "spans.png": (
             (flexmask.causal() | flexmask.spans(image_ids())) & flexmask.document([1100, 948]),
             {"title": "(causal() | spans(ids)) & document([1100, 948]): 3 images"},
+        ),
+        "selected.png": (
+            flexmask.causal()
+            & (flexmask.selected(router_picks(), tile=128) | flexmask.sliding_window(256)),
+            {"title": "causal() & (selected(top-4 tiles of 128) | sliding_window(256))"},
         ),
         "per_head.png": (
             flexmask.per_head(flexmask.causal(), flexmask.causal() & flexmask.chunked(512)),
