@@ -612,3 +612,59 @@ def test_cudnn_topk_kernel_envelopes():
         to_cudnn_topk(flexmask.full(), 2, 1, 100, index_granularity=64, varlen=True)
     with pytest.raises(TypeError, match="varlen must be a bool"):
         to_cudnn_topk(flexmask.full(), 2, 1, 100, varlen="yes")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------- the kernels themselves
+def _sdpa(q, k, v, dense):
+    """(B, S, H, D) attention in float32 with a dense (B, H, Q, KV) mask (rows attend)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2).float() for t in (q, k, v)), attn_mask=dense
+    )
+    return out.transpose(1, 2)
+
+
+@pytest.mark.gpu
+def test_cudnn_flex_attention_kernel_matches_dense_attention():
+    """cuDNN's flex_attention (SM90/SM100) with ``mask_func``, fixed BSHD and THD, against
+    SDPA with the dense mask."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    flex = pytest.importorskip("cudnn.flex_attention")
+    batch, heads, length, dim = 2, 2, 384, 64
+    mask = flexmask.causal() & flexmask.document([[100, 284], [384]])
+    q, k, v = (
+        torch.randn(batch, length, heads, dim, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3)
+    )
+    want = _sdpa(q, k, v, mask.to_dense(batch, heads, length, length, device="cuda"))
+    c = to_cudnn(mask, batch, heads, length, device="cuda")
+    plan = flex.create_mask_plan(q=q, k=k, v=v, **c.kwargs())
+    out = flex.flex_attn_func(q, k, v, mask_plan=plan)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    padded = mask & flexmask.padding([300, 384])
+    p = to_cudnn(padded, batch, heads, length, varlen=True, device="cuda")
+    plan = flex.create_mask_plan(q=p.pack_q(q), k=p.pack_kv(k), v=p.pack_kv(v), **p.kwargs())
+    out = p.unpack(flex.flex_attn_func(p.pack_q(q), p.pack_kv(k), p.pack_kv(v), mask_plan=plan))
+    torch.testing.assert_close(out[0, :300].float(), want[0, :300], atol=2e-2, rtol=2e-2)
+    assert not out[0, 300:].any()
+
+
+@pytest.mark.gpu
+def test_cudnn_bsa_kernel_matches_dense_attention():
+    """cuDNN's block-sparse attention with these lists against SDPA with the dense mask."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cudnn = pytest.importorskip("cudnn")
+    batch, heads, length, dim = 1, 2, 512, 128
+    mask = flexmask.document([128, 256, 128]) | flexmask.prefix(128)
+    s = to_cudnn_bsa(mask, batch, heads, length, block_size=64, device="cuda")
+    q, k, v = (
+        torch.randn(batch, heads, length, dim, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3)
+    )
+    out, _ = cudnn.BSA.block_sparse_attention_forward(q, k, v, **s.kwargs())  # (o, lse)
+    dense = mask.to_dense(batch, heads, length, length, device="cuda")
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=dense
+    )
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
