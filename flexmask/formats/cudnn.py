@@ -135,7 +135,9 @@ def to_cudnn(
         q_offset, kv_offset: the window's first query and key position, an int or one per row.
         varlen: the THD form: each batch row a sample, trimmed to its queries up to the last
             that attends anything and its keys up to the last attended (see ``CudnnMask``).
-        max_intervals: refuse rows that need more key intervals than this (None: any).
+        max_intervals: refuse rows that need more intervals than this in cuDNN's form,
+            ``(n_func + 1) / 2`` (the first runs from key 0: a row whose first attended key
+            is not 0 needs one more); None: any.
         device: where the tensors live (None: the mask's device, else CPU).
 
     Raises:
