@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,10 +31,10 @@ class Selected(Piece):
 
     ::
 
-        tile=2, indices=[[0], [0, 2]]:  ■ ■ ⬚ ⬚ ⬚ ⬚
-                                        ■ ■ ⬚ ⬚ ⬚ ⬚
-                                        ■ ■ ⬚ ⬚ ■ ■
-                                        ■ ■ ⬚ ⬚ ■ ■
+        tile=2, indices=[[0, -1], [0, 2]]:  ■ ■ ⬚ ⬚ ⬚ ⬚
+                                            ■ ■ ⬚ ⬚ ⬚ ⬚
+                                            ■ ■ ⬚ ⬚ ■ ■
+                                            ■ ■ ⬚ ⬚ ■ ■
 
     ``picks`` is the canonical form of the router's indices: ``(R, Hd, n, k)`` int64, each
     list sorted ascending without repeats, -1 after the picks, no trailing list or column
@@ -269,14 +269,15 @@ class Selected(Piece):
         return f"selected(<{shape}{n} query tiles x {k} picks>, tile={tile})"
 
 
-class _Runs:
-    """Per (row, line tile) that attends something: its runs of consecutive other tiles,
-    ``first``/``last`` ``(G, slots)`` (-1 in unused slots), groups sorted by (row, line)."""
+class _Runs(NamedTuple):
+    """Per (row, line tile) that attends something — groups sorted by (row, line) — its runs
+    of consecutive tiles of the other side, ``first``/``last`` ``(G, slots)``, -1 in the
+    slots it does not use."""
 
-    __slots__ = ("row", "line", "first", "last")
-
-    def __init__(self, row: Tensor, line: Tensor, first: Tensor, last: Tensor) -> None:
-        self.row, self.line, self.first, self.last = row, line, first, last
+    row: Tensor
+    line: Tensor
+    first: Tensor
+    last: Tensor
 
 
 def _tile_runs(pairs: tuple[Tensor, Tensor, Tensor]) -> _Runs:
