@@ -26,6 +26,7 @@ from flexmask.formats import FA4VarlenMask, to_fa4, to_fa4_varlen
 from tests import oracle
 from tests.strategies import expressions, leaves
 from tests.test_formats_fa4 import fa4_dense
+from tests.test_formats_flashinfer import maybe_selected
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -117,6 +118,7 @@ def test_fa4_varlen_equals_the_dense_mask(data, batch, heads, q_len, kv_len, blo
     q_block, kv_block = block if isinstance(block, tuple) else (block, block)
     n = max(q_len, kv_len)
     mask, dense = data.draw(expressions(batch, heads, n, max_leaves=2))
+    mask, dense = data.draw(maybe_selected(batch, n, mask, dense))
     parts = data.draw(st.sampled_from([(), ("document",), ("padding",), ("document", "padding")]))
     for kind in parts:
         part, part_ref = data.draw(leaves(batch, n, (kind,)))
@@ -221,6 +223,7 @@ def test_compact_indices_equal_the_dense_mask(data, batch, heads, q_len, kv_len,
     longest count) and the compact tile lookup give the same mask."""
     n = max(q_len, kv_len)
     mask, dense = data.draw(expressions(batch, heads, n, max_leaves=3))
+    mask, dense = data.draw(maybe_selected(batch, n, mask, dense))
     f = to_fa4(mask, batch, heads, q_len, kv_len, q_block=q_block, kv_block=kv_block, compact=True)
     for cnt, idx in (
         (f.mask_block_cnt, f.mask_block_idx),

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import flexmask
 from flexmask.formats import FlashInferMask, to_flashinfer
 from tests import oracle
-from tests.strategies import expressions, leaves
+from tests.strategies import expressions, leaves, selected_dense
 
 SETTINGS = settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -100,6 +100,17 @@ def q_blocks(draw, group: int):
     return draw(st.sampled_from([k * 8 // group for k in (1, 2, 4) if k * 8 % group == 0]))
 
 
+@st.composite
+def maybe_selected(draw, batch: int, length: int, mask, dense):
+    """The expression, or it ``&`` / ``|`` a router's picked key tiles (``selected``)."""
+    if not draw(st.booleans()):
+        return mask, dense
+    picked, picked_ref = draw(leaves(batch, length, ("selected",)))
+    if draw(st.booleans()):
+        return mask & picked, lambda q, kv: dense(q, kv) & picked_ref(q, kv)[:, None]
+    return mask | picked, lambda q, kv: dense(q, kv) | picked_ref(q, kv)[:, None]
+
+
 @SETTINGS
 @given(
     data=st.data(),
@@ -119,6 +130,7 @@ def test_flashinfer_is_exact_or_refuses(data, batch, kv_heads, group, q_len, kv_
     q_offset = data.draw(st.sampled_from([0, max(kv_len - q_len, 0)]))
     n = max(q_offset + q_len, kv_len)
     mask, dense = data.draw(expressions(batch, heads, n, max_leaves=3))
+    mask, dense = data.draw(maybe_selected(batch, n, mask, dense))
     want = dense(n, n)[:, :, q_offset : q_offset + q_len, :kv_len]
     holds = expressible(want, group, (q_block, kv_block))
     try:
@@ -248,6 +260,19 @@ def test_heads_that_differ_elsewhere_may_share_a_row():
     np.testing.assert_array_equal(flashinfer_dense(f, 1, 8), np.ones((1, 8, 1, 20), bool))
     with pytest.raises(ValueError, match=r"head 1 attends otherwise than head 0"):
         to_flashinfer(mask, 1, 8, 2, 20, q_block=1, kv_block=8, num_kv_heads=1, q_offset=18)
+
+
+def test_router_picks_on_the_block_grid_lower():
+    """NSA's selected blocks under causal: picks of (q_block, kv_block) tiles are whole
+    blocks, the diagonal the causal rule; per row picks, 2 KV heads."""
+    picks = torch.tensor([[[0, -1], [1, 0], [2, 0]], [[0, 0], [-1, -1], [1, 2]]])
+    mask = flexmask.causal() & flexmask.selected(picks, tile=(16, 8))
+    f = to_flashinfer(mask, 2, 2, 48, q_block=16, kv_block=8, num_kv_heads=2)
+    want = np.stack(
+        [selected_dense(picks[r].tolist(), 16, 8, 48, 48) & oracle.causal(48, 48) for r in (0, 1)]
+    )
+    np.testing.assert_array_equal(flashinfer_dense(f, 2, 2), np.repeat(want[:, None], 2, 1))
+    assert f.mask_type == "causal" and f.max_blocks_per_row == 2
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ lists as partial need their elements, and only those are evaluated here (one
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
@@ -37,6 +39,41 @@ def tile_bits(
     (the whole sequence the window lies in)."""
     b, h, m, n = tiles
     q_block, kv_block = block
+    count = b.numel()
+    # The mask's comparisons run on int64 tiles: a few hundred tiles at a time keeps their
+    # temporaries to tens of MB however many tiles a long sequence has.
+    step = max(1, _CHUNK // (q_block * kv_block))
+    evaluate = mask.lower_at(max(reach, 1), b.device).evaluate
+    if count <= step:
+        return _bits(mask, evaluate, tiles, block, lengths, offsets)
+    out = torch.empty(count, q_block, kv_block, dtype=torch.bool, device=b.device)
+    for lo in range(0, count, step):
+        part = slice(lo, lo + step)
+        out[part] = _bits(
+            mask,
+            evaluate,
+            (b[part], h[part], m[part], n[part]),
+            block,
+            tuple(x[part] if isinstance(x, Tensor) else x for x in lengths),
+            tuple(x[part] if isinstance(x, Tensor) else x for x in offsets),
+        )
+    return out
+
+
+_CHUNK = 1 << 21
+"""Elements of the tiles evaluated at once."""
+
+
+def _bits(
+    mask: Mask,
+    evaluate: Callable[..., Tensor],
+    tiles: tuple[Tensor, Tensor, Tensor, Tensor],
+    block: tuple[int, int],
+    lengths: tuple[Tensor | int, ...],
+    offsets: tuple[Tensor | int, ...],
+) -> Tensor:
+    b, h, m, n = tiles
+    q_block, kv_block = block
     dev = b.device
     q_len, kv_len = (x.view(-1, 1, 1) if isinstance(x, Tensor) else x for x in lengths)
     if b.numel() == 0:
@@ -49,7 +86,6 @@ def tile_bits(
     # evaluated at row (head) 0.
     rows = b if mask.batch_dependent else torch.zeros_like(b)
     heads = h if mask.head_dependent else torch.zeros_like(h)
-    evaluate = mask.lower_at(max(reach, 1), dev).evaluate
     bits = evaluate(
         rows.view(-1, 1, 1),
         heads.view(-1, 1, 1),

@@ -177,10 +177,13 @@ def to_flashinfer(
     kv_offset = check_int(kv_offset, "kv_offset", minimum=0)
     group = _group(H, kv_heads, q_block, kv_block)
     dev = torch.device(device) if device is not None else (mask.device or torch.device("cpu"))
+    # Rows (heads) the mask does not tell apart are built once and share their BSR rows.
+    rows = B if mask.batch_dependent else 1
+    heads = H if mask.head_dependent else 1
     bm = create_block_mask(
         mask,
-        B,
-        H,
+        rows,
+        heads,
         Q_LEN,
         KV_LEN,
         device=dev,
@@ -188,11 +191,11 @@ def to_flashinfer(
         q_offset=q_offset,
         kv_offset=kv_offset,
     )
-    every_head = tile_codes(bm, B, H)
+    every_head = tile_codes(bm, rows, heads)
     # A group's first head's lists are the row's; the others must list the same blocks and
     # attend the same pairs in them (checked below, on the window, not on the expression:
     # heads whose masks differ elsewhere may agree here).
-    codes = every_head[:, ::group].contiguous()
+    codes = every_head[:, ::group].contiguous() if heads > 1 else every_head
     tiles = (codes == 1).nonzero(as_tuple=True)
 
     def bits_of(head_in_group: int) -> Tensor:
@@ -206,9 +209,9 @@ def to_flashinfer(
         )
 
     bits = bits_of(0)
-    if group > 1 and mask.head_dependent:
+    if group > 1 and heads > 1:
         _check_group_heads(mask, every_head, tiles, bits, bits_of, group)
-    valid = _valid_keys(codes, tiles, bits, B, KV_LEN, kv_block)
+    valid = _valid_keys(codes, tiles, bits, rows, KV_LEN, kv_block)
     block, lengths = (q_block, kv_block), (Q_LEN, KV_LEN)
     # By key alone ("dense") where that is exact; else with the causal rule, where no
     # attended pair lies past its diagonal.
@@ -221,11 +224,11 @@ def to_flashinfer(
         wrong = _first_wrong(tiles, bits, valid, True, block, lengths)
         if wrong is not None:
             raise _cannot(mask, tiles, wrong, block, group, causal=True)
-    indptr, indices = _bsr(codes > 0)
+    indptr, indices = _bsr(codes > 0, B, kv_heads)
     return FlashInferMask(
         block_indptr=indptr,
         block_indices=indices,
-        kv_valid_bits=None if bool(valid.all()) else _pack_bits(valid),
+        kv_valid_bits=None if bool(valid.all()) else _pack_bits(valid.expand(B, -1)),
         mask_type=mask_type,
         q_block_size=q_block,
         kv_block_size=kv_block,
@@ -284,18 +287,28 @@ def _check_group_heads(
         )
 
 
-def _bsr(listed: Tensor) -> tuple[Tensor, Tensor]:
-    """``block_indptr`` and ``block_indices`` of ``(B, H_kv, M, N)`` listed blocks: rows in
-    ``(b, h, m)`` order, one running offset into the flat indices (a row of ``(b, h)``
-    starts where the one before it ended), each row's ids ascending."""
-    batch, kv_heads, num_q = listed.shape[:3]
+def _bsr(listed: Tensor, batch: int, kv_heads: int) -> tuple[Tensor, Tensor]:
+    """``block_indptr`` and ``block_indices`` of the listed blocks ``(B or 1, H_kv or 1, M,
+    N)`` for ``batch`` rows and ``kv_heads`` heads: rows in ``(b, h, m)`` order, one running
+    offset into the flat indices (a row of ``(b, h)`` starts where the one before it
+    ended), each row's ids ascending. A row (head) of size 1 is every row's (head's)."""
+    rows, heads, num_q = listed.shape[:3]
     dev = listed.device
-    counts = listed.sum(-1).view(-1)
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=dev)
-    offsets[1:] = counts.cumsum(0)
-    rows = torch.arange(batch * kv_heads, device=dev).view(-1, 1) * num_q
-    indptr = offsets[rows + torch.arange(num_q + 1, device=dev)].view(batch, kv_heads, -1)
-    indices = listed.nonzero(as_tuple=True)[3]
+    counts = listed.sum(-1).view(rows * heads, num_q)
+    found = listed.nonzero(as_tuple=True)[3]  # each (b, h)'s ids, in (b, h, m) order
+    lengths = counts.sum(-1)
+    starts = torch.cumsum(lengths, 0) - lengths
+    b = torch.arange(batch, device=dev).view(-1, 1) % rows
+    h = torch.arange(kv_heads, device=dev).view(1, -1) % heads
+    which = (b * heads + h).view(-1)  # each (b, h) of the call: its built (b, h)
+    offsets = torch.zeros(which.numel() * num_q + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = counts[which].view(-1).cumsum(0)
+    per_head = torch.arange(which.numel(), device=dev).view(-1, 1) * num_q
+    indptr = offsets[per_head + torch.arange(num_q + 1, device=dev)].view(batch, kv_heads, -1)
+    owner = torch.repeat_interleave(torch.arange(which.numel(), device=dev), lengths[which])
+    first = torch.cumsum(lengths[which], 0) - lengths[which]
+    within = torch.arange(owner.numel(), device=dev) - first[owner]
+    indices = found[starts[which][owner] + within]
     return indptr.to(torch.int32).contiguous(), indices.to(torch.int32).contiguous()
 
 
