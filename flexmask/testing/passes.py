@@ -141,6 +141,11 @@ class Probe:
             for source, _ in leaking.get(method, []):
                 if not any(torch.equal(source, seen) for seen in evidence):
                     evidence.append(source)
+            if all(out != inp for out, inp in pairs):
+                # No leak inside a document: the passes between whole documents test every
+                # pair across documents, at any depth, so the cuts need not be replayed.
+                whole = [source for source in evidence if self._whole_documents(source)]
+                evidence = whole or evidence
             origin = locate_origin(self, evidence, method)
         return LeakReport(
             leaks=tuple(leaks)[:max_examples],
@@ -153,6 +158,13 @@ class Probe:
             layers=self.layers,
             origin=origin,
         )
+
+    def _whole_documents(self, source: Source) -> bool:
+        """Every document is wholly in the source set, or wholly out of it."""
+        owned = self.component >= 0
+        size = torch.bincount(self.component[owned], minlength=len(self.documents))
+        picked = torch.bincount(self.component[owned & source], minlength=len(self.documents))
+        return bool(((picked == 0) | (picked == size)).all())
 
     def _methods(self) -> tuple[list[str], Tensor | None]:
         """The methods to run — ``auto``: both, or forward passes alone when the backward
