@@ -512,3 +512,26 @@ def test_attention_equals_the_reference_attention(backend, monkeypatch):
         want, _ = oracle.attention(q, k, v, torch.from_numpy(allowed))
         out = flexmask.attention(q, k, v, mask, backend=backend)
         torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_long_lowerings_read_by_stretches_equal_the_oracle():
+    """Past 2**15 lines a lowering reads a few lines per stretch between the pieces'
+    ``line_breaks`` (every line of one tile attends alike): the same answer as every line."""
+    S, tile = 33_000, 1000  # tiles and blocks cut the sequence unevenly
+    picks = nsa_picks(1, 1, -(-S // tile), -(-S // tile), 3, seed=29)[0, 0]
+    mask = flexmask.causal() & (flexmask.selected(picks, tile=tile) | flexmask.sliding_window(300))
+    m = to_magi(mask, 1, 1, S, S)
+    # Magi's slices, read back per query tile: each of its lines against the definition.
+    q_ranges, k_ranges, kinds = m.q_ranges.tolist(), m.k_ranges.tolist(), m.attn_type_map.tolist()
+    for q in (0, 999, 1000, 1001, 17_500, S - 8, S - 7, S - 1):
+        row = selected_dense([picks[q // tile].tolist()], tile, tile, 1, S)[0]
+        want = (row | (np.abs(q - np.arange(S)) < 300)) & (np.arange(S) <= q)
+        got = np.zeros(S, dtype=bool)
+        for (qs, qe), (ks, ke), kind in zip(q_ranges, k_ranges, kinds, strict=True):
+            if qs <= q < qe:
+                cols = np.arange(ks, ke)
+                keep = {0: True, 1: cols <= q + (ke - qe), 2: cols >= q + (ks - qs)}.get(
+                    kind, (cols <= q + (ke - qe)) & (cols >= q + (ks - qs))
+                )
+                got[cols[np.broadcast_to(keep, cols.shape)]] = True
+        assert np.array_equal(got, want), q
