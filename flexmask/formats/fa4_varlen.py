@@ -200,41 +200,14 @@ def to_fa4_varlen(
     row, start, len_q, len_k = row[keep], start[keep], len_q[keep], len_k[keep]
     m_blocks = -(-len_q // q_block)
     n_blocks = -(-len_k // kv_block)
-    sides: list[list[Tensor]] = [[], [], [], []]  # partial counts, indices, full counts, indices
-    found: list[list[Tensor]] = [[], [], [], []]  # partial tiles: sequence, head, m, n
-    for s in range(row.numel()):
-        window = (int(row[s]), int(start[s]), int(len_q[s]), int(len_k[s]))
-        codes = _codes(mask, B, H, window, (q_block, kv_block), length, dev)
-        for side, code in ((0, 1), (2, 2)):
-            count, index = _lists(codes, code)
-            sides[side].append(count)
-            sides[side + 1].append(index.flatten(1))
-        h, m, n = (codes == 1).nonzero(as_tuple=True)
-        for into, values in zip(found, (torch.full_like(h, s), h, m, n), strict=True):
-            into.append(values)
+    heads = H if mask.head_dependent else 1
+    lists, tile_of, bits = _grids(
+        mask, B, heads, (row, start, len_q, len_k), (q_block, kv_block), length, dev
+    )
     cu_m = _cumulative(m_blocks, dev)
     cu_idx = _cumulative(m_blocks * n_blocks, dev)
-    cnt, idx, full_cnt, full_idx = (
-        torch.cat(parts, 1).to(torch.int32).contiguous()
-        if parts
-        else torch.zeros(H, 0, dtype=torch.int32, device=dev)
-        for parts in sides
-    )
-    seq, head, m, n = (
-        torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=dev)
-        for parts in found
-    )
-    bits = tile_bits(
-        mask,
-        (row.to(dev)[seq], head, m, n),
-        block=(q_block, kv_block),
-        lengths=(len_q.to(dev)[seq], len_k.to(dev)[seq]),
-        reach=length,
-        offsets=(start.to(dev)[seq], start.to(dev)[seq]),
-    )
-    tile_of = torch.zeros(H, int(cu_idx[-1]), dtype=torch.int32, device=dev)
-    flat = cu_idx.long()[seq] + m * n_blocks.to(dev)[seq] + n
-    tile_of[head, flat] = torch.arange(1, seq.numel() + 1, dtype=torch.int32, device=dev)
+    cnt, idx, full_cnt, full_idx = (t.expand(H, -1).contiguous() for t in lists)
+    tile_of = tile_of.expand(H, -1).contiguous()
     tiles = torch.cat([torch.zeros(1, q_block, kv_block, dtype=torch.bool, device=dev), bits])
     q_index = _flat_positions(row, start, len_q, Q_LEN, dev)
     k_index = _flat_positions(row, start, len_k, KV_LEN, dev)
@@ -256,6 +229,68 @@ def to_fa4_varlen(
         seq_lengths=(Q_LEN, KV_LEN),
         batch=B,
     )
+
+
+def _grids(
+    mask: Mask,
+    batch: int,
+    heads: int,
+    windows: tuple[Tensor, Tensor, Tensor, Tensor],
+    block: tuple[int, int],
+    length: int,
+    dev: torch.device,
+) -> tuple[list[Tensor], Tensor, Tensor]:
+    """Every sequence's lists, laid out as FA4 reads them (``(heads, total_m_blocks)``
+    counts, ``(heads, total_n_blocks)`` indices, partial then full), the number of each
+    partial tile in the indices' layout, and the tiles' bits. A sequence the mask cannot
+    tell from one before it (the same window of a row-independent mask) reuses its lists
+    and tiles: built and evaluated once."""
+    row, start, len_q, len_k = windows
+    sides: list[list[Tensor]] = [[], [], [], []]  # partial counts, indices, full ones
+    numbers: list[Tensor] = []  # each sequence's tile numbers, flattened as its indices
+    found: list[list[Tensor]] = [[], [], [], []]  # each new partial tile: window, head, m, n
+    seen: dict[tuple[int, int, int, int], tuple[list[Tensor], Tensor]] = {}
+    total = 0
+    for s in range(row.numel()):
+        window = (int(row[s]), int(start[s]), int(len_q[s]), int(len_k[s]))
+        key = window if mask.batch_dependent else (0, *window[1:])
+        if key not in seen:
+            codes = _codes(mask, batch, heads, window, block, length, dev)
+            grid = [t for code in (1, 2) for t in _lists(codes, code)]
+            partial = codes == 1
+            h, m, n = partial.nonzero(as_tuple=True)
+            number = torch.zeros(codes.shape, dtype=torch.int32, device=dev)
+            number[h, m, n] = torch.arange(
+                total + 1, total + h.numel() + 1, dtype=torch.int32, device=dev
+            )
+            total += h.numel()
+            for into, values in zip(found, (torch.full_like(h, s), h, m, n), strict=True):
+                into.append(values)
+            seen[key] = (grid, number.flatten(1))
+        grid, number = seen[key]
+        for side, part in zip(sides, grid, strict=True):
+            side.append(part.flatten(1))
+        numbers.append(number)
+    lists = [
+        torch.cat(parts, 1).to(torch.int32) if parts else torch.zeros(heads, 0, dtype=torch.int32)
+        for parts in sides
+    ]
+    tile_of = (torch.cat(numbers, 1) if numbers else torch.zeros(heads, 0, dtype=torch.int32)).to(
+        dev
+    )
+    seq, head, m, n = (
+        torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=dev)
+        for parts in found
+    )
+    bits = tile_bits(
+        mask,
+        (row.to(dev)[seq], head, m, n),
+        block=block,
+        lengths=(len_q.to(dev)[seq], len_k.to(dev)[seq]),
+        reach=length,
+        offsets=(start.to(dev)[seq], start.to(dev)[seq]),
+    )
+    return [t.to(dev) for t in lists], tile_of, bits
 
 
 def _sequences(mask: Mask, batch: int, length: int) -> tuple[Tensor, Tensor, Tensor]:
