@@ -342,6 +342,28 @@ def test_a_module_whose_output_is_not_per_token_is_not_named():
     assert (origin.path, origin.before) == ("layers.1", "layers.1.out")
 
 
+class InPlace(nn.Module):
+    """Mixes tokens into its projection's output in place: the projection is clean, and its
+    output tensor, read after the update, is not what it returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.out = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        h += h.cumsum(1)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("method", ["grad", "perturb"])
+def test_an_output_updated_in_place_afterwards_is_not_blamed(method):
+    mask = flexmask.causal() & flexmask.document([4, 4])
+    torch.manual_seed(0)
+    origin = leak_test(Toy([MLP(), InPlace()]), embeddings(8), mask, method=method).origin
+    assert (origin.path, origin.before) == ("layers.1", "layers.1.out")
+
+
 def test_a_leak_only_forward_passes_see_is_located_by_them():
     """A detached statistic: the gradient is clean, the forward passes find the leak, and
     the locator replays them (moved inputs, every module's output compared)."""

@@ -25,15 +25,26 @@ class _Call:
     path: str
     number: int  # 1-based, among this module's calls in the forward
     parent: int  # index of the call it ran inside (-1: none)
-    inputs: tuple[Tensor, ...]  # the per-token tensors it was given (B, S, ...)
-    output: Tensor | None = None  # the first per-token tensor it returned
+    inputs: list[_Seen]  # the per-token tensors it was given (B, S, ...)
+    output: _Seen | None = None  # the first per-token tensor it returned
+
+
+@dataclasses.dataclass
+class _Seen:
+    """A tensor a call took or returned, and its version then: a tensor updated in place
+    afterwards no longer holds (nor, under autograd, derives from) what the call saw, and
+    is not read. Not a copy: a recorded forward holds no more than autograd does."""
+
+    tensor: Tensor
+    version: int
+
+    def get(self) -> Tensor | None:
+        return self.tensor if self.tensor._version == self.version else None
 
 
 class _Recorder:
     """Forward hooks on every module of the model, recording each call in the order calls
-    start: which module, inside which call, with which per-token inputs and output (cloned
-    when made, so that a later in-place update is not read; under autograd the clone keeps
-    the graph from the input embeddings)."""
+    start: which module, inside which call, with which per-token inputs and output."""
 
     def __init__(self, model: nn.Module, shape: tuple[int, int]) -> None:
         self.model, self.shape = model, shape
@@ -60,14 +71,14 @@ class _Recorder:
         number = self.counts.get(id(module), 0) + 1
         self.counts[id(module)] = number
         parent = self.stack[-1] if self.stack else -1
-        inputs = tuple(t.clone() for t in _per_token((args, kwargs), self.shape, everything=True))
+        inputs = [_Seen(t, t._version) for t in _per_token((args, kwargs), self.shape, True)]
         self.stack.append(len(self.calls))
         self.calls.append(_Call(module, self.paths[id(module)], number, parent, inputs))
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         index = self.stack.pop()
         found = _per_token(output, self.shape, everything=False)
-        self.calls[index].output = found[0].clone() if found else None
+        self.calls[index].output = _Seen(found[0], found[0]._version) if found else None
 
 
 def _per_token(value: Any, shape: tuple[int, int], everything: bool) -> list[Tensor]:
@@ -106,8 +117,9 @@ class _Evidence:
     """Does a recorded tensor already depend on an input its tokens may not read? The
     leaking passes of the method that found the leak, replayed: ``grad`` backpropagates a
     random projection of the pass's tokens of the tensor to the input embeddings, and any
-    nonzero gradient at an input the pass keeps apart is the leak; ``perturb`` moves the
-    pass's inputs and asks whether the tensor moved at a token none of them may reach."""
+    nonzero gradient at an input the pass keeps apart is the leak (lazily, call by call, as
+    the descent asks); ``perturb`` moves the pass's inputs and asks whether the tensor moved
+    at a token none of them may reach (every call at once, one forward per pass)."""
 
     def __init__(self, probe: Any, passes: list[Tensor], method: str, recorder: _Recorder):
         self.probe, self.passes, self.method = probe, passes, method
@@ -116,48 +128,36 @@ class _Evidence:
         recorder.reset()
         runner.grad, runner.shift = method == "grad", None
         runner.forward()
-        self.calls = recorder.calls
-        self.leaf = runner.leaf
-        self.moved: list[dict[tuple[str, int], _Call]] = []
+        self.calls, self.leaf = recorder.calls, runner.leaf
+        self.checks = 0  # backward passes (grad) or forward passes (perturb) replayed
+        self.moved: dict[tuple[int, int], bool] = {}  # (call, -1: output | input) -> leaks
         if method == "perturb":
-            leaf = runner.leaf.detach()
-            width = float(leaf.float().std().clamp(min=1e-3))
-            for source in passes:
-                noise = torch.randn(leaf.shape, generator=runner.generator) * width
-                runner.shift = (noise * source.unsqueeze(-1)).to(leaf.device)
-                recorder.reset()
-                runner.forward()
-                self.moved.append({(c.path, c.number): c for c in recorder.calls})
-            runner.shift = None
-        self.checks = 0  # backward passes (grad) or comparisons (perturb) made
+            self._replay_forward(recorder)
 
     def output_leaks(self, index: int) -> bool:
-        call = self.calls[index]
-        return call.output is not None and self._leaks(call, lambda c: c.output)
+        return self._leaks(index, -1)
 
     def inputs_leak(self, index: int) -> bool:
-        call = self.calls[index]
-        return any(
-            self._leaks(call, lambda c, i=i: c.inputs[i] if i < len(c.inputs) else None)
-            for i in range(len(call.inputs))
-        )
+        return any(self._leaks(index, i) for i in range(len(self.calls[index].inputs)))
 
-    def _leaks(self, call: _Call, pick: Any) -> bool:
-        tensor = pick(call)
-        for number, (source, forbidden) in enumerate(zip(self.passes, self.forbidden, strict=True)):
+    def _seen(self, calls: list[_Call], index: int, which: int) -> Tensor | None:
+        call = calls[index]
+        seen = call.output if which < 0 else call.inputs[which]
+        return seen.get() if seen is not None else None
+
+    def _leaks(self, index: int, which: int) -> bool:
+        if self.method == "perturb":
+            return self.moved.get((index, which), False)
+        tensor = self._seen(self.calls, index, which)
+        if tensor is None or not tensor.requires_grad:
+            return False  # not read, or no path from the input embeddings at all
+        for source, forbidden in zip(self.passes, self.forbidden, strict=True):
             self.checks += 1
-            if self.method == "grad":
-                found = self._grad(tensor, source)
-            else:
-                moved = self.moved[number].get((call.path, call.number))
-                found = self._moved(tensor, pick(moved) if moved is not None else None)
-            if found is not None and bool((found.cpu() * forbidden > 0).any()):
+            if bool((self._grad(tensor, source).cpu() * forbidden > 0).any()):
                 return True
         return False
 
-    def _grad(self, tensor: Tensor, source: Tensor) -> Tensor | None:
-        if not tensor.requires_grad:
-            return None  # no path from the input embeddings at all
+    def _grad(self, tensor: Tensor, source: Tensor) -> Tensor:
         weight = torch.randn(tensor.shape, generator=self.probe.runner.generator).to(tensor)
         view = (tensor.shape[0], tensor.shape[1]) + (1,) * (tensor.dim() - 2)
         weight = weight * source.to(tensor.device).view(view).to(weight.dtype)
@@ -165,12 +165,39 @@ class _Evidence:
             (tensor * weight).sum(), self.leaf, retain_graph=True, allow_unused=True
         )
         if grad is None:
-            return None
+            return torch.zeros(tensor.shape[:2], dtype=torch.float64)
         return grad.detach().reshape(*grad.shape[:2], -1).double().norm(dim=-1)
 
-    def _moved(self, base: Tensor, moved: Tensor | None) -> Tensor | None:
-        if moved is None or moved.shape != base.shape:
-            return None  # the call is not there in the moved forward: nothing to compare
+    def _replay_forward(self, recorder: _Recorder) -> None:
+        """Every pass moved again, every call's tensors compared with the base forward's
+        (matched by module and call number), then let go: one forward held at a time."""
+        runner = self.probe.runner
+        leaf = runner.leaf.detach()
+        width = float(leaf.float().std().clamp(min=1e-3))
+        for source, forbidden in zip(self.passes, self.forbidden, strict=True):
+            noise = torch.randn(leaf.shape, generator=runner.generator) * width
+            runner.shift = (noise * source.unsqueeze(-1)).to(leaf.device)
+            recorder.reset()
+            runner.forward()
+            self.checks += 1
+            moved = {(id(c.module), c.number): c for c in recorder.calls}
+            for index, call in enumerate(self.calls):
+                again = moved.get((id(call.module), call.number))
+                if again is None:
+                    continue  # not called in the moved forward: nothing to compare
+                for which in range(-1, len(call.inputs)):
+                    if self.moved.get((index, which)) or which >= len(again.inputs):
+                        continue
+                    change = self._change(
+                        self._seen(self.calls, index, which), self._seen([again], 0, which)
+                    )
+                    if change is not None and bool((change.cpu() * forbidden > 0).any()):
+                        self.moved[(index, which)] = True
+        runner.shift = None
+
+    def _change(self, base: Tensor | None, moved: Tensor | None) -> Tensor | None:
+        if base is None or moved is None or moved.shape != base.shape:
+            return None
         base_, moved_ = base.detach().double(), moved.detach().double()
         change = (moved_ - base_).reshape(*base.shape[:2], -1).norm(dim=-1)
         if self.probe.beside_grad:

@@ -80,7 +80,7 @@ class LeakOrigin:
         chain: the modules descended through, outermost first, ``path`` last.
         method: the evidence: ``"grad"`` (gradients of each module's output) or
             ``"perturb"`` (each module's output moved), as the leak was found.
-        checks: backward passes (grad) or comparisons (perturb) the descent made.
+        checks: backward passes (grad) or forward passes (perturb) the locator replayed.
     """
 
     path: str
