@@ -64,17 +64,17 @@ class Scan(nn.Module):
 
 
 class MLP(nn.Module):
-    """Per token; ``mixes=True`` adds the row's mean between its two layers (a leak in the
-    MLP's own code)."""
+    """Per token; ``mixes="tokens"`` adds the row's mean between its two layers (a leak in
+    the MLP's own code), ``"rows"`` the mean over the batch's rows."""
 
-    def __init__(self, mixes: bool = False) -> None:
+    def __init__(self, mixes: str | None = None) -> None:
         super().__init__()
         self.up, self.down, self.mixes = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM), mixes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.up(x))
-        if self.mixes:
-            h = h + h.mean(1, keepdim=True)
+        if self.mixes is not None:
+            h = h + h.mean(1 if self.mixes == "tokens" else 0, keepdim=True)
         return self.down(h)
 
 
@@ -86,7 +86,7 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(DIM)
         self.attn = Attention(attends)
         self.mixer = Scan() if leak == "mixer" else None
-        self.mlp = MLP(mixes=leak == "mlp")
+        self.mlp = MLP(mixes={"mlp": "tokens", "rows": "rows"}.get(leak))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm(x))
@@ -111,7 +111,8 @@ class Toy(nn.Module):
 
 def toy(mask: flexmask.Mask, seq_len: int, leaks: list[str], kernel=None) -> Toy:
     """One block per entry of ``leaks``: "attention" (its kernel drops the documents: plain
-    causal), "mixer", "mlp", or "none"; ``kernel`` overrides every block's kernel mask."""
+    causal), "mixer", "mlp" (mixes tokens), "rows" (its MLP mixes rows), or "none";
+    ``kernel`` overrides every block's kernel mask."""
     torch.manual_seed(0)
     right = mask.to_dense(1, 1, seq_len, seq_len)[0, 0]
     wrong = flexmask.causal().to_dense(1, 1, seq_len, seq_len)[0, 0]
@@ -135,7 +136,7 @@ def reach(mask: flexmask.Mask, seq_len: int, layers: int) -> torch.Tensor:
 
 def leaks_at(model: nn.Module, module: nn.Module, x: torch.Tensor, forbidden) -> bool:
     """The module's (first call's) output has a nonzero Jacobian entry at a forbidden
-    (output token, input token) pair."""
+    (output token, input token) pair: ``forbidden[o, i]`` in a row, any pair across rows."""
 
     def output_of(embeds: torch.Tensor) -> torch.Tensor:
         seen: list[torch.Tensor] = []
@@ -146,9 +147,11 @@ def leaks_at(model: nn.Module, module: nn.Module, x: torch.Tensor, forbidden) ->
             handle.remove()
         return seen[0]
 
-    jac = torch.autograd.functional.jacobian(output_of, x)  # (1, S, D, 1, S, D)
-    depends = jac[0].abs().sum(dim=(1, 4))[:, 0]  # [o, i]
-    return bool((depends[forbidden] != 0).any())
+    jac = torch.autograd.functional.jacobian(output_of, x)  # (B, S, D, B, S, D)
+    depends = jac.abs().sum(dim=(2, 5))  # [b, o, b', i]
+    rows, seq_len = x.shape[:2]
+    other_row = ~torch.eye(rows, dtype=torch.bool).view(rows, 1, rows, 1)
+    return bool((depends[other_row | forbidden.view(1, seq_len, 1, seq_len)] != 0).any())
 
 
 def first_leaking(model: Toy, x: torch.Tensor, forbidden: torch.Tensor) -> str | None:
@@ -164,8 +167,8 @@ def first_leaking(model: Toy, x: torch.Tensor, forbidden: torch.Tensor) -> str |
     return None
 
 
-def embeddings(seq_len: int) -> torch.Tensor:
-    return torch.randn(1, seq_len, DIM, generator=torch.Generator().manual_seed(1))
+def embeddings(seq_len: int, rows: int = 1) -> torch.Tensor:
+    return torch.randn(rows, seq_len, DIM, generator=torch.Generator().manual_seed(1))
 
 
 # ---------------------------------------------------------------------- seeded toy models
@@ -225,18 +228,23 @@ def test_a_leak_that_needs_two_layers_is_named_where_it_shows():
     assert report.leaks and report.origin.path == "layers.1.attn"
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    leaks=st.lists(st.sampled_from(["none", "attention", "mixer", "mlp"]), min_size=1, max_size=3),
-    lengths=st.lists(st.integers(1, 5), min_size=2, max_size=4),
+    leaks=st.lists(
+        st.sampled_from(["none", "attention", "mixer", "mlp", "rows"]), min_size=1, max_size=3
+    ),
+    lengths=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    rows=st.integers(1, 2),
     method=st.sampled_from(["auto", "grad", "perturb"]),
 )
-def test_random_models_against_the_jacobian(leaks, lengths, method):
+def test_random_models_against_the_jacobian(leaks, lengths, rows, method):
+    """Rows of the same documents; one document alone in a row leaks only across rows."""
     seq_len = sum(lengths)
-    mask = flexmask.causal() & flexmask.document(lengths)
-    model = toy(mask, seq_len, leaks)
-    x = embeddings(seq_len)
-    expected = first_leaking(model, x, ~reach(mask, seq_len, 1))
+    one_row = flexmask.causal() & flexmask.document(lengths)
+    mask = flexmask.causal() & flexmask.document([lengths] * rows)
+    model = toy(one_row, seq_len, leaks)
+    x = embeddings(seq_len, rows)
+    expected = first_leaking(model, x, ~reach(one_row, seq_len, 1))
     report = leak_test(model, x, mask, method=method, samples=0)
     if expected is None:
         assert report.ok and report.origin is None
@@ -485,6 +493,19 @@ def test_qwen3_next_names_its_linear_attention_layer(layer_types, expected):
                 mamba_chunk_size=8,
             ),
             "model.layers.1.mamba",
+        ),
+        (  # Mamba 2 beside attention in every layer: the mixer, not its sibling attention
+            "FalconH1Config",
+            dict(
+                mamba_d_ssm=32,
+                mamba_n_heads=2,
+                mamba_d_head=16,
+                mamba_d_state=8,
+                mamba_n_groups=1,
+                head_dim=16,
+                mamba_chunk_size=8,
+            ),
+            "model.layers.0.mamba",
         ),
     ],
 )
