@@ -103,7 +103,8 @@ def leak_test(
     ``(B, S, ...)`` as the embeddings are, that a module takes or returns (one level into
     tuples and mappings): a leak in a module whose output is not (a channels-first
     ``Conv1d``), or in a function called between modules (a kernel, a recurrence written
-    inline), is named at the enclosing module, with ``before`` the module first given it.
+    inline), is named at the enclosing module, with ``before`` the module first given it;
+    a module given no per-token tensor (a reshaped one) is taken to be given clean inputs.
     It tests each depth against the reach of the whole model (``layers``): a window one
     token too wide in every layer is named where its reach first exceeds that, a later
     layer; so is a leak that appears only when a later layer combines two clean layers'
