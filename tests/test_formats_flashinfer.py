@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import flexmask
-from flexmask.formats import FlashInferMask, to_flashinfer
+from flexmask.formats import FlashInferBSRMask, FlashInferMask, to_flashinfer, to_flashinfer_bsr
 from tests import oracle
 from tests.strategies import expressions, leaves, selected_dense
 
@@ -364,3 +364,77 @@ def test_keywords_are_flashinfers():
     assert plan["num_qo_heads"] == plan["num_kv_heads"] == 2
     assert set(f.run_kwargs()) == {"block_indptr", "block_indices", "kv_valid_bits"}
     assert "FlashInferMask(block_indptr=int32[2, 2, 6]" in repr(f)
+
+
+# ------------------------------------------------- the classic BlockSparseAttentionWrapper
+def bsr_dense(f: FlashInferBSRMask, batch: int, heads: int) -> np.ndarray:
+    """(B, H, M, N) as ``BlockSparseAttentionWrapper`` attends: SciPy's
+    ``bsr_matrix((mask, indices, indptr)).toarray()`` (the wrapper's tests' reference),
+    the last block row cut to M; the same matrix for every row and head."""
+    dense = np.zeros((f.M, f.N), dtype=bool)
+    indptr, indices = f.indptr.tolist(), f.indices.tolist()
+    assert len(indptr) == -(-f.M // f.R) + 1 and f.N % f.C == 0
+    for i in range(len(indptr) - 1):
+        row = indices[indptr[i] : indptr[i + 1]]
+        assert row == sorted(set(row))
+        for k in range(indptr[i], indptr[i + 1]):
+            j = indices[k]
+            block = np.ones((f.R, f.C), bool) if f.mask is None else f.mask[k].numpy()
+            rows = min(f.R, f.M - i * f.R)
+            dense[i * f.R : i * f.R + rows, j * f.C : (j + 1) * f.C] = block[:rows]
+    return np.broadcast_to(dense, (batch, heads, f.M, f.N))
+
+
+@SETTINGS
+@given(
+    data=st.data(),
+    batch=st.integers(1, 2),
+    heads=st.sampled_from([1, 2]),
+    q_len=st.integers(1, 30),
+    kv_blocks=st.integers(1, 6),
+    block=st.sampled_from([1, 2, 3, 4, 8, (2, 4), (4, 3), (8, 2)]),
+)
+def test_flashinfer_bsr_is_exact_or_refuses(data, batch, heads, q_len, kv_blocks, block):
+    """Any mask whose rows and heads attend alike lowers (partial blocks carry their bits);
+    one that differs by row or head is refused, decided from the oracle."""
+    q_block, kv_block = block if isinstance(block, tuple) else (block, block)
+    kv_len = kv_blocks * kv_block
+    q_offset = data.draw(st.sampled_from([0, max(kv_len - q_len, 0)]))
+    n = max(q_offset + q_len, kv_len)
+    mask, dense = data.draw(expressions(batch, heads, n, max_leaves=3))
+    mask, dense = data.draw(maybe_selected(batch, n, mask, dense))
+    want = dense(n, n)[:, :, q_offset : q_offset + q_len, :kv_len]
+    alike = bool((want == want[:1, :1]).all())
+    try:
+        f = to_flashinfer_bsr(
+            mask,
+            batch,
+            heads,
+            q_len,
+            kv_len,
+            q_block=q_block,
+            kv_block=kv_block,
+            q_offset=q_offset,
+        )
+    except ValueError as error:
+        assert "one BSR matrix for every head and no batch" in str(error), str(error)
+        assert not alike, f"{mask} refused but alike on every row and head"
+        event("refused")
+        return
+    assert alike, f"{mask} lowered though its rows or heads differ"
+    event("lowered" if f.mask is not None else "lowered, every block whole")
+    assert f.indptr.dtype == f.indices.dtype == torch.int32
+    np.testing.assert_array_equal(bsr_dense(f, batch, heads), want, str(mask))
+
+
+def test_flashinfer_bsr_errors_and_keywords():
+    with pytest.raises(ValueError, match=r"KV_LEN must be a multiple of kv_block.*N is divisible"):
+        to_flashinfer_bsr(flexmask.causal(), 1, 1, 10, q_block=4, kv_block=4)
+    with pytest.raises(ValueError, match=r"batch row 1, head 0 attends otherwise"):
+        to_flashinfer_bsr(flexmask.document([[4, 4], [8]]), 2, 1, 8, q_block=4, kv_block=4)
+    with pytest.raises(TypeError, match="flexmask Mask"):
+        to_flashinfer_bsr(lambda b, h, q, kv: q >= kv, 1, 1, 8)  # type: ignore[arg-type]
+    f = to_flashinfer_bsr(flexmask.document([8, 8]), 1, 1, 16, q_block=8, kv_block=8)
+    assert f.mask is None and f.plan_kwargs()["indices"].tolist() == [0, 1]
+    assert set(f.plan_kwargs()) == {"indptr", "indices", "M", "N", "R", "C", "mask"}
+    assert repr(f) == "FlashInferBSRMask(M=16, N=16, R=8, C=8, nnz=2, mask=None)"
