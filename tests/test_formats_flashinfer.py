@@ -22,7 +22,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import flexmask
-from flexmask.formats import FlashInferBSRMask, FlashInferMask, to_flashinfer, to_flashinfer_bsr
+from flexmask.formats import (
+    FlashInferBSRMask,
+    FlashInferMask,
+    FlashInferVariableMask,
+    to_flashinfer,
+    to_flashinfer_bsr,
+    to_flashinfer_variable,
+)
 from tests import oracle
 from tests.strategies import expressions, leaves, selected_dense
 
@@ -438,3 +445,89 @@ def test_flashinfer_bsr_errors_and_keywords():
     assert f.mask is None and f.plan_kwargs()["indices"].tolist() == [0, 1]
     assert set(f.plan_kwargs()) == {"indptr", "indices", "M", "N", "R", "C", "mask"}
     assert repr(f) == "FlashInferBSRMask(M=16, N=16, R=8, C=8, nnz=2, mask=None)"
+
+
+# ------------------------------------------------ the VariableBlockSparseAttentionWrapper
+def variable_dense(f: FlashInferVariableMask, batch: int) -> np.ndarray:
+    """(B, H, Q, KV) as ``VariableBlockSparseAttentionWrapper`` attends: its tests'
+    ``_block_mask_to_element_mask`` (the map expanded by ``repeat_interleave`` with the
+    block sizes), per KV head, the same for every batch row."""
+    per_kv = [
+        np.repeat(
+            np.repeat(f.block_mask_map[h].numpy(), f.block_row_sz[h].numpy(), axis=0),
+            f.block_col_sz[h].numpy(),
+            axis=1,
+        )
+        for h in range(f.num_kv_heads)
+    ]
+    group = f.num_qo_heads // f.num_kv_heads
+    heads = np.stack([per_kv[h // group] for h in range(f.num_qo_heads)])
+    return np.broadcast_to(heads, (batch, *heads.shape))
+
+
+@SETTINGS
+@given(
+    data=st.data(),
+    batch=st.integers(1, 2),
+    kv_heads=st.integers(1, 2),
+    group=st.sampled_from([1, 2]),
+    q_len=st.integers(1, 30),
+    kv_len=st.integers(1, 30),
+)
+def test_flashinfer_variable_is_exact_or_refuses(data, batch, kv_heads, group, q_len, kv_len):
+    """The coarsest blocks of any interval mask whose rows and a group's heads attend alike
+    (router picks among them); refused where they differ, decided from the oracle."""
+    heads = kv_heads * group
+    q_offset = data.draw(st.sampled_from([0, max(kv_len - q_len, 0)]))
+    n = max(q_offset + q_len, kv_len)
+    mask, dense = data.draw(expressions(batch, heads, n, max_leaves=3))
+    mask, dense = data.draw(maybe_selected(batch, n, mask, dense))
+    want = dense(n, n)[:, :, q_offset : q_offset + q_len, :kv_len]
+    alike = bool((want == want[:1]).all()) and all(
+        np.array_equal(want[:, h], want[:, h - h % group]) for h in range(heads)
+    )
+    try:
+        f = to_flashinfer_variable(
+            mask, batch, heads, q_len, kv_len, num_kv_heads=kv_heads, q_offset=q_offset
+        )
+    except ValueError as error:
+        message = str(error)
+        assert "VariableBlockSparseAttentionWrapper" in message, message
+        # A leaf with no intervals to read (from_mask_mod) is refused whatever it attends.
+        assert not alike or "cannot read intervals" in message, f"{mask} refused: {message}"
+        event("refused")
+        return
+    assert alike, f"{mask} lowered though its rows or a group's heads differ"
+    assert f.block_row_sz.dtype == f.block_col_sz.dtype == torch.int32
+    assert (
+        int(f.block_row_sz.sum(-1).min()) == q_len and int(f.block_col_sz.sum(-1).max()) == kv_len
+    )
+    np.testing.assert_array_equal(variable_dense(f, batch), want, str(mask))
+    event("lowered")
+
+
+def _later(b, h, q_idx, kv_idx):
+    return kv_idx >= q_idx
+
+
+def test_flashinfer_variable_blocks_are_few_and_errors_name_the_cause():
+    """Documents with a prefix: one block per run of alike rows and columns; a causal mask
+    past MAX_BLOCKS, rows that differ and a user mask_mod are refused."""
+    mask = flexmask.prefix(10) | flexmask.document([300, 212])
+    f = to_flashinfer_variable(mask, 2, 4, 512, num_kv_heads=2)
+    assert f.block_row_sz[0].tolist() == [300, 212] and f.block_col_sz[0].tolist() == [10, 290, 212]
+    assert set(f.plan_kwargs()) == {
+        "block_mask_map",
+        "block_row_sz",
+        "block_col_sz",
+        "num_qo_heads",
+        "num_kv_heads",
+    }
+    with pytest.raises(ValueError, match=r"9000 x 9000 variable blocks.*MAX_BLOCKS"):
+        to_flashinfer_variable(flexmask.causal(), 1, 1, 9000)
+    with pytest.raises(ValueError, match=r"batch rows attend differently.*no batch"):
+        to_flashinfer_variable(flexmask.document([[4, 4], [8]]), 2, 1, 8)
+    with pytest.raises(ValueError, match=r"from_mask_mod"):
+        to_flashinfer_variable(flexmask.from_mask_mod(_later, key="later"), 1, 1, 8)
+    with pytest.raises(ValueError, match=r"num_kv_heads must divide H"):
+        to_flashinfer_variable(flexmask.causal(), 1, 3, 8, num_kv_heads=2)

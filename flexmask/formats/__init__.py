@@ -13,6 +13,8 @@
   ``block_indices``, ``kv_valid_bits`` and ``mask_type`` per KV head;
 * ``to_flashinfer_bsr`` — FlashInfer's ``BlockSparseAttentionWrapper``: one BSR matrix
   (``indptr``, ``indices``, any ``R x C``) and each listed block's ``mask``;
+* ``to_flashinfer_variable`` — FlashInfer's ``VariableBlockSparseAttentionWrapper``:
+  ``block_mask_map``, ``block_row_sz``, ``block_col_sz`` (blocks attended whole);
 * ``to_cudnn`` — cuDNN's flex_attention (``create_mask_plan``): per query, ``mask_func``
   endpoints of visible key intervals, fixed (BSHD) or varlen (THD);
 * ``to_cudnn_bsa`` — cuDNN's block-sparse attention (``cudnn.BSA``): ``q2k_block_index``,
@@ -42,6 +44,7 @@ from flexmask.formats.fa4 import FA4Mask, to_fa4
 from flexmask.formats.fa4_varlen import FA4VarlenMask, to_fa4_varlen
 from flexmask.formats.flashinfer import FlashInferMask, to_flashinfer
 from flexmask.formats.flashinfer_bsr import FlashInferBSRMask, to_flashinfer_bsr
+from flexmask.formats.flashinfer_variable import FlashInferVariableMask, to_flashinfer_variable
 from flexmask.formats.flashmask import FlashMask, to_flashmask
 from flexmask.formats.magi import BICAUSAL, CAUSAL, FULL, INVCAUSAL, MagiMask, magi_of, to_magi  # noqa: F401 (names of _INTERNAL)
 from flexmask.formats.varlen import VarlenMask, to_varlen, varlen_of  # noqa: F401 (names of _INTERNAL)
@@ -72,6 +75,7 @@ __all__ = [
     "FA4VarlenMask",
     "FlashInferBSRMask",
     "FlashInferMask",
+    "FlashInferVariableMask",
     "FlashMask",
     "MAGI_BICAUSAL",
     "MAGI_CAUSAL",
@@ -86,6 +90,7 @@ __all__ = [
     "to_fa4_varlen",
     "to_flashinfer",
     "to_flashinfer_bsr",
+    "to_flashinfer_variable",
     "to_flashmask",
     "to_magi",
     "to_varlen",
