@@ -99,7 +99,7 @@ def leak_test(
     then the first inside that (the mixer), and on, as long as that call was given clean
     inputs. With no leak inside a document only the passes between whole documents are
     replayed. Cheap beside the test: tens of partial backward passes (0.03 s on a 512-token
-    2-layer model, 0.3% of its test; see docs/leaks.md). It reads only tensors shaped
+    2-layer model, 0.3% of its test; docs/leaks.md). It reads only tensors shaped
     ``(B, S, ...)`` as the embeddings are, that a module takes or returns (one level into
     tuples and mappings): a leak in a module whose output is not (a channels-first
     ``Conv1d``), or in a function called between modules (a kernel, a recurrence written
