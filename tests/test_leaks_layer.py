@@ -329,6 +329,29 @@ def test_a_model_without_a_list_of_layers():
     assert "leaks first at the model's own forward (NoList), inside it before last" in str(report)
 
 
+class SharedOut(nn.Module):
+    """Mixes tokens in its own code, then calls a projection the model owns (shared
+    weights, registered outside it)."""
+
+    def __init__(self, out: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["out"] = out  # not a submodule of this one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x.cumsum(1))
+
+
+def test_a_module_registered_elsewhere_is_named_by_its_own_path():
+    mask = flexmask.causal() & flexmask.document([3, 3])
+    torch.manual_seed(0)
+    model = Toy([MLP()])
+    model.shared = nn.Linear(DIM, DIM)
+    model.layers.append(SharedOut(model.shared))
+    origin = leak_test(model, embeddings(6), mask).origin
+    assert (origin.path, origin.before) == ("layers.1", "shared")
+    assert str(origin) == "layers.1 (SharedOut), inside it before shared"
+
+
 class ChannelsFirst(nn.Module):
     """A block whose leak is a Conv1d over the packed row: its output is (B, C, S), not per
     token, so it is not read — the block is named, before the module it feeds."""

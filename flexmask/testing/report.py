@@ -77,7 +77,8 @@ class LeakOrigin:
             twice (weights shared) is named with the call.
         calls: how many times the module ran in one forward.
         before: the submodule that was given the leak, when the descent stopped there.
-        chain: the modules descended through, outermost first, ``path`` last.
+        chain: the modules descended through, outermost first, ``path`` last (the model
+            itself is not listed: ``()`` when the leak is in its own code).
         method: the evidence: ``"grad"`` (gradients of each module's output) or
             ``"perturb"`` (each module's output moved), as the leak was found.
         checks: backward passes (grad) or forward passes (perturb) the locator replayed.
@@ -103,7 +104,11 @@ class LeakOrigin:
         where = self.path if self.path else "the model's own forward"
         text = f"{where} ({', '.join(details)})"
         if self.before is not None:
-            inner = self.before[len(self.path) + 1 :] if self.path else self.before
+            # Named from the module, as its own code names it (a shared module called
+            # inside it keeps its whole name).
+            inner = self.before
+            if self.path and inner.startswith(self.path + "."):
+                inner = inner[len(self.path) + 1 :]
             text += f", inside it before {inner}"
         return text
 
