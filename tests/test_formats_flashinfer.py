@@ -246,6 +246,21 @@ def test_decode_window_with_documents_and_gqa():
     assert f.kv_valid_bits is not None and f.max_blocks_per_row == 38
 
 
+def test_valid_bits_only_where_a_listed_block_holds_an_unattended_key():
+    """Padding on block edges: its keys lie in no listed block, so no bits; padding inside
+    a block: bits, one per key, set for the keys some query attends."""
+    whole = to_flashinfer(
+        flexmask.causal() & flexmask.document([32]), 1, 1, 64, q_block=16, kv_block=16
+    )
+    assert whole.kv_valid_bits is None and whole.block_indptr[0, 0].tolist() == [0, 1, 3, 3, 3]
+    cut = to_flashinfer(flexmask.prefix(30), 1, 1, 64, q_block=16, kv_block=16)
+    assert cut.kv_valid_bits is not None
+    assert [hex(int(w)) for w in cut.kv_valid_bits[0]] == ["0x3fffffff", "0x0"]
+    np.testing.assert_array_equal(
+        flashinfer_dense(cut, 1, 1), oracle.prefix(30, 64, 64)[None, None]
+    )
+
+
 def test_per_head_groups_lower_per_kv_head():
     """Each KV head's group of query heads has its mask (per_head with group_size); one
     mask_type serves every head."""

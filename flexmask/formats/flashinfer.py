@@ -228,7 +228,7 @@ def to_flashinfer(
     return FlashInferMask(
         block_indptr=indptr,
         block_indices=indices,
-        kv_valid_bits=None if bool(valid.all()) else _pack_bits(valid.expand(B, -1)),
+        kv_valid_bits=_bits_needed(valid, codes, kv_block, B),
         mask_type=mask_type,
         q_block_size=q_block,
         kv_block_size=kv_block,
@@ -405,6 +405,17 @@ def _cannot(
         f"blocks aligned to the mask's boundaries, or use to_fa4 (a per-element mask_mod) "
         f"or flexmask.create_block_mask"
     )
+
+
+def _bits_needed(valid: Tensor, codes: Tensor, kv_block: int, batch: int) -> Tensor | None:
+    """``kv_valid_bits`` (a key's bit set iff some query of its row attends it) where a
+    listed block holds a key no query attends, else None: a key in no listed block is
+    never read."""
+    listed = (codes > 0).flatten(1, 2).any(1)  # (rows, num_kv): a block some row lists
+    read = listed.repeat_interleave(kv_block, dim=1)[:, : valid.shape[1]]
+    if bool((valid | ~read).all()):
+        return None
+    return _pack_bits(valid.expand(batch, -1))
 
 
 def _pack_bits(valid: Tensor) -> Tensor:
