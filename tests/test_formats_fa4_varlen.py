@@ -250,3 +250,30 @@ def test_compact_indices_of_a_window_grow_with_the_window():
     assert torch.equal(compact.mask_block_cnt, dense.mask_block_cnt)
     width = compact.mask_block_idx.shape[-1]
     assert torch.equal(compact.mask_block_idx, dense.mask_block_idx[..., :width])
+
+
+@pytest.mark.gpu
+def test_fa4_varlen_kernel_matches_the_reference_attention():
+    """The real kernel (flash_attn.cute's varlen forward, Blackwell/Hopper) on the packed
+    tokens with these arguments, unpacked, against the float64 reference on the dense mask."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cute = pytest.importorskip("flash_attn.cute")
+    batch, heads, length, dim = 2, 2, 1000, 64
+    mask = (flexmask.causal() & flexmask.sliding_window(300)) & flexmask.document(
+        [[300, 650, 50], [1000]]
+    )
+    block = (256, 128) if torch.cuda.get_device_capability()[0] >= 10 else (128, 128)
+    f = to_fa4_varlen(
+        mask, batch, heads, length, q_block=block[0], kv_block=block[1], device="cuda"
+    )
+    q, k, v = (
+        torch.randn(batch, length, heads, dim, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3)
+    )
+    out = cute.flash_attn_varlen_func(f.pack_q(q), f.pack_k(k), f.pack_k(v), **f.kwargs())
+    out = f.unpack(out[0] if isinstance(out, tuple) else out)
+    ref, _ = oracle.attention(
+        *(t.transpose(1, 2).cpu() for t in (q, k, v)), mask.to_dense(batch, heads, length, length)
+    )
+    torch.testing.assert_close(out.float().cpu(), ref.transpose(1, 2).float(), atol=2e-2, rtol=2e-2)

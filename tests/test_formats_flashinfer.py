@@ -546,3 +546,40 @@ def test_flashinfer_variable_blocks_are_few_and_errors_name_the_cause():
         to_flashinfer_variable(flexmask.from_mask_mod(_later, key="later"), 1, 1, 8)
     with pytest.raises(ValueError, match=r"num_kv_heads must divide H"):
         to_flashinfer_variable(flexmask.causal(), 1, 3, 8, num_kv_heads=2)
+
+
+@pytest.mark.gpu
+def test_flashinfer_kernel_matches_the_reference_attention():
+    """The real prims_ts kernel (Blackwell, flashinfer installed) with these arguments
+    against the float64 reference attention on the dense mask: causal documents on block
+    edges, keys no query attends inside a key block (kv_valid_bits), GQA, the last 64
+    queries."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    prims = pytest.importorskip("flashinfer.attention.prims_ts")
+    batch, heads, kv_heads, q_len, kv_len, dim = 2, 8, 2, 64, 320, 128
+    # Document starts on the query blocks (256 + 16 k) or before the window's queries: the
+    # keys before a start inside a key block are attended by no query (kv_valid_bits).
+    mask = flexmask.causal() & flexmask.document([[100, 188, 32], [200, 120]])
+    f = to_flashinfer(
+        mask,
+        batch,
+        heads,
+        q_len,
+        kv_len,
+        q_block=16,
+        kv_block=16,
+        num_kv_heads=kv_heads,
+        q_offset=kv_len - q_len,
+        device="cuda",
+    )
+    assert f.kv_valid_bits is not None and f.mask_type == "causal"
+    q = torch.randn(batch, q_len, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (
+        torch.randn(batch, kv_len, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    out = prims.block_sparse_attention(q, k, v, **f.kwargs())
+    want = mask.to_dense(batch, heads, kv_len, kv_len)[:, :, kv_len - q_len :]
+    ref, _ = oracle.attention(*(t.transpose(1, 2).cpu() for t in (q, k, v)), want)
+    torch.testing.assert_close(out.float().cpu(), ref.transpose(1, 2).float(), atol=2e-2, rtol=2e-2)
