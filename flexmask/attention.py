@@ -35,7 +35,7 @@ from flexmask.backends import (  # noqa: F401 - re-exported
     compiled_flex_attention,
     make_request,
 )
-from flexmask.builders import block_stats, built_from
+from flexmask.builders import BlockStats, block_stats, build, built_from
 from flexmask.runtime import LazyBlockMask, Spec, default_cache, make_spec
 
 _compile_default: bool | None = None
@@ -399,7 +399,21 @@ def explain(
     choice = _choice(request, backend)
     if request.block_mask is None or request.empty:
         return choice
-    return choice._replace(blocks=block_stats(request.built().block_mask))
+    return choice._replace(blocks=_block_stats(request, mask))
+
+
+def _block_stats(request: Request, mask: Any) -> BlockStats:
+    """``block_stats`` of the call's BlockMask. One not built yet (the chosen backend lowers
+    the Mask itself) is built here from its spec outside every cache: explain leaves the
+    cache, and a handle's build count, as the call would."""
+    deferred = request.block_mask
+    if isinstance(deferred, Deferred) and not deferred.built:
+        spec = deferred.spec or (mask.spec if isinstance(mask, LazyBlockMask) else None)
+        if spec is not None:
+            return block_stats(build(spec.mask, spec.reduced().grid()))
+    built = request.built().block_mask
+    assert isinstance(built, BlockMask)  # not None: explain asks only where a mask is
+    return block_stats(built)
 
 
 def _choice(request: Request, backend: str, with_kernel: bool = True) -> backends.Choice:

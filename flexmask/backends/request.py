@@ -37,6 +37,11 @@ class Deferred:
         # or a BlockMask is the caller's (None).
         self.spec = spec
 
+    @property
+    def built(self) -> bool:
+        """Whether the BlockMask has been built (asked for) already."""
+        return self._build is None
+
     def __call__(self) -> BlockMask:
         if self._build is not None:
             self._value, self._build = self._build(), None

@@ -107,7 +107,7 @@ class VarlenMask:
         """
         window_size = (self.window_size[0], 0) if self.causal else self.window_size
         if keys == "packed":
-            cu_seq_k, extra = self.cu_seqlens_k, {}
+            cu_seq_k, extra = self.cu_seqlens_k, dict[str, Any]()
         elif keys == "in_place":
             cu_seq_k, extra = self._keys_in_place()
         else:
