@@ -229,24 +229,11 @@ HYBRIDS: dict[str, tuple[str, dict]] = {
 
 
 def packed_inputs(model, batch):
-    """flexmask's arguments for a packed batch: ``model_inputs``, or where it refuses the
-    model's non-attention layer types (main's model_inputs knows attention layers only),
-    the same ids and positions with one dense mask of the batch's documents, which
-    transformers hands to every attention layer as is."""
-    from flexmask.integrations.transformers import attention_masks, model_inputs
+    """flexmask's arguments for a packed batch (``model_inputs``: ids, positions, each layer
+    type's mask, and ``cu_seq_lens_q/k`` / ``seq_idx`` for a hybrid model)."""
+    from flexmask.integrations.transformers import model_inputs
 
-    try:
-        return model_inputs(model, batch)
-    except ValueError as error:
-        if "layer_type must be one of" not in str(error):
-            raise
-
-    class _Attention:  # the config, read as one attention layer type
-        layer_types = ["full_attention"]
-        _attn_implementation = model.config._attn_implementation
-
-    mask = attention_masks(_Attention(), batch)
-    return {"input_ids": batch.tokens, "position_ids": batch.position_ids, "attention_mask": mask}
+    return model_inputs(model, batch)
 
 
 def tiny_model(name: str, implementation: str = "sdpa", seed: int = 0):
