@@ -169,7 +169,8 @@ class HybridFallback:
                 f"its first argument, got {type(hidden).__name__}"
             )
         given = [b.call for b in self._stack()[-1:]] + [call]
-        native = row.native and all(call.get(name) is not None for name in row.native)
+        native = bool(row.native) and all(call.get(name) is not None for name in row.native)
+        native = native and not (row.one_row and hidden.shape[0] > 1)
         if native and kernels_take_boundaries(hidden.device, row.packages):
             return original(*args, **kwargs)  # its kernels keep the documents apart
         batch, seq_len = int(hidden.shape[0]), int(hidden.shape[1])
@@ -356,10 +357,11 @@ def keep_documents_apart(model: nn.Module) -> HybridFallback:
 
     A layer is left alone, per call, when its kernels take the boundaries: inputs on CUDA,
     the layer's kernel packages importable (``mamba_ssm`` and ``causal_conv1d`` for Mamba-2,
-    ``fla`` and ``causal_conv1d`` for the delta rule, ``causal_conv1d`` for short
+    ``fla`` and ``causal_conv1d`` for the Gated DeltaNet, ``causal_conv1d`` for short
     convolutions) and the call giving it what they read (``seq_idx``; ``cu_seq_lens_q`` and
-    ``seq_idx`` for the delta rule). Mamba-1, lightning attention and the RG-LRU have no such
-    kernel: always per document.
+    ``seq_idx``, on one row, for the Gated DeltaNet). Kimi Delta Attention, Mamba-1,
+    lightning attention and the RG-LRU get no boundaries into any kernel in transformers
+    5.25: always per document.
 
     A packed call that does not set ``use_cache`` runs with ``use_cache=False``: a cache
     holds one state per row and cannot hold several documents. A layer given a cache on a

@@ -36,6 +36,8 @@ class MixerCall:
         packages: the kernel packages the layer needs to take the boundaries itself.
         native: the call's arguments through which it takes them (all must be given); empty:
             this layer never keeps packed documents apart by itself.
+        one_row: its kernel takes the boundaries for one row only (fla's varlen delta
+            rule): with several rows, per document.
     """
 
     family: str
@@ -44,31 +46,38 @@ class MixerCall:
     state: tuple[str, ...] = ("cache",)
     packages: tuple[str, ...] = ()
     native: tuple[str, ...] = ()
+    one_row: bool = False
 
 
 # Mamba-2 (SSD) and short convolutions hand ``seq_idx`` to mamba_ssm's chunk scan and to
 # causal_conv1d_fn; the Gated DeltaNet family hands ``cu_seq_lens_q`` to fla's chunked delta
-# rule (as ``cu_seqlens``) and ``seq_idx`` to its convolution. Mamba-1's selective scan, the
+# rule (as ``cu_seqlens``, one row) and ``seq_idx`` to its convolution. Kimi Delta Attention
+# is handed ``cu_seq_lens_q`` where fla's chunk_kda reads ``cu_seqlens`` (glm5_next's and
+# bailing_hybrid's linear attention make the same call); Mamba-1's selective scan, the
 # lightning attention and the RG-LRU take no boundaries in any kernel transformers calls.
 _MAMBA2 = MixerCall("Mamba-2", packages=("mamba_ssm", "causal_conv1d"), native=("seq_idx",))
 _MAMBA1 = MixerCall("Mamba-1")
 _DELTA = MixerCall(
-    "gated delta rule", packages=("fla", "causal_conv1d"), native=("cu_seq_lens_q", "seq_idx")
+    "gated delta rule",
+    packages=("fla", "causal_conv1d"),
+    native=("cu_seq_lens_q", "seq_idx"),
+    one_row=True,
 )
+_KDA = MixerCall("Kimi delta attention")
 _CONV = MixerCall("short convolution", packages=("causal_conv1d",), native=("seq_idx",))
 
 MIXERS: dict[str, MixerCall] = {
-    # Gated DeltaNet / Kimi Delta Attention: qwen3_next, qwen3_5, qwen3_5_moe, olmo_hybrid,
-    # lara_mini, qwen4_exp, kimi_linear, glm5_next, bailing_hybrid.
+    # Gated DeltaNet: qwen3_next, qwen3_5, qwen3_5_moe, olmo_hybrid, lara_mini, qwen4_exp.
     "Qwen3NextGatedDeltaNet": _DELTA,
     "Qwen3_5GatedDeltaNet": _DELTA,
     "Qwen3_5MoeGatedDeltaNet": _DELTA,
     "OlmoHybridGatedDeltaNet": _DELTA,
     "LaraMiniGatedDeltaNet": _DELTA,
     "Qwen4ExpTextGatedDeltaNet": _DELTA,
-    "KimiLinearDeltaAttention": _DELTA,
-    "Glm5NextTextLinearAttention": _DELTA,
-    "BailingHybridDeltaAttention": _DELTA,
+    # Kimi Delta Attention: kimi_linear, glm5_next, bailing_hybrid.
+    "KimiLinearDeltaAttention": _KDA,
+    "Glm5NextTextLinearAttention": _KDA,
+    "BailingHybridDeltaAttention": _KDA,
     # Mamba-2: falcon_h1, bamba, granitemoehybrid, nemotron_h, zamba2.
     "FalconH1Mixer": _MAMBA2,
     "BambaMixer": _MAMBA2,
