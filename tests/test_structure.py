@@ -109,6 +109,7 @@ LAYERS: list[tuple[str, ...]] = [
         "flexmask.inference",
         "flexmask.context_parallel",
         "flexmask.integrations",
+        "flexmask.gallery",  # mask families by their sources' names, composed of pieces
         "flexmask.plotting",
     ),
     ("flexmask",),
