@@ -225,7 +225,13 @@ HYBRIDS: dict[str, tuple[str, dict]] = {
             mlp_layer_types=["dense", "dense"],
         ),
     ),
+    # transformers 5.25 builds Inkling2 with eager attention only.
+    "inkling2": (
+        "Inkling2TextConfig",
+        dict(num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"], sliding_window=32),
+    ),
 }
+EAGER_ONLY = {"inkling2"}
 
 
 def packed_inputs(model, batch):

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from flexmask.integrations import hybrid  # noqa: E402
 from flexmask.integrations.hybrid import keep_documents_apart  # noqa: E402
-from tests.hybrid_models import HYBRIDS, packed_inputs, tiny_model  # noqa: E402
+from tests.hybrid_models import EAGER_ONLY, HYBRIDS, packed_inputs, tiny_model  # noqa: E402
 
 FAST = ["qwen3_next", "falcon_h1", "lfm2"]  # gated delta rule, Mamba-2, short convolution
 SLOW = [name for name in HYBRIDS if name not in FAST]
@@ -89,6 +89,8 @@ def test_packed_equals_each_document_alone(name):
 def test_every_architecture_and_implementation(name, implementation):
     if name in FAST and implementation == "sdpa":
         pytest.skip("a fast test")
+    if name in EAGER_ONLY and implementation != "eager":
+        pytest.skip(f"transformers builds {name} with eager attention only")
     _check_architecture(name, implementation)
 
 
@@ -234,3 +236,25 @@ def test_a_layer_called_outside_the_model_needs_the_boundaries():
     with torch.no_grad():
         want = torch.cat([layer(x[:, :2]), layer(x[:, 2:])], dim=1)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_mixer_flexmask_does_not_know_is_named():
+    """Zaya's attention convolves its queries and keys over tokens (a depthwise Conv1d in
+    its projection): not in the table, so refused by name rather than run leaking."""
+    import transformers
+
+    config = transformers.ZayaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"ZayaCCAProjection\): its \w+ is a depthwise Conv1d"):
+        keep_documents_apart(model)
