@@ -162,6 +162,19 @@ def test_a_cache_on_a_packed_row_is_refused_and_generation_is_untouched():
     assert torch.equal(before, after)
 
 
+def test_left_padded_generation_is_one_sequence_per_row():
+    """generate's left padding (positions 0 on padding, 0 at the prompt's first token, a 0/1
+    attention_mask) is no packed row: the layers run as they were, with their cache."""
+    model = tiny_model("bamba")
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 9, 4, 17, 5]])
+    attention = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        before = model.generate(ids, attention_mask=attention, max_new_tokens=3, do_sample=False)
+        with keep_documents_apart(model):
+            after = model.generate(ids, attention_mask=attention, max_new_tokens=3, do_sample=False)
+    assert torch.equal(before, after)
+
+
 def test_install_is_idempotent_and_remove_restores():
     model = tiny_model("jamba")
     first = keep_documents_apart(model)

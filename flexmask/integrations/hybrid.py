@@ -63,9 +63,13 @@ class _Boundaries:
         positions = self.call.get("position_ids")
         if positions is not None:
             rows = _rows(positions, batch, seq_len, "position_ids")
-            if rows.dim() == 3:  # multimodal rotary positions (3, B, S): the text axis
-                rows = rows[0]
-            return _change_points(rows[:, 1:] == 0)
+            restart = rows[:, 1:] == 0
+            padding = self.call.get("attention_mask")
+            if isinstance(padding, Tensor) and tuple(padding.shape) == (batch, seq_len):
+                # A left-padded row (generate's: padding at positions 0 or 1, the prompt from 0)
+                # is one sequence: a restart after padding alone starts nothing.
+                restart &= padding.bool().cumsum(-1)[:, :-1] > 0
+            return _change_points(restart)
         return None
 
 
