@@ -355,7 +355,8 @@ def keep_documents_apart(model: nn.Module) -> HybridFallback:
     ``seq_idx`` (a document starts where it changes), else ``position_ids``: a document
     starts at every token whose position is 0 — as transformers' own flash path reads a
     packed row, and as ``flexmask.pack`` and ``DataCollatorWithFlattening`` lay it out (a
-    padding token of ``flexmask.pack``, at position 0, is a document of its own). A row with
+    padding token of ``flexmask.pack``, at position 0, is a document of its own), except
+    after nothing but padding in a 2-D ``attention_mask`` (``generate``'s left padding). A row with
     no second start runs the layer as it was, minus the packing arguments (so generation,
     one token at a time, is untouched). Those arguments never reach a layer run per document.
 
