@@ -13,20 +13,23 @@ compared and cached by value.
 * ``local``, 512 keys back: ``causal() & sliding_window(513)``;
 * ``sink_local``, 4 sinks + local 512: ``causal() & (prefix(4) | sliding_window(513))``;
 * ``tree_dfs`` / ``tree_bfs``, a binary tree of 127 nodes: ``tree(parents)``;
-* ``longformer``, radius 256 + 8 global tokens: ``sliding_window(257) | global_tokens(g)``;
-* ``hstu``, packed context / target: ``causal() & document(lens) & (global_tokens(context)
-  | sliding_window(1))``.
+* ``longformer``, radius 256 + 8 global tokens: ``sliding_window(257) | global_tokens(g)``,
+  each global token two ``document`` cuts and a ``spans`` (``flexmask.gallery._global``);
+* ``hstu``, packed context / target: ``causal() & document(lens) & (~spans(targets) |
+  sliding_window(1))`` (a target sees no other target of its document).
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from typing import Literal
 
 from flexmask.algebra import Mask
+from flexmask.gallery._global import global_tokens
 from flexmask.pieces import causal as _causal
-from flexmask.pieces import document, prefix, sliding_window, tree
+from flexmask.pieces import document, prefix, sliding_window, spans, tree
 
 STANDARD_SEQLEN = 128 * 1024
 """The suite's sequence length: 128K tokens."""
@@ -199,8 +202,6 @@ def longformer(
         ⬚ ⬚ ⬚ ■ ■ ⬚
         ⬚ ⬚ ⬚ ■ ⬚ ■
     """
-    from flexmask.pieces import global_tokens
-
     chosen = {min(int((i + 0.5) * seqlen / global_count), seqlen - 1) for i in range(global_count)}
     is_global = [token in chosen for token in range(seqlen)]
     return sliding_window(local_radius + 1) | global_tokens(is_global)
@@ -222,14 +223,14 @@ def hstu(seqlen: int = STANDARD_SEQLEN, *, seed: int = 42) -> Mask:
         ■ ■ ■ ⬚ ■ ⬚
         ■ ■ ■ ⬚ ⬚ ■
     """
-    from flexmask.pieces import global_tokens
-
     contexts, targets = hstu_lengths(seqlen, seed=seed)
-    is_context: list[bool] = []
-    for context, target in zip(contexts, targets, strict=True):
-        is_context += [True] * context + [False] * target
+    # Each document's target run is one span: a target query sees, of its document's
+    # causal keys, none in its own run but itself; a context query has no target before it.
+    target_ids: list[int] = []
+    for number, (context, target) in enumerate(zip(contexts, targets, strict=True)):
+        target_ids += [-1] * context + [number] * target
     lengths = [context + target for context, target in zip(contexts, targets, strict=True)]
-    return _causal() & document(lengths) & (global_tokens(is_context) | sliding_window(1))
+    return _causal() & document(lengths) & (~spans(target_ids) | sliding_window(1))
 
 
 def hstu_lengths(seqlen: int, *, seed: int = 42) -> tuple[list[int], list[int]]:
@@ -250,7 +251,7 @@ def make_mask(name: str, seqlen: int = STANDARD_SEQLEN) -> Mask:
         >>> cudnn.make_mask("local", 1024) == cudnn.local()
         True
     """
-    makers = {
+    makers: dict[str, Callable[[int], Mask]] = {
         "causal": causal,
         "document_causal": document_causal,
         "local": local,
