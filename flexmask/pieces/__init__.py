@@ -10,6 +10,7 @@ from flexmask.pieces.chunked import Chunked, chunked
 from flexmask.pieces.constant import Empty, Full, empty, full
 from flexmask.pieces.custom import FromMaskMod, VmappedMod, from_mask_mod
 from flexmask.pieces.document import Document, document
+from flexmask.pieces.global_tokens import GlobalTokens, global_tokens
 from flexmask.pieces.padding import Padding, padding
 from flexmask.pieces.per_head import PerHead, per_head
 from flexmask.pieces.position_window import PositionWindow
@@ -26,6 +27,7 @@ __all__ = [
     "Empty",
     "FromMaskMod",
     "Full",
+    "GlobalTokens",
     "Padding",
     "PerHead",
     "Piece",
@@ -43,6 +45,7 @@ __all__ = [
     "empty",
     "from_mask_mod",
     "full",
+    "global_tokens",
     "padding",
     "per_head",
     "prefix",

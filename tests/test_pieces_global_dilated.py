@@ -1,0 +1,270 @@
+"""global_tokens(is_global) (Longformer's global attention) and dilated(dilation).
+
+Every build is compared, as whole tensors, with torch's own ``create_block_mask`` of a
+plain dense oracle written here from the definitions (q attends kv iff ``is_global[b, q]
+or is_global[b, kv]``, positions past the data not global; iff ``(q - kv) % d == 0``) —
+over B and H > 1, shared and per-row data, rectangular and tiny blocks, lengths that are
+not block multiples, windows at offsets (per row too), rows that attend nothing, negations
+and the compositions the gallery uses (Longformer, packed HSTU, attn-gym's dilated sliding
+window). The lowerings are read back through each format's own documented meaning
+(``test_formats``' decoders) and compared with the same oracle, or refuse naming the piece."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+
+import numpy as np
+import pytest
+import torch
+from attn_gym.masks.global_sliding_window import generate_global_sliding_window
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flexmask
+from flexmask.formats import to_fa4, to_flashmask, to_magi, to_varlen
+from flexmask.pieces import global_tokens
+from tests import oracle
+from tests.test_formats import flashmask_dense, magi_dense
+from tests.test_formats_fa4 import fa4_dense
+
+CLASSIFY = sys.modules["flexmask.builders.classify"]
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+BLOCKS = st.sampled_from([1, 2, 3, 4, 8, 16, (2, 4), (4, 3), (8, 3), (16, 5)])
+
+
+# ------------------------------------------------------------------------------ the oracles
+def global_plain(flags: list[bool], n: int) -> np.ndarray:
+    """(n, n): q attends kv iff either is global; positions past ``flags`` are not."""
+    g = [bool(flags[i]) if i < len(flags) else False for i in range(n)]
+    out = np.zeros((n, n), dtype=bool)
+    for q in range(n):
+        for kv in range(n):
+            out[q, kv] = g[q] or g[kv]
+    return out
+
+
+def dilated_plain(d: int, n: int) -> np.ndarray:
+    out = np.zeros((n, n), dtype=bool)
+    for q in range(n):
+        for kv in range(n):
+            out[q, kv] = (q - kv) % d == 0
+    return out
+
+
+def windowed(whole_of_row, B, H, q_len, kv_len, q_off, kv_off) -> np.ndarray:
+    """(B, H, Q, KV): row b's whole (n, n) mask cut at its window."""
+    q_off = q_off if isinstance(q_off, list) else [q_off] * B
+    kv_off = kv_off if isinstance(kv_off, list) else [kv_off] * B
+    out = np.zeros((B, H, q_len, kv_len), dtype=bool)
+    for b in range(B):
+        n = max(q_off[b] + q_len, kv_off[b] + kv_len)
+        whole = whole_of_row(b, n)
+        out[b, :] = whole[q_off[b] : q_off[b] + q_len, kv_off[b] : kv_off[b] + kv_len]
+    return out
+
+
+def build(mask, B, H, q_len, kv_len, block, q_off=0, kv_off=0):
+    return flexmask.create_block_mask(
+        mask, B, H, q_len, kv_len, "cpu", block, q_offset=q_off, kv_offset=kv_off
+    )
+
+
+@st.composite
+def flag_rows(draw, rows: int, length: int) -> list[list[bool]]:
+    """``rows`` lists of flags, sparse, dense, none or all global, of any length up to
+    ``length + 4`` (past the sequence: truncated)."""
+    out = []
+    for _ in range(rows):
+        n = draw(st.integers(0, length + 4))
+        kind = draw(st.sampled_from(["none", "all", "sparse", "dense", "mixed"]))
+        if kind in ("none", "all"):
+            out.append([kind == "all"] * n)
+        else:
+            p = {"sparse": 0.1, "dense": 0.8, "mixed": 0.5}[kind]
+            out.append([draw(st.floats(0, 1)) < p for _ in range(n)])
+    return out
+
+
+@st.composite
+def windows(draw, B: int, length: int):
+    q_len = draw(st.integers(1, length + 8), label="q_len")
+    kv_len = draw(st.integers(1, length + 8), label="kv_len")
+    offsets = st.integers(0, 2 * length)
+    pick = draw(st.integers(0, 2))
+    if pick == 0:
+        return q_len, kv_len, 0, 0
+    if pick == 1:
+        return q_len, kv_len, draw(offsets), draw(offsets)
+    q_off = draw(st.lists(offsets, min_size=B, max_size=B))
+    kv_off = draw(st.lists(offsets, min_size=B, max_size=B))
+    return q_len, kv_len, q_off, kv_off
+
+
+# --------------------------------------------------------------------------- global_tokens
+@SETTINGS
+@given(data=st.data(), B=st.integers(1, 3), H=st.integers(1, 2), length=st.integers(1, 40))
+def test_global_builds_equal_torch_of_the_oracle(data, B, H, length):
+    per_row = data.draw(st.booleans(), label="per_row")
+    rows = data.draw(flag_rows(B if per_row else 1, length), label="flags")
+    given_as = rows if per_row else rows[0]
+    as_tensor = data.draw(st.booleans())
+    # Tensors, bool or 0/1 ints, where the rows are as long.
+    if as_tensor and (not per_row or len({len(r) for r in rows}) == 1):
+        dtype = data.draw(st.sampled_from([torch.bool, torch.int32, torch.int64]))
+        given_as = torch.tensor(given_as, dtype=torch.bool).to(dtype)
+    piece = global_tokens(given_as, truncate=True)
+    q_len, kv_len, q_off, kv_off = data.draw(windows(B, length))
+    block = data.draw(BLOCKS, label="block")
+
+    def flags(b):
+        return rows[b if per_row else 0]
+
+    g = windowed(lambda b, n: global_plain(flags(b), n), B, H, q_len, kv_len, q_off, kv_off)
+    qo = np.asarray(q_off).reshape(-1, 1, 1, 1) + np.arange(q_len).reshape(1, 1, -1, 1)
+    ko = np.asarray(kv_off).reshape(-1, 1, 1, 1) + np.arange(kv_len).reshape(1, 1, 1, -1)
+    causal = np.broadcast_to(ko <= qo, g.shape)
+    size = data.draw(st.integers(1, 12), label="window")
+    window = np.broadcast_to(np.abs(qo - ko) < size, g.shape)
+    diagonal = np.broadcast_to(qo == ko, g.shape)
+    docs = data.draw(st.lists(st.integers(1, 12), min_size=1, max_size=6), label="docs")
+    doc = windowed(lambda b, n: oracle.document(docs, n, n), B, H, q_len, kv_len, q_off, kv_off)
+    win, docm = flexmask.sliding_window(size), flexmask.document(docs, truncate=True)
+    shape = data.draw(st.integers(0, 5), label="shape")
+    mask, ref = [
+        (piece, g),
+        (~piece, ~g),
+        (win | piece, window | g),  # Longformer
+        # packed HSTU: documents, causal, context tokens global, others attend themselves
+        (
+            docm & flexmask.causal() & (piece | flexmask.sliding_window(1)),
+            doc & causal & (g | diagonal),
+        ),
+        (~(flexmask.causal() & piece), ~(causal & g)),
+        (flexmask.causal() & ~piece, causal & ~g),  # global rows attend nothing
+    ][shape]
+    ours = build(mask, B, H, q_len, kv_len, block, q_off, kv_off)
+    reference = oracle.torch_build(np.ascontiguousarray(ref), block=block)
+    oracle.assert_same_block_mask(ours, reference, repr(mask))
+    if q_off == 0 and kv_off == 0:
+        assert np.array_equal(mask.to_dense(B, H, q_len, kv_len).numpy(), ref), repr(mask)
+
+
+def test_global_is_attn_gyms_longformer():
+    """``sliding_window(w + 1) | global_tokens(g)`` is attn-gym's
+    ``generate_global_sliding_window(w, g)``, as torch builds it, at lengths and blocks
+    that do not divide."""
+    S, w = 301, 7
+    gen = torch.Generator().manual_seed(0)
+    is_global = torch.rand(S, generator=gen) < 0.05
+    is_global[0] = True  # a CLS token
+    gym = generate_global_sliding_window(w, is_global)
+    mask = flexmask.sliding_window(w + 1) | global_tokens(is_global)
+    for block in (128, 64, (32, 48)):
+        ours = flexmask.create_block_mask(mask, 2, 3, S, S, "cpu", block)
+        oracle.assert_same_block_mask(ours, oracle.torch_build(gym, 2, 3, S, S, block))
+
+
+def test_global_builds_without_evaluating_an_element(monkeypatch):
+    evaluated = []
+    original = CLASSIFY.refine_by_evaluation
+
+    def counting(codes, tiles, evaluate, grid):
+        evaluated.append(tiles.shape[0])
+        return original(codes, tiles, evaluate, grid)
+
+    monkeypatch.setattr(CLASSIFY, "refine_by_evaluation", counting)
+    flags = (torch.arange(1000) % 97 == 3).tolist()
+    piece = global_tokens(flags)
+    flexmask.create_block_mask(piece, 1, 1, 1000, 1000, "cpu", 128)
+    flexmask.create_block_mask(~piece, 1, 1, 1000, 900, "cpu", (64, 32))
+    assert evaluated == []
+
+
+def test_global_mask_mod_is_the_definition_and_one_shape_per_length():
+    a = global_tokens([[1, 0, 0, 1], [0, 0, 0, 0]])
+    b = global_tokens([[0, 1], [1, 0]])
+    mod_a, mod_b = a.mask_mod_for(50, 50), b.mask_mod_for(50, 50)
+    assert mod_a.is_global.shape == mod_b.is_global.shape == (2, 51)
+    rows = [[1, 0, 0, 1], [0, 0, 0, 0]]
+    want = np.stack([global_plain(r, 50) for r in rows])[:, None]
+
+    def definition(b_, h, q, kv):
+        return torch.as_tensor(want)[b_, h, q, kv]
+
+    mine = oracle.torch_build(mod_a, 2, 1, 50, 50, 16)
+    oracle.assert_same_block_mask(mine, oracle.torch_build(definition, 2, 1, 50, 50, 16))
+
+
+def test_global_key_validation_and_errors():
+    a = global_tokens([True, False, True])
+    for same in (
+        global_tokens([1, 0, 1]),
+        global_tokens(torch.tensor([1, 0, 1], dtype=torch.uint8)),
+        global_tokens(np.array([True, False, True])),
+        pickle.loads(pickle.dumps(a)),
+    ):
+        assert same == a and hash(same) == hash(a)
+    assert a != global_tokens([1, 0, 0]) and a != global_tokens([[1, 0, 1], [1, 0, 1]])
+    assert global_tokens([[1, 0], [0, 1]]).rows == 2
+    with pytest.raises(ValueError, match=r"is_global\[1\] must be True/False.*got 2"):
+        global_tokens([1, 2])
+    with pytest.raises(ValueError, match=r"is_global\[1\]\[0\] must be True/False.*got -1"):
+        global_tokens([[1], [-1]])
+    with pytest.raises(TypeError, match="is_global"):
+        global_tokens([0.5, 1.0])
+    with pytest.raises(TypeError, match="is_global"):
+        global_tokens(torch.tensor([0.0, 1.0]))
+    # A global token past the sequence raises unless truncate; False past it is ignored.
+    with pytest.raises(ValueError, match=r"global_?tokens.*is_global reach position 6.*truncate"):
+        flexmask.create_block_mask(global_tokens([0] * 5 + [1]), 1, 1, 4, 4, "cpu", 2)
+    flexmask.create_block_mask(global_tokens([1] + [0] * 9), 1, 1, 4, 4, "cpu", 2)
+    cut = global_tokens([0] * 5 + [1], truncate=True)
+    assert not cut.to_dense(1, 1, 4, 4).any()
+    with pytest.raises(ValueError, match="is_global is given for 2 batch rows but B=3"):
+        flexmask.create_block_mask(global_tokens([[1], [0]]), 3, 1, 4, 4, "cpu", 2)
+
+
+@SETTINGS
+@given(data=st.data(), batch=st.integers(1, 3), q_len=st.integers(1, 20), kv_len=st.integers(1, 20))
+def test_global_formats_are_exact_or_refuse_naming_the_piece(data, batch, q_len, kv_len):
+    heads = 2
+    if data.draw(st.booleans()):
+        kv_len = q_len
+    q_off = data.draw(st.integers(0, 6)) if data.draw(st.booleans()) else 0
+    kv_off = data.draw(st.integers(0, 6)) if data.draw(st.booleans()) else 0
+    n = max(q_off + q_len, kv_off + kv_len)
+    per_row = data.draw(st.booleans())
+    rows = data.draw(flag_rows(batch if per_row else 1, n))
+    piece = global_tokens(rows if per_row else rows[0], truncate=True)
+    g = np.stack([global_plain(rows[b if per_row else 0], n) for b in range(batch)])
+    size = data.draw(st.integers(1, 6))
+    causal = np.tril(np.ones((n, n), dtype=bool))
+    window = np.abs(np.arange(n)[:, None] - np.arange(n)[None, :]) < size
+    mask, whole = data.draw(
+        st.sampled_from(
+            [
+                (piece, g),
+                (flexmask.sliding_window(size) | piece, window | g),
+                (flexmask.causal() & piece, causal & g),
+                (~piece, ~g),
+                (~(flexmask.causal() & piece), ~(causal & g)),
+            ]
+        )
+    )
+    want = whole[:, q_off : q_off + q_len, kv_off : kv_off + kv_len]
+    window_at = {"q_offset": q_off, "kv_offset": kv_off}
+    m = to_magi(mask, batch, None, q_len, kv_len, **window_at)  # any union of intervals
+    assert np.array_equal(magi_dense(m, batch, q_len, kv_len), want), repr(mask)
+    try:
+        f = to_flashmask(mask, batch, heads, q_len, kv_len, **window_at)
+        got = flashmask_dense(f.startend_row_indices, f.causal, q_len)
+        assert np.array_equal(np.broadcast_to(got, (batch, heads, q_len, kv_len))[:, 0], want)
+    except ValueError as error:  # only columns of more than two masked runs
+        assert "intervals" in str(error) and "global_tokens(" in str(error), error
+    with pytest.raises(ValueError, match=r"global_tokens\(.*cannot be lowered to varlen"):
+        to_varlen(piece & flexmask.causal(), batch, None, q_len, kv_len)
+    if q_off == kv_off == 0:
+        fa4 = to_fa4(mask, batch, heads, q_len, kv_len, q_block=4, kv_block=3)
+        assert np.array_equal(fa4_dense(fa4, batch, heads)[:, 0], want), repr(mask)
