@@ -17,13 +17,14 @@ import sys
 import numpy as np
 import pytest
 import torch
+from attn_gym.masks.dilated_sliding_window import generate_dilated_sliding_window
 from attn_gym.masks.global_sliding_window import generate_global_sliding_window
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flexmask
 from flexmask.formats import to_fa4, to_flashmask, to_magi, to_varlen
-from flexmask.pieces import global_tokens
+from flexmask.pieces import dilated, global_tokens
 from tests import oracle
 from tests.test_formats import flashmask_dense, magi_dense
 from tests.test_formats_fa4 import fa4_dense
@@ -268,3 +269,145 @@ def test_global_formats_are_exact_or_refuse_naming_the_piece(data, batch, q_len,
     if q_off == kv_off == 0:
         fa4 = to_fa4(mask, batch, heads, q_len, kv_len, q_block=4, kv_block=3)
         assert np.array_equal(fa4_dense(fa4, batch, heads)[:, 0], want), repr(mask)
+
+
+# --------------------------------------------------------------------------------- dilated
+@SETTINGS
+@given(data=st.data(), B=st.integers(1, 3), H=st.integers(1, 2), length=st.integers(1, 40))
+def test_dilated_builds_equal_torch_of_the_oracle(data, B, H, length):
+    per_row = data.draw(st.booleans(), label="per_row")
+    # 1 (full), small steps, and steps past the sequence (only the diagonal).
+    step = st.one_of(st.integers(1, 5), st.integers(1, length + 50))
+    steps = data.draw(st.lists(step, min_size=B if per_row else 1, max_size=B if per_row else 1))
+    piece = dilated(steps if per_row else steps[0])
+    q_len, kv_len, q_off, kv_off = data.draw(windows(B, length))
+    block = data.draw(BLOCKS, label="block")
+
+    def step_of(b):
+        return steps[b if per_row else 0]
+
+    d = windowed(lambda b, n: dilated_plain(step_of(b), n), B, H, q_len, kv_len, q_off, kv_off)
+    qo = np.asarray(q_off).reshape(-1, 1, 1, 1) + np.arange(q_len).reshape(1, 1, -1, 1)
+    ko = np.asarray(kv_off).reshape(-1, 1, 1, 1) + np.arange(kv_len).reshape(1, 1, 1, -1)
+    causal = np.broadcast_to(ko <= qo, d.shape)
+    size = data.draw(st.integers(1, 12), label="window")
+    window = np.broadcast_to(np.abs(qo - ko) < size, d.shape)
+    flags = data.draw(flag_rows(1, length), label="flags")[0]
+    g = windowed(lambda b, n: global_plain(flags, n), B, H, q_len, kv_len, q_off, kv_off)
+    win, gl = flexmask.sliding_window(size), global_tokens(flags, truncate=True)
+    shape = data.draw(st.integers(0, 5), label="shape")
+    mask, ref = [
+        (piece, d),
+        (~piece, ~d),
+        (win & piece, window & d),  # attn-gym's dilated sliding window
+        (~(flexmask.causal() & piece), ~(causal & d)),
+        (flexmask.causal() & piece & gl, causal & d & g),  # rows that attend nothing
+        ((win & piece) | gl, (window & d) | g),
+    ][shape]
+    ours = build(mask, B, H, q_len, kv_len, block, q_off, kv_off)
+    reference = oracle.torch_build(np.ascontiguousarray(ref), block=block)
+    oracle.assert_same_block_mask(ours, reference, repr(mask))
+    if q_off == 0 and kv_off == 0:
+        assert np.array_equal(mask.to_dense(B, H, q_len, kv_len).numpy(), ref), repr(mask)
+
+
+def test_dilated_is_attn_gyms_dilated_sliding_window():
+    S = 333
+    for w, step in ((8, 2), (64, 3), (100, 7), (5, 1)):
+        gym = generate_dilated_sliding_window(w, step)
+        mask = flexmask.sliding_window(w + 1) & dilated(step)
+        for block in (128, (32, 48)):
+            ours = flexmask.create_block_mask(mask, 1, 2, S, S, "cpu", block)
+            oracle.assert_same_block_mask(ours, oracle.torch_build(gym, 1, 2, S, S, block))
+
+
+def test_dilated_far_windows_and_huge_steps_do_not_overflow():
+    """Positions near 2**63 and a dilation near it: the classifier's arithmetic stays in
+    int64 (a wrapped difference would mark blocks wrongly)."""
+    big = 2**62
+    for step, q_off, kv_off in ((3, big, 0), (2**63 - 1, 0, big), (5, big + 7, big), (1, 0, big)):
+        q_len, kv_len = 37, 29
+
+        def definition(b, h, q_idx, kv_idx, step=step):  # written plainly, Python ints
+            return torch.remainder(q_idx - kv_idx, step) == 0
+
+        ours = build(dilated(step), 1, 1, q_len, kv_len, (8, 4), q_off, kv_off)
+        want = oracle.torch_build(
+            definition, 1, 1, q_len, kv_len, (8, 4), q_offset=q_off, kv_offset=kv_off
+        )
+        oracle.assert_same_block_mask(ours, want, f"dilated({step}) at {q_off}, {kv_off}")
+
+
+def test_dilated_builds_without_evaluating_an_element(monkeypatch):
+    evaluated = []
+    original = CLASSIFY.refine_by_evaluation
+
+    def counting(codes, tiles, evaluate, grid):
+        evaluated.append(tiles.shape[0])
+        return original(codes, tiles, evaluate, grid)
+
+    monkeypatch.setattr(CLASSIFY, "refine_by_evaluation", counting)
+    for step in (1, 2, 300, 5000):
+        flexmask.create_block_mask(dilated(step), 1, 1, 1000, 1000, "cpu", 128)
+        flexmask.create_block_mask(~dilated([step, 3]), 2, 1, 1000, 900, "cpu", (1, 1))
+    assert evaluated == []
+
+
+def test_dilated_key_and_errors():
+    assert dilated(2) == dilated(torch.tensor(2)) == pickle.loads(pickle.dumps(dilated(2)))
+    assert hash(dilated(2)) == hash(dilated(np.int64(2)))
+    assert dilated(2) != dilated(3) and dilated([2, 2]).rows == 2
+    mod = dilated([2, 3]).mask_mod_for(10, 10)
+    assert mod.dilation.shape == (2,)  # a tensor: a new step is no new Python constant
+    with pytest.raises(ValueError, match=r"dilation must be >= 1, got 0"):
+        dilated(0)
+    with pytest.raises(ValueError, match=r"dilation\[1\] must be >= 1, got -2"):
+        dilated([2, -2])
+    with pytest.raises(TypeError, match="dilation"):
+        dilated(1.5)
+    with pytest.raises(ValueError, match="dilation is given for 2 batch rows but B=3"):
+        flexmask.create_block_mask(dilated([1, 2]), 3, 1, 4, 4, "cpu", 2)
+
+
+@SETTINGS
+@given(data=st.data(), batch=st.integers(1, 2), q_len=st.integers(1, 16), kv_len=st.integers(1, 16))
+def test_dilated_formats_refuse_naming_the_piece_or_are_exact(data, batch, q_len, kv_len):
+    step = data.draw(st.integers(1, 4))
+    piece = dilated(step)
+    n = max(q_len, kv_len)
+    size = data.draw(st.integers(1, 6))
+    window = np.abs(np.arange(n)[:, None] - np.arange(n)[None, :]) < size
+    d = dilated_plain(step, n)
+    mask, whole = data.draw(
+        st.sampled_from(
+            [
+                (piece, d),
+                (flexmask.sliding_window(size) & piece, window & d),
+                (~(flexmask.causal() & piece), ~(np.tril(np.ones((n, n), bool)) & d)),
+            ]
+        )
+    )
+    want = np.broadcast_to(whole[:q_len, :kv_len], (batch, q_len, kv_len))
+    lowerings = {
+        "magi": lambda: magi_dense(to_magi(mask, batch, None, q_len, kv_len), batch, q_len, kv_len),
+        "flashmask": lambda: flashmask_dense(
+            (f := to_flashmask(mask, batch, 1, q_len, kv_len)).startend_row_indices, f.causal, q_len
+        )[:, 0],
+        "varlen": None,
+    }
+    for fmt, lower in lowerings.items():
+        if step == 1 and lower is None:  # dilation 1 constrains nothing: causal's varlen
+            ours = to_varlen(piece & flexmask.causal(), batch, None, q_len, q_len)
+            plain = to_varlen(flexmask.causal(), batch, None, q_len, q_len)
+            assert ours.cu_seqlens_q.tolist() == plain.cu_seqlens_q.tolist()
+            continue
+        if step == 1:
+            assert np.array_equal(np.broadcast_to(lower(), want.shape), want), (fmt, repr(mask))
+            continue
+        with pytest.raises(ValueError, match=rf"dilated\({step}\).*cannot be lowered to"):
+            if lower is None:
+                to_varlen(piece & flexmask.causal(), batch, None, q_len, kv_len)
+            else:
+                lower()
+    fa4 = to_fa4(mask, batch, 1, q_len, kv_len, q_block=4, kv_block=3)  # blocks: any mask
+    assert np.array_equal(fa4_dense(fa4, batch, 1)[:, 0], want), repr(mask)

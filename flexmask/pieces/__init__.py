@@ -9,6 +9,7 @@ from flexmask.pieces.causal import Causal, causal
 from flexmask.pieces.chunked import Chunked, chunked
 from flexmask.pieces.constant import Empty, Full, empty, full
 from flexmask.pieces.custom import FromMaskMod, VmappedMod, from_mask_mod
+from flexmask.pieces.dilated import Dilated, dilated
 from flexmask.pieces.document import Document, document
 from flexmask.pieces.global_tokens import GlobalTokens, global_tokens
 from flexmask.pieces.padding import Padding, padding
@@ -23,6 +24,7 @@ from flexmask.pieces.tree import Tree, tree
 __all__ = [
     "Causal",
     "Chunked",
+    "Dilated",
     "Document",
     "Empty",
     "FromMaskMod",
@@ -41,6 +43,7 @@ __all__ = [
     "VmappedMod",
     "causal",
     "chunked",
+    "dilated",
     "document",
     "empty",
     "from_mask_mod",
