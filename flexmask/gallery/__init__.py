@@ -12,9 +12,10 @@ compares and caches by value:
 docs/gallery.md lists each family with its source and the pieces it composes.
 """
 
-from flexmask.gallery import cudnn
+from flexmask.gallery import attn_gym, cudnn
 
 __all__ = [
+    "attn_gym",
     "cudnn",
 ]
 
