@@ -411,3 +411,83 @@ def test_dilated_formats_refuse_naming_the_piece_or_are_exact(data, batch, q_len
                 lower()
     fa4 = to_fa4(mask, batch, 1, q_len, kv_len, q_block=4, kv_block=3)  # blocks: any mask
     assert np.array_equal(fa4_dense(fa4, batch, 1)[:, 0], want), repr(mask)
+
+
+# ------------------------------------------------------- windows far from 0, decode and CP
+def test_far_windows_hold_the_data_not_the_position():
+    """A window near 2**62 (``lookup_window``): the global tokens' lookup holds the data's
+    positions, not 2**62 of them; every position there is past the data, not global."""
+    big = 2**62
+    flags = [1, 0, 0, 1, 1, 0, 1]
+    mask = global_tokens(flags) | flexmask.sliding_window(3)
+
+    def definition(b, h, q_idx, kv_idx):
+        g = torch.tensor(flags + [0], dtype=torch.bool)
+        q_g = g[q_idx.clamp(max=len(flags))]
+        kv_g = g[kv_idx.clamp(max=len(flags))]
+        return q_g | kv_g | ((q_idx - kv_idx).abs() < 3)
+
+    for q_off, kv_off in ((big, big - 5), (big, 0), (3, big)):
+        ours = build(mask, 1, 1, 20, 17, (4, 8), q_off, kv_off)
+        want = oracle.torch_build(
+            definition, 1, 1, 20, 17, (4, 8), q_offset=q_off, kv_offset=kv_off
+        )
+        oracle.assert_same_block_mask(ours, want, f"at {q_off}, {kv_off}")
+
+
+def test_decode_steps_equal_torch_of_the_definition():
+    """``decode_mask`` of Longformer's and the dilated window's training masks: each row's
+    new queries at ``cache_lens[b]``, as torch builds the definition there."""
+    cache_lens, q_len, capacity = [5, 19, 0], 3, 40
+    rows = [[1, 0, 0, 0, 1, 0] + [0] * 30, [0] * 20 + [1], [0, 0, 1]]
+    dense_rows = torch.as_tensor(np.stack([global_plain(r, capacity + q_len) for r in rows]))
+    dil = torch.as_tensor(dilated_plain(3, capacity + q_len))
+    offsets = torch.tensor(cache_lens)
+    cases = [
+        (
+            flexmask.sliding_window(4) | global_tokens(rows),
+            lambda b, q, kv: dense_rows[b, q, kv] | ((q - kv).abs() < 4),
+        ),
+        (
+            flexmask.causal() & flexmask.sliding_window(9) & dilated([3, 3, 3]),
+            lambda b, q, kv: (kv <= q) & ((q - kv).abs() < 9) & dil[q, kv],
+        ),
+    ]
+    for mask, meaning in cases:
+        ours = flexmask.decode_mask(mask, cache_lens, q_len, capacity, block_size=(2, 8))
+
+        def definition(b, h, q_idx, kv_idx, meaning=meaning):
+            return meaning(b, q_idx + offsets[b], kv_idx)
+
+        want = oracle.torch_build(definition, 3, 1, q_len, capacity, (2, 8))
+        oracle.assert_same_block_mask(ours, want, repr(mask), own_storage=False)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_shards_equal_torch_of_the_oracle(world):
+    """Head-tail context-parallel shards of Longformer's mask and a dilated window: every
+    rank equals torch's blocks of the dense rows under the permutation."""
+    from tests.test_cp import check_against_oracle
+
+    S = 512
+    gen = torch.Generator().manual_seed(world)
+    flags = (torch.rand(S, generator=gen) < 0.03).tolist()
+    n = np.arange(S)
+    cases = [
+        (
+            flexmask.sliding_window(33) | global_tokens(flags),
+            global_plain(flags, S) | (np.abs(n[:, None] - n[None, :]) < 33),
+        ),
+        (
+            flexmask.causal() & flexmask.sliding_window(65) & dilated(4),
+            (n[None, :] <= n[:, None])
+            & (np.abs(n[:, None] - n[None, :]) < 65)
+            & dilated_plain(4, S),
+        ),
+    ]
+    for mask, dense in cases:
+        for rank in range(world):
+            shard = flexmask.shard(
+                mask, 1, 1, S, world_size=world, rank=rank, balancer="head_tail", BLOCK_SIZE=32
+            )
+            check_against_oracle(shard, dense, 1, 1)
