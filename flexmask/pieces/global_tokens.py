@@ -11,6 +11,7 @@ from flexmask._validate import digest, int_vector, is_nested, source_device
 from flexmask.algebra import (
     INF,
     UNUSED,
+    Extent,
     LineIntervals,
     Lowered,
     TileGrid,
@@ -76,6 +77,18 @@ class GlobalTokens(Piece):
     @property
     def carries_batch_data(self) -> bool:
         return True  # which tokens are global is the batch's data (a CLS token's place)
+
+    def check(self, extent: Extent) -> None:
+        if self._reach > extent.length and not self._truncate:
+            # Flags made for longer rows would be cut silently; said here, with the
+            # function's own name (the base names the piece by its class).
+            raise ValueError(
+                f"global_tokens' is_global marks position {self._reach - 1} global, past the "
+                f"sequence {extent.length_name} = {extent.length}: give is_global made for "
+                f"this sequence (attention reads S from dim 2 of (B, H, S, D) tensors), or "
+                f"pass global_tokens(..., truncate=True) to drop global tokens past its end"
+            )
+        super().check(extent)
 
     def classify_tiles(self, grid: TileGrid) -> Tensor:
         # A block attends somewhere iff one of its rows or columns is global, everywhere iff
