@@ -1,7 +1,7 @@
-"""``flexmask.gallery.attn_gym`` (and the gallery's global tokens) against attention-gym.
+"""``flexmask.gallery.attn_gym`` against attention-gym.
 
 The reference is attention-gym's own mask_mod (``attn_gym.masks``, installed), called on
-every (q, kv) pair; for ``global_tokens`` alone a plain ``is_global[q] | is_global[kv]``.
+every (q, kv) pair.
 Each gallery mask must attend exactly those pairs, and its BlockMask at B, H > 1 must equal
 torch's own ``create_block_mask`` of the reference as whole tensors, at sizes that are not
 multiples of the block and with small and unequal blocks.
@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 import flexmask
 from flexmask.gallery import attn_gym
-from flexmask.gallery._global import global_tokens
 from tests.oracle import assert_same_block_mask, torch_build
 
 masks = pytest.importorskip("attn_gym.masks")
@@ -96,16 +95,13 @@ def test_global_sliding_window(flags, w, block):
     is_global = torch.tensor(flags)
     mod = masks.generate_global_sliding_window(w, is_global)
     check(attn_gym.global_sliding_window(w, flags), mod, len(flags), block)
-    # global_tokens alone against its plain definition.
-    plain = is_global.view(-1, 1) | is_global.view(1, -1)
-    assert torch.equal(global_tokens(flags).to_dense(1, 1, len(flags), len(flags))[0, 0], plain)
 
 
 @settings(max_examples=12, deadline=None)
 @given(S=st.integers(1, 70), w=st.integers(0, 20), d=st.integers(1, 6), block=BLOCKS)
 def test_dilated_sliding_window(S, w, d, block):
     mod = masks.generate_dilated_sliding_window(w, d)
-    check(attn_gym.dilated_sliding_window(w, d, seq_len=S), mod, S, block)
+    check(attn_gym.dilated_sliding_window(w, d), mod, S, block)
 
 
 @settings(max_examples=12, deadline=None)
@@ -128,10 +124,8 @@ def test_bad_arguments_name_the_argument():
         attn_gym.shared_prefix([0, 2, 4, 5], [0, 0, 1])  # a continuation's continuation
     with pytest.raises(ValueError, match="prefix_document_id"):
         attn_gym.shared_prefix([0, 2, 4], [0])
-    with pytest.raises(TypeError, match="is_global"):
-        global_tokens("yes")
     with pytest.raises(ValueError, match="dilation"):
-        attn_gym.dilated_sliding_window(3, 0, seq_len=8)
+        attn_gym.dilated_sliding_window(3, 0)
     with pytest.raises(ValueError, match="block_size"):
         attn_gym.block_diffusion(8, 0)
 

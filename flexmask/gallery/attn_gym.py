@@ -11,9 +11,9 @@ arguments, and returns the same mask as a :class:`~flexmask.Mask` composed of pi
 * ``shared_prefix(offsets, prefix_document_id)``, one prompt and N continuations packed:
   ``tree(parents)``, each continuation hung under the last token of its prompt;
 * ``global_sliding_window(window_size, is_global)``, Longformer: ``sliding_window(window_size
-  + 1) | global_tokens(is_global)`` (``flexmask.gallery._global``);
-* ``dilated_sliding_window(window_size, dilation, seq_len=...)``: one ``PositionWindow``
-  whose positions put each residue class mod ``dilation`` in a range of its own;
+  + 1) | global_tokens(is_global)``;
+* ``dilated_sliding_window(window_size, dilation)``: ``sliding_window(window_size + 1) &
+  dilated(dilation)``;
 * ``block_diffusion(seq_len, block_size)``, BD3-LM's training mask over ``2 * seq_len``.
 
 Not here: ``jetspec_tree_causal`` and ``jetspec_training`` index queries from 0 against keys
@@ -27,8 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from flexmask.algebra import Mask
-from flexmask.gallery._global import global_tokens
-from flexmask.pieces import PositionWindow, document, prefix, tree
+from flexmask.pieces import PositionWindow, dilated, document, global_tokens, prefix, tree
 from flexmask.pieces import causal as _causal
 from flexmask.pieces import sliding_window as _window
 
@@ -155,30 +154,19 @@ def global_sliding_window(window_size: int, is_global: Any) -> Mask:
     return _window(_count(window_size, "window_size") + 1) | global_tokens(is_global)
 
 
-def dilated_sliding_window(window_size: int, dilation: int, *, seq_len: int) -> Mask:
+def dilated_sliding_window(window_size: int, dilation: int) -> Mask:
     """``generate_dilated_sliding_window``: ``|q_idx - kv_idx| <= window_size`` and a
     multiple of ``dilation``.
 
-    No piece tests a remainder; one ``PositionWindow`` holds it exactly: token ``i`` sits at
-    ``(i % dilation) * (seq_len + window_size + 1) + i``, so tokens of one residue class keep
-    their distances and any two classes lie more than ``window_size`` apart. The positions
-    need the length, hence ``seq_len`` (attention-gym's generator takes none).
-
     Example:
         >>> from flexmask.gallery import attn_gym
-        >>> print(attn_gym.dilated_sliding_window(2, 2, seq_len=4).show(4))
+        >>> print(attn_gym.dilated_sliding_window(2, 2).show(4))
         ■ ⬚ ■ ⬚
         ⬚ ■ ⬚ ■
         ■ ⬚ ■ ⬚
         ⬚ ■ ⬚ ■
     """
-    size = _count(window_size, "window_size")
-    step = _count(dilation, "dilation")
-    length = _count(seq_len, "seq_len")
-    if step < 1 or length < 1:
-        raise ValueError(f"dilation and seq_len must be >= 1, got {step} and {length}")
-    spread = length + size + 1
-    return PositionWindow(size + 1, [(i % step) * spread + i for i in range(length)])
+    return _window(_count(window_size, "window_size") + 1) & dilated(dilation)
 
 
 def block_diffusion(seq_len: int, block_size: int) -> Mask:

@@ -13,10 +13,9 @@ compared and cached by value.
 * ``local``, 512 keys back: ``causal() & sliding_window(513)``;
 * ``sink_local``, 4 sinks + local 512: ``causal() & (prefix(4) | sliding_window(513))``;
 * ``tree_dfs`` / ``tree_bfs``, a binary tree of 127 nodes: ``tree(parents)``;
-* ``longformer``, radius 256 + 8 global tokens: ``sliding_window(257) | global_tokens(g)``,
-  each global token two ``document`` cuts and a ``spans`` (``flexmask.gallery._global``);
-* ``hstu``, packed context / target: ``causal() & document(lens) & (~spans(targets) |
-  sliding_window(1))`` (a target sees no other target of its document).
+* ``longformer``, radius 256 + 8 global tokens: ``sliding_window(257) | global_tokens(g)``;
+* ``hstu``, packed context / target: ``causal() & document(lens) & (global_tokens(context)
+  | sliding_window(1))``.
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ from collections.abc import Callable
 from typing import Literal
 
 from flexmask.algebra import Mask
-from flexmask.gallery._global import global_tokens
 from flexmask.pieces import causal as _causal
-from flexmask.pieces import document, prefix, sliding_window, spans, tree
+from flexmask.pieces import document, global_tokens, prefix, sliding_window, tree
 
 STANDARD_SEQLEN = 128 * 1024
 """The suite's sequence length: 128K tokens."""
@@ -224,13 +222,11 @@ def hstu(seqlen: int = STANDARD_SEQLEN, *, seed: int = 42) -> Mask:
         ■ ■ ■ ⬚ ⬚ ■
     """
     contexts, targets = hstu_lengths(seqlen, seed=seed)
-    # Each document's target run is one span: a target query sees, of its document's
-    # causal keys, none in its own run but itself; a context query has no target before it.
-    target_ids: list[int] = []
-    for number, (context, target) in enumerate(zip(contexts, targets, strict=True)):
-        target_ids += [-1] * context + [number] * target
+    is_context: list[bool] = []
+    for context, target in zip(contexts, targets, strict=True):
+        is_context += [True] * context + [False] * target
     lengths = [context + target for context, target in zip(contexts, targets, strict=True)]
-    return _causal() & document(lengths) & (~spans(target_ids) | sliding_window(1))
+    return _causal() & document(lengths) & (global_tokens(is_context) | sliding_window(1))
 
 
 def hstu_lengths(seqlen: int, *, seed: int = 42) -> tuple[list[int], list[int]]:
