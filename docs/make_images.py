@@ -14,6 +14,7 @@ import torch
 
 import flexmask
 from flexmask.packing import pack_one_tree
+from flexmask.pieces import dilated, global_tokens
 
 S = 2048
 IMG = pathlib.Path(__file__).resolve().parent / "img"
@@ -22,6 +23,11 @@ IMG = pathlib.Path(__file__).resolve().parent / "img"
 def chunked(b, h, q_idx, kv_idx):
     """Chunked attention (as in Llama 4): attend only within the same 512-token chunk."""
     return q_idx // 512 == kv_idx // 512
+
+
+def global_flags() -> list[bool]:
+    """Longformer's global tokens: a CLS token and two question tokens mid-sequence."""
+    return [i in (0, 700, 1500) for i in range(S)]
 
 
 def shared_prefix_tree():
@@ -76,6 +82,14 @@ def images() -> dict[str, tuple[flexmask.Mask, dict]]:
             flexmask.causal()
             & (flexmask.selected(router_picks(), tile=128) | flexmask.sliding_window(256)),
             {"title": "causal() & (selected(top-4 tiles of 128) | sliding_window(256))"},
+        ),
+        "global_tokens.png": (
+            flexmask.sliding_window(129) | global_tokens(global_flags()),
+            {"title": "sliding_window(129) | global_tokens(is_global): Longformer, 3 global"},
+        ),
+        "dilated.png": (
+            flexmask.sliding_window(257) & dilated(64),
+            {"title": "sliding_window(257) & dilated(64)"},
         ),
         "per_head.png": (
             flexmask.per_head(flexmask.causal(), flexmask.causal() & flexmask.chunked(512)),
