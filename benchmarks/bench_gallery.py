@@ -120,7 +120,10 @@ def measure(mask: flexmask.Mask, B: int, S: int, repeat: int) -> tuple[list[str]
         "build": lambda: flexmask_build(mask, B, S),
         **{name: (lambda f=f: attempt(lambda: f(mask, B, S))) for name, f in LOWERINGS.items()},
     }
-    results = {name: fn() for name, fn in calls.items()}  # warm up (torch compiles here)
+    # A fresh compile per mask and size (each mask_mod is new to dynamo: past its recompile
+    # limit it would fall back to eager), warmed up here and not counted.
+    torch._dynamo.reset()
+    results = {name: fn() for name, fn in calls.items()}
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeat):  # interleaved: load changes hit all alike
         for name, fn in calls.items():
