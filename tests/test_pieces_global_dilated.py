@@ -492,3 +492,28 @@ def test_cp_shards_equal_torch_of_the_oracle(world):
                 mask, 1, 1, S, world_size=world, rank=rank, balancer="head_tail", BLOCK_SIZE=32
             )
             check_against_oracle(shard, dense, 1, 1)
+
+
+@pytest.mark.slow
+def test_compiled_flex_attention_equals_dense_attention():
+    """torch.compile'd flex_attention over each piece's BlockMask and mask_mod (inductor
+    traces the lookups and the remainder) equals SDPA with the oracle's dense mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    S, n = 300, np.arange(300)
+    flags = (torch.arange(S) % 50 == 0).tolist()
+    window = np.abs(n[:, None] - n[None, :]) < 33
+    cases = [
+        (flexmask.sliding_window(33) | global_tokens(flags), window | global_plain(flags, S)),
+        (flexmask.sliding_window(33) & dilated(3), window & dilated_plain(3, S)),
+    ]
+    compiled = torch.compile(flex_attention)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, S, 16, generator=gen) for _ in range(3))
+    for mask, dense in cases:
+        bm = flexmask.create_block_mask(mask, 1, 2, S, S, "cpu")
+        out = compiled(q, k, v, block_mask=bm)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch.as_tensor(dense)
+        )
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=repr(mask))
