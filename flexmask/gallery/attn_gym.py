@@ -14,20 +14,46 @@ arguments, and returns the same mask as a :class:`~flexmask.Mask` composed of pi
   + 1) | global_tokens(is_global)``;
 * ``dilated_sliding_window(window_size, dilation)``: ``sliding_window(window_size + 1) &
   dilated(dilation)``;
-* ``block_diffusion(seq_len, block_size)``, BD3-LM's training mask over ``2 * seq_len``.
+* ``block_diffusion(seq_len, block_size)``, BD3-LM's training mask over ``2 * seq_len``;
+* ``doc_mask(mask_mod, offsets)``, a mask of ``q_idx - kv_idx`` inside each packed document:
+  ``document(lengths) & mask``;
+* ``jetspec_tree_causal(prefix_length, ancestor_matrix)``, JetSpec's draft tree, queries
+  numbered from 0 against keys after the prefix: ``prefix(prefix_length) | selected(picks,
+  tile=1)``;
+* ``vision_cross_attention(intervals, image_token_length)``, Flamingo's text-to-image
+  cross-attention: ``selected(picks, tile=(t, image_token_length))``;
+* ``spatial_head(...)``, Sparse VideoGen's spatial head: ``sliding_window(band) |
+  global_tokens(prompt)`` (``| prefix(...)`` with a sink).
 
-Not here: ``jetspec_tree_causal`` and ``jetspec_training`` index queries from 0 against keys
-offset by the prefix (``Q_LEN != KV_LEN``, unaligned), and ``natten``/``sta``/``vsa``/``svg``/
-``flamingo`` are 2-D/3-D neighbourhoods, learned selections or cross-attention; see
-docs/gallery.md.
+Not here: ``jetspec_training`` (its queries' blocks sit ``prefix_length`` keys after them, a
+shift no piece holds, and its length is not an argument), ``natten``/``sta`` (2-D/3-D
+neighbourhoods), SVG's temporal head (a band of positions modulo a frame) and ``vsa``'s padded
+tiles; see docs/gallery.md.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from flexmask.algebra import Mask
-from flexmask.pieces import PositionWindow, dilated, document, global_tokens, prefix, tree
+import torch
+
+from flexmask.algebra import Mask, leaves
+from flexmask.pieces import (
+    Causal,
+    Dilated,
+    Empty,
+    Full,
+    PositionWindow,
+    SlidingWindow,
+    dilated,
+    document,
+    full,
+    global_tokens,
+    prefix,
+    selected,
+    tree,
+)
 from flexmask.pieces import causal as _causal
 from flexmask.pieces import sliding_window as _window
 
@@ -203,6 +229,179 @@ def block_diffusion(seq_len: int, block_size: int) -> Mask:
     return same_block | (clean_keys & _causal()) | (noised_to_clean & earlier_block)
 
 
+def doc_mask(mask_mod: Any, offsets: Any) -> Mask:
+    """``attn_gym/masks/document_mask.py``'s ``generate_doc_mask_mod``: ``mask_mod`` applied
+    inside each packed document, in the document's own positions.
+
+    Inside one document a query and a key are shifted by the same start, so a mask that
+    reads only ``q_idx - kv_idx`` is the same mask there: ``document(lengths) & mask``.
+    ``mask_mod`` must be one of those — a flexmask Mask of ``causal``, ``sliding_window``
+    (without positions), ``dilated``, ``full`` and ``empty`` under ``&``, ``|``, ``~`` — or
+    attn-gym's ``causal_mask`` or torch's ``noop_mask``, read as ``causal()`` and ``full()``.
+
+    Args:
+        mask_mod: the mask inside each document (see above).
+        offsets: cumulative token counts ``[0, end_0, end_1, ...]`` (list or 1-D tensor).
+
+    Raises:
+        TypeError: a ``mask_mod`` that is no Mask and neither function named above.
+        ValueError: a Mask with a piece that reads absolute positions (``prefix``,
+            ``chunked``, ``document``, ...), which a document's start would shift.
+
+    Example:
+        >>> import flexmask
+        >>> from flexmask.gallery import attn_gym
+        >>> local = flexmask.causal() & flexmask.sliding_window(2)
+        >>> print(attn_gym.doc_mask(local, [0, 3, 6]).show(6))
+        ■ ⬚ ⬚ ⬚ ⬚ ⬚
+        ■ ■ ⬚ ⬚ ⬚ ⬚
+        ⬚ ■ ■ ⬚ ⬚ ⬚
+        ⬚ ⬚ ⬚ ■ ⬚ ⬚
+        ⬚ ⬚ ⬚ ■ ■ ⬚
+        ⬚ ⬚ ⬚ ⬚ ■ ■
+    """
+    inner = _shift_invariant(mask_mod)
+    ends = _offsets(offsets)
+    return document([end - start for start, end in zip(ends, ends[1:], strict=False)]) & inner
+
+
+def jetspec_tree_causal(prefix_length: int, ancestor_matrix: Any) -> Mask:
+    """``attn_gym/masks/jetspec.py``'s ``generate_jetspec_tree_causal_mask_mod``: the ``N``
+    tree nodes of a draft query all ``prefix_length`` context keys and, among the ``N`` tree
+    keys after them, their ancestors (``ancestor_matrix[q, j]``, self included):
+    ``prefix(prefix_length) | selected(picks, tile=1)``.
+
+    Query ``i`` is node ``i`` while its key is ``prefix_length + i``: the queries sit
+    ``prefix_length`` positions before their keys, so the tree's keys are picked token by
+    token (``selected``, a tile of one query and one key; its table is ``S * S`` bools,
+    ``S = prefix_length + N``) — exact for any matrix. The mask is attn-gym's for
+    ``Q_LEN = N`` and ``KV_LEN = prefix_length + N``.
+
+    Args:
+        prefix_length: the context keys before the tree's (>= 0).
+        ancestor_matrix: ``(N, N)`` bool (a tensor or nested lists), as attn-gym's
+            ``build_tree_ancestor_matrix`` gives it.
+
+    Raises:
+        ValueError: a matrix that is not square and non-empty.
+
+    Example:
+        >>> import torch
+        >>> from flexmask.gallery import attn_gym
+        >>> ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+        >>> mask = attn_gym.jetspec_tree_causal(2, ancestors)   # 2 context keys, 3 nodes
+        >>> print(mask.show(5).splitlines()[:3] == ["■ ■ ■ ⬚ ⬚", "■ ■ ■ ■ ⬚", "■ ■ ■ ⬚ ■"])
+        True
+    """
+    context = _count(prefix_length, "prefix_length")
+    ancestors = torch.as_tensor(ancestor_matrix)
+    if ancestors.dim() != 2 or ancestors.shape[0] != ancestors.shape[1] or not ancestors.numel():
+        raise ValueError(
+            f"ancestor_matrix must be a non-empty square (N, N) matrix, got "
+            f"{tuple(ancestors.shape)}"
+        )
+    ancestors = ancestors.to(torch.bool).cpu()
+    keys = torch.where(ancestors, torch.arange(ancestors.shape[0]) + context, -1)
+    # Picks first, -1 (no pick) after: as many columns as the longest ancestor path.
+    width = max(int(ancestors.sum(1).max()), 1)
+    return prefix(context) | selected(keys.sort(dim=1, descending=True).values[:, :width], tile=1)
+
+
+def vision_cross_attention(intervals: Any, image_token_length: int) -> Mask:
+    """``attn_gym/masks/flamingo.py``'s ``generate_vision_cross_attention_mask_mod``
+    (Flamingo): a text query attends the ``image_token_length`` keys of each image ``i``
+    whose ``intervals[i] = [start, end)`` holds it: ``selected(picks, tile=(t,
+    image_token_length))``, a key tile per image and ``t`` the largest query tile every
+    interval's ends fall on.
+
+    Keys are ``num_images * image_token_length`` image tokens; queries outside every
+    interval attend nothing.
+
+    Args:
+        intervals: ``(num_images, 2)`` integer ``[start, end)`` query ranges (>= 0).
+        image_token_length: tokens per image (>= 1).
+
+    Raises:
+        ValueError: intervals of another shape or below 0.
+
+    Example:
+        >>> import torch
+        >>> from flexmask.gallery import attn_gym
+        >>> mask = attn_gym.vision_cross_attention(torch.tensor([[0, 2], [1, 4]]), 2)
+        >>> print(mask.show(4))   # keys 0-1: image 0, keys 2-3: image 1
+        ■ ■ ⬚ ⬚
+        ■ ■ ■ ■
+        ⬚ ⬚ ■ ■
+        ⬚ ⬚ ■ ■
+    """
+    per_image = _count(image_token_length, "image_token_length")
+    if per_image < 1:
+        raise ValueError(f"image_token_length must be >= 1, got {per_image}")
+    bounds = torch.as_tensor(intervals)
+    if bounds.dim() != 2 or bounds.shape[1] != 2 or bounds.dtype.is_floating_point:
+        raise ValueError(
+            f"intervals must be integer (num_images, 2) [start, end) pairs, got shape "
+            f"{tuple(bounds.shape)} of {bounds.dtype}"
+        )
+    bounds = bounds.to(torch.int64).cpu()
+    if bounds.numel() and int(bounds.min()) < 0:
+        raise ValueError(f"intervals must be positions >= 0, got {bounds.tolist()}")
+    tile = math.gcd(*bounds.flatten().tolist()) or 1
+    ends = int(bounds[:, 1].max()) if bounds.numel() else 0
+    first = torch.arange(max(ends // tile, 1))[:, None] * tile  # each query tile's first query
+    inside = (bounds[:, 0] <= first) & (first < bounds[:, 1])
+    picks = torch.where(inside, torch.arange(bounds.shape[0]), -1)
+    if picks.shape[1] == 0:  # no images: one column of no picks
+        picks = torch.full((picks.shape[0], 1), -1)
+    return selected(picks, tile=(tile, per_image))
+
+
+def spatial_head(
+    prompt_length: int = 226,
+    num_frames: int = 13,
+    token_per_frame: int = 1350,
+    width: int = 2,
+    attn_sink: bool = False,
+    round_width: int = 128,
+) -> Mask:
+    """``attn_gym/masks/svg.py``'s ``generate_spatial_head_mask_mod`` (Sparse VideoGen's
+    spatial head): the prompt's rows and columns, and a band ``|q_idx - kv_idx| <
+    round_down(width * token_per_frame, round_width)``: ``sliding_window(band) |
+    global_tokens(prompt)``, and ``| prefix(prompt_length + token_per_frame)`` with
+    ``attn_sink`` (the first frame is every query's sink).
+
+    Args:
+        prompt_length: the prompt's tokens, first in the sequence.
+        num_frames: frames after it (the mask does not depend on it).
+        token_per_frame: tokens per frame.
+        width: the band's width, in frames.
+        attn_sink: whether every query also sees the first frame.
+        round_width: the band is rounded down to a multiple of this (>= 1).
+
+    Example:
+        >>> from flexmask.gallery import attn_gym
+        >>> print(attn_gym.spatial_head(1, 2, 2, width=1, round_width=1).show(5))
+        ■ ■ ■ ■ ■
+        ■ ■ ■ ⬚ ⬚
+        ■ ■ ■ ■ ⬚
+        ■ ⬚ ■ ■ ■
+        ■ ⬚ ⬚ ■ ■
+    """
+    prompt = _count(prompt_length, "prompt_length")
+    _count(num_frames, "num_frames")
+    frame = _count(token_per_frame, "token_per_frame")
+    rounding = _count(round_width, "round_width")
+    if rounding < 1:
+        raise ValueError(f"round_width must be >= 1, got {rounding}")
+    band = _count(width, "width") * frame // rounding * rounding
+    mask: Mask = _window(band)
+    if prompt:  # the prompt's rows and columns: every pair with a prompt token
+        mask = mask | global_tokens([True] * prompt)
+    if attn_sink:
+        mask = mask | prefix(prompt + frame)
+    return mask
+
+
 def _count(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -228,3 +427,25 @@ def _offsets(offsets: Any) -> list[int]:
             f"offsets must be cumulative counts from 0, non-decreasing, at least [0, n], got {ends}"
         )
     return ends
+
+
+def _shift_invariant(mask_mod: Any) -> Mask:
+    """``mask_mod`` as a Mask that reads only ``q_idx - kv_idx`` (``doc_mask``)."""
+    if not isinstance(mask_mod, Mask):
+        named = (getattr(mask_mod, "__module__", None), getattr(mask_mod, "__name__", None))
+        if named == ("attn_gym.masks.causal", "causal_mask"):
+            return _causal()
+        if named == ("torch.nn.attention.flex_attention", "noop_mask"):
+            return full()
+        raise TypeError(
+            "mask_mod must be a flexmask Mask (causal, sliding_window, dilated, full, empty under "
+            f"&, |, ~), attn-gym's causal_mask or torch's noop_mask, got {mask_mod!r}"
+        )
+    for leaf in leaves(mask_mod):
+        if not isinstance(leaf, (Causal, SlidingWindow, Dilated, Full, Empty)):
+            raise ValueError(
+                f"mask_mod's piece {leaf!r} reads absolute positions, which a document's "
+                "start would shift: doc_mask takes masks of q_idx - kv_idx only (causal, "
+                "sliding_window without positions, dilated, full, empty)"
+            )
+    return mask_mod
