@@ -1,5 +1,5 @@
-"""``flexmask.gallery.attn_gym``'s doc_mask, jetspec_tree_causal, vision_cross_attention and
-spatial_head against attention-gym's own generators (installed); tests/test_gallery.py holds
+"""``flexmask.gallery.attn_gym``'s doc_mask, jetspec_tree_causal, vision_cross_attention,
+spatial_head and vsa against attention-gym's own generators (installed); tests/test_gallery.py holds
 the module's other families to the same references.
 
 The reference for every family is attn-gym's mask_mod, from its ``generate_*`` with the
@@ -21,6 +21,7 @@ from attn_gym.masks import (
     generate_jetspec_tree_causal_mask_mod,
     generate_sliding_window,
     generate_vision_cross_attention_mask_mod,
+    generate_vsa_mask_mod,
 )
 from attn_gym.masks.document_mask import length_to_offsets
 from attn_gym.masks.svg import generate_spatial_head_mask_mod
@@ -164,6 +165,34 @@ def test_spatial_head(prompt, frames, per_frame, width, sink, round_width, block
     )
 
 
+@given(
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 5),
+    st.integers(1, 3),
+    st.booleans(),
+    st.randoms(),
+    blocks,
+)
+def test_vsa(tile, q_tiles, kv_tiles, top_k, padded, rng, block):
+    """Per (row, head, query tile) top-k key tiles, with and without padded key tiles."""
+    top_k = min(top_k, kv_tiles)
+    B, H = 2, 2
+    topk = torch.tensor([rng.sample(range(kv_tiles), top_k) for _ in range(B * H * q_tiles)]).view(
+        B, H, q_tiles, top_k
+    )
+    sizes = torch.tensor([rng.randint(0, tile) for _ in range(kv_tiles)]) if padded else None
+    same_as_attn_gym(
+        attn_gym.vsa(topk, tile, sizes),
+        generate_vsa_mask_mod(topk, tile, sizes),
+        q_tiles * tile,
+        kv_tiles * tile,
+        B,
+        H,
+        block,
+    )
+
+
 def test_the_gallery_names_its_sources_generators():
     """Each function is the generator's name less ``generate_`` and ``_mask_mod``/``_mask``."""
     import attn_gym.masks as masks
@@ -200,3 +229,9 @@ def test_bad_arguments_name_themselves():
         attn_gym.spatial_head(round_width=0)
     with pytest.raises(ValueError, match="width must be >= 0"):
         attn_gym.spatial_head(width=-1)
+    with pytest.raises(ValueError, match=r"topk_indices must have shape \(B, H, Q_TILES, TOP_K\)"):
+        attn_gym.vsa(torch.zeros(2, 1, dtype=torch.long), 4)
+    with pytest.raises(
+        ValueError, match=r"variable_block_sizes must be 1-D real-token counts in \[0, 4\]"
+    ):
+        attn_gym.vsa(torch.zeros(1, 1, 2, 1, dtype=torch.long), 4, torch.tensor([5]))

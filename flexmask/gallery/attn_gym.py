@@ -23,12 +23,14 @@ arguments, and returns the same mask as a :class:`~flexmask.Mask` composed of pi
 * ``vision_cross_attention(intervals, image_token_length)``, Flamingo's text-to-image
   cross-attention: ``selected(picks, tile=(t, image_token_length))``;
 * ``spatial_head(...)``, Sparse VideoGen's spatial head: ``sliding_window(band) |
-  global_tokens(prompt)`` (``| prefix(...)`` with a sink).
+  global_tokens(prompt)`` (``| prefix(...)`` with a sink);
+* ``vsa(topk_indices, tile_numel, variable_block_sizes)``, video sparse attention's top-k
+  tiles: ``selected(topk_indices, tile=tile_numel)``.
 
 Not here: ``jetspec_training`` (its queries' blocks sit ``prefix_length`` keys after them, a
 shift no piece holds, and its length is not an argument), ``natten``/``sta`` (2-D/3-D
-neighbourhoods), SVG's temporal head (a band of positions modulo a frame) and ``vsa``'s padded
-tiles; see docs/gallery.md.
+neighbourhoods) and SVG's temporal head (a band of positions modulo a frame); see
+docs/gallery.md.
 """
 
 from __future__ import annotations
@@ -400,6 +402,60 @@ def spatial_head(
     if attn_sink:
         mask = mask | prefix(prompt + frame)
     return mask
+
+
+def vsa(topk_indices: Any, tile_numel: int, variable_block_sizes: Any = None) -> Mask:
+    """``attn_gym/masks/vsa.py``'s ``generate_vsa_mask_mod`` (video sparse attention): each
+    tile of ``tile_numel`` queries attends the key tiles its top-k lists:
+    ``selected(topk_indices, tile=tile_numel)``. With ``variable_block_sizes`` (the real
+    tokens of each padded key tile) the picks are the real keys of those tiles,
+    ``selected(key picks, tile=(tile_numel, 1))``.
+
+    Args:
+        topk_indices: ``(B, H, Q_TILES, TOP_K)`` key tile ids per query tile (a tensor, as
+            attn-gym's ``compute_vsa_topk_indices`` gives them); the mask is attn-gym's for
+            ``Q_LEN = Q_TILES * tile_numel`` and keys in the tiles ``variable_block_sizes``
+            (if given) covers.
+        tile_numel: tokens per tile (>= 1).
+        variable_block_sizes: ``(num_kv_tiles,)`` real tokens per key tile, or None.
+
+    Raises:
+        ValueError: ``topk_indices`` of another rank, sizes outside ``[0, tile_numel]``.
+
+    Example:
+        >>> import torch
+        >>> from flexmask.gallery import attn_gym
+        >>> topk = torch.tensor([[[[0], [0]]]])   # 2 query tiles of 2, each picks key tile 0
+        >>> print(attn_gym.vsa(topk, 2, torch.tensor([1, 2])).show(4))
+        ■ ⬚ ⬚ ⬚
+        ■ ⬚ ⬚ ⬚
+        ■ ⬚ ⬚ ⬚
+        ■ ⬚ ⬚ ⬚
+    """
+    tile = _count(tile_numel, "tile_numel")
+    if tile < 1:
+        raise ValueError(f"tile_numel must be >= 1, got {tile}")
+    picks = torch.as_tensor(topk_indices)
+    if picks.dim() != 4:
+        raise ValueError(
+            f"topk_indices must have shape (B, H, Q_TILES, TOP_K), got {tuple(picks.shape)}"
+        )
+    if variable_block_sizes is None:
+        return selected(picks, tile=tile)
+    sizes = torch.as_tensor(variable_block_sizes).to(torch.int64).cpu()
+    if sizes.dim() != 1 or (
+        sizes.numel() and not 0 <= int(sizes.min()) <= int(sizes.max()) <= tile
+    ):
+        raise ValueError(
+            f"variable_block_sizes must be 1-D real-token counts in [0, {tile}] per key tile, "
+            f"got {sizes.tolist()[:8]}"
+        )
+    picks = picks.to(torch.int64).cpu()
+    offset = torch.arange(tile)
+    # Each picked tile's real keys (the rest, and no-picks, -1): a tile of one key.
+    real = offset < sizes[picks.clamp(min=0)][..., None]
+    keys = torch.where(real & (picks >= 0)[..., None], picks[..., None] * tile + offset, -1)
+    return selected(keys.flatten(-2), tile=(tile, 1))
 
 
 def _count(value: Any, name: str) -> int:
