@@ -1,6 +1,6 @@
 """``flexmask.gallery.attn_gym``'s doc_mask, jetspec_tree_causal, vision_cross_attention,
-spatial_head and vsa against attention-gym's own generators (installed); tests/test_gallery.py holds
-the module's other families to the same references.
+spatial_head, vsa and sta_2d/sta_3d against attention-gym's own generators (installed);
+tests/test_gallery.py holds the module's other families to the same references.
 
 The reference for every family is attn-gym's mask_mod, from its ``generate_*`` with the
 same arguments: evaluated densely by torch's ``create_mask`` (vmap over B, H, Q, KV), and
@@ -12,6 +12,8 @@ index past them).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from attn_gym.masks import (
@@ -20,12 +22,14 @@ from attn_gym.masks import (
     generate_doc_mask_mod,
     generate_jetspec_tree_causal_mask_mod,
     generate_sliding_window,
+    generate_sta_mask_mod_2d,
+    generate_sta_mask_mod_3d,
     generate_vision_cross_attention_mask_mod,
     generate_vsa_mask_mod,
 )
 from attn_gym.masks.document_mask import length_to_offsets
 from attn_gym.masks.svg import generate_spatial_head_mask_mod
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask, noop_mask
 
@@ -52,6 +56,7 @@ def same_as_attn_gym(mask, mod, q_len, kv_len, B=1, H=1, block=4):
 document_lengths = st.lists(st.integers(0, 9), min_size=1, max_size=6).filter(lambda x: sum(x))
 
 
+@settings(max_examples=20)  # four masks a case
 @given(document_lengths, blocks, heads, st.integers(0, 4), st.booleans())
 def test_doc_mask(lengths, block, H, window, tensor):
     offsets = length_to_offsets(lengths, "cpu")
@@ -128,6 +133,7 @@ def image_intervals(draw):
     return torch.tensor(pairs) * scale
 
 
+@settings(max_examples=25)
 @given(image_intervals(), st.integers(1, 4), blocks, heads)
 def test_vision_cross_attention(intervals, per_image, block, H):
     q_len = max(int(intervals.max()), 1)
@@ -193,6 +199,28 @@ def test_vsa(tile, q_tiles, kv_tiles, top_k, padded, rng, block):
     )
 
 
+@st.composite
+def sta_shapes(draw, axes):
+    """Canvas and kernel as multiples of the tile (kernels of 0 tiles and wider than the
+    canvas included), text tokens after the canvas."""
+    tile = [draw(st.integers(1, 2)) for _ in range(axes)]
+    canvas = tuple(t * draw(st.integers(1, 3)) for t in tile)
+    kernel = tuple(t * draw(st.integers(0, 4)) for t in tile)
+    return canvas, kernel, tuple(tile), draw(st.integers(0, 3))
+
+
+@given(sta_shapes(2), sta_shapes(3), blocks, st.integers(0, 2))
+def test_sta(shape_2d, shape_3d, block, extra):
+    for make, generate, (canvas, kernel, tile, text) in (
+        (attn_gym.sta_2d, generate_sta_mask_mod_2d, shape_2d),
+        (attn_gym.sta_3d, generate_sta_mask_mod_3d, shape_3d),
+    ):
+        S = math.prod(canvas) + text
+        # Queries past the text still attend the canvas and the text (attn-gym's rule).
+        mask, reference = make(canvas, kernel, tile, text), generate(canvas, kernel, tile, text)
+        same_as_attn_gym(mask, reference, S + extra, S, 1, 2, block)
+
+
 def test_the_gallery_names_its_sources_generators():
     """Each function is the generator's name less ``generate_`` and ``_mask_mod``/``_mask``."""
     import attn_gym.masks as masks
@@ -203,6 +231,8 @@ def test_the_gallery_names_its_sources_generators():
             continue
         sources = {f"{name}_mask"} | {f"generate_{name}{end}" for end in ("", "_mask", "_mod")}
         sources.add(f"generate_{name}_mask_mod")
+        stem, _, axes = name.rpartition("_")  # sta_2d: generate_sta_mask_mod_2d
+        sources.add(f"generate_{stem}_mask_mod_{axes}")
         assert sources & set(dir(masks)), name
 
 
@@ -235,3 +265,9 @@ def test_bad_arguments_name_themselves():
         ValueError, match=r"variable_block_sizes must be 1-D real-token counts in \[0, 4\]"
     ):
         attn_gym.vsa(torch.zeros(1, 1, 2, 1, dtype=torch.long), 4, torch.tensor([5]))
+    with pytest.raises(ValueError, match=r"canvas_hw must be multiples of tile_hw"):
+        attn_gym.sta_2d((3, 4), (2, 2), (2, 2))
+    with pytest.raises(ValueError, match=r"kernel_twh must be 3 sizes"):
+        attn_gym.sta_3d((2, 2, 2), (2, 2), (1, 1, 1))
+    with pytest.raises(ValueError, match=r"tile_hw must be 2 sizes \(tiles >= 1\)"):
+        attn_gym.sta_2d((2, 2), (2, 2), (0, 1))

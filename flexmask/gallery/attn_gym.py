@@ -25,11 +25,13 @@ arguments, and returns the same mask as a :class:`~flexmask.Mask` composed of pi
 * ``spatial_head(...)``, Sparse VideoGen's spatial head: ``sliding_window(band) |
   global_tokens(prompt)`` (``| prefix(...)`` with a sink);
 * ``vsa(topk_indices, tile_numel, variable_block_sizes)``, video sparse attention's top-k
-  tiles: ``selected(topk_indices, tile=tile_numel)``.
+  tiles: ``selected(topk_indices, tile=tile_numel)``;
+* ``sta_2d(...)``, ``sta_3d(...)``, sliding tile attention: ``selected(window picks,
+  tile=tile_numel)`` and the text's rows and columns as ``prefix``/``padding`` terms.
 
 Not here: ``jetspec_training`` (its queries' blocks sit ``prefix_length`` keys after them, a
-shift no piece holds, and its length is not an argument), ``natten``/``sta`` (2-D/3-D
-neighbourhoods) and SVG's temporal head (a band of positions modulo a frame); see
+shift no piece holds, and its length is not an argument), ``natten`` (2-D neighbourhoods of
+tokens) and SVG's temporal head (a band of positions modulo a frame); see
 docs/gallery.md.
 """
 
@@ -52,6 +54,7 @@ from flexmask.pieces import (
     document,
     full,
     global_tokens,
+    padding,
     prefix,
     selected,
     tree,
@@ -456,6 +459,90 @@ def vsa(topk_indices: Any, tile_numel: int, variable_block_sizes: Any = None) ->
     real = offset < sizes[picks.clamp(min=0)][..., None]
     keys = torch.where(real & (picks >= 0)[..., None], picks[..., None] * tile + offset, -1)
     return selected(keys.flatten(-2), tile=(tile, 1))
+
+
+def sta_2d(
+    canvas_hw: tuple[int, int],
+    kernel_hw: tuple[int, int],
+    tile_hw: tuple[int, int],
+    text_seq_len: int = 0,
+) -> Mask:
+    """``attn_gym/masks/sta.py``'s ``generate_sta_mask_mod_2d`` (sliding tile attention):
+    the canvas's tiles of ``tile_hw`` tokens, row by row, each query tile attending the
+    ``kernel_hw`` window of tiles around it (its centre clamped inside the canvas), then
+    ``text_seq_len`` text tokens every token attends, whose queries attend the canvas too.
+    See ``sta_3d`` for the pieces.
+
+    Example:
+        >>> from flexmask.gallery import attn_gym
+        >>> print(attn_gym.sta_2d((1, 3), (1, 1), (1, 1), text_seq_len=1).show(4))
+        ■ ⬚ ⬚ ■
+        ⬚ ■ ⬚ ■
+        ⬚ ⬚ ■ ■
+        ■ ■ ■ ■
+    """
+    canvas, kernel, tile = ((1, *sizes) for sizes in (canvas_hw, kernel_hw, tile_hw))
+    return _sta(canvas, kernel, tile, text_seq_len, "_hw")
+
+
+def sta_3d(
+    canvas_twh: tuple[int, int, int],
+    kernel_twh: tuple[int, int, int],
+    tile_twh: tuple[int, int, int],
+    text_seq_len: int = 0,
+) -> Mask:
+    """``attn_gym/masks/sta.py``'s ``generate_sta_mask_mod_3d``: ``sta_2d`` over (time,
+    height, width) tiles. The vision part is tile by tile, ``selected(window picks,
+    tile=tile_numel)``; the text's columns ``prefix(V + text_seq_len) & ~prefix(V)`` and its
+    rows ``prefix(V) & ~padding(V)`` (``V`` the canvas's tokens).
+
+    Example:
+        >>> from flexmask.gallery import attn_gym
+        >>> print(attn_gym.sta_3d((2, 1, 2), (2, 1, 2), (1, 1, 2)).show(4))
+        ■ ■ ■ ■
+        ■ ■ ■ ■
+        ■ ■ ■ ■
+        ■ ■ ■ ■
+    """
+    return _sta(canvas_twh, kernel_twh, tile_twh, text_seq_len, "_twh")
+
+
+def _sta(canvas: Any, kernel: Any, tile: Any, text_seq_len: int, axes: str) -> Mask:
+    """STA over 3 axes (``sta_2d`` adds a time axis of 1): see ``sta_3d``."""
+    sides = []
+    for name, value in (("canvas", canvas), ("kernel", kernel), ("tile", tile)):
+        sizes = [_count(v, f"{name}{axes}") for v in value]
+        if len(sizes) != 3 or (name == "tile" and min(sizes) < 1):
+            raise ValueError(
+                f"{name}{axes} must be {len(axes) - 1} sizes (tiles >= 1), got {value}"
+            )
+        sides.append(sizes)
+    (canvas_n, kernel_n, tile_n), text = sides, _count(text_seq_len, "text_seq_len")
+    for name, value, sizes in (("canvas", canvas, canvas_n), ("kernel", kernel, kernel_n)):
+        if any(n % t for n, t in zip(sizes, tile_n, strict=True)):
+            raise ValueError(f"{name}{axes} must be multiples of tile{axes}, got {value}, {tile}")
+    tiles = [n // t for n, t in zip(canvas_n, tile_n, strict=True)]
+    vision = math.prod(canvas_n)
+    ids = torch.arange(math.prod(tiles))
+    picks = torch.zeros(len(ids), 1, dtype=torch.int64)
+    valid = torch.ones(len(ids), 1, dtype=torch.bool)
+    stride = math.prod(tiles)
+    for count, k in zip(
+        tiles, (k // t for k, t in zip(kernel_n, tile_n, strict=True)), strict=True
+    ):
+        stride //= count
+        left, right = k // 2, k // 2 + (k % 2 - 1)
+        centre = ((ids // stride) % count).clamp(left, count - 1 - right)
+        along = centre[:, None] - left + torch.arange(max(right + left + 1, 0))  # the window
+        ok = (along >= 0) & (along < count)
+        picks = (picks[:, :, None] + along[:, None, :] * stride).flatten(1)
+        valid = (valid[:, :, None] & ok[:, None, :]).flatten(1)
+    picks = torch.where(valid, picks, -1)
+    if picks.shape[1] == 0:  # a kernel of no tiles picks nothing
+        picks = torch.full((len(ids), 1), -1)
+    text_keys = prefix(vision + text) & ~prefix(vision)
+    text_queries = prefix(vision) & ~padding(vision, truncate=True)
+    return selected(picks, tile=math.prod(tile_n), truncate=True) | text_keys | text_queries
 
 
 def _count(value: Any, name: str) -> int:
