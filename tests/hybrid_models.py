@@ -242,8 +242,11 @@ def packed_inputs(model, batch):
     return model_inputs(model, batch)
 
 
-def tiny_model(name: str, implementation: str = "sdpa", seed: int = 0):
-    """The tiny float32 model of ``name`` (a key of HYBRIDS) in eval mode, seeded."""
+def tiny_model(name: str, implementation: str | None = None, seed: int = 0):
+    """The tiny float32 model of ``name`` (a key of HYBRIDS) in eval mode, seeded;
+    ``implementation`` by default sdpa, eager where transformers builds only that."""
+    if implementation is None:
+        implementation = "eager" if name in EAGER_ONLY else "sdpa"
     import transformers
     from transformers import AutoModelForCausalLM
 
