@@ -236,9 +236,13 @@ def exact_rows(request: Request, rows: Tensor) -> tuple[Tensor, Tensor]:
         out = _Weighted.apply(probs, torch.where(read, finite_values[:, :, cols], 0), seen)
         bad = bad_value[cols].nonzero().flatten()
         if bad.numel():
-            gated = torch.where(seen[..., bad, None], values[:, :, None, cols[bad]], 0)
-            finite = finite_values[:, :, None, cols[bad]]
-            out = out + (probs[..., bad, None] * (gated - finite)).sum(-2)
+            # What a non-finite value adds over its finite stand-in, selected away as a
+            # whole where the row does not attend it: a stand-in outside the where would
+            # send a NaN output gradient (a row whose own query holds one) to that value
+            # through 0 * nan in the backward.
+            value, stand_in = values[:, :, None, cols[bad]], finite_values[:, :, None, cols[bad]]
+            gated = torch.where(seen[..., bad, None], value - stand_in, 0)
+            out = out + (probs[..., bad, None] * gated).sum(-2)
         outs.append(out / torch.where(total == 0, 1, total))
         lses.append((total.log() + top).squeeze(-1).detach())
     return torch.cat(outs, 2), torch.cat(lses, 2)
