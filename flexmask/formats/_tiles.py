@@ -15,6 +15,34 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexmask.algebra import Mask
 from flexmask.blocks import kv_codes
+from flexmask.builders import create_block_mask
+
+
+def own_dims_codes(
+    mask: Mask,
+    B: int,
+    H: int,
+    lengths: tuple[int, int],
+    block: tuple[int, int],
+    offsets: tuple[int, int],
+    device: torch.device,
+) -> tuple[int, int, Tensor]:
+    """``(rows, heads, codes)``: the tile codes of the mask's structural BlockMask built at
+    the dims it tells apart — B (H) cut to 1 where the mask ignores the row (head), so rows
+    and heads it does not tell apart are built once and share their lists."""
+    rows = B if mask.batch_dependent else 1
+    heads = H if mask.head_dependent else 1
+    bm = create_block_mask(
+        mask,
+        rows,
+        heads,
+        *lengths,
+        device=device,
+        BLOCK_SIZE=block,
+        q_offset=offsets[0],
+        kv_offset=offsets[1],
+    )
+    return rows, heads, tile_codes(bm, rows, heads)
 
 
 def tile_codes(bm: BlockMask, batch: int, heads: int) -> Tensor:

@@ -16,8 +16,7 @@ from torch import Tensor
 
 from flexmask._validate import check_int
 from flexmask.algebra import Mask
-from flexmask.builders import create_block_mask
-from flexmask.formats._tiles import tile_bits, tile_codes
+from flexmask.formats._tiles import own_dims_codes, tile_bits
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,20 +177,9 @@ def to_flashinfer(
     group = _group(H, kv_heads, q_block, kv_block)
     dev = torch.device(device) if device is not None else (mask.device or torch.device("cpu"))
     # Rows (heads) the mask does not tell apart are built once and share their BSR rows.
-    rows = B if mask.batch_dependent else 1
-    heads = H if mask.head_dependent else 1
-    bm = create_block_mask(
-        mask,
-        rows,
-        heads,
-        Q_LEN,
-        KV_LEN,
-        device=dev,
-        BLOCK_SIZE=(q_block, kv_block),
-        q_offset=q_offset,
-        kv_offset=kv_offset,
+    rows, heads, every_head = own_dims_codes(
+        mask, B, H, (Q_LEN, KV_LEN), (q_block, kv_block), (q_offset, kv_offset), dev
     )
-    every_head = tile_codes(bm, rows, heads)
     # A group's first head's lists are the row's; the others must list the same blocks and
     # attend the same pairs in them (checked below, on the window, not on the expression:
     # heads whose masks differ elsewhere may agree here).

@@ -14,8 +14,7 @@ from torch import Tensor
 
 from flexmask._validate import check_int
 from flexmask.algebra import Mask
-from flexmask.builders import create_block_mask
-from flexmask.formats._tiles import tile_bits, tile_codes
+from flexmask.formats._tiles import own_dims_codes, tile_bits
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,20 +112,9 @@ def to_flashinfer_bsr(
             f"(its N is divisible by C): got KV_LEN={KV_LEN}, kv_block={C}"
         )
     dev = torch.device(device) if device is not None else (mask.device or torch.device("cpu"))
-    rows = B if mask.batch_dependent else 1
-    heads = H if mask.head_dependent else 1
-    bm = create_block_mask(
-        mask,
-        rows,
-        heads,
-        Q_LEN,
-        KV_LEN,
-        device=dev,
-        BLOCK_SIZE=(R, C),
-        q_offset=q_offset,
-        kv_offset=kv_offset,
+    rows, heads, codes = own_dims_codes(
+        mask, B, H, (Q_LEN, KV_LEN), (R, C), (q_offset, kv_offset), dev
     )
-    codes = tile_codes(bm, rows, heads)
     every = codes.flatten(0, 1)  # (rows * heads, M, N)
     m, n = (every[0] == 1).nonzero(as_tuple=True)
     zero = torch.zeros_like(m)
