@@ -25,6 +25,8 @@ import random
 from collections.abc import Callable
 from typing import Literal
 
+import torch
+
 from flexmask.algebra import Mask
 from flexmask.pieces import causal as _causal
 from flexmask.pieces import document, global_tokens, prefix, sliding_window, tree
@@ -200,8 +202,9 @@ def longformer(
         ⬚ ⬚ ⬚ ■ ■ ⬚
         ⬚ ⬚ ⬚ ■ ⬚ ■
     """
-    chosen = {min(int((i + 0.5) * seqlen / global_count), seqlen - 1) for i in range(global_count)}
-    is_global = [token in chosen for token in range(seqlen)]
+    chosen = [min(int((i + 0.5) * seqlen / global_count), seqlen - 1) for i in range(global_count)]
+    is_global = torch.zeros(seqlen, dtype=torch.bool)
+    is_global[chosen] = True  # one flag per token, written by index, not a Python loop
     return sliding_window(local_radius + 1) | global_tokens(is_global)
 
 
@@ -222,10 +225,9 @@ def hstu(seqlen: int = STANDARD_SEQLEN, *, seed: int = 42) -> Mask:
         ■ ■ ■ ⬚ ⬚ ■
     """
     contexts, targets = hstu_lengths(seqlen, seed=seed)
-    is_context: list[bool] = []
-    for context, target in zip(contexts, targets, strict=True):
-        is_context += [True] * context + [False] * target
     lengths = [context + target for context, target in zip(contexts, targets, strict=True)]
+    halves = torch.tensor([n for pair in zip(contexts, targets, strict=True) for n in pair])
+    is_context = torch.arange(halves.numel()).remainder(2).eq(0).repeat_interleave(halves)
     return _causal() & document(lengths) & (global_tokens(is_context) | sliding_window(1))
 
 
