@@ -265,3 +265,13 @@ def test_the_suites_lengths_and_refusals():
         cudnn.make_mask("sliding")
     with pytest.raises(ValueError, match="at least the tree's 127 nodes"):
         cudnn.tree_dfs(100)
+
+
+@pytest.mark.parametrize("name", ["document_causal", "tree_dfs", "tree_bfs", "longformer", "hstu"])
+def test_masks_with_drawn_data_refuse_a_bad_seqlen(name):
+    with pytest.raises(ValueError, match="seqlen must be >= 1"):
+        cudnn.make_mask(name, 0)
+    with pytest.raises(TypeError, match="seqlen must be an int"):
+        cudnn.make_mask(name, 1024.0)
+    with pytest.raises(ValueError, match="global_count must be an int >= 1"):
+        cudnn.longformer(64, global_count=0)

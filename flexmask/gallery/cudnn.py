@@ -94,6 +94,7 @@ def document_causal(seqlen: int = STANDARD_SEQLEN, *, seed: int = 42) -> Mask:
 
 def document_lengths(seqlen: int, *, seed: int = 42) -> list[int]:
     """The document lengths ``document_causal`` packs (the suite's, for ``seqlen``)."""
+    _check_seqlen(seqlen)
     if seqlen == STANDARD_SEQLEN and seed == 42:
         return list(DOCUMENT_LENGTHS_128K)
     return _bounded_partition(seqlen, 4096, 16384, seed=seed, prefer_multiple=True)
@@ -171,6 +172,7 @@ def tree_parents(
     """Token parents of the suite's tree: a node's first token hangs below its parent
     node's last token, every other token below the token before it (so a token's ancestors
     are the earlier tokens of its node and all of its ancestor nodes')."""
+    _check_seqlen(seqlen)
     nodes = 2**depth - 1
     lengths = _jittered_lengths(seqlen, nodes, seed=seed, jitter=0.2)
     order = list(range(nodes)) if traversal == "bfs" else _preorder(nodes)
@@ -202,6 +204,9 @@ def longformer(
         ⬚ ⬚ ⬚ ■ ■ ⬚
         ⬚ ⬚ ⬚ ■ ⬚ ■
     """
+    _check_seqlen(seqlen)
+    if isinstance(global_count, bool) or not isinstance(global_count, int) or global_count < 1:
+        raise ValueError(f"global_count must be an int >= 1, got {global_count!r}")
     chosen = [min(int((i + 0.5) * seqlen / global_count), seqlen - 1) for i in range(global_count)]
     is_global = torch.zeros(seqlen, dtype=torch.bool)
     is_global[chosen] = True  # one flag per token, written by index, not a Python loop
@@ -234,6 +239,7 @@ def hstu(seqlen: int = STANDARD_SEQLEN, *, seed: int = 42) -> Mask:
 def hstu_lengths(seqlen: int, *, seed: int = 42) -> tuple[list[int], list[int]]:
     """The suite's HSTU (context, target) lengths: contexts a 4K-8K partition of half the
     tokens, each target its context's length (the last one takes an odd token)."""
+    _check_seqlen(seqlen)
     contexts = _bounded_partition(seqlen // 2, 4096, 8192, seed=seed)
     targets = contexts.copy()
     targets[-1] += seqlen % 2
@@ -262,6 +268,14 @@ def make_mask(name: str, seqlen: int = STANDARD_SEQLEN) -> Mask:
     if name not in makers:
         raise ValueError(f"name must be one of {MASK_NAMES}, got {name!r}")
     return makers[name](seqlen)
+
+
+def _check_seqlen(seqlen: object) -> None:
+    """The masks with drawn data are drawn for a sequence of ``seqlen`` >= 1 tokens."""
+    if isinstance(seqlen, bool) or not isinstance(seqlen, int):
+        raise TypeError(f"seqlen must be an int (tokens in the sequence), got {seqlen!r}")
+    if seqlen < 1:
+        raise ValueError(f"seqlen must be >= 1 (tokens in the sequence), got {seqlen}")
 
 
 def _preorder(nodes: int) -> list[int]:
